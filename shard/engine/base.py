@@ -1,0 +1,608 @@
+"""The ShardEngine contract and the lifecycle rules every implementation inherits.
+
+Why a base class rather than a bare Protocol: the lifecycle semantics (states, busy sessions,
+idempotent cancel/release, validation, rollback on failure, honest health) must be *identical*
+across engines. They are written once here; implementations only provide the numeric work
+through a handful of ``_impl`` hooks. The contract suite in ``shard.testing`` still checks every
+engine end to end, so a hook that breaks a rule is caught.
+
+Resource handling: an engine owns its native resources from ``load`` until ``aclose``; use it as
+``async with engine:``. Sessions own KV cells from ``open_session`` until ``release``.
+
+Error handling: every public method raises only ``EngineError`` subclasses (or
+``trio.Cancelled`` when the *caller's* scope is cancelled). An unexpected exception from an
+implementation turns the engine FAILED and surfaces as ``EngineFailure``.
+
+Cancellation: ``cancel(session_id)`` sets a flag that the implementation checks between steps
+(and, for llama.cpp, inside a step through the abort callback); the running operation then
+raises ``EngineCancelled``. If the calling Trio task is cancelled instead (a deadline), the same
+flag is set, the engine work is waited for (never abandoned while it touches native state) and
+``trio.Cancelled`` propagates. Either way the session is left IDLE holding exactly what it held
+before the operation's new positions (see docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TypeVar
+
+import numpy as np
+import outcome
+import trio
+
+from . import sampling
+from .errors import (
+    EngineCancelled,
+    EngineError,
+    EngineFailure,
+    IllegalTransition,
+    InvalidInput,
+    KvCacheFull,
+    NotReady,
+    SessionBusy,
+    SessionExists,
+    TooManySessions,
+    UnknownSession,
+)
+from .types import (
+    BoundaryResult,
+    Capabilities,
+    DecodeRequest,
+    EngineHealth,
+    EngineMetrics,
+    EngineState,
+    LoadSpec,
+    LogitsResult,
+    PrefillRequest,
+    SamplingParams,
+    SessionInfo,
+    SessionState,
+    StepResult,
+    check_reserved_hooks,
+    validate_hidden_states,
+    validate_tokens,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_TOP_K_LOGPROBS = 64
+MAX_SESSION_ID_LEN = 128
+
+
+class CancelFlag:
+    """A thread-safe flag an engine thread polls to stop between (or inside) steps."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def raise_if_set(self, session_id: str) -> None:
+        if self._event.is_set():
+            raise EngineCancelled("operation cancelled", session_id=session_id)
+
+
+@dataclass
+class Slot:
+    """Engine-internal bookkeeping for one open session (never leaves the engine).
+
+    ``seq_id`` is a small integer in ``[0, max_sessions)``, the sequence id the implementation
+    uses for this session's KV cells.
+    """
+
+    session_id: str
+    seq_id: int
+    kv_budget: int
+    tokens: list[int] | None = field(default_factory=list)  # None once hidden states were fed
+    n_past: int = 0
+    state: SessionState = SessionState.IDLE
+    cancel: CancelFlag = field(default_factory=CancelFlag)
+    idle: trio.Event = field(default_factory=trio.Event)
+    releasing: bool = False  # release() has started: the session is already unknown to callers
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(
+            session_id=self.session_id,
+            state=self.state,
+            n_past=self.n_past,
+            kv_budget=self.kv_budget,
+            tokens=None if self.tokens is None else tuple(self.tokens),
+        )
+
+
+@dataclass(frozen=True)
+class ComputePlan:
+    """What an implementation must compute for one prefill or decode.
+
+    Keep positions ``[0, keep)`` of the slot, drop the rest, then evaluate ``tokens`` (or
+    ``hidden`` rows) at positions ``keep, keep+1, ...``. Return the logits of the last position
+    (last shard) or the hidden states of every evaluated position (non-last shard).
+    """
+
+    keep: int
+    tokens: tuple[int, ...] | None
+    hidden: np.ndarray | None
+
+    @property
+    def n_new(self) -> int:
+        return len(self.tokens) if self.tokens is not None else int(self.hidden.shape[0])
+
+
+class ShardEngine(abc.ABC):
+    """Project-owned engine contract: load, capabilities, prefill/decode, cancel, release,
+    health, metrics, close. See docs/engine.md for the state machines."""
+
+    def __init__(self) -> None:
+        self._state = EngineState.CREATED
+        self._detail = "not loaded"
+        self._caps: Capabilities | None = None
+        self._slots: dict[str, Slot] = {}
+        self._free_seq_ids: list[int] = []
+        self._counters: dict[str, int] = {
+            name: 0 for name in EngineMetrics.__dataclass_fields__ if name.endswith("_total")
+        }
+
+    # ---- implementation hooks --------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _impl_load(self, spec: LoadSpec) -> Capabilities:
+        """Load the model and return its capabilities. May block only inside worker threads."""
+
+    @abc.abstractmethod
+    async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
+        """Execute ``plan`` for ``slot``. Check ``slot.cancel`` between steps and raise
+        ``EngineCancelled`` when set. Must not return before native work on the slot stops."""
+
+    @abc.abstractmethod
+    async def _impl_truncate(self, slot: Slot, keep: int) -> None:
+        """Remove the slot's KV cells at positions ``>= keep`` (``keep=0``: all of them)."""
+
+    @abc.abstractmethod
+    def _impl_tokenize(self, text: str, add_bos: bool) -> list[int]: ...
+
+    @abc.abstractmethod
+    def _impl_token_piece(self, token_id: int) -> bytes: ...
+
+    @abc.abstractmethod
+    def _impl_is_eog(self, token_id: int) -> bool: ...
+
+    @abc.abstractmethod
+    def _impl_kv_cells_used(self) -> int:
+        """KV cells in use, read from the implementation's own state (used to prove no leaks)."""
+
+    @abc.abstractmethod
+    async def _impl_close(self) -> None:
+        """Free every native resource. Called once, also after a failure."""
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def load(self, spec: LoadSpec) -> Capabilities:
+        """CREATED -> LOADING -> READY (or FAILED). A second load is an IllegalTransition."""
+        if self._state is EngineState.FAILED:
+            raise EngineFailure(f"engine failed: {self._detail}")
+        if self._state is not EngineState.CREATED:
+            raise IllegalTransition(f"engine is {self._state.value}; load is allowed only once")
+        self._state, self._detail = EngineState.LOADING, "loading"
+        try:
+            caps = await self._impl_load(spec)
+        except EngineError as exc:
+            self._fail(f"load failed: {exc.message}")
+            raise
+        except trio.Cancelled:
+            self._fail("load was cancelled")
+            raise
+        except Exception as exc:
+            log.exception("engine load failed")
+            self._fail(f"load failed: {type(exc).__name__}")
+            raise EngineFailure(f"load failed: {type(exc).__name__}: {exc}") from exc
+        self._caps = caps
+        self._free_seq_ids = list(range(caps.max_sessions - 1, -1, -1))
+        self._state, self._detail = EngineState.READY, ""
+        return caps
+
+    async def aclose(self) -> None:
+        """Release every session and free native resources. Idempotent."""
+        if self._state is EngineState.CLOSED:
+            return
+        with trio.CancelScope(shield=True):
+            for slot in list(self._slots.values()):
+                slot.cancel.set()
+            for slot in list(self._slots.values()):
+                if slot.state is SessionState.RUNNING:
+                    await slot.idle.wait()
+            self._slots.clear()
+            self._state, self._detail = EngineState.CLOSED, "closed"
+            await self._impl_close()
+
+    async def __aenter__(self) -> ShardEngine:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def capabilities(self) -> Capabilities:
+        """NotReady before load and after close; EngineFailure once the engine failed."""
+        return self._require_ready()
+
+    def health(self) -> EngineHealth:
+        """Never raises; ``ready`` only while the engine can serve new work."""
+        return EngineHealth(state=self._state, detail=self._detail)
+
+    def metrics(self) -> EngineMetrics:
+        kv = self._impl_kv_cells_used() if self._state is EngineState.READY else 0
+        running = sum(1 for s in self._slots.values() if s.state is SessionState.RUNNING)
+        return EngineMetrics(
+            sessions_active=len(self._slots),
+            kv_cells_used=kv,
+            operations_running=running,
+            **self._counters,
+        )
+
+    def session_info(self, session_id: str) -> SessionInfo:
+        """Snapshot of an open session, also while it is RUNNING (never SessionBusy)."""
+        return self._slot(session_id, idle=False).info()
+
+    def sessions(self) -> tuple[SessionInfo, ...]:
+        return tuple(slot.info() for slot in self._slots.values() if not slot.releasing)
+
+    def tokenize(self, text: str, *, add_bos: bool = True) -> tuple[int, ...]:
+        """Token ids for ``text`` (first shards only: a later shard holds no usable vocab)."""
+        caps = self._require_ready()
+        if not isinstance(text, str):
+            raise InvalidInput("text must be a string")
+        if not caps.is_first:
+            raise IllegalTransition("only a first shard tokenizes text")
+        return tuple(self._impl_tokenize(text, add_bos))
+
+    def token_piece(self, token_id: int) -> bytes:
+        caps = self._require_ready()
+        validate_tokens((token_id,), caps.n_vocab)
+        return self._impl_token_piece(int(token_id))
+
+    # ---- sessions --------------------------------------------------------------------------
+
+    async def open_session(self, session_id: str, *, kv_budget: int | None = None) -> SessionInfo:
+        """Create an empty IDLE session with its own sequence of KV cells."""
+        caps = self._require_ready()
+        await trio.lowlevel.checkpoint()
+        if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_LEN:
+            raise InvalidInput(f"session id must be a non-empty string of <= {MAX_SESSION_ID_LEN}")
+        if session_id in self._slots:
+            raise SessionExists(f"session {session_id!r} is already open", session_id=session_id)
+        if kv_budget is None:
+            kv_budget = caps.n_ctx_per_session
+        if not 0 < kv_budget <= caps.n_ctx_per_session:
+            raise InvalidInput(
+                f"kv_budget must be in [1, {caps.n_ctx_per_session}], got {kv_budget}",
+                session_id=session_id,
+            )
+        if not self._free_seq_ids:
+            raise TooManySessions(f"all {caps.max_sessions} sessions are in use")
+        slot = Slot(session_id=session_id, seq_id=self._free_seq_ids.pop(), kv_budget=kv_budget)
+        slot.idle.set()
+        self._slots[session_id] = slot
+        self._counters["sessions_opened_total"] += 1
+        return slot.info()
+
+    def cancel(self, session_id: str) -> bool:
+        """Stop the session's running operation within one step. Idempotent: returns whether
+        an operation was running; an unknown session returns False (nothing to stop)."""
+        slot = self._slots.get(session_id)
+        if slot is None or slot.releasing or slot.state is not SessionState.RUNNING:
+            return False
+        slot.cancel.set()
+        return True
+
+    async def release(self, session_id: str) -> bool:
+        """Cancel any running operation, free the session's KV cells and forget it.
+
+        Idempotent: returns False if the session was not open (or another release of it is
+        already in progress). Completes even if the caller is cancelled meanwhile (the cleanup
+        is shielded), so no KV cells can leak. From the moment release starts, every other
+        operation on the session fails with UnknownSession, so no new operation can slip in
+        between the running one stopping and the cells being freed. Never raises because of
+        the engine state: on a FAILED or CLOSED engine it only forgets the session.
+        """
+        slot = self._slots.get(session_id)
+        if slot is None or slot.releasing:
+            await trio.lowlevel.checkpoint()
+            return False
+        slot.releasing = True
+        with trio.CancelScope(shield=True):
+            slot.cancel.set()
+            while slot.state is SessionState.RUNNING:
+                await slot.idle.wait()
+            if self._slots.get(session_id) is slot:  # aclose() may have cleared the table
+                del self._slots[session_id]
+            try:
+                if self._state is EngineState.READY:
+                    await self._guard_impl(self._impl_truncate(slot, 0))
+            finally:
+                self._free_seq_ids.append(slot.seq_id)
+                self._counters["sessions_released_total"] += 1
+        return True
+
+    async def prefill(self, request: PrefillRequest) -> StepResult:
+        """Write prompt tokens or hidden states at ``request.position`` (see PrefillRequest)."""
+        caps = self._require_ready()
+        slot = self._slot(request.session_id)
+        sid = request.session_id
+        check_reserved_hooks(request.mtp, request.aux_state, caps)
+        self._check_top_k(request.top_k_logprobs, sid)
+        has_tokens, has_hidden = request.tokens is not None, request.hidden_states is not None
+        if has_tokens == has_hidden:
+            raise InvalidInput("prefill needs exactly one of tokens or hidden_states", session_id=sid)
+        if not isinstance(request.position, int) or not 0 <= request.position <= slot.n_past:
+            raise InvalidInput(
+                f"position {request.position} is outside [0, {slot.n_past}] for this session",
+                session_id=sid,
+            )
+        reused = 0
+        if has_tokens:
+            if not caps.is_first:
+                raise InvalidInput("this shard does not start at layer 0: send hidden states", session_id=sid)
+            validate_tokens(request.tokens, caps.n_vocab)
+            if slot.tokens is not None:
+                held = slot.tokens[request.position :]
+                limit = min(len(held), len(request.tokens) - 1)  # recompute at least one position
+                while reused < limit and held[reused] == request.tokens[reused]:
+                    reused += 1
+            plan = ComputePlan(request.position + reused, request.tokens[reused:], None)
+        else:
+            if caps.is_first:
+                raise InvalidInput("a first shard takes token ids, not hidden states", session_id=sid)
+            validate_hidden_states(request.hidden_states, caps.n_embd)
+            plan = ComputePlan(request.position, None, request.hidden_states)
+        self._check_length(slot, caps, request.position + request.n_tokens)
+        return await self._run(
+            slot, plan, request.sampling, request.top_k_logprobs, reused, "prefill_tokens_total"
+        )
+
+    async def decode(self, request: DecodeRequest) -> StepResult:
+        """Append one token or hidden-state row and compute one step."""
+        caps = self._require_ready()
+        slot = self._slot(request.session_id)
+        sid = request.session_id
+        check_reserved_hooks(request.mtp, request.aux_state, caps)
+        self._check_top_k(request.top_k_logprobs, sid)
+        if (request.token is None) == (request.hidden_state is None):
+            raise InvalidInput("decode needs exactly one of token or hidden_state", session_id=sid)
+        if slot.n_past == 0:
+            raise IllegalTransition("decode needs a prefilled session", session_id=sid)
+        if request.token is not None:
+            if not caps.is_first:
+                raise InvalidInput("this shard does not start at layer 0: send a hidden state", session_id=sid)
+            validate_tokens((request.token,), caps.n_vocab)
+            plan = ComputePlan(slot.n_past, (int(request.token),), None)
+        else:
+            if caps.is_first:
+                raise InvalidInput("a first shard takes token ids, not hidden states", session_id=sid)
+            validate_hidden_states(request.hidden_state, caps.n_embd, rows=1)
+            plan = ComputePlan(slot.n_past, None, request.hidden_state)
+        self._check_length(slot, caps, slot.n_past + 1)
+        return await self._run(
+            slot, plan, request.sampling, request.top_k_logprobs, 0, "decode_tokens_total"
+        )
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _require_ready(self) -> Capabilities:
+        if self._state is EngineState.READY:
+            assert self._caps is not None
+            return self._caps
+        if self._state is EngineState.FAILED:
+            raise EngineFailure(f"engine failed: {self._detail}")
+        raise NotReady(f"engine is {self._state.value}")
+
+    def _slot(self, session_id: str, *, idle: bool = True) -> Slot:
+        slot = self._slots.get(session_id)
+        if slot is None or slot.releasing:
+            raise UnknownSession(f"session {session_id!r} is not open", session_id=session_id)
+        if idle and slot.state is SessionState.RUNNING:
+            raise SessionBusy(f"session {session_id!r} is running an operation", session_id=session_id)
+        return slot
+
+    @staticmethod
+    def _check_top_k(k: int, sid: str) -> None:
+        if not isinstance(k, int) or not 0 <= k <= MAX_TOP_K_LOGPROBS:
+            raise InvalidInput(f"top_k_logprobs must be in [0, {MAX_TOP_K_LOGPROBS}]", session_id=sid)
+
+    @staticmethod
+    def _check_length(slot: Slot, caps: Capabilities, new_len: int) -> None:
+        sid = slot.session_id
+        if new_len > caps.n_ctx_per_session:
+            raise InvalidInput(
+                f"{new_len} positions exceed the per-session context of {caps.n_ctx_per_session}",
+                session_id=sid,
+            )
+        if new_len > slot.kv_budget:
+            raise KvCacheFull(
+                f"{new_len} positions exceed this session's KV budget of {slot.kv_budget}",
+                session_id=sid,
+            )
+
+    def _fail(self, detail: str) -> None:
+        """Turn the engine FAILED (first failure wins) and stop every running operation."""
+        if self._state not in (EngineState.LOADING, EngineState.READY):
+            return
+        self._state, self._detail = EngineState.FAILED, detail
+        for slot in self._slots.values():
+            slot.cancel.set()
+
+    async def _guard_impl(self, awaitable: Awaitable[T]) -> T:
+        """Turn unexpected implementation exceptions into EngineFailure + FAILED health."""
+        try:
+            return await awaitable
+        except EngineFailure as exc:
+            self._fail(exc.message)
+            raise
+        except (EngineError, trio.Cancelled):
+            raise
+        except Exception as exc:
+            log.exception("engine implementation fault")
+            self._fail(f"{type(exc).__name__} in engine")
+            raise EngineFailure(f"engine fault: {type(exc).__name__}") from exc
+
+    async def _run(
+        self,
+        slot: Slot,
+        plan: ComputePlan,
+        params: SamplingParams,
+        top_k: int,
+        reused: int,
+        counter: str,
+    ) -> StepResult:
+        """Run one operation with the session marked RUNNING; roll back on any failure."""
+        caps = self._caps
+        assert caps is not None
+        slot.state = SessionState.RUNNING
+        slot.cancel.clear()
+        slot.idle = trio.Event()
+        committed = False
+        try:
+            raw = await self._run_guarded(slot, lambda: self._impl_compute(slot, plan))
+            slot.cancel.raise_if_set(slot.session_id)
+            try:
+                result = self._make_result(slot, caps, plan, raw, params, top_k, reused, counter)
+            except EngineError:
+                raise
+            except Exception as exc:  # a hook (piece, is_eog) or the result check misbehaved
+                log.exception("engine implementation fault while building a result")
+                raise EngineFailure(f"engine fault: {type(exc).__name__}") from exc
+            committed = True
+            return result
+        except EngineCancelled:
+            if self._state is EngineState.FAILED:
+                # Stopped because the engine failed under it (see _fail), not by a caller.
+                self._counters["errors_total"] += 1
+                raise EngineFailure(f"engine failed: {self._detail}") from None
+            self._counters["cancelled_total"] += 1
+            raise
+        except EngineFailure as exc:
+            self._fail(exc.message)
+            self._counters["errors_total"] += 1
+            raise
+        except EngineError:
+            self._counters["errors_total"] += 1
+            raise
+        finally:
+            if not committed:
+                # Leave the session exactly as it was up to ``keep``.
+                with trio.CancelScope(shield=True):
+                    slot.n_past = min(slot.n_past, plan.keep)
+                    if slot.tokens is not None:
+                        del slot.tokens[plan.keep :]
+                    if self._state is EngineState.READY:
+                        try:
+                            await self._guard_impl(self._impl_truncate(slot, plan.keep))
+                        except EngineError:
+                            log.warning("rollback of session %s failed", slot.session_id)
+            slot.state = SessionState.IDLE
+            slot.idle.set()
+
+    async def _run_guarded(self, slot: Slot, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn`` shielded; a cancellation of the caller sets the slot's cancel flag.
+
+        The engine work is never abandoned: if the caller's scope is cancelled, the work is told
+        to stop (flag) and waited for, then ``trio.Cancelled`` propagates to the caller.
+        """
+        box: list[outcome.Outcome] = []
+        caller_cancelled = False
+        async with trio.open_nursery() as nursery:
+
+            async def worker() -> None:
+                with trio.CancelScope(shield=True):
+                    box.append(await outcome.acapture(self._guard_impl, fn()))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(worker)
+            try:
+                await trio.sleep_forever()
+            except trio.Cancelled:
+                if not box:
+                    caller_cancelled = True
+                    slot.cancel.set()
+                raise
+        if caller_cancelled:
+            await trio.lowlevel.checkpoint()  # re-raise the caller's own cancellation
+        return box[0].unwrap()
+
+    def _make_result(
+        self,
+        slot: Slot,
+        caps: Capabilities,
+        plan: ComputePlan,
+        raw: np.ndarray,
+        params: SamplingParams,
+        top_k: int,
+        reused: int,
+        counter: str,
+    ) -> StepResult:
+        n_new = plan.n_new
+        new_len = plan.keep + n_new
+        logits_result = boundary = None
+        if caps.is_last:
+            logits = np.asarray(raw, dtype=np.float32).reshape(-1)
+            if logits.shape[0] != caps.n_vocab or not np.isfinite(logits).all():
+                raise EngineFailure("engine produced invalid logits")
+            logprobs = sampling.log_softmax(logits)
+            token = sampling.choose_token(logits, params, new_len)
+            logits_result = LogitsResult(
+                top=sampling.top_logprobs(logprobs, top_k),
+                token_id=token,
+                logprob=float(logprobs[token]),
+                piece=self._impl_token_piece(token),
+                is_eog=self._impl_is_eog(token),
+            )
+        else:
+            hidden = np.asarray(raw, dtype=np.float32)
+            if hidden.shape != (n_new, caps.n_embd):
+                raise EngineFailure("engine produced hidden states of the wrong shape")
+            boundary = BoundaryResult(hidden_states=hidden, start_position=plan.keep)
+        # Commit the new history.
+        if plan.tokens is not None and slot.tokens is not None:
+            del slot.tokens[plan.keep :]
+            slot.tokens.extend(plan.tokens)
+        elif plan.tokens is None:
+            slot.tokens = None
+        slot.n_past = new_len
+        self._counters["steps_total"] += 1
+        self._counters[counter] += n_new
+        self._counters["reused_tokens_total"] += reused
+        return StepResult(
+            session_id=slot.session_id,
+            n_past=new_len,
+            tokens_processed=n_new,
+            reused_tokens=reused,
+            logits=logits_result,
+            boundary=boundary,
+        )
+
+
+_ids = itertools.count()
+
+
+def new_session_id(prefix: str = "s") -> str:
+    """A process-unique session id for callers that do not bring their own."""
+    return f"{prefix}-{next(_ids)}"

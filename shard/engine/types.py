@@ -1,0 +1,407 @@
+"""Project-owned value types that cross the ShardEngine contract.
+
+All types are frozen dataclasses (numpy arrays are allowed, and are made read-only). Nothing from
+llama.cpp, ggml or ctypes appears here: that keeps the transport and the tests independent of the
+engine library, and lets a fake engine satisfy the same contract.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InvalidInput, UnsupportedFeature
+
+
+class EngineState(enum.Enum):
+    """Engine lifecycle; see docs/engine.md for the transitions."""
+
+    CREATED = "created"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+class SessionState(enum.Enum):
+    """Session lifecycle; a released session no longer exists (UnknownSession)."""
+
+    IDLE = "idle"
+    RUNNING = "running"
+
+
+class ResultKind(enum.Enum):
+    LOGITS = "logits"  # last shard: distribution over the vocabulary
+    BOUNDARY = "boundary"  # non-last shard: hidden states for the next shard
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    """Half-open range ``[start, end)`` of transformer blocks served by this shard."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end <= self.start:
+            raise InvalidInput(f"layer range [{self.start}, {self.end}) is empty or negative")
+
+    @property
+    def count(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What to load and how much capacity to reserve.
+
+    ``model_path`` may be None only for engines that need no file (the fake engine).
+    ``layer_range`` None means the whole model.
+    """
+
+    model_path: Path | None = None
+    layer_range: LayerRange | None = None
+    n_ctx: int = 2048
+    n_threads: int | None = None
+    max_sessions: int = 4
+    n_batch: int = 512
+
+    def __post_init__(self) -> None:
+        if self.n_ctx <= 0:
+            raise InvalidInput("n_ctx must be positive")
+        if self.max_sessions <= 0:
+            raise InvalidInput("max_sessions must be positive")
+        if self.n_batch <= 0:
+            raise InvalidInput("n_batch must be positive")
+        if self.n_threads is not None and self.n_threads <= 0:
+            raise InvalidInput("n_threads must be positive")
+
+
+# --- Reserved hooks -------------------------------------------------------------------------
+# Multi-token prediction and architecture auxiliary state are part of the contract's shape so
+# that enabling them later is additive. Today every engine reports them disabled and a request
+# that sets them fails closed with UnsupportedFeature (see ``check_reserved_hooks``).
+
+
+@dataclass(frozen=True)
+class MtpCapability:
+    """Multi-token prediction support: ``max_draft_tokens`` > 0 when enabled."""
+
+    enabled: bool = False
+    max_draft_tokens: int = 0
+
+
+class AuxStateKind(enum.Enum):
+    RECURRENT = "recurrent"  # RNN / SSM (Mamba, RWKV) state carried between steps
+    CROSS_ATTENTION = "cross_attention"  # encoder memory for cross-attention layers
+
+
+@dataclass(frozen=True)
+class AuxStateCapability:
+    """Which auxiliary-state kinds the engine can import/export; empty when disabled."""
+
+    kinds: tuple[AuxStateKind, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kinds)
+
+
+@dataclass(frozen=True)
+class MtpRequest:
+    """Ask for ``n_draft`` speculative tokens from MTP heads (reserved, not yet served)."""
+
+    n_draft: int
+
+
+@dataclass(frozen=True)
+class AuxState:
+    """Opaque architecture state of one kind, as bytes with a shape and dtype (reserved)."""
+
+    kind: AuxStateKind
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class MtpResult:
+    """Draft tokens proposed by MTP heads (reserved; always None today)."""
+
+    draft_token_ids: tuple[int, ...]
+
+
+# --- Capabilities ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded engine serves. Stable for the engine's lifetime."""
+
+    engine: str  # "fake" | "llama.cpp"
+    model_fingerprint: str  # hex digest identifying the full model's weights + metadata
+    architecture: str
+    n_layers_total: int
+    layer_range: LayerRange
+    n_embd: int
+    n_vocab: int
+    n_ctx: int  # total KV cells of the engine
+    n_ctx_per_session: int  # most tokens one session can hold
+    max_sessions: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    hidden_dtype: str = "float32"
+    mtp: MtpCapability = field(default_factory=MtpCapability)
+    aux_state: AuxStateCapability = field(default_factory=AuxStateCapability)
+
+    @property
+    def is_first(self) -> bool:
+        """A first shard takes token ids; later shards take hidden states."""
+        return self.layer_range.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        """A last shard returns logits; earlier shards return boundary hidden states."""
+        return self.layer_range.end == self.n_layers_total
+
+    @property
+    def result_kind(self) -> ResultKind:
+        return ResultKind.LOGITS if self.is_last else ResultKind.BOUNDARY
+
+
+# --- Requests -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a last shard chooses the next token.
+
+    ``temperature`` 0 means greedy (argmax). Sampling is a pure function of the logits, these
+    parameters and the session position, so the same seed reproduces the same tokens.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidInput("temperature must be a finite number >= 0")
+        if self.top_k < 0:
+            raise InvalidInput("top_k must be >= 0")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidInput("top_p must be in (0, 1]")
+        if not 0 <= self.seed < 2**64:
+            raise InvalidInput("seed must fit in an unsigned 64-bit integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Write ``tokens`` (first shard) or ``hidden_states`` (later shards) at ``position``.
+
+    The session keeps what it holds before ``position``. Tokens it holds from ``position`` on that
+    equal the start of the new input are reused (not recomputed) and reported in
+    ``StepResult.reused_tokens``; everything after the reused part is replaced. ``position``
+    must not exceed the session's current length; pass the current length to append.
+    """
+
+    session_id: str
+    tokens: tuple[int, ...] | None = None
+    hidden_states: np.ndarray | None = None  # float32 [n_tokens, n_embd]
+    position: int = 0
+    sampling: SamplingParams = GREEDY
+    top_k_logprobs: int = 5
+    mtp: MtpRequest | None = None
+    aux_state: AuxState | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None:
+            object.__setattr__(self, "tokens", tuple(self.tokens))
+        if self.hidden_states is not None:
+            object.__setattr__(self, "hidden_states", _frozen_array(self.hidden_states))
+
+    @property
+    def n_tokens(self) -> int:
+        if self.tokens is not None:
+            return len(self.tokens)
+        if self.hidden_states is not None:
+            return int(self.hidden_states.shape[0]) if self.hidden_states.ndim >= 1 else 0
+        return 0
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Append one token (first shard) or one hidden-state row (later shards) and step once."""
+
+    session_id: str
+    token: int | None = None
+    hidden_state: np.ndarray | None = None  # float32 [1, n_embd]
+    sampling: SamplingParams = GREEDY
+    top_k_logprobs: int = 5
+    mtp: MtpRequest | None = None
+    aux_state: AuxState | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden_state is not None:
+            object.__setattr__(self, "hidden_state", _frozen_array(self.hidden_state))
+
+
+# --- Results --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class LogitsResult:
+    """Last-shard output for the final position: the top-k alternatives and the chosen token.
+
+    ``piece`` is the chosen token's raw bytes: a token may hold part of a UTF-8 character, so
+    callers decode incrementally rather than per token.
+    """
+
+    top: tuple[TokenLogprob, ...]
+    token_id: int
+    logprob: float
+    piece: bytes
+    is_eog: bool  # the chosen token ends generation (EOS/EOT)
+
+
+@dataclass(frozen=True)
+class BoundaryResult:
+    """Non-last-shard output: hidden states of the computed positions, float32 [n, n_embd]."""
+
+    hidden_states: np.ndarray
+    start_position: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden_states", _frozen_array(self.hidden_states))
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Result of one prefill or decode.
+
+    Exactly one of ``logits`` / ``boundary`` is set, according to ``Capabilities.result_kind``.
+    ``tokens_processed`` counts positions actually computed (for usage reporting);
+    ``reused_tokens`` counts positions served from the session's existing KV cache.
+    """
+
+    session_id: str
+    n_past: int  # session length after this step
+    tokens_processed: int
+    reused_tokens: int
+    logits: LogitsResult | None = None
+    boundary: BoundaryResult | None = None
+    mtp: MtpResult | None = None  # reserved
+    aux_state: AuxState | None = None  # reserved
+
+    @property
+    def kind(self) -> ResultKind:
+        return ResultKind.LOGITS if self.logits is not None else ResultKind.BOUNDARY
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """Snapshot of one open session.
+
+    ``tokens`` is the token history for sessions fed token ids, or None once hidden states were
+    fed (a non-first shard cannot know the ids). Used for cache expectations on resume.
+    """
+
+    session_id: str
+    state: SessionState
+    n_past: int
+    kv_budget: int
+    tokens: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """Honest health: ``ready`` is True only when the engine can serve a new request now."""
+
+    state: EngineState
+    detail: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Counters and gauges since load; monotonic counters end in ``_total``."""
+
+    sessions_active: int = 0
+    sessions_opened_total: int = 0
+    sessions_released_total: int = 0
+    kv_cells_used: int = 0
+    prefill_tokens_total: int = 0
+    decode_tokens_total: int = 0
+    reused_tokens_total: int = 0
+    steps_total: int = 0
+    cancelled_total: int = 0
+    aborted_in_step_total: int = 0  # ops stopped inside a native step (abort callback)
+    errors_total: int = 0
+    operations_running: int = 0
+
+
+# --- Helpers shared by every implementation --------------------------------------------------
+
+
+def _frozen_array(value: np.ndarray) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.flags.writeable:
+        arr = arr.copy()
+        arr.flags.writeable = False
+    return arr
+
+
+def check_reserved_hooks(
+    mtp: MtpRequest | None, aux_state: AuxState | None, caps: Capabilities
+) -> None:
+    """Fail closed when a request uses a reserved hook the engine does not enable."""
+    if mtp is not None and not caps.mtp.enabled:
+        raise UnsupportedFeature("multi-token prediction (MTP) is not enabled on this engine")
+    if aux_state is not None and aux_state.kind not in caps.aux_state.kinds:
+        raise UnsupportedFeature(
+            f"auxiliary state of kind {aux_state.kind.value!r} is not enabled on this engine"
+        )
+
+
+def validate_hidden_states(value: np.ndarray, n_embd: int, *, rows: int | None = None) -> None:
+    """Reject hidden states of the wrong dtype, shape or with non-finite values."""
+    if not isinstance(value, np.ndarray):
+        raise InvalidInput("hidden states must be a numpy array")
+    if value.dtype != np.float32:
+        raise InvalidInput(f"hidden states must be float32, got {value.dtype}")
+    if value.ndim != 2 or value.shape[1] != n_embd or value.shape[0] == 0:
+        raise InvalidInput(f"hidden states must have shape [n>0, {n_embd}], got {list(value.shape)}")
+    if rows is not None and value.shape[0] != rows:
+        raise InvalidInput(f"expected {rows} hidden-state row(s), got {value.shape[0]}")
+    if not np.isfinite(value).all():
+        raise InvalidInput("hidden states contain NaN or infinite values")
+
+
+def validate_tokens(tokens: tuple[int, ...], n_vocab: int) -> None:
+    """Reject empty input and token ids outside ``[0, n_vocab)``."""
+    if len(tokens) == 0:
+        raise InvalidInput("prompt is empty")
+    for t in tokens:
+        if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < n_vocab:
+            raise InvalidInput(f"token id {t!r} is outside the vocabulary [0, {n_vocab})")
