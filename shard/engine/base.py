@@ -209,6 +209,11 @@ class ShardEngine(abc.ABC):
             log.exception("engine load failed")
             self._fail(f"load failed: {type(exc).__name__}")
             raise EngineFailure(f"load failed: {type(exc).__name__}: {exc}") from exc
+        if self._state is EngineState.CLOSED:
+            # aclose() ran while loading: it left the native cleanup to us.
+            with trio.CancelScope(shield=True):
+                await self._impl_close()
+            raise NotReady("engine was closed while loading")
         self._caps = caps
         self._free_seq_ids = list(range(caps.max_sessions - 1, -1, -1))
         self._state, self._detail = EngineState.READY, ""
@@ -225,8 +230,10 @@ class ShardEngine(abc.ABC):
                 if slot.state is SessionState.RUNNING:
                     await slot.idle.wait()
             self._slots.clear()
+            loading = self._state is EngineState.LOADING
             self._state, self._detail = EngineState.CLOSED, "closed"
-            await self._impl_close()
+            if not loading:  # a running load() frees what it loaded when it sees CLOSED
+                await self._impl_close()
 
     async def __aenter__(self) -> ShardEngine:
         return self
@@ -292,7 +299,11 @@ class ShardEngine(abc.ABC):
             raise SessionExists(f"session {session_id!r} is already open", session_id=session_id)
         if kv_budget is None:
             kv_budget = caps.n_ctx_per_session
-        if not 0 < kv_budget <= caps.n_ctx_per_session:
+        if (
+            not isinstance(kv_budget, int)
+            or isinstance(kv_budget, bool)
+            or not 0 < kv_budget <= caps.n_ctx_per_session
+        ):
             raise InvalidInput(
                 f"kv_budget must be in [1, {caps.n_ctx_per_session}], got {kv_budget}",
                 session_id=session_id,
@@ -566,12 +577,12 @@ class ShardEngine(abc.ABC):
             logits = np.asarray(raw, dtype=np.float32).reshape(-1)
             if logits.shape[0] != caps.n_vocab or not np.isfinite(logits).all():
                 raise EngineFailure("engine produced invalid logits")
-            logprobs = sampling.log_softmax(logits)
+            lse = sampling.logsumexp(logits)
             token = sampling.choose_token(logits, params, new_len)
             logits_result = LogitsResult(
-                top=sampling.top_logprobs(logprobs, top_k),
+                top=sampling.top_logprobs(logits, top_k, lse),
                 token_id=token,
-                logprob=float(logprobs[token]),
+                logprob=float(logits[token]) - lse,
                 piece=self._impl_token_piece(token),
                 is_eog=self._impl_is_eog(token),
             )

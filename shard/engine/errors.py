@@ -63,9 +63,14 @@ class ResourcesExhausted(EngineError):
 
 
 class KvCacheFull(ResourcesExhausted):
-    """No KV cells are left for this session (its budget or the context is full)."""
+    """No KV cells are left for this session (its budget or the context is full).
+
+    Not retryable: a session's budget is fixed, so the same request can never fit; the caller
+    must release positions (prefill at an earlier position) or open a larger session.
+    """
 
     code = "KV_CACHE_FULL"
+    retryable = False
 
 
 class TooManySessions(ResourcesExhausted):

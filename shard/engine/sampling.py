@@ -13,22 +13,28 @@ import numpy as np
 from .types import SamplingParams, TokenLogprob
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Numerically stable log-softmax in float64."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = np.max(x)
-    shifted = x - m
-    return shifted - np.log(np.sum(np.exp(shifted)))
+def logsumexp(logits: np.ndarray) -> float:
+    """``log(sum(exp(logits)))``, stable; ``logits[i] - logsumexp(logits)`` is a log-probability.
+
+    A scalar instead of a full log-softmax array keeps the per-step cost to one pass over the
+    vocabulary.
+    """
+    m = float(np.max(logits))
+    return m + float(np.log(np.sum(np.exp(logits - np.float32(m)), dtype=np.float64)))
 
 
-def top_logprobs(logprobs: np.ndarray, k: int) -> tuple[TokenLogprob, ...]:
+def top_logprobs(logits: np.ndarray, k: int, lse: float) -> tuple[TokenLogprob, ...]:
     """The ``k`` most likely tokens, most likely first, ties broken by lower token id."""
     if k <= 0:
         return ()
-    k = min(k, logprobs.shape[0])
-    # lexsort: last key is primary -> sort by -logprob, then by id.
-    order = np.lexsort((np.arange(logprobs.shape[0]), -logprobs))[:k]
-    return tuple(TokenLogprob(int(i), float(logprobs[i])) for i in order)
+    n = logits.shape[0]
+    k = min(k, n)
+    # Partition first (O(n)), then order only the candidates; every id tied with the k-th value
+    # is a candidate, so the tie-break by lower id matches a full sort.
+    kth = np.partition(logits, n - k)[n - k]
+    cand = np.flatnonzero(logits >= kth)
+    order = cand[np.lexsort((cand, -logits[cand]))][:k]
+    return tuple(TokenLogprob(int(i), float(logits[i]) - lse) for i in order)
 
 
 def choose_token(logits: np.ndarray, params: SamplingParams, position: int) -> int:

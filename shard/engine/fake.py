@@ -1,0 +1,282 @@
+"""A deterministic fake ShardEngine: no model file, no native code, scriptable.
+
+The fake is a real (tiny) causal model rather than a table of canned answers, so that every
+property the contract suite checks on llama.cpp also holds here for the same reason:
+
+* a byte-level vocabulary: ``0`` ``<unk>``, ``1`` ``<s>`` (BOS), ``2`` ``</s>`` (EOS) and
+  ``3..258`` the bytes ``0x00..0xFF`` (ids above 258, if ``n_vocab`` is larger, are unused);
+* ``n_layers_total`` blocks. Block ``g`` keeps, per position, a running state
+  ``s[p] = 0.5 * s[p-1] + x[p]`` (its "KV cell") and outputs
+  ``x + tanh(A_g @ x + B_g @ s)``, rounded to float32 at every block boundary;
+* weights are drawn from ``numpy.random.PCG64([seed, kind, block])``, so a shard serving blocks
+  ``[a, b)`` holds exactly the blocks the whole model holds there. Chaining a fake first shard
+  into a fake last shard therefore gives logits *identical* to the whole fake model, as layer
+  ranges do on llama.cpp;
+* the LM head is scaled so greedy choices have a clear margin; ``<unk>``/``<s>`` are all but
+  impossible and EOS is rare but reachable.
+
+Outputs are a pure function of (seed, layer range, input history): every position is computed
+one at a time in float64, whatever the batching, prefix reuse or rollback that led to it.
+
+Scripting (``FakeScript``): a per-step latency (``trio.sleep`` per token step, so tests using
+``autojump_clock`` run instantly), a scripted ``EngineFailure`` at the N-th compute step or at
+load, and an ``on_step`` hook (sync or async) called before every step, e.g. to gate a step on a
+``trio.Event`` or to raise an arbitrary exception.
+
+Resource handling: the fake keeps its own KV bookkeeping (a list of per-position block states
+per sequence id), maintained only through ``_impl_compute``/``_impl_truncate``; it is what
+``metrics().kv_cells_used`` reports, so the contract suite's leak checks test real bookkeeping
+rather than the base class's view of the sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import trio
+
+from .base import ComputePlan, ShardEngine, Slot
+from .errors import EngineFailure, InvalidInput
+from .types import Capabilities, LayerRange, LoadSpec
+
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+BYTE_OFFSET = 3  # token id of byte 0x00
+BYTE_VOCAB = BYTE_OFFSET + 256  # smallest vocabulary the byte tokenizer fits in
+
+_KIND_EMBD, _KIND_BLOCK, _KIND_HEAD = 1, 2, 3
+_HEAD_SCALE = 8.0  # logit spread: top-1 usually has a clear margin, sampling still varies
+_EOS_BIAS = -1.5
+_SPECIAL_BIAS = -30.0
+
+
+@dataclass(frozen=True)
+class FakeModel:
+    """The fake "weights": every output is derived from these fields (and the layer range)."""
+
+    n_layers_total: int = 4
+    n_embd: int = 16
+    n_vocab: int = BYTE_VOCAB
+    architecture: str = "fake-llama"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_layers_total < 1:
+            raise InvalidInput("n_layers_total must be >= 1")
+        if self.n_embd < 1:
+            raise InvalidInput("n_embd must be >= 1")
+        if self.n_vocab < BYTE_VOCAB:
+            raise InvalidInput(f"the byte tokenizer needs n_vocab >= {BYTE_VOCAB}")
+        if not 0 <= self.seed < 2**63:
+            raise InvalidInput("seed must be in [0, 2**63)")
+
+    def fingerprint(self) -> str:
+        """Stable hex digest of the whole model's config (identical for every shard of it)."""
+        blob = json.dumps({"format": "fake-v1", **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class FakeStep:
+    """Passed to ``FakeScript.on_step`` before each compute step."""
+
+    session_id: str
+    seq_id: int
+    position: int  # absolute position about to be computed
+    index: int  # 1-based count of compute steps since load, across all sessions
+
+
+StepHook = Callable[[FakeStep], "Awaitable[None] | None"]
+
+
+@dataclass(frozen=True)
+class FakeScript:
+    """Scripted behaviour: latency and failures. The default is instant and never fails."""
+
+    step_latency: float = 0.0  # seconds slept (trio.sleep) before each token step
+    load_latency: float = 0.0
+    fail_at_step: int | None = None  # raise EngineFailure at this 1-based compute step
+    fail_on_load: bool = False
+    on_step: StepHook | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("step_latency", "load_latency"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise InvalidInput(f"{name} must be a finite number >= 0")
+        if self.fail_at_step is not None and self.fail_at_step < 1:
+            raise InvalidInput("fail_at_step counts from 1")
+
+
+def _rng(seed: int, *key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64([seed, *key]))
+
+
+class _Weights:
+    """The blocks of one layer range, plus embeddings (first shard) and head (last shard)."""
+
+    def __init__(self, model: FakeModel, layers: LayerRange) -> None:
+        d = model.n_embd
+        scale = 1.0 / math.sqrt(d)
+        self.blocks = [
+            (
+                _rng(model.seed, _KIND_BLOCK, g, 0).standard_normal((d, d)) * scale,
+                _rng(model.seed, _KIND_BLOCK, g, 1).standard_normal((d, d)) * scale,
+            )
+            for g in range(layers.start, layers.end)
+        ]
+        self.embd: np.ndarray | None = None
+        self.head: np.ndarray | None = None
+        self.bias: np.ndarray | None = None
+        if layers.start == 0:
+            self.embd = _rng(model.seed, _KIND_EMBD).standard_normal((model.n_vocab, d)).astype(
+                np.float32
+            )
+        if layers.end == model.n_layers_total:
+            self.head = _rng(model.seed, _KIND_HEAD).standard_normal((model.n_vocab, d)) * scale
+            bias = np.zeros(model.n_vocab)
+            bias[[UNK_ID, BOS_ID]] = _SPECIAL_BIAS
+            bias[EOS_ID] = _EOS_BIAS
+            bias[BYTE_VOCAB:] = _SPECIAL_BIAS
+            self.bias = bias
+
+
+class FakeEngine(ShardEngine):
+    """Deterministic in-process engine implementing the ShardEngine hooks (see module doc)."""
+
+    def __init__(self, model: FakeModel | None = None, script: FakeScript | None = None) -> None:
+        super().__init__()
+        self.model = model if model is not None else FakeModel()
+        self.script = script if script is not None else FakeScript()
+        self._weights: _Weights | None = None
+        self._layers: LayerRange | None = None
+        self._kv: dict[int, list[np.ndarray]] = {}  # seq_id -> per-position block states
+        self._steps = 0
+
+    # ---- hooks -----------------------------------------------------------------------------
+
+    async def _impl_load(self, spec: LoadSpec) -> Capabilities:
+        await trio.sleep(self.script.load_latency)
+        if self.script.fail_on_load:
+            raise EngineFailure("scripted load failure")
+        m = self.model
+        layers = spec.layer_range if spec.layer_range is not None else LayerRange(0, m.n_layers_total)
+        if layers.end > m.n_layers_total:
+            raise InvalidInput(
+                f"layer range [{layers.start}, {layers.end}) exceeds the model's "
+                f"{m.n_layers_total} layers"
+            )
+        per_session = spec.n_ctx // spec.max_sessions
+        if per_session < 1:
+            raise InvalidInput(f"n_ctx {spec.n_ctx} cannot hold {spec.max_sessions} sessions")
+        self._weights = _Weights(m, layers)
+        self._layers = layers
+        return Capabilities(
+            engine="fake",
+            model_fingerprint=m.fingerprint(),
+            architecture=m.architecture,
+            n_layers_total=m.n_layers_total,
+            layer_range=layers,
+            n_embd=m.n_embd,
+            n_vocab=m.n_vocab,
+            n_ctx=spec.n_ctx,
+            n_ctx_per_session=per_session,
+            max_sessions=spec.max_sessions,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+        )
+
+    async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
+        weights = self._weights
+        assert weights is not None
+        cells = self._kv.setdefault(slot.seq_id, [])
+        if len(cells) < plan.keep:
+            raise EngineFailure(
+                f"fake KV cache holds {len(cells)} positions but the plan keeps {plan.keep}"
+            )
+        del cells[plan.keep :]
+        outputs: list[np.ndarray] = []
+        for i in range(plan.n_new):
+            position = plan.keep + i
+            await self._before_step(slot, position)
+            slot.cancel.raise_if_set(slot.session_id)
+            if plan.tokens is not None:
+                assert weights.embd is not None
+                x = weights.embd[plan.tokens[i]]
+            else:
+                assert plan.hidden is not None
+                x = plan.hidden[i]
+            hidden, states = self._forward(x, cells[-1] if cells else None)
+            cells.append(states)
+            outputs.append(hidden)
+        if weights.head is not None:
+            return self._logits(outputs[-1])
+        return np.stack(outputs)
+
+    async def _impl_truncate(self, slot: Slot, keep: int) -> None:
+        cells = self._kv.get(slot.seq_id)
+        if cells is not None:
+            del cells[keep:]
+            if not cells:
+                del self._kv[slot.seq_id]
+        await trio.lowlevel.checkpoint()
+
+    def _impl_tokenize(self, text: str, add_bos: bool) -> list[int]:
+        ids = [BYTE_OFFSET + b for b in text.encode("utf-8")]
+        return [BOS_ID, *ids] if add_bos else ids
+
+    def _impl_token_piece(self, token_id: int) -> bytes:
+        if BYTE_OFFSET <= token_id < BYTE_VOCAB:
+            return bytes((token_id - BYTE_OFFSET,))
+        return b""  # control and unused tokens render as nothing, as in llama.cpp
+
+    def _impl_is_eog(self, token_id: int) -> bool:
+        return token_id == EOS_ID
+
+    def _impl_kv_cells_used(self) -> int:
+        return sum(len(cells) for cells in self._kv.values())
+
+    async def _impl_close(self) -> None:
+        self._kv.clear()
+        self._weights = None
+        await trio.lowlevel.checkpoint()
+
+    # ---- numerics --------------------------------------------------------------------------
+
+    async def _before_step(self, slot: Slot, position: int) -> None:
+        self._steps += 1
+        index = self._steps
+        await trio.sleep(self.script.step_latency)  # a checkpoint even when the latency is 0
+        if self.script.on_step is not None:
+            maybe = self.script.on_step(FakeStep(slot.session_id, slot.seq_id, position, index))
+            if inspect.isawaitable(maybe):
+                await maybe
+        if self.script.fail_at_step is not None and index == self.script.fail_at_step:
+            raise EngineFailure(f"scripted failure at compute step {index}")
+
+    def _forward(self, x: np.ndarray, prev: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """One position through this shard's blocks; returns (float32 output, block states)."""
+        weights = self._weights
+        assert weights is not None
+        h = np.asarray(x, dtype=np.float32).astype(np.float64)
+        states = np.empty((len(weights.blocks), h.shape[0]))
+        for i, (a, b) in enumerate(weights.blocks):
+            s = h if prev is None else 0.5 * prev[i] + h
+            states[i] = s
+            h = (h + np.tanh(a @ h + b @ s)).astype(np.float32).astype(np.float64)
+        return h.astype(np.float32), states
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        weights = self._weights
+        assert weights is not None and weights.head is not None and weights.bias is not None
+        h = hidden.astype(np.float64)
+        h = h / (np.linalg.norm(h) + 1e-6) * math.sqrt(h.shape[0])
+        return (weights.head @ h * _HEAD_SCALE + weights.bias).astype(np.float32)
+
+
+__all__ = ["FakeEngine", "FakeModel", "FakeScript", "FakeStep", "StepHook"]

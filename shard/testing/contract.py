@@ -1,0 +1,1052 @@
+"""The ShardEngine contract suite: one set of tests every engine must pass unchanged.
+
+Use it from any package by subclassing ``EngineContractSuite`` (the class name does not start
+with ``Test``, so pytest only collects your subclass) and providing an ``engine_factory``
+fixture, parametrized over as many factories as you like::
+
+    import pytest
+    from shard.testing import EngineContractSuite, fake_factory
+
+    @pytest.fixture(params=[fake_factory()], ids=str)
+    def engine_factory(request):
+        return request.param
+
+    class TestMyEngineContract(EngineContractSuite):
+        pass
+
+Requirements: pytest-trio with ``trio_mode = true`` (the tests are ``async def``). The suite
+never skips, never assumes an engine's speed (it waits for ``SessionState.RUNNING`` rather than
+sleeping), and only uses the public contract plus one documented hook name
+(``_impl_compute``, overridden on the instance by ``inject_failure``).
+
+Every test states the *same* expectation for every engine: the contract is identical lifecycle
+semantics, so nothing here branches on the engine's name.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from shard.engine import (
+    AuxState,
+    AuxStateKind,
+    DecodeRequest,
+    EngineCancelled,
+    EngineError,
+    EngineFailure,
+    EngineState,
+    IllegalTransition,
+    InvalidInput,
+    KvCacheFull,
+    MtpRequest,
+    NotReady,
+    PrefillRequest,
+    ResultKind,
+    SamplingParams,
+    SessionBusy,
+    SessionExists,
+    SessionState,
+    ShardEngine,
+    StepResult,
+    TooManySessions,
+    UnknownSession,
+    UnsupportedFeature,
+)
+
+from .factories import EngineFactory, EngineOptions, ShardPart
+
+LONG_PROMPT = 200  # positions; with n_batch 8 that is 25 llama.cpp chunks
+FIRST_BYTE_ID = 3  # ids [3, 259) are valid in every engine's vocabulary (asserted below)
+N_LEAK_CYCLES = 1000
+
+
+# ---- helpers (public: other suites reuse them) ---------------------------------------------
+
+
+def prompt_tokens(engine: ShardEngine, n: int, salt: int = 0) -> tuple[int, ...]:
+    """``n`` valid token ids (BOS first, then a salt-dependent byte pattern)."""
+    caps = engine.capabilities()
+    span = min(caps.n_vocab, 259) - FIRST_BYTE_ID
+    body = [FIRST_BYTE_ID + (salt * 31 + i * 7 + (i * i) % 5) % span for i in range(n)]
+    if caps.bos_token_id is not None and n > 0:
+        body[0] = caps.bos_token_id
+    return tuple(body)
+
+
+async def wait_running(engine: ShardEngine, session_id: str) -> None:
+    """Return once ``session_id`` is RUNNING.
+
+    Polls once per scheduler checkpoint, never by time: an operation sets RUNNING before its
+    first checkpoint and needs several scheduling rounds to finish, so the poller cannot miss
+    it, whatever the engine's speed. The 120 s bound only turns a hang into a failure.
+    """
+    with trio.fail_after(120):
+        while engine.session_info(session_id).state is not SessionState.RUNNING:
+            await trio.lowlevel.checkpoint()
+
+
+@dataclass
+class Pending:
+    """An engine operation running in a background task (see ``start_op``)."""
+
+    scope: trio.CancelScope
+    done: trio.Event
+    value: Any = None
+    error: EngineError | None = None
+
+    @property
+    def caller_cancelled(self) -> bool:
+        """The op ended with ``trio.Cancelled`` from its caller's cancel scope."""
+        return self.scope.cancelled_caught
+
+
+def start_op(nursery: trio.Nursery, fn: Callable[..., Awaitable[Any]], *args: Any) -> Pending:
+    """Start ``fn(*args)`` in its own cancel scope; engine errors are captured, not raised."""
+    pending = Pending(trio.CancelScope(), trio.Event())
+
+    async def run() -> None:
+        try:
+            with pending.scope:
+                try:
+                    pending.value = await fn(*args)
+                except EngineError as exc:
+                    pending.error = exc
+        finally:
+            pending.done.set()
+
+    nursery.start_soon(run)
+    return pending
+
+
+def count_tasks() -> int:
+    """Every Trio task reachable from the root task (to prove no task is left behind)."""
+    stack = [trio.lowlevel.current_root_task()]
+    n = 0
+    while stack:
+        task = stack.pop()
+        if task is None:
+            continue
+        n += 1
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return n
+
+
+def inject_failure(engine: ShardEngine, exc: BaseException | None = None) -> None:
+    """Make the engine's next compute fail with an unexpected exception (not an EngineError).
+
+    Overrides the ``_impl_compute`` hook on this instance only, which works for every
+    ShardEngine subclass. The base class must turn it into EngineFailure + FAILED health.
+    """
+    error = exc if exc is not None else RuntimeError("injected fault")
+
+    async def broken(slot: Any, plan: Any) -> np.ndarray:
+        await trio.lowlevel.checkpoint()
+        raise error
+
+    engine._impl_compute = broken  # type: ignore[method-assign]
+
+
+async def assert_layer_range_refused(factory: EngineFactory, part: ShardPart) -> None:
+    """An engine without layer-range support refuses one at load, cleanly (fail closed)."""
+    engine = factory.create()
+    async with engine:
+        with pytest.raises(UnsupportedFeature):
+            await engine.load(factory.load_spec(EngineOptions(part=part)))
+        assert engine.health().state is EngineState.FAILED
+        with pytest.raises(EngineFailure):
+            await engine.open_session("s")
+    assert engine.health().state is EngineState.CLOSED
+
+
+def assert_same_logits(a: StepResult, b: StepResult, *, atol: float = 1e-3) -> None:
+    """Two last-shard results agree: same chosen token, same top-k within ``atol``."""
+    assert a.logits is not None and b.logits is not None
+    assert a.logits.token_id == b.logits.token_id
+    assert [t.token_id for t in a.logits.top] == [t.token_id for t in b.logits.top]
+    for x, y in zip(a.logits.top, b.logits.top, strict=True):
+        assert math.isclose(x.logprob, y.logprob, abs_tol=atol)
+
+
+async def prefill(engine: ShardEngine, sid: str, tokens: Sequence[int], position: int = 0,
+                  **kw: Any) -> StepResult:
+    return await engine.prefill(PrefillRequest(sid, tokens=tuple(tokens), position=position, **kw))
+
+
+async def decode(engine: ShardEngine, sid: str, token: int, **kw: Any) -> StepResult:
+    return await engine.decode(DecodeRequest(sid, token=token, **kw))
+
+
+async def generate(engine: ShardEngine, sid: str, tokens: Sequence[int], n: int,
+                   sampling: SamplingParams | None = None) -> list[int]:
+    """Prefill ``tokens`` then decode ``n`` tokens, feeding back each chosen token."""
+    kw = {} if sampling is None else {"sampling": sampling}
+    result = await prefill(engine, sid, tokens, **kw)
+    assert result.logits is not None
+    out = [result.logits.token_id]
+    for _ in range(n):
+        result = await decode(engine, sid, out[-1], **kw)
+        assert result.logits is not None
+        out.append(result.logits.token_id)
+    return out
+
+
+def _whole(n_ctx: int = 1024, max_sessions: int = 4) -> EngineOptions:
+    return EngineOptions(n_ctx=n_ctx, max_sessions=max_sessions)
+
+
+# ---- the suite -----------------------------------------------------------------------------
+
+
+class EngineContractSuite:
+    """The contract tests. Subclass it as ``Test...`` and provide ``engine_factory``."""
+
+    # -- engine lifecycle --------------------------------------------------------------------
+
+    async def test_load_reports_capabilities_health_and_metrics(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        engine = engine_factory.create()
+        assert engine.health().state is EngineState.CREATED
+        assert not engine.health().ready
+        async with engine:
+            caps = await engine.load(engine_factory.load_spec(_whole(n_ctx=1024, max_sessions=4)))
+            assert engine.capabilities() == caps
+            assert caps.engine and caps.architecture
+            int(caps.model_fingerprint, 16)  # a hex digest
+            assert len(caps.model_fingerprint) >= 16
+            assert caps.max_sessions == 4
+            assert caps.n_ctx >= 1024
+            assert caps.n_ctx_per_session == caps.n_ctx // caps.max_sessions
+            assert caps.n_vocab >= 259 and caps.n_embd > 0
+            assert caps.layer_range.start == 0 and caps.layer_range.end == caps.n_layers_total
+            assert caps.is_first and caps.is_last and caps.result_kind is ResultKind.LOGITS
+            assert caps.hidden_dtype == "float32"
+            assert caps.bos_token_id is not None and caps.eos_token_id is not None
+            health = engine.health()
+            assert health.state is EngineState.READY and health.ready
+            m = engine.metrics()
+            assert (m.sessions_active, m.kv_cells_used, m.operations_running) == (0, 0, 0)
+            assert m.steps_total == m.sessions_opened_total == 0
+
+    async def test_reserved_hooks_are_reported_disabled(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            caps = engine.capabilities()
+            assert not caps.mtp.enabled and caps.mtp.max_draft_tokens == 0
+            assert not caps.aux_state.enabled and caps.aux_state.kinds == ()
+
+    async def test_operations_before_load_raise_not_ready(self, engine_factory: EngineFactory) -> None:
+        engine = engine_factory.create()
+        async with engine:
+            await self._assert_every_operation_raises(engine, NotReady)
+            assert engine.health().state is EngineState.CREATED
+            assert engine.metrics().sessions_active == 0
+
+    async def test_load_twice_is_an_illegal_transition(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            with pytest.raises(IllegalTransition):
+                await engine.load(engine_factory.load_spec(_whole()))
+            assert engine.health().ready
+
+    async def test_operations_after_close_raise_not_ready(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            await prefill(engine, "s", prompt_tokens(engine, 4))
+            await engine.aclose()
+            assert engine.health().state is EngineState.CLOSED
+            assert not engine.health().ready
+            await engine.aclose()  # idempotent
+            await self._assert_every_operation_raises(engine, NotReady, session_id="s")
+            with pytest.raises(IllegalTransition):
+                await engine.load(engine_factory.load_spec(_whole()))
+            assert engine.metrics().kv_cells_used == 0
+            assert engine.metrics().sessions_active == 0
+
+    async def test_engine_failure_turns_health_failed_and_fails_every_later_call(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            await engine.open_session("other")
+            await prefill(engine, "other", prompt_tokens(engine, 4))
+            inject_failure(engine)
+            with pytest.raises(EngineFailure):
+                await prefill(engine, "s", prompt_tokens(engine, 4))
+            health = engine.health()
+            assert health.state is EngineState.FAILED and not health.ready and health.detail
+            await self._assert_every_operation_raises(engine, EngineFailure, session_id="other")
+            with pytest.raises(EngineFailure):
+                await engine.load(engine_factory.load_spec(_whole()))
+            # Cleanup calls never raise: they let callers unwind without special cases.
+            assert engine.cancel("other") is False
+            assert await engine.release("other") is True
+            assert await engine.release("other") is False
+            assert engine.health().state is EngineState.FAILED
+            await engine.aclose()
+            assert engine.health().state is EngineState.CLOSED
+
+    async def _assert_every_operation_raises(
+        self, engine: ShardEngine, error: type[EngineError], session_id: str = "s"
+    ) -> None:
+        """Every work-requesting call raises ``error``; health/metrics/cancel never raise."""
+        with pytest.raises(error):
+            engine.capabilities()
+        with pytest.raises(error):
+            await engine.open_session("new")
+        with pytest.raises(error):
+            await engine.prefill(PrefillRequest(session_id, tokens=(1, 5, 6)))
+        with pytest.raises(error):
+            await engine.decode(DecodeRequest(session_id, token=5))
+        with pytest.raises(error):
+            engine.tokenize("hello")
+        with pytest.raises(error):
+            engine.token_piece(5)
+        engine.health()
+        engine.metrics()
+        assert engine.cancel(session_id) is False
+
+    # -- sessions: the basic path -------------------------------------------------------------
+
+    async def test_session_open_prefill_decode_release(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            caps = engine.capabilities()
+            info = await engine.open_session("s")
+            assert info.state is SessionState.IDLE
+            assert (info.n_past, info.tokens, info.kv_budget) == (0, (), caps.n_ctx_per_session)
+            assert [i.session_id for i in engine.sessions()] == ["s"]
+
+            tokens = prompt_tokens(engine, 10)
+            r = await prefill(engine, "s", tokens, top_k_logprobs=5)
+            assert r.kind is ResultKind.LOGITS and r.boundary is None and r.logits is not None
+            assert (r.session_id, r.n_past, r.tokens_processed, r.reused_tokens) == ("s", 10, 10, 0)
+            lg = r.logits
+            assert len(lg.top) == 5
+            assert [t.logprob for t in lg.top] == sorted((t.logprob for t in lg.top), reverse=True)
+            assert all(t.logprob <= 0.0 and math.isfinite(t.logprob) for t in lg.top)
+            assert 0 <= lg.token_id < caps.n_vocab
+            assert lg.token_id == lg.top[0].token_id  # greedy by default
+            assert lg.logprob == lg.top[0].logprob
+            assert lg.piece == engine.token_piece(lg.token_id)
+            assert lg.is_eog == (lg.token_id == caps.eos_token_id)
+            assert engine.session_info("s").tokens == tokens
+            assert engine.metrics().kv_cells_used == 10
+
+            r2 = await decode(engine, "s", lg.token_id, top_k_logprobs=0)
+            assert (r2.n_past, r2.tokens_processed, r2.reused_tokens) == (11, 1, 0)
+            assert r2.logits is not None and r2.logits.top == ()
+            info = engine.session_info("s")
+            assert info.state is SessionState.IDLE and info.n_past == 11
+            assert info.tokens == (*tokens, lg.token_id)
+
+            m = engine.metrics()
+            assert (m.sessions_active, m.kv_cells_used, m.operations_running) == (1, 11, 0)
+            assert (m.prefill_tokens_total, m.decode_tokens_total, m.steps_total) == (10, 1, 2)
+            assert m.sessions_opened_total == 1
+
+            assert await engine.release("s") is True
+            m = engine.metrics()
+            assert (m.sessions_active, m.kv_cells_used, m.sessions_released_total) == (0, 0, 1)
+
+    async def test_released_session_is_unknown_and_release_cancel_are_idempotent(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            await prefill(engine, "s", prompt_tokens(engine, 4))
+            assert engine.cancel("s") is False  # nothing running
+            assert engine.cancel("s") is False
+            assert await engine.release("s") is True
+            assert await engine.release("s") is False
+            assert engine.cancel("s") is False
+            with pytest.raises(UnknownSession) as info:
+                engine.session_info("s")
+            assert info.value.session_id == "s"
+            with pytest.raises(UnknownSession):
+                await prefill(engine, "s", prompt_tokens(engine, 4))
+            with pytest.raises(UnknownSession):
+                await decode(engine, "s", 5)
+            assert engine.sessions() == ()
+            # The id can be reused after release: a fresh, empty session.
+            info2 = await engine.open_session("s")
+            assert info2.n_past == 0 and info2.tokens == ()
+            assert engine.metrics().kv_cells_used == 0
+
+    async def test_unknown_session_and_duplicate_open(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            with pytest.raises(UnknownSession):
+                engine.session_info("nope")
+            with pytest.raises(UnknownSession):
+                await prefill(engine, "nope", prompt_tokens(engine, 3))
+            assert await engine.release("nope") is False
+            await engine.open_session("s")
+            await prefill(engine, "s", prompt_tokens(engine, 3))
+            with pytest.raises(SessionExists):
+                await engine.open_session("s")
+            assert engine.session_info("s").n_past == 3  # untouched
+            for bad in ("", "x" * 129):
+                with pytest.raises(InvalidInput):
+                    await engine.open_session(bad)
+
+    async def test_too_many_sessions(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open(_whole(n_ctx=256, max_sessions=2)) as engine:
+            await engine.open_session("a")
+            await engine.open_session("b")
+            with pytest.raises(TooManySessions) as info:
+                await engine.open_session("c")
+            assert info.value.retryable
+            await engine.release("a")
+            await engine.open_session("c")
+            assert sorted(i.session_id for i in engine.sessions()) == ["b", "c"]
+
+    async def test_decode_needs_a_prefilled_session(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            with pytest.raises(IllegalTransition):
+                await decode(engine, "s", 5)
+            assert engine.session_info("s").state is SessionState.IDLE
+
+    async def test_kv_budget_is_enforced(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            caps = engine.capabilities()
+            for bad in (0, -1, caps.n_ctx_per_session + 1):
+                with pytest.raises(InvalidInput):
+                    await engine.open_session("s", kv_budget=bad)
+            await engine.open_session("s", kv_budget=6)
+            assert engine.session_info("s").kv_budget == 6
+            with pytest.raises(KvCacheFull) as info:
+                await prefill(engine, "s", prompt_tokens(engine, 7))
+            assert not info.value.retryable and info.value.session_id == "s"
+            assert engine.session_info("s").n_past == 0
+            r = await prefill(engine, "s", prompt_tokens(engine, 6))
+            assert r.n_past == 6
+            assert r.logits is not None
+            with pytest.raises(KvCacheFull):
+                await decode(engine, "s", r.logits.token_id)
+            assert engine.session_info("s").n_past == 6
+            assert engine.metrics().kv_cells_used == 6
+            # Rewriting inside the budget still works.
+            r = await prefill(engine, "s", prompt_tokens(engine, 3, salt=1), position=3)
+            assert r.n_past == 6
+
+    # -- concurrency and cancellation ---------------------------------------------------------
+
+    async def test_concurrent_operations_on_one_session_are_rejected(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            await engine.open_session("t")
+            tokens = prompt_tokens(engine, LONG_PROMPT)
+            async with trio.open_nursery() as nursery:
+                op = start_op(nursery, prefill, engine, "s", tokens)
+                await wait_running(engine, "s")
+                assert engine.metrics().operations_running == 1
+                with pytest.raises(SessionBusy) as info:
+                    await prefill(engine, "s", tokens)
+                assert info.value.retryable
+                with pytest.raises(SessionBusy):
+                    await decode(engine, "s", 5)
+                with pytest.raises(SessionExists):
+                    await engine.open_session("s")
+                assert engine.session_info("s").state is SessionState.RUNNING
+                assert engine.session_info("t").state is SessionState.IDLE
+                await op.done.wait()
+            assert op.error is None, op.error
+            assert op.value.n_past == LONG_PROMPT
+            info2 = engine.session_info("s")
+            assert info2.state is SessionState.IDLE and info2.n_past == LONG_PROMPT
+            assert engine.metrics().operations_running == 0
+
+    async def test_operations_on_different_sessions_run_concurrently_and_agree(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        async with engine_factory.open() as engine:
+            tokens = prompt_tokens(engine, 40)
+            for sid in ("a", "b", "c"):
+                await engine.open_session(sid)
+            outs: dict[str, list[int]] = {}
+
+            async def gen(sid: str) -> None:
+                outs[sid] = await generate(engine, sid, tokens, 6)
+
+            async with trio.open_nursery() as nursery:
+                for sid in ("a", "b", "c"):
+                    nursery.start_soon(gen, sid)
+            assert outs["a"] == outs["b"] == outs["c"]
+            assert engine.metrics().kv_cells_used == 3 * 46
+
+    async def _prepare_cancel(self, engine: ShardEngine) -> tuple[tuple[int, ...], int]:
+        """Open "s" holding a short history; returns (history, next greedy token)."""
+        await engine.open_session("s")
+        history = prompt_tokens(engine, 12, salt=3)
+        r = await prefill(engine, "s", history)
+        assert r.logits is not None
+        return history, r.logits.token_id
+
+    async def _assert_rolled_back(
+        self, engine: ShardEngine, history: tuple[int, ...], next_token: int
+    ) -> None:
+        """"s" is IDLE, holds exactly ``history`` and computes as a fresh session would."""
+        info = engine.session_info("s")
+        assert info.state is SessionState.IDLE
+        assert info.n_past == len(history) and info.tokens == history
+        assert engine.metrics().kv_cells_used == len(history)
+        assert engine.metrics().operations_running == 0
+        assert engine.cancel("s") is False  # idempotent: nothing left to stop
+        after = await decode(engine, "s", next_token)
+        await engine.open_session("ref")
+        await prefill(engine, "ref", history)
+        ref = await decode(engine, "ref", next_token)
+        assert after.n_past == ref.n_past == len(history) + 1
+        assert_same_logits(after, ref)
+        await engine.release("ref")
+
+    @pytest.mark.parametrize("how", ["engine.cancel", "cancel_scope"])
+    async def test_cancel_mid_prefill_rolls_back_and_leaves_session_usable(
+        self, engine_factory: EngineFactory, how: str
+    ) -> None:
+        async with engine_factory.open() as engine:
+            history, next_token = await self._prepare_cancel(engine)
+            before = engine.metrics()
+            long_tail = prompt_tokens(engine, LONG_PROMPT, salt=4)[1:]
+            async with trio.open_nursery() as nursery:
+                op = start_op(nursery, prefill, engine, "s", long_tail, len(history))
+                await wait_running(engine, "s")
+                if how == "engine.cancel":
+                    assert engine.cancel("s") is True
+                    assert engine.cancel("s") is True  # idempotent while still running
+                else:
+                    op.scope.cancel()
+                await op.done.wait()
+            if how == "engine.cancel":
+                assert isinstance(op.error, EngineCancelled), op.error
+                assert op.error.retryable and op.error.session_id == "s"
+                assert engine.metrics().cancelled_total == before.cancelled_total + 1
+            else:
+                assert op.caller_cancelled and op.error is None and op.value is None
+            m = engine.metrics()
+            assert m.prefill_tokens_total == before.prefill_tokens_total  # nothing committed
+            assert m.steps_total == before.steps_total
+            await self._assert_rolled_back(engine, history, next_token)
+
+    @pytest.mark.parametrize("how", ["engine.cancel", "cancel_scope"])
+    async def test_cancel_mid_decode_rolls_back_and_leaves_session_usable(
+        self, engine_factory: EngineFactory, how: str
+    ) -> None:
+        async with engine_factory.open() as engine:
+            history, next_token = await self._prepare_cancel(engine)
+            async with trio.open_nursery() as nursery:
+                op = start_op(nursery, decode, engine, "s", next_token)
+                await wait_running(engine, "s")
+                if how == "engine.cancel":
+                    assert engine.cancel("s") is True
+                else:
+                    op.scope.cancel()
+                await op.done.wait()
+            if how == "engine.cancel":
+                assert isinstance(op.error, EngineCancelled), op.error
+            else:
+                assert op.caller_cancelled and op.error is None
+            await self._assert_rolled_back(engine, history, next_token)
+
+    async def test_cancel_of_a_rewriting_prefill_keeps_the_reused_prefix(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """A prefill at an earlier position keeps ``position + reused`` on cancel."""
+        async with engine_factory.open() as engine:
+            history, _ = await self._prepare_cancel(engine)
+            new = history[4:8] + prompt_tokens(engine, LONG_PROMPT, salt=5)[1:]
+            async with trio.open_nursery() as nursery:
+                op = start_op(nursery, prefill, engine, "s", new, 4)
+                await wait_running(engine, "s")
+                engine.cancel("s")
+            assert isinstance(op.error, EngineCancelled)
+            info = engine.session_info("s")
+            assert info.state is SessionState.IDLE
+            assert info.n_past == 8 and info.tokens == history[:8]
+            assert engine.metrics().kv_cells_used == 8
+
+    async def test_release_while_running_cancels_and_frees(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            async with trio.open_nursery() as nursery:
+                op = start_op(nursery, prefill, engine, "s", prompt_tokens(engine, LONG_PROMPT))
+                await wait_running(engine, "s")
+                first = start_op(nursery, engine.release, "s")
+                second = start_op(nursery, engine.release, "s")
+                await first.done.wait()
+                await second.done.wait()
+                # From the moment release starts the session is unknown to everyone else.
+                with pytest.raises(UnknownSession):
+                    engine.session_info("s")
+            assert isinstance(op.error, EngineCancelled), op.error
+            assert sorted([first.value, second.value]) == [False, True]
+            assert await engine.release("s") is False
+            with pytest.raises(UnknownSession):
+                await decode(engine, "s", 5)
+            m = engine.metrics()
+            assert (m.sessions_active, m.kv_cells_used, m.operations_running) == (0, 0, 0)
+            await engine.open_session("s")  # the id is free again
+            assert engine.session_info("s").n_past == 0
+
+    async def test_release_is_completed_even_if_the_caller_is_cancelled(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            async with trio.open_nursery() as nursery:
+                op = start_op(nursery, prefill, engine, "s", prompt_tokens(engine, LONG_PROMPT))
+                await wait_running(engine, "s")
+                rel = start_op(nursery, engine.release, "s")
+                rel.scope.cancel()
+            assert isinstance(op.error, EngineCancelled)
+            assert engine.metrics().sessions_active == 0
+            assert engine.metrics().kv_cells_used == 0
+
+    async def test_close_while_running_stops_the_operation(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            async with trio.open_nursery() as nursery:
+                op = start_op(nursery, prefill, engine, "s", prompt_tokens(engine, LONG_PROMPT))
+                await wait_running(engine, "s")
+                await engine.aclose()
+            assert isinstance(op.error, EngineCancelled), op.error
+            assert engine.health().state is EngineState.CLOSED
+            with pytest.raises(NotReady):
+                await engine.open_session("t")
+
+    # -- prefix reuse and determinism ---------------------------------------------------------
+
+    async def test_prefix_reuse(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            base = prompt_tokens(engine, 16)
+            tail = prompt_tokens(engine, 6, salt=9)[1:]
+            await engine.open_session("s")
+            await prefill(engine, "s", base)
+            # Extending from position 0 reuses everything held.
+            r = await prefill(engine, "s", base + tail)
+            assert (r.n_past, r.reused_tokens, r.tokens_processed) == (21, 16, 5)
+            # The same prompt again recomputes exactly one position (the logits need it).
+            r = await prefill(engine, "s", base + tail)
+            assert (r.n_past, r.reused_tokens, r.tokens_processed) == (21, 20, 1)
+            # Diverging after 10 positions keeps 10, replaces the rest.
+            other = base[:10] + prompt_tokens(engine, 4, salt=11)[1:]
+            r = await prefill(engine, "s", other)
+            assert (r.n_past, r.reused_tokens, r.tokens_processed) == (13, 10, 3)
+            assert engine.session_info("s").tokens == other
+            assert engine.metrics().kv_cells_used == 13
+            # Appending at the current length (position = n_past) reuses nothing.
+            r = await prefill(engine, "s", tail, position=13)
+            assert (r.n_past, r.reused_tokens, r.tokens_processed) == (18, 0, 5)
+            # A prefill at an inner position matches held tokens from that position on.
+            r = await prefill(engine, "s", other[5:], position=5)
+            assert (r.n_past, r.reused_tokens, r.tokens_processed) == (13, 7, 1)
+            assert engine.metrics().reused_tokens_total == 16 + 20 + 10 + 7
+            # Reused state computes exactly what a fresh session computes.
+            await engine.open_session("fresh")
+            fresh = await prefill(engine, "fresh", other)
+            assert_same_logits(r, fresh)
+            with pytest.raises(InvalidInput):
+                await prefill(engine, "s", tail, position=14)  # beyond the session's length
+            assert engine.session_info("s").n_past == 13
+
+    async def test_greedy_is_deterministic(self, engine_factory: EngineFactory) -> None:
+        runs: list[list[int]] = []
+        fingerprints: set[str] = set()
+        for _ in range(2):  # two engine instances of the same model
+            async with engine_factory.open() as engine:
+                tokens = prompt_tokens(engine, 9, salt=2)
+                await engine.open_session("a")
+                await engine.open_session("b")
+                runs.append(await generate(engine, "a", tokens, 12))
+                runs.append(await generate(engine, "b", tokens, 12))
+                fingerprints.add(engine.capabilities().model_fingerprint)
+        assert all(run == runs[0] for run in runs)
+        assert len(fingerprints) == 1
+
+    async def test_seeded_sampling_is_deterministic(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            tokens = prompt_tokens(engine, 9, salt=6)
+
+            async def sample(seed: int) -> list[int]:
+                sid = f"seed-{seed}"
+                await engine.open_session(sid)
+                params = SamplingParams(temperature=1.5, top_k=64, top_p=0.98, seed=seed)
+                out = await generate(engine, sid, tokens, 10, sampling=params)
+                await engine.release(sid)
+                return out
+
+            first = await sample(7)
+            assert await sample(7) == first
+            assert await sample(7) == first
+            assert len({tuple(await sample(seed)) for seed in range(6)}) > 1
+
+    # -- bad input ----------------------------------------------------------------------------
+
+    async def test_bad_input_gets_typed_errors_and_leaves_sessions_untouched(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        async with engine_factory.open() as engine:
+            caps = engine.capabilities()
+            good = prompt_tokens(engine, 6)
+            await engine.open_session("s")
+            await engine.open_session("bystander")
+            r = await prefill(engine, "s", good)
+            assert r.logits is not None
+            await prefill(engine, "bystander", prompt_tokens(engine, 8, salt=1))
+            snapshot = engine.sessions()
+            hidden = np.zeros((2, caps.n_embd), dtype=np.float32)
+            too_long = prompt_tokens(engine, caps.n_ctx_per_session + 1)
+
+            bad_requests: list[tuple[type[EngineError], Callable[[], Awaitable[Any]]]] = [
+                (InvalidInput, lambda: prefill(engine, "s", ())),
+                (InvalidInput, lambda: prefill(engine, "s", (-1,))),
+                (InvalidInput, lambda: prefill(engine, "s", (caps.n_vocab,))),
+                (InvalidInput, lambda: prefill(engine, "s", (1, 2**40))),
+                (InvalidInput, lambda: prefill(engine, "s", (1, True))),
+                (InvalidInput, lambda: prefill(engine, "s", (1, 5.0))),  # type: ignore[arg-type]
+                (InvalidInput, lambda: prefill(engine, "s", too_long)),
+                (InvalidInput, lambda: prefill(engine, "s", good, position=7)),
+                (InvalidInput, lambda: prefill(engine, "s", good, position=-1)),
+                (InvalidInput, lambda: prefill(engine, "s", good, top_k_logprobs=-1)),
+                (InvalidInput, lambda: prefill(engine, "s", good, top_k_logprobs=65)),
+                (InvalidInput, lambda: engine.prefill(PrefillRequest("s"))),
+                (InvalidInput, lambda: engine.prefill(
+                    PrefillRequest("s", tokens=good, hidden_states=hidden))),
+                (InvalidInput, lambda: engine.prefill(PrefillRequest("s", hidden_states=hidden))),
+                (InvalidInput, lambda: decode(engine, "s", -3)),
+                (InvalidInput, lambda: decode(engine, "s", caps.n_vocab)),
+                (InvalidInput, lambda: engine.decode(DecodeRequest("s"))),
+                (InvalidInput, lambda: engine.decode(
+                    DecodeRequest("s", hidden_state=hidden[:1]))),
+                (UnknownSession, lambda: prefill(engine, "ghost", good)),
+                (UnknownSession, lambda: decode(engine, "ghost", 5)),
+            ]
+            for expected, call in bad_requests:
+                with pytest.raises(expected):
+                    await call()
+                assert engine.sessions() == snapshot
+                assert engine.health().ready
+            with pytest.raises(InvalidInput):
+                engine.tokenize(123)  # type: ignore[arg-type]
+            with pytest.raises(InvalidInput):
+                engine.token_piece(caps.n_vocab)
+            with pytest.raises(InvalidInput):
+                SamplingParams(temperature=float("nan"))
+            with pytest.raises(InvalidInput):
+                SamplingParams(top_p=0.0)
+            assert engine.metrics().kv_cells_used == 6 + 8
+            # Both sessions still compute exactly as before.
+            again = await decode(engine, "s", r.logits.token_id)
+            await engine.open_session("ref")
+            await prefill(engine, "ref", good)
+            assert_same_logits(again, await decode(engine, "ref", r.logits.token_id))
+
+    async def test_bad_hidden_states_on_a_later_shard(self, engine_factory: EngineFactory) -> None:
+        if not engine_factory.layer_ranges:
+            await assert_layer_range_refused(engine_factory, ShardPart.LAST)
+            return
+        async with engine_factory.open(EngineOptions(part=ShardPart.LAST)) as engine:
+            caps = engine.capabilities()
+            assert not caps.is_first and caps.is_last
+            d = caps.n_embd
+            await engine.open_session("s")
+            await engine.open_session("bystander")
+            rng = np.random.default_rng(0)
+            ok = rng.standard_normal((5, d)).astype(np.float32)
+            await engine.prefill(PrefillRequest("s", hidden_states=ok))
+            await engine.prefill(PrefillRequest("bystander", hidden_states=ok[:3]))
+            snapshot = engine.sessions()
+            nan = ok.copy()
+            nan[1, 2] = np.nan
+            inf = ok.copy()
+            inf[0, 0] = np.inf
+            too_long = np.zeros((caps.n_ctx_per_session + 1, d), dtype=np.float32)
+            bad_hidden = [
+                ok[:, : d - 1],  # wrong width
+                np.zeros((3, d + 1), dtype=np.float32),
+                ok[0],  # 1-D
+                ok.reshape(1, 5, d),  # 3-D
+                np.zeros((0, d), dtype=np.float32),  # no rows
+                ok.astype(np.float64),  # wrong dtype
+                nan,
+                inf,
+                too_long,
+            ]
+            for value in bad_hidden:
+                with pytest.raises(InvalidInput):
+                    await engine.prefill(PrefillRequest("s", hidden_states=value, position=5))
+                assert engine.sessions() == snapshot
+            for row in (ok[:2], nan[1:2], ok[0], ok[:1, :-1]):
+                with pytest.raises(InvalidInput):
+                    await engine.decode(DecodeRequest("s", hidden_state=row))
+            with pytest.raises(InvalidInput):
+                await prefill(engine, "s", (1, 5, 6))  # token ids need a first shard
+            with pytest.raises(InvalidInput):
+                await decode(engine, "s", 5)
+            with pytest.raises(IllegalTransition):
+                engine.tokenize("hello")
+            assert engine.sessions() == snapshot
+            assert engine.metrics().kv_cells_used == 8
+            r = await engine.decode(DecodeRequest("s", hidden_state=ok[:1]))
+            assert r.n_past == 6 and r.logits is not None
+            assert engine.session_info("s").tokens is None  # ids are unknown past layer 0
+
+    async def test_reserved_hooks_fail_closed(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            tokens = prompt_tokens(engine, 5)
+            aux = AuxState(AuxStateKind.RECURRENT, b"\0" * 16, (4,))
+            with pytest.raises(UnsupportedFeature):
+                await prefill(engine, "s", tokens, mtp=MtpRequest(n_draft=2))
+            with pytest.raises(UnsupportedFeature):
+                await prefill(engine, "s", tokens, aux_state=aux)
+            assert engine.session_info("s").n_past == 0
+            r = await prefill(engine, "s", tokens)
+            assert r.mtp is None and r.aux_state is None
+            assert r.logits is not None
+            with pytest.raises(UnsupportedFeature):
+                await decode(engine, "s", r.logits.token_id, mtp=MtpRequest(n_draft=1))
+            with pytest.raises(UnsupportedFeature):
+                await decode(engine, "s", r.logits.token_id,
+                             aux_state=AuxState(AuxStateKind.CROSS_ATTENTION, b"", (0,)))
+            assert engine.session_info("s").n_past == 5
+            assert engine.health().ready
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    async def test_tokenize_and_pieces(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            caps = engine.capabilities()
+            with_bos = engine.tokenize("hello world")
+            without = engine.tokenize("hello world", add_bos=False)
+            assert with_bos[0] == caps.bos_token_id and with_bos[1:] == without
+            assert all(0 <= t < caps.n_vocab for t in with_bos)
+            text = b"".join(engine.token_piece(t) for t in without)
+            assert b"hello" in text and b"world" in text
+
+    # -- layer ranges -------------------------------------------------------------------------
+
+    async def test_layer_ranges_are_served_or_refused_as_declared(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        for part in (ShardPart.FIRST, ShardPart.LAST):
+            if not engine_factory.layer_ranges:
+                await assert_layer_range_refused(engine_factory, part)
+                continue
+            async with engine_factory.open(EngineOptions(part=part)) as engine:
+                caps = engine.capabilities()
+                assert caps.is_first is (part is ShardPart.FIRST)
+                assert caps.is_last is (part is ShardPart.LAST)
+                assert caps.layer_range == part.layer_range(caps.n_layers_total)
+                assert caps.result_kind is (
+                    ResultKind.BOUNDARY if part is ShardPart.FIRST else ResultKind.LOGITS
+                )
+
+    async def test_two_shard_chain_matches_the_whole_model(self, engine_factory: EngineFactory) -> None:
+        if not engine_factory.layer_ranges:
+            await assert_layer_range_refused(engine_factory, ShardPart.FIRST)
+            return
+        async with (
+            engine_factory.open(EngineOptions(part=ShardPart.FIRST)) as first,
+            engine_factory.open(EngineOptions(part=ShardPart.LAST)) as last,
+            engine_factory.open() as whole,
+        ):
+            c1, c2, cw = first.capabilities(), last.capabilities(), whole.capabilities()
+            assert c1.model_fingerprint == c2.model_fingerprint == cw.model_fingerprint
+            assert c1.is_first and not c1.is_last and c1.result_kind is ResultKind.BOUNDARY
+            assert c2.is_last and not c2.is_first and c2.result_kind is ResultKind.LOGITS
+            assert c1.layer_range.end == c2.layer_range.start
+            assert c2.layer_range.end == cw.n_layers_total == c1.n_layers_total
+            tokens = prompt_tokens(first, 11, salt=8)
+            for engine in (first, last, whole):
+                await engine.open_session("s")
+            b = await prefill(first, "s", tokens)
+            assert b.kind is ResultKind.BOUNDARY and b.logits is None and b.boundary is not None
+            h = b.boundary.hidden_states
+            assert h.dtype == np.float32 and h.shape == (11, c1.n_embd)
+            assert np.isfinite(h).all() and b.boundary.start_position == 0
+            chained = await last.prefill(PrefillRequest("s", hidden_states=h))
+            direct = await prefill(whole, "s", tokens)
+            assert_same_logits(chained, direct)
+            assert first.session_info("s").tokens == tokens
+            assert last.session_info("s").tokens is None
+            assert chained.logits is not None
+            token = chained.logits.token_id
+            for _ in range(3):
+                b = await decode(first, "s", token)
+                assert b.boundary is not None
+                assert b.boundary.hidden_states.shape == (1, c1.n_embd)
+                assert b.boundary.start_position == first.session_info("s").n_past - 1
+                chained = await last.decode(DecodeRequest("s", hidden_state=b.boundary.hidden_states))
+                direct = await decode(whole, "s", token)
+                assert_same_logits(chained, direct)
+                assert chained.logits is not None
+                token = chained.logits.token_id
+            assert (
+                first.metrics().kv_cells_used
+                == last.metrics().kv_cells_used
+                == whole.metrics().kv_cells_used
+                == 14
+            )
+
+    # -- one reference trace ------------------------------------------------------------------
+
+    async def test_reference_trace(self, engine_factory: EngineFactory) -> None:
+        """One scripted sequence; every engine must produce exactly this trace."""
+        async with engine_factory.open(_whole(n_ctx=768, max_sessions=3)) as engine:
+            trace = await run_reference_trace(engine)
+        assert trace == REFERENCE_TRACE
+
+    # -- leaks --------------------------------------------------------------------------------
+
+    async def test_a_thousand_sessions_leave_nothing_behind(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open(_whole(n_ctx=256, max_sessions=4)) as engine:
+            tokens = prompt_tokens(engine, 3)
+
+            async def cycle(i: int) -> None:
+                sid = f"leak-{i}"
+                await engine.open_session(sid)
+                if i % 10 == 9:
+                    pass  # opened and released without any work
+                elif i % 100 == 42:  # cancelled mid-operation, then released
+                    async with trio.open_nursery() as nursery:
+                        op = start_op(nursery, prefill, engine, sid, prompt_tokens(engine, 40))
+                        await wait_running(engine, sid)
+                        engine.cancel(sid)
+                    assert isinstance(op.error, EngineCancelled)
+                else:
+                    r = await prefill(engine, sid, tokens, top_k_logprobs=1)
+                    assert r.logits is not None
+                    await decode(engine, sid, r.logits.token_id, top_k_logprobs=0)
+                assert await engine.release(sid) is True
+
+            warmup = 50
+            for i in range(warmup):
+                await cycle(i)
+            threads_before = threading.active_count()
+            tasks_before = count_tasks()
+            for i in range(warmup, warmup + N_LEAK_CYCLES):
+                await cycle(i)
+            m = engine.metrics()
+            assert (m.kv_cells_used, m.sessions_active, m.operations_running) == (0, 0, 0)
+            assert m.sessions_opened_total == m.sessions_released_total == warmup + N_LEAK_CYCLES
+            assert engine.sessions() == ()
+            assert count_tasks() == tasks_before
+            # Trio keeps idle worker threads cached for reuse: after the warm-up the cache is
+            # as large as this sequential workload needs, so the count may only stay or shrink.
+            assert threading.active_count() <= threads_before
+
+
+# ---- the reference trace -------------------------------------------------------------------
+
+
+async def run_reference_trace(engine: ShardEngine) -> list[tuple[str, object]]:
+    """Run a fixed sequence of operations and record each outcome engine-independently."""
+    trace: list[tuple[str, object]] = []
+    t8 = prompt_tokens(engine, 8)
+    t4 = prompt_tokens(engine, 5, salt=1)[1:]
+    diverge = t8[:5] + prompt_tokens(engine, 3, salt=2)[1:]
+
+    async def step(name: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        try:
+            value = await call()
+        except EngineError as exc:
+            trace.append((name, exc.code))
+            return None
+        if isinstance(value, StepResult):
+            trace.append((name, (value.kind.value, value.n_past, value.tokens_processed,
+                                 value.reused_tokens)))
+        elif hasattr(value, "state"):
+            trace.append((name, (value.state.value, value.n_past)))
+        else:
+            trace.append((name, value))
+        return value
+
+    await step("open a", lambda: engine.open_session("a"))
+    await step("decode a before prefill", lambda: decode(engine, "a", 5))
+    await step("prefill a 8", lambda: prefill(engine, "a", t8))
+    await step("append a 4", lambda: prefill(engine, "a", t4, position=8))
+    await step("repeat a 12", lambda: prefill(engine, "a", t8 + t4))
+    await step("diverge a at 5", lambda: prefill(engine, "a", diverge))
+    await step("decode a", lambda: decode(engine, "a", 7))
+    await step("prefill a beyond length", lambda: prefill(engine, "a", t4, position=20))
+    await step("open a again", lambda: engine.open_session("a"))
+    await step("open b budget 4", lambda: engine.open_session("b", kv_budget=4))
+    await step("prefill b 5", lambda: prefill(engine, "b", t8[:5]))
+    await step("prefill b 4", lambda: prefill(engine, "b", t8[:4]))
+    await step("decode b", lambda: decode(engine, "b", 9))
+    await step("open c", lambda: engine.open_session("c"))
+    await step("open d", lambda: engine.open_session("d"))
+    await step("open e", lambda: engine.open_session("e"))
+    await step("mtp on a", lambda: prefill(engine, "a", t4, position=9, mtp=MtpRequest(1)))
+    await step("hidden on a", lambda: engine.prefill(
+        PrefillRequest("a", hidden_states=np.zeros((1, engine.capabilities().n_embd), np.float32))))
+    await step("release b", lambda: engine.release("b"))
+    await step("release b again", lambda: engine.release("b"))
+    await step("decode b released", lambda: decode(engine, "b", 9))
+    await step("open e after release", lambda: engine.open_session("e"))
+    trace.append(("cancel a idle", engine.cancel("a")))
+    trace.append(("kv cells", engine.metrics().kv_cells_used))
+    for sid in ("a", "c", "d", "e"):
+        await step(f"release {sid}", lambda sid=sid: engine.release(sid))
+    trace.append(("kv cells at end", engine.metrics().kv_cells_used))
+    return trace
+
+
+REFERENCE_TRACE: list[tuple[str, object]] = [
+    ("open a", ("idle", 0)),
+    ("decode a before prefill", "ILLEGAL_TRANSITION"),
+    ("prefill a 8", ("logits", 8, 8, 0)),
+    ("append a 4", ("logits", 12, 4, 0)),
+    ("repeat a 12", ("logits", 12, 1, 11)),
+    ("diverge a at 5", ("logits", 7, 2, 5)),
+    ("decode a", ("logits", 8, 1, 0)),
+    ("prefill a beyond length", "INVALID_INPUT"),
+    ("open a again", "SESSION_EXISTS"),
+    ("open b budget 4", ("idle", 0)),
+    ("prefill b 5", "KV_CACHE_FULL"),
+    ("prefill b 4", ("logits", 4, 4, 0)),
+    ("decode b", "KV_CACHE_FULL"),
+    ("open c", ("idle", 0)),
+    ("open d", "TOO_MANY_SESSIONS"),
+    ("open e", "TOO_MANY_SESSIONS"),
+    ("mtp on a", "UNSUPPORTED_FEATURE"),
+    ("hidden on a", "INVALID_INPUT"),
+    ("release b", True),
+    ("release b again", False),
+    ("decode b released", "UNKNOWN_SESSION"),
+    ("open e after release", ("idle", 0)),
+    ("cancel a idle", False),
+    ("kv cells", 8),
+    ("release a", True),
+    ("release c", True),
+    ("release d", False),
+    ("release e", True),
+    ("kv cells at end", 0),
+]
+
+__all__ = [
+    "REFERENCE_TRACE",
+    "EngineContractSuite",
+    "Pending",
+    "assert_layer_range_refused",
+    "assert_same_logits",
+    "count_tasks",
+    "decode",
+    "generate",
+    "inject_failure",
+    "prefill",
+    "prompt_tokens",
+    "run_reference_trace",
+    "start_op",
+    "wait_running",
+]

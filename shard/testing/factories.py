@@ -1,0 +1,131 @@
+"""Engine factories for the contract suite: how to build and load each engine under test.
+
+A factory is deliberately small: a name, a function that creates an *unloaded* engine and a
+function that turns engine-independent ``EngineOptions`` into that engine's ``LoadSpec``. The
+suite needs the unloaded engine too (to test the CREATED state), so factories never load.
+
+To run the contract suite on a new engine, write one ``EngineFactory`` for it (see
+``docs/engine.md``, "Running the contract suite on a new engine").
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from shard.engine import LayerRange, LoadSpec, ShardEngine
+from shard.engine.fake import FakeEngine, FakeModel, FakeScript
+
+
+class ShardPart(enum.Enum):
+    """Which part of the model an engine under test serves."""
+
+    WHOLE = "whole"  # every layer: takes tokens, returns logits
+    FIRST = "first"  # the first half: takes tokens, returns boundary hidden states
+    LAST = "last"  # the second half: takes hidden states, returns logits
+
+    def layer_range(self, n_layers_total: int) -> LayerRange | None:
+        if self is ShardPart.WHOLE:
+            return None
+        if n_layers_total < 2:
+            raise ValueError("splitting a model needs at least 2 layers")
+        cut = n_layers_total // 2
+        return LayerRange(0, cut) if self is ShardPart.FIRST else LayerRange(cut, n_layers_total)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Engine-independent load options used by the suite (each factory maps them to a LoadSpec).
+
+    The defaults give 4 sessions of 256 positions and small batches, so a few-hundred-token
+    prompt is many chunks on llama.cpp (long enough to be cancelled while running).
+    """
+
+    n_ctx: int = 1024
+    max_sessions: int = 4
+    n_batch: int = 8
+    part: ShardPart = ShardPart.WHOLE
+
+
+@dataclass(frozen=True)
+class EngineFactory:
+    """Creates an unloaded engine and the LoadSpec for given options.
+
+    ``layer_ranges`` declares whether the engine serves a part of a model. An engine that does
+    not must refuse a layer range at load with UnsupportedFeature (fail closed); the suite checks
+    whichever was declared, so flipping support without updating the factory fails loudly.
+    """
+
+    name: str
+    create: Callable[[], ShardEngine]
+    load_spec: Callable[[EngineOptions], LoadSpec]
+    layer_ranges: bool = True
+    description: str = field(default="", compare=False)
+
+    @asynccontextmanager
+    async def open(self, options: EngineOptions | None = None) -> AsyncIterator[ShardEngine]:
+        """A loaded engine, closed on exit (also when the test already closed it)."""
+        engine = self.create()
+        async with engine:
+            await engine.load(self.load_spec(options or EngineOptions()))
+            yield engine
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def fake_factory(
+    model: FakeModel | None = None, script: FakeScript | None = None, *, name: str = "fake"
+) -> EngineFactory:
+    """The deterministic fake engine (instant, no files)."""
+    fake_model = model if model is not None else FakeModel()
+    fake_script = script if script is not None else FakeScript()
+
+    def create() -> ShardEngine:
+        return FakeEngine(fake_model, fake_script)
+
+    def load_spec(options: EngineOptions) -> LoadSpec:
+        return LoadSpec(
+            model_path=None,
+            layer_range=options.part.layer_range(fake_model.n_layers_total),
+            n_ctx=options.n_ctx,
+            max_sessions=options.max_sessions,
+            n_batch=options.n_batch,
+        )
+
+    return EngineFactory(name, create, load_spec, True, "FakeEngine (shard.engine.fake)")
+
+
+def llama_factory(
+    preset: str = "tiny", *, n_threads: int = 2, layer_ranges: bool = False, name: str = "llama"
+) -> EngineFactory:
+    """The llama.cpp engine on a locally written GGUF model (``shard.models.ensure_model``).
+
+    ``shard.engine.llama`` is imported lazily so that merely importing the testing package never
+    loads llama.cpp. ``layer_ranges`` is False because LlamaCppEngine serves whole models only
+    today (it refuses a layer range with UnsupportedFeature); set it once slicing lands.
+    """
+
+    def create() -> ShardEngine:
+        from shard.engine.llama import LlamaCppEngine
+
+        return LlamaCppEngine()
+
+    def load_spec(options: EngineOptions) -> LoadSpec:
+        from shard.models import ensure_model, get_preset
+
+        return LoadSpec(
+            model_path=ensure_model(preset),
+            layer_range=options.part.layer_range(get_preset(preset).n_layer),
+            n_ctx=options.n_ctx,
+            max_sessions=options.max_sessions,
+            n_batch=options.n_batch,
+            n_threads=n_threads,
+        )
+
+    return EngineFactory(name, create, load_spec, layer_ranges, f"LlamaCppEngine on the {preset!r} model")
+
+
+__all__ = ["EngineFactory", "EngineOptions", "ShardPart", "fake_factory", "llama_factory"]

@@ -1,0 +1,104 @@
+"""llama.cpp, ctypes and ggml may be imported only by shard/engine/llama.py.
+
+Everything else talks to the engine through the project-owned contract (shard.engine), so the
+transport and tests never depend on the native library's types. The scan is static (``ast``):
+it sees imports inside functions and ``try`` blocks too, and ``importlib.import_module`` /
+``__import__`` calls with a literal module name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "shard"
+ALLOWED = {Path("shard/engine/llama.py")}
+FORBIDDEN = ("llama_cpp", "ctypes", "ggml")
+
+
+def _forbidden(module: str | None) -> bool:
+    if not module:
+        return False
+    top = module.split(".")[0]
+    return top in FORBIDDEN or top.startswith("ggml") or top.startswith("_ctypes")
+
+
+def forbidden_imports(source: str, filename: str = "<string>") -> list[tuple[int, str]]:
+    """(line, module) for every import of a forbidden module in ``source``."""
+    hits: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            hits += [(node.lineno, a.name) for a in node.names if _forbidden(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and _forbidden(node.module):
+                hits.append((node.lineno, node.module or ""))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in ("import_module", "__import__") and node.args:
+                arg = node.args[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _forbidden(arg.value):
+                    hits.append((node.lineno, arg.value))
+    return hits
+
+
+def scan_package() -> dict[str, list[tuple[int, str]]]:
+    found: dict[str, list[tuple[int, str]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel in ALLOWED:
+            continue
+        hits = forbidden_imports(path.read_text(encoding="utf-8"), str(rel))
+        if hits:
+            found[str(rel)] = hits
+    return found
+
+
+def test_only_the_llama_engine_imports_native_modules() -> None:
+    assert list(PACKAGE.rglob("*.py")), "the scan found no source files"
+    assert scan_package() == {}
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import ctypes",
+        "import llama_cpp",
+        "import llama_cpp.llama_cpp as ll",
+        "from llama_cpp import Llama",
+        "from llama_cpp.llama_cpp import llama_batch",
+        "from ctypes import c_int, POINTER",
+        "import os, ctypes.util",
+        "import ggml",
+        "from ggml_python import x",
+        "def f():\n    try:\n        import llama_cpp\n    except ImportError:\n        pass",
+        "import importlib\nm = importlib.import_module('llama_cpp')",
+        "m = __import__('ctypes')",
+    ],
+)
+def test_scanner_flags_offending_sources(source: str) -> None:
+    assert forbidden_imports(source)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import numpy as np",
+        "from shard.engine import ShardEngine",
+        "from . import ctypes_free",
+        "from .llama_helpers import x",
+        "import gguf",  # the GGUF file format library is not ggml itself
+        "text = 'import ctypes'",
+    ],
+)
+def test_scanner_accepts_clean_sources(source: str) -> None:
+    assert forbidden_imports(source) == []
+
+
+def test_scanner_reports_the_offending_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import numpy\nfrom ctypes import CDLL\n")
+    assert forbidden_imports(bad.read_text(), str(bad)) == [(2, "ctypes")]
