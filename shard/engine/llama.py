@@ -1,0 +1,512 @@
+"""ShardEngine on llama.cpp through llama-cpp-python's low-level (ctypes) API.
+
+This is the only module in the project that imports ``llama_cpp`` or ``ctypes``: everything that
+crosses the engine contract is a project type, and every llama.cpp return code is translated into
+the typed errors of ``shard.engine.errors`` here.
+
+Why the low-level API: the high-level ``llama_cpp.Llama`` owns one sequence and resets it per
+call; a shard needs one context serving many sessions (one llama.cpp *sequence id* each),
+explicit KV truncation for prefix reuse and rollback, and in-step cancellation through the
+abort callback.
+
+Context layout: one ``llama_context`` with ``n_seq_max = max_sessions`` and ``kv_unified =
+false``. llama.cpp then gives every sequence its own KV stream of ``n_ctx_seq =
+pad256(n_ctx / n_seq_max)`` cells (it pads ``n_ctx`` to a multiple of 256 and rounds the total
+to ``n_ctx_seq * n_seq_max``), so each session can always hold ``n_ctx // max_sessions``
+positions no matter what the other sessions hold (no fragmentation, no starvation), and a step
+attends over its own stream only. ``load`` checks ``llama_n_ctx_seq`` against that promise; the
+tests fill every session of a ``n_ctx=1000, max_sessions=3`` engine to 333 positions. (A unified
+cache would also fit the sums; decode speed was the same within noise at 4 x 1000 cached tokens
+on the bench model, so isolation decided.) llama.cpp also rejects a batch whose positions do
+not continue the sequence (``llama_decode`` -1), so a KV cache out of step with the session's
+``n_past`` surfaces as ``EngineFailure`` instead of silently wrong logits.
+
+Resource handling: the engine owns the model, context and batch from ``load`` until ``aclose``
+(one ``ExitStack``, freed explicitly and exactly once; nothing relies on ``__del__``). The ctypes
+abort callback is an attribute of the engine, and the log callback a module global, so neither
+can be collected while native code may call it.
+
+Threading: a llama context is not thread-safe. Every call that touches the context runs in
+``trio.to_thread.run_sync`` under one ``CapacityLimiter(1)`` and is never abandoned (the base
+class shields the work and turns a caller's cancellation into the slot's cancel flag).
+Tokenization and token pieces only read the immutable vocabulary and run inline.
+
+Cancellation: the cancel flag is checked between ``n_batch`` chunks, and inside a running
+``llama_decode`` by llama.cpp's abort callback, which ggml polls after every graph node (about
+210 polls per ubatch on the bench model); ``llama_decode`` then returns 2 and drops the
+unfinished ubatch, and the base class rolls the session back to its ``keep`` position.
+
+The abort callback is a Python function, so every poll takes the GIL. Measured on the bench
+model (1 thread, 2 cores): single-token decode runs at ~60 tokens/s with or without it while
+the GIL is free, but falls from ~35 to 3-10 tokens/s while another Python thread is busy (each
+poll waits for the GIL). So the callback is *armed only for evaluations of at least
+``abort_min_tokens`` tokens* (default 2: every multi-token prefill chunk, where a step is long
+and in-step abort matters). A one-token decode step is short and stops at the next step
+boundary; pass ``abort_min_tokens=1`` for models where even one token takes long.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import llama_cpp.llama_cpp as lc
+import numpy as np
+import trio
+
+from .base import CancelFlag, ComputePlan, ShardEngine, Slot
+from .errors import (
+    EngineCancelled,
+    EngineFailure,
+    InvalidInput,
+    KvCacheFull,
+    UnsupportedFeature,
+)
+from .types import Capabilities, LayerRange, LoadSpec
+
+log = logging.getLogger(__name__)
+native_log = logging.getLogger(__name__ + ".native")
+
+#: llama.cpp's compile-time limit on sequence ids per context (``LLAMA_MAX_SEQ``).
+LLAMA_MAX_SEQ = 256
+_GGUF_MAGIC = b"GGUF"
+_LLAMA_TOKEN_NULL = -1
+
+
+class _AbortedInStep(EngineCancelled):
+    """``llama_decode`` returned 2: the abort callback stopped it mid-step (counted by the engine)."""
+
+
+# ---- native logging ----------------------------------------------------------------------------
+# llama.cpp logs to stderr unless a callback is set; llama-cpp-python installs one that prints.
+# Ours forwards to Python logging at DEBUG and remembers recent error lines so a failed load can
+# say why. The callback is process-global in llama.cpp, so it is installed once and kept
+# referenced by this module for the life of the process.
+
+# ggml_log_level as the library really uses it (measured; llama-cpp-python's _logger comment is
+# off by one): 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT.
+_GGML_LOG_LEVEL_ERROR = 4
+_GGML_LOG_LEVEL_CONT = 5
+_recent_native_errors: collections.deque[str] = collections.deque(maxlen=8)
+_native_state = {"last_level": 1}
+_init_lock = threading.Lock()
+_initialized = False
+
+
+def _on_native_log(level: int, text: bytes | None, _user_data: int | None) -> None:
+    try:  # an exception must never escape into C
+        if level == _GGML_LOG_LEVEL_CONT:  # continuation of the previous message
+            level = _native_state["last_level"]
+        else:
+            _native_state["last_level"] = level
+        msg = (text or b"").decode("utf-8", "replace").rstrip("\n")
+        if msg and level == _GGML_LOG_LEVEL_ERROR:
+            _recent_native_errors.append(msg.strip())
+        if msg and native_log.isEnabledFor(logging.DEBUG):
+            native_log.debug("%s", msg)
+    except Exception:  # noqa: BLE001 - nothing can be reported from inside a C callback
+        pass
+
+
+_LOG_CALLBACK = lc.llama_log_callback(_on_native_log)
+
+
+def _ensure_native_init() -> None:
+    """Install the log callback and initialise the backend once per process."""
+    global _initialized
+    with _init_lock:
+        if not _initialized:
+            lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+            lc.llama_backend_init()
+            _initialized = True
+
+
+def _native_reason() -> str:
+    """The first native error logged since the last clear: usually the most specific one."""
+    return f" (llama.cpp: {_recent_native_errors[0]})" if _recent_native_errors else ""
+
+
+# ---- model fingerprint ---------------------------------------------------------------------------
+
+_fingerprints: dict[tuple[int, int, int, int], str] = {}
+_fingerprint_lock = threading.Lock()
+
+
+def file_fingerprint(path: Path) -> str:
+    """SHA-256 of the file's bytes (hex), cached by (device, inode, size, mtime).
+
+    Hashing the 214 MB bench model took 0.17 s on an idle 2-core machine (0.7 s under load); a
+    process that loads the same file again (tests, engine restarts) pays it once.
+    """
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _fingerprint_lock:
+        hit = _fingerprints.get(key)
+    if hit is not None:
+        return hit
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    with _fingerprint_lock:
+        _fingerprints[key] = digest
+    return digest
+
+
+def _default_threads() -> int:
+    """Half the usable CPUs (physical cores on SMT machines; llama-cpp-python's default too),
+    at most 8. Headroom matters: ggml's OpenMP workers spin at barriers. Measured on 2 cores
+    (bench model): idle machine, 2 threads ~105 tokens/s vs 1 thread ~60; with one other busy
+    process, 2 threads fell to 4-24 tokens/s while 1 thread kept 31-54."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n // 2, 8))
+
+
+def _check_model_file(model_path: Path | None) -> Path:
+    """Refuse a missing, unreadable or non-GGUF file before llama.cpp sees it."""
+    if model_path is None:
+        raise InvalidInput("the llama.cpp engine needs a model_path")
+    path = Path(model_path)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise InvalidInput(f"model file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise InvalidInput(f"model path {str(path)!r} is a directory") from None
+    except OSError as exc:
+        raise InvalidInput(f"model file {str(path)!r} cannot be read: {exc.strerror}") from None
+    if magic != _GGUF_MAGIC:
+        raise InvalidInput(f"model file {str(path)!r} is not a GGUF file")
+    return path
+
+
+class LlamaCppEngine(ShardEngine):
+    """Whole-model shard served by llama.cpp (first and last shard at once).
+
+    Options (all keyword-only, defaults suit the contract suite):
+
+    - ``n_ubatch``: physical batch size, capped at ``n_batch``. Larger values need a compute
+      buffer proportional to ``n_ubatch * n_ctx_seq`` and buy little prefill speed on CPU.
+    - ``flash_attn``: ``None`` lets llama.cpp decide, ``True``/``False`` force it.
+    - ``abort_min_tokens``: arm the in-step abort callback for evaluations of at least this many
+      tokens (see the module docs for why single-token steps skip it by default).
+    """
+
+    def __init__(
+        self, *, n_ubatch: int = 512, flash_attn: bool | None = None, abort_min_tokens: int = 2
+    ) -> None:
+        super().__init__()
+        if n_ubatch <= 0:
+            raise InvalidInput("n_ubatch must be positive")
+        if abort_min_tokens <= 0:
+            raise InvalidInput("abort_min_tokens must be positive")
+        self._n_ubatch_opt = n_ubatch
+        self._flash_attn = flash_attn
+        self._abort_min_tokens = abort_min_tokens
+        self._limiter = trio.CapacityLimiter(1)
+        self._natives = contextlib.ExitStack()
+        self._model: lc.llama_model_p | None = None
+        self._ctx: lc.llama_context_p | None = None
+        self._mem: lc.llama_memory_t | None = None
+        self._vocab: lc.llama_vocab_p | None = None
+        self._batch: lc.llama_batch | None = None
+        self._batch_tokens: np.ndarray | None = None
+        self._batch_pos: np.ndarray | None = None
+        self._batch_nseq: np.ndarray | None = None
+        self._batch_out: np.ndarray | None = None
+        self._batch_rows: list[Any] = []  # per-row seq_id pointers of the batch
+        self._batch_row_seq: np.ndarray | None = None
+        self._n_batch = 0
+        self._n_vocab = 0
+        self._n_seq = 0
+        self._kv_used = 0
+        # The abort callback: ggml polls it after every graph node of a running llama_decode.
+        self._decoding: CancelFlag | None = None
+        #: Number of abort-callback polls so far; it grows only while a native decode runs.
+        self.abort_polls = 0
+        self._abort_callback = lc.ggml_abort_callback(self._poll_abort)
+        self._no_abort_callback = lc.ggml_abort_callback()  # NULL function pointer
+        self._abort_armed = False
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    async def _impl_load(self, spec: LoadSpec) -> Capabilities:
+        return await trio.to_thread.run_sync(self._load_sync, spec, limiter=self._limiter)
+
+    async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
+        if plan.hidden is not None or plan.tokens is None:
+            raise EngineFailure("a whole-model llama.cpp shard cannot take hidden states")
+        try:
+            return await trio.to_thread.run_sync(self._compute_sync, slot, plan, limiter=self._limiter)
+        except _AbortedInStep:
+            self._counters["aborted_in_step_total"] += 1
+            raise
+
+    async def _impl_truncate(self, slot: Slot, keep: int) -> None:
+        await trio.to_thread.run_sync(self._truncate_sync, slot.seq_id, keep, limiter=self._limiter)
+
+    def _impl_tokenize(self, text: str, add_bos: bool) -> list[int]:
+        vocab = self._require_vocab()
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInput("text is not valid Unicode (lone surrogate)") from None
+        n_max = len(data) + 8
+        for _ in range(2):
+            buf = (lc.llama_token * n_max)()
+            n = lc.llama_tokenize(vocab, data, len(data), buf, n_max, add_bos, False)
+            if n >= 0:
+                return list(buf[:n])
+            n_max = -n
+        raise EngineFailure("llama_tokenize disagreed with itself about the token count")
+
+    def _impl_token_piece(self, token_id: int) -> bytes:
+        vocab = self._require_vocab()
+        size = 64
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_token_to_piece(vocab, token_id, buf, size, 0, False)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+        raise EngineFailure("llama_token_to_piece disagreed with itself about the piece size")
+
+    def _impl_is_eog(self, token_id: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self._require_vocab(), token_id))
+
+    def _impl_kv_cells_used(self) -> int:
+        # Read live when no native operation runs (the limiter is released in this thread only
+        # after the worker returned); otherwise report the count taken at the end of the last
+        # native operation, under the limiter.
+        if self._ctx is not None and self._limiter.borrowed_tokens == 0:
+            self._kv_used = self._count_kv_cells()
+        return self._kv_used
+
+    async def _impl_close(self) -> None:
+        await trio.to_thread.run_sync(self._close_sync, limiter=self._limiter)
+
+    # ---- worker-thread bodies (always called under self._limiter) -------------------------------
+
+    def _load_sync(self, spec: LoadSpec) -> Capabilities:
+        path = _check_model_file(spec.model_path)
+        if spec.max_sessions > LLAMA_MAX_SEQ:
+            raise InvalidInput(f"max_sessions must be <= {LLAMA_MAX_SEQ} for llama.cpp")
+        n_ctx_per_session = spec.n_ctx // spec.max_sessions
+        if n_ctx_per_session == 0:
+            raise InvalidInput(f"n_ctx {spec.n_ctx} is smaller than max_sessions {spec.max_sessions}")
+        fingerprint = file_fingerprint(path)
+        _ensure_native_init()
+        _recent_native_errors.clear()
+
+        with contextlib.ExitStack() as natives:
+            mparams = lc.llama_model_default_params()
+            mparams.n_gpu_layers = 0
+            model = lc.llama_model_load_from_file(os.fsencode(path), mparams)
+            if not model:
+                raise InvalidInput(f"llama.cpp could not load {str(path)!r}{_native_reason()}")
+            natives.callback(lc.llama_model_free, model)
+
+            n_layer = int(lc.llama_model_n_layer(model))
+            whole = LayerRange(0, n_layer)
+            if spec.layer_range is not None and spec.layer_range != whole:
+                raise UnsupportedFeature(
+                    f"layer range [{spec.layer_range.start}, {spec.layer_range.end}) of a "
+                    f"{n_layer}-layer model: the llama.cpp engine serves whole models only"
+                )
+            vocab = lc.llama_model_get_vocab(model)
+            if not vocab:
+                raise InvalidInput(f"model {str(path)!r} has no vocabulary")
+            n_vocab = int(lc.llama_vocab_n_tokens(vocab))
+            n_embd = int(lc.llama_model_n_embd(model))
+            arch = self._meta_str(model, b"general.architecture") or "unknown"
+
+            cparams = lc.llama_context_default_params()
+            cparams.n_ctx = spec.n_ctx
+            cparams.n_batch = spec.n_batch
+            cparams.n_ubatch = min(spec.n_batch, self._n_ubatch_opt)
+            cparams.n_seq_max = spec.max_sessions
+            threads = spec.n_threads or _default_threads()
+            cparams.n_threads = threads
+            cparams.n_threads_batch = threads
+            cparams.kv_unified = False
+            cparams.embeddings = False
+            cparams.offload_kqv = False
+            cparams.no_perf = True
+            if self._flash_attn is not None:
+                cparams.flash_attn_type = (
+                    lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self._flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+                )
+            ctx = lc.llama_init_from_model(model, cparams)
+            if not ctx:
+                raise EngineFailure(f"llama.cpp could not create a context{_native_reason()}")
+            natives.callback(lc.llama_free, ctx)
+
+            n_ctx_seq = int(lc.llama_n_ctx_seq(ctx))
+            if n_ctx_seq < n_ctx_per_session:
+                raise EngineFailure(
+                    f"llama.cpp gives each sequence {n_ctx_seq} cells, fewer than the "
+                    f"{n_ctx_per_session} promised per session"
+                )
+            n_batch = int(lc.llama_n_batch(ctx))  # llama.cpp caps n_batch at n_ctx
+            batch = lc.llama_batch_init(n_batch, 0, 1)
+            natives.callback(lc.llama_batch_free, batch)
+            mem = lc.llama_get_memory(ctx)
+            if not mem:
+                raise EngineFailure("llama.cpp context has no KV memory")
+
+            # Commit: from here on the engine owns the handles (freed by _close_sync).
+            self._model, self._ctx, self._mem, self._vocab, self._batch = model, ctx, mem, vocab, batch
+            self._n_batch, self._n_vocab, self._n_seq = n_batch, n_vocab, spec.max_sessions
+            self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
+            self._batch_pos = np.ctypeslib.as_array(batch.pos, shape=(n_batch,))
+            self._batch_nseq = np.ctypeslib.as_array(batch.n_seq_id, shape=(n_batch,))
+            self._batch_out = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
+            self._batch_rows = [batch.seq_id[i] for i in range(n_batch)]
+            self._batch_row_seq = np.full(n_batch, -1, dtype=np.int64)
+            self._natives = natives.pop_all()
+        log.debug(
+            "loaded %s: arch=%s layers=%d n_ctx=%d n_ctx_seq=%d n_batch=%d threads=%d",
+            path, arch, n_layer, spec.n_ctx, n_ctx_seq, n_batch, threads,
+        )
+        bos, eos = int(lc.llama_vocab_bos(vocab)), int(lc.llama_vocab_eos(vocab))
+        return Capabilities(
+            engine="llama.cpp",
+            model_fingerprint=fingerprint,
+            architecture=arch,
+            n_layers_total=n_layer,
+            layer_range=whole,
+            n_embd=n_embd,
+            n_vocab=n_vocab,
+            n_ctx=spec.n_ctx,
+            n_ctx_per_session=n_ctx_per_session,
+            max_sessions=spec.max_sessions,
+            bos_token_id=None if bos == _LLAMA_TOKEN_NULL else bos,
+            eos_token_id=None if eos == _LLAMA_TOKEN_NULL else eos,
+        )
+
+    def _compute_sync(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
+        assert plan.tokens is not None and self._ctx is not None
+        try:
+            if not lc.llama_memory_seq_rm(self._mem, slot.seq_id, plan.keep, -1):
+                raise EngineFailure(f"llama.cpp could not truncate the KV cache of {slot.session_id!r}")
+            tokens = plan.tokens
+            n = len(tokens)
+            last_rows = 0
+            for start in range(0, n, self._n_batch):
+                slot.cancel.raise_if_set(slot.session_id)
+                chunk = tokens[start : start + self._n_batch]
+                last_rows = len(chunk)
+                self._fill_batch(chunk, plan.keep + start, slot.seq_id, last=start + last_rows == n)
+                self._arm_abort(last_rows >= self._abort_min_tokens)
+                self._decoding = slot.cancel
+                try:
+                    rc = lc.llama_decode(self._ctx, self._batch)
+                finally:
+                    self._decoding = None
+                if rc != 0:
+                    self._raise_decode_error(rc, slot)
+            ptr = lc.llama_get_logits_ith(self._ctx, last_rows - 1)
+            if not ptr:
+                raise EngineFailure("llama.cpp returned no logits for the last position")
+            return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+        finally:
+            self._kv_used = self._count_kv_cells()
+
+    def _fill_batch(self, chunk: tuple[int, ...], pos0: int, seq: int, *, last: bool) -> None:
+        assert self._batch is not None and self._batch_row_seq is not None
+        m = len(chunk)
+        self._batch.n_tokens = m
+        self._batch_tokens[:m] = chunk
+        self._batch_pos[:m] = np.arange(pos0, pos0 + m, dtype=np.int32)
+        self._batch_nseq[:m] = 1
+        self._batch_out[:m] = 0
+        if last:
+            self._batch_out[m - 1] = 1
+        # seq_id is an array of per-row pointers: only rewrite rows that hold another sequence.
+        for i in np.flatnonzero(self._batch_row_seq[:m] != seq):
+            self._batch_rows[i][0] = seq
+        self._batch_row_seq[:m] = seq
+
+    def _arm_abort(self, armed: bool) -> None:
+        if armed != self._abort_armed:
+            callback = self._abort_callback if armed else self._no_abort_callback
+            lc.llama_set_abort_callback(self._ctx, callback, None)
+            self._abort_armed = armed
+
+    def _raise_decode_error(self, rc: int, slot: Slot) -> None:
+        sid = slot.session_id
+        if rc == 2:
+            if slot.cancel.is_set():
+                raise _AbortedInStep("operation cancelled inside a llama.cpp step", session_id=sid)
+            raise EngineFailure("llama_decode aborted without a cancel request")
+        if rc == 1:
+            raise KvCacheFull(f"llama.cpp found no KV slot for session {sid!r}", session_id=sid)
+        raise EngineFailure(f"llama_decode failed with status {rc}{_native_reason()}")
+
+    def _truncate_sync(self, seq: int, keep: int) -> None:
+        if self._ctx is None:
+            return
+        try:
+            if not lc.llama_memory_seq_rm(self._mem, seq, keep, -1):
+                raise EngineFailure(f"llama.cpp could not truncate sequence {seq} at {keep}")
+        finally:
+            self._kv_used = self._count_kv_cells()
+
+    def _count_kv_cells(self) -> int:
+        """Cells held by every sequence id of the context (including ones no session owns, so a
+        leak shows up). llama.cpp guarantees positions [pos_min, pos_max] are all present."""
+        if self._mem is None:
+            return 0
+        used = 0
+        for seq in range(self._n_seq):
+            hi = lc.llama_memory_seq_pos_max(self._mem, seq)
+            if hi >= 0:
+                used += hi - lc.llama_memory_seq_pos_min(self._mem, seq) + 1
+        return used
+
+    def _close_sync(self) -> None:
+        self._batch_tokens = self._batch_pos = self._batch_nseq = self._batch_out = None
+        self._batch_rows = []
+        self._batch_row_seq = None
+        self._model = self._ctx = self._mem = self._vocab = self._batch = None
+        self._kv_used = 0
+        self._abort_armed = False
+        self._natives.close()  # batch, context, model: reverse order of creation
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _poll_abort(self, _data: int | None) -> bool:
+        # Runs on ggml's compute thread inside llama_decode; must be cheap and must not raise.
+        self.abort_polls += 1
+        flag = self._decoding
+        return flag is not None and flag.is_set()
+
+    def _require_vocab(self) -> lc.llama_vocab_p:
+        if self._vocab is None:
+            raise EngineFailure("llama.cpp vocabulary is not loaded")
+        return self._vocab
+
+    @staticmethod
+    def _meta_str(model: lc.llama_model_p, key: bytes) -> str | None:
+        size = 256
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_model_meta_val_str(model, key, buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", "replace")
+            size = n + 1
+        return None
+
+
+__all__ = ["LlamaCppEngine", "file_fingerprint"]

@@ -1,0 +1,434 @@
+"""LlamaCppEngine against llama-cpp-python's own high-level API, plus cancellation and errors.
+
+The oracle tests compare with ``llama_cpp.Llama`` (this test module may import llama_cpp; the
+import-boundary rule applies to ``shard/`` only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+import pytest
+import trio
+
+from shard.engine import (
+    DecodeRequest,
+    EngineCancelled,
+    EngineState,
+    InvalidInput,
+    LayerRange,
+    LoadSpec,
+    PrefillRequest,
+    SamplingParams,
+    SessionState,
+    UnsupportedFeature,
+)
+from shard.engine.llama import LlamaCppEngine
+from shard.models import ensure_model
+
+N_THREADS = 1  # robust on a busy 2-core machine (ggml OpenMP workers spin at barriers)
+PROMPTS = ("hello world, the quick brown fox", "Once upon a time there was a little dog named")
+
+
+@pytest.fixture(scope="module")
+def tiny_path() -> Path:
+    return ensure_model("tiny")
+
+
+@pytest.fixture
+async def engine(tiny_path: Path) -> AsyncIterator[LlamaCppEngine]:
+    async with LlamaCppEngine() as eng:
+        await eng.load(LoadSpec(model_path=tiny_path, n_ctx=2048, max_sessions=4, n_threads=N_THREADS))
+        yield eng
+
+
+async def _generate(
+    engine: LlamaCppEngine,
+    session: str,
+    prompt: tuple[int, ...],
+    n: int,
+    sampling: SamplingParams = SamplingParams(),
+    position: int = 0,
+) -> list[int]:
+    """Prefill then decode ``n - 1`` more tokens; the tokens chosen, in order."""
+    res = await engine.prefill(PrefillRequest(session, tokens=prompt, position=position, sampling=sampling))
+    assert res.logits is not None
+    out = [res.logits.token_id]
+    while len(out) < n:
+        res = await engine.decode(DecodeRequest(session, token=out[-1], sampling=sampling))
+        assert res.logits is not None
+        out.append(res.logits.token_id)
+    return out
+
+
+def _oracle_greedy(path: Path, prompt: str, n: int, flash_attn: bool) -> tuple[list[int], list[int]]:
+    """Prompt tokens and ``n`` greedy tokens from llama-cpp-python's high-level API."""
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=512,
+        n_batch=512,
+        n_threads=N_THREADS,
+        seed=1234,
+        flash_attn=flash_attn,
+        verbose=False,
+    )
+    try:
+        tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+        out: list[int] = []
+        for tok in llm.generate(tokens, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            out.append(int(tok))
+            if len(out) == n:
+                break
+        return list(tokens), out
+    finally:
+        llm.close()
+
+
+# ---- oracle ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("flash_attn", [None, False], ids=["default", "no-flash-attn"])
+async def test_greedy_matches_llama_cpp_python(tiny_path: Path, prompt: str, flash_attn: bool | None) -> None:
+    # The engine's default lets llama.cpp choose flash attention ("auto" enables it on CPU);
+    # the high-level API takes a bool, so compare like with like.
+    oracle_fa = flash_attn is None
+    ref_prompt, ref_out = await trio.to_thread.run_sync(_oracle_greedy, tiny_path, prompt, 24, oracle_fa)
+    async with LlamaCppEngine(flash_attn=flash_attn) as engine:
+        await engine.load(LoadSpec(model_path=tiny_path, n_ctx=2048, max_sessions=4, n_threads=N_THREADS))
+        tokens = engine.tokenize(prompt)
+        assert list(tokens) == ref_prompt
+        await engine.open_session("s")
+        out = await _generate(engine, "s", tokens, 24)
+    assert out == ref_out
+    assert len(set(out)) > 1  # the model is not degenerate, so the comparison means something
+
+
+async def test_capabilities(engine: LlamaCppEngine, tiny_path: Path) -> None:
+    caps = engine.capabilities()
+    assert caps.engine == "llama.cpp"
+    assert caps.architecture == "llama"
+    assert caps.n_layers_total == 4 and caps.layer_range == LayerRange(0, 4)
+    assert caps.is_first and caps.is_last
+    assert caps.n_embd == 64
+    assert caps.n_vocab > 300
+    assert (caps.bos_token_id, caps.eos_token_id) == (1, 2)
+    assert caps.n_ctx == 2048 and caps.max_sessions == 4 and caps.n_ctx_per_session == 512
+    assert caps.model_fingerprint == hashlib.sha256(tiny_path.read_bytes()).hexdigest()
+    assert not caps.mtp.enabled and not caps.aux_state.enabled
+
+
+async def test_tokenizer_and_pieces(engine: LlamaCppEngine) -> None:
+    tokens = engine.tokenize("hello world")
+    assert tokens[0] == 1 and len(tokens) == 3
+    assert b"".join(engine.token_piece(t) for t in tokens[1:]) == b" hello world"
+    assert engine.tokenize("hello world", add_bos=False) == tokens[1:]
+    # Characters outside the vocabulary fall back to byte tokens: each piece is one raw byte.
+    snow = engine.tokenize("\u2603", add_bos=False)
+    assert b"".join(engine.token_piece(t) for t in snow) == " \u2603".encode()
+    assert engine.token_piece(3 + 0xE2) == b"\xe2"  # a partial UTF-8 sequence
+    assert engine.token_piece(2) == b""  # control tokens are not rendered
+    assert engine._impl_is_eog(2) and not engine._impl_is_eog(tokens[1])
+
+
+# ---- sessions, sampling, prefix reuse ----------------------------------------------------------
+
+
+async def test_seeded_sampling_is_deterministic(engine: LlamaCppEngine) -> None:
+    prompt = engine.tokenize(PROMPTS[1])
+
+    runs = iter(range(100))
+
+    async def run(seed: int) -> list[int]:
+        sid = f"seed-{seed}-{next(runs)}"
+        await engine.open_session(sid)
+        try:
+            return await _generate(engine, sid, prompt, 16, SamplingParams(temperature=1.5, seed=seed))
+        finally:
+            await engine.release(sid)
+
+    a, b, c = await run(7), await run(7), await run(8)
+    assert a == b
+    assert a != c
+
+
+async def test_prefix_reuse_matches_fresh_session(engine: LlamaCppEngine) -> None:
+    first = engine.tokenize("the quick brown fox jumps over the lazy dog and the cat")
+    second = engine.tokenize("the quick brown fox jumps over the lazy dog and a bird")
+    n_common = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    assert n_common > 8
+    common = second[:n_common]
+    await engine.open_session("a")
+    await engine.open_session("b")
+    await _generate(engine, "a", first, 5)
+    res = await engine.prefill(PrefillRequest("a", tokens=second))
+    assert res.reused_tokens == len(common)
+    assert res.tokens_processed == len(second) - len(common)
+    assert res.n_past == len(second)
+    assert engine.metrics().kv_cells_used == len(second)
+    assert res.logits is not None
+    cont = [res.logits.token_id]
+    for _ in range(11):
+        step = await engine.decode(DecodeRequest("a", token=cont[-1]))
+        assert step.logits is not None
+        cont.append(step.logits.token_id)
+    fresh = await _generate(engine, "b", second, 12)
+    assert cont == fresh
+    assert engine.metrics().kv_cells_used == 2 * (len(second) + 11)
+
+
+async def test_truncating_prefill_rewinds(engine: LlamaCppEngine) -> None:
+    prompt = engine.tokenize(PROMPTS[0])
+    await engine.open_session("r")
+    ref = await _generate(engine, "r", prompt, 8)
+    # Rewind to the prompt end and regenerate: same continuation, KV holds only what is kept.
+    res = await engine.prefill(PrefillRequest("r", tokens=(prompt[-1],), position=len(prompt) - 1))
+    assert res.logits is not None and res.logits.token_id == ref[0]
+    assert engine.metrics().kv_cells_used == len(prompt)
+
+
+async def test_every_session_holds_its_full_share(tiny_path: Path) -> None:
+    """kv_unified=false gives each sequence its own stream: all sessions can fill their share."""
+    async with LlamaCppEngine() as eng:
+        caps = await eng.load(LoadSpec(model_path=tiny_path, n_ctx=1000, max_sessions=3, n_threads=N_THREADS))
+        per = caps.n_ctx_per_session
+        assert per == 333
+        rng = random.Random(5)
+        for i in range(3):
+            await eng.open_session(f"s{i}")
+            toks = (1, *(rng.randrange(3, caps.n_vocab) for _ in range(per - 2)))
+            res = await eng.prefill(PrefillRequest(f"s{i}", tokens=toks))
+            assert res.logits is not None
+            res = await eng.decode(DecodeRequest(f"s{i}", token=res.logits.token_id))
+            assert res.n_past == per
+        assert eng.metrics().kv_cells_used == 3 * per
+        with pytest.raises(InvalidInput):
+            await eng.decode(DecodeRequest("s0", token=5))
+        for i in range(3):
+            await eng.release(f"s{i}")
+        assert eng.metrics().kv_cells_used == 0
+
+
+async def test_chunked_prefill_equals_single_chunk(tiny_path: Path) -> None:
+    """A prompt longer than n_batch is evaluated in chunks with the same result."""
+    rng = random.Random(11)
+    prompt = (1, *(rng.randrange(3, 800) for _ in range(150)))
+    outs = []
+    for n_batch in (512, 64, 7):
+        async with LlamaCppEngine() as eng:
+            await eng.load(
+                LoadSpec(model_path=tiny_path, n_ctx=512, max_sessions=1, n_batch=n_batch, n_threads=N_THREADS)
+            )
+            await eng.open_session("c")
+            outs.append(await _generate(eng, "c", prompt, 6))
+            assert eng.metrics().kv_cells_used == len(prompt) + 5
+    assert outs[0] == outs[1] == outs[2]
+
+
+async def test_release_cycles_do_not_leak(engine: LlamaCppEngine) -> None:
+    prompt = engine.tokenize(PROMPTS[0])
+    for i in range(200):
+        await engine.open_session(f"leak-{i}")
+        await engine.prefill(PrefillRequest(f"leak-{i}", tokens=prompt))
+        assert engine.metrics().kv_cells_used == len(prompt)
+        assert await engine.release(f"leak-{i}")
+    m = engine.metrics()
+    assert m.kv_cells_used == 0 and m.sessions_active == 0
+
+
+async def test_cancel_between_chunks(tiny_path: Path) -> None:
+    """With small chunks, cancel stops the prefill between llama_decode calls."""
+    async with LlamaCppEngine() as eng:
+        caps = await eng.load(
+            LoadSpec(model_path=tiny_path, n_ctx=4096, max_sessions=1, n_batch=8, n_threads=N_THREADS)
+        )
+        await eng.open_session("c")
+        rng = random.Random(3)
+        prompt = (1, *(rng.randrange(3, caps.n_vocab) for _ in range(3000)))
+        await eng.prefill(PrefillRequest("c", tokens=prompt[:10]))
+        polls = eng.abort_polls
+        result: list[str] = []
+
+        async def run() -> None:
+            try:
+                await eng.prefill(PrefillRequest("c", tokens=prompt[:10] + prompt[10:]))
+                result.append("done")
+            except EngineCancelled:
+                result.append("cancelled")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            while eng.abort_polls == polls and not result:
+                await trio.sleep(0.001)
+            eng.cancel("c")
+        assert result == ["cancelled"]
+        info = eng.session_info("c")
+        assert info.state is SessionState.IDLE and info.n_past == 10  # rolled back to `keep` (the reused prefix)
+        assert eng.metrics().kv_cells_used == 10
+        assert eng.metrics().cancelled_total == 1
+
+
+async def test_caller_cancellation_waits_for_native_work(tiny_path: Path) -> None:
+    async with LlamaCppEngine() as eng:
+        caps = await eng.load(LoadSpec(model_path=tiny_path, n_ctx=4096, max_sessions=1, n_batch=16))
+        await eng.open_session("c")
+        rng = random.Random(4)
+        prompt = (1, *(rng.randrange(3, caps.n_vocab) for _ in range(4000)))
+        polls = eng.abort_polls
+        with trio.CancelScope() as scope:
+
+            async def canceller() -> None:
+                while eng.abort_polls == polls:
+                    await trio.sleep(0.001)
+                scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(canceller)
+                await eng.prefill(PrefillRequest("c", tokens=prompt))
+        assert scope.cancelled_caught
+        assert eng.session_info("c").n_past == 0
+        assert eng.metrics().kv_cells_used == 0
+        res = await eng.prefill(PrefillRequest("c", tokens=prompt[:5]))
+        assert res.n_past == 5
+
+
+async def test_abort_callback_armed_for_multi_token_steps_only(tiny_path: Path) -> None:
+    """Single-token decode skips the GIL-taking abort callback unless asked for it."""
+    for min_tokens, decode_polls in ((2, False), (1, True)):
+        async with LlamaCppEngine(abort_min_tokens=min_tokens) as eng:
+            await eng.load(LoadSpec(model_path=tiny_path, n_ctx=256, max_sessions=1))
+            await eng.open_session("a")
+            polls = eng.abort_polls
+            res = await eng.prefill(PrefillRequest("a", tokens=(1, 5, 6)))
+            assert eng.abort_polls > polls
+            polls = eng.abort_polls
+            assert res.logits is not None
+            await eng.decode(DecodeRequest("a", token=res.logits.token_id))
+            assert (eng.abort_polls > polls) is decode_polls
+
+
+async def test_hidden_state_plan_is_an_engine_failure(engine: LlamaCppEngine) -> None:
+    """Unreachable through the public API (a whole-model shard is a first shard): the hook still
+    refuses hidden states rather than misinterpreting them."""
+    from shard.engine import EngineFailure
+    from shard.engine.base import ComputePlan
+
+    await engine.open_session("h")
+    slot = engine._slots["h"]
+    with pytest.raises(EngineFailure, match="hidden states"):
+        await engine._impl_compute(slot, ComputePlan(0, None, np.zeros((1, 64), np.float32)))
+
+
+# ---- abort inside one native step (bench model) -------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_abort_callback_stops_a_single_decode() -> None:
+    path = await trio.to_thread.run_sync(ensure_model, "bench")
+    async with LlamaCppEngine() as eng:
+        caps = await eng.load(
+            LoadSpec(model_path=path, n_ctx=4096, max_sessions=1, n_batch=2048, n_threads=N_THREADS)
+        )
+        assert caps.n_vocab == 32000
+        await eng.open_session("big")
+        rng = random.Random(1)
+        prompt = (1, *(rng.randrange(3, caps.n_vocab) for _ in range(1999)))
+        before = eng.metrics()
+        polls = eng.abort_polls
+        result: list[str] = []
+
+        async def run() -> None:
+            try:
+                await eng.prefill(PrefillRequest("big", tokens=prompt))  # one llama_decode call
+                result.append("done")
+            except EngineCancelled:
+                result.append("cancelled")
+
+        with trio.fail_after(300):  # hang guard only
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                while eng.abort_polls == polls and not result:
+                    await trio.sleep(0.001)
+                assert eng.cancel("big")
+        assert result == ["cancelled"]
+        after = eng.metrics()
+        assert after.aborted_in_step_total == before.aborted_in_step_total + 1
+        assert after.cancelled_total == before.cancelled_total + 1
+        info = eng.session_info("big")
+        assert info.state is SessionState.IDLE and info.n_past == 0
+        assert after.kv_cells_used == 0
+        res = await eng.prefill(PrefillRequest("big", tokens=prompt[:8]))
+        assert res.n_past == 8 and res.logits is not None
+        assert eng.metrics().kv_cells_used == 8
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+async def test_missing_file(tmp_path: Path) -> None:
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(InvalidInput, match="does not exist"):
+            await eng.load(LoadSpec(model_path=tmp_path / "nope.gguf"))
+        assert eng.health().state is EngineState.FAILED
+
+
+async def test_directory_and_missing_path(tmp_path: Path) -> None:
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(InvalidInput, match="directory"):
+            await eng.load(LoadSpec(model_path=tmp_path))
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(InvalidInput, match="model_path"):
+            await eng.load(LoadSpec(model_path=None))
+
+
+async def test_non_gguf_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a model\n" * 100)
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(InvalidInput, match="not a GGUF"):
+            await eng.load(LoadSpec(model_path=bad))
+
+
+@pytest.mark.parametrize("keep", [4, 24, 4096, 100_000])
+async def test_truncated_gguf_fails_cleanly(tmp_path: Path, tiny_path: Path, keep: int) -> None:
+    """A file with the GGUF magic but cut short reaches llama.cpp's loader, which must refuse it."""
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(tiny_path.read_bytes()[:keep])
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(InvalidInput, match=r"could not load .*\(llama\.cpp: .*\)"):
+            await eng.load(LoadSpec(model_path=bad))
+        assert eng.health().state is EngineState.FAILED
+
+
+async def test_layer_range_subset_unsupported(tiny_path: Path) -> None:
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(UnsupportedFeature, match="whole models only"):
+            await eng.load(LoadSpec(model_path=tiny_path, layer_range=LayerRange(0, 2)))
+    async with LlamaCppEngine() as eng:
+        caps = await eng.load(LoadSpec(model_path=tiny_path, layer_range=LayerRange(0, 4), n_ctx=256))
+        assert caps.layer_range == LayerRange(0, 4)
+
+
+async def test_too_many_sessions_for_context(tiny_path: Path) -> None:
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(InvalidInput, match="smaller than max_sessions"):
+            await eng.load(LoadSpec(model_path=tiny_path, n_ctx=4, max_sessions=8))
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(InvalidInput, match="max_sessions"):
+            await eng.load(LoadSpec(model_path=tiny_path, n_ctx=1 << 16, max_sessions=300))
+
+
+async def test_close_is_idempotent(tiny_path: Path) -> None:
+    eng = LlamaCppEngine()
+    await eng.load(LoadSpec(model_path=tiny_path, n_ctx=256))
+    await eng.open_session("x")
+    await eng.prefill(PrefillRequest("x", tokens=(1, 5, 6)))
+    await eng.aclose()
+    await eng.aclose()
+    assert eng.health().state is EngineState.CLOSED
+    assert eng.metrics().kv_cells_used == 0
