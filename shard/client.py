@@ -1,0 +1,1054 @@
+"""Trio client for the Shard protocol (used by the CLI, the tests and the bench).
+
+Quick start::
+
+    async with ShardClient.connect("127.0.0.1:50051", timeout=30) as client:
+        caps = await client.capabilities()
+        async for chunk in client.generate_text("hello", max_tokens=16, temperature=0.8, seed=1):
+            print(chunk.text, end="", flush=True)        # chunk.token_id, .piece, .finish_reason
+
+        async with client.session(session_id="chat-1") as s:   # explicit steps
+            first = await s.prefill(tokens=[1, 104, 105])
+            nxt = await s.decode(first.logits.token_id)
+            async for step in s.generate(max_tokens=8):         # continues from `nxt`
+                ...
+            await s.close(retain=True)                          # keep the KV cache for resume
+
+Why not purerpc's client as is (DESIGN.md section 3): it never sends ``grpc-timeout``; a server
+RST_STREAM or a dropped connection leaves a call waiting forever; breaking out of a bidi
+iterator crashes Trio; errors of streaming calls arrive wrapped in exception groups; its task
+groups span the caller's code. This module keeps purerpc's gRPC-over-h2 codec
+(``GRPCConnection``) and replaces the connection loop, in one place:
+
+* every call carries ``grpc-timeout`` (the remaining time to its deadline) and the client also
+  enforces the deadline itself;
+* a call that is cancelled, times out or is left early sends RST_STREAM, so the server stops
+  and releases the session (it does not keep generating for nobody);
+* a reset stream, a GOAWAY or a lost connection ends the affected calls with an error;
+* every failure is a ``ShardError`` (``.code``, ``.retryable``, ``.grpc_status``) rebuilt from
+  the status and the ``shard-error-bin`` trailer, never a raw exception group;
+* session streams grant credit automatically as the caller consumes results, so a caller that
+  stops reading pauses the worker instead of filling buffers.
+
+Resource handling: ``connect()`` owns a nursery with the connection's reader and writer tasks
+and closes the socket on exit; each call owns one HTTP/2 stream and frees it when it ends.
+"""
+
+from __future__ import annotations
+
+import codecs
+import datetime
+import math
+import secrets
+import ssl
+import struct
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import h2.errors
+import h2.exceptions
+import numpy as np
+import trio
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import DecodeError, Message
+from purerpc.grpclib.config import GRPCConfiguration
+from purerpc.grpclib.connection import GRPCConnection
+from purerpc.grpclib.events import MessageReceived, ResponseEnded, ResponseReceived, WindowUpdated
+from purerpc.grpclib.exceptions import StreamClosedError
+
+from shard.rpc import convert
+from shard.rpc.errors import ErrorCode, GrpcStatus, ShardError, unwrap_single_exception
+from shard.rpc.versions import CURRENT_VERSION
+from shard.v1 import shard_pb2 as pb
+
+__all__ = [
+    "ClientSession",
+    "ErrorCode",
+    "OneShot",
+    "ShardClient",
+    "ShardError",
+    "StepStream",
+    "TextChunk",
+    "TextStream",
+    "cache_expectation",
+    "sampling",
+]
+
+SERVICE = "shard.v1.Shard"
+M = TypeVar("M", bound=Message)
+_DEFAULT: Any = object()  # "use the client's default timeout"
+cache_expectation = convert.cache_expectation
+
+
+def sampling(
+    temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0, seed: int = 0
+) -> pb.SamplingParams:
+    """Sampling parameters; ``temperature`` 0 is greedy."""
+    return pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
+# =============================================================================================
+# Connection: purerpc's GRPCConnection (h2 + gRPC framing) driven by our own reader/writer.
+# =============================================================================================
+
+
+class _Reset:
+    """RST_STREAM from the server (purerpc drops it, leaving the call hanging)."""
+
+    def __init__(self, stream_id: int, error_code: int) -> None:
+        self.stream_id, self.error_code = stream_id, error_code
+
+
+class _GoAway:
+    stream_id = 0
+
+    def __init__(self, last_stream_id: int) -> None:
+        self.last_stream_id = last_stream_id
+
+
+class _ClientH2(GRPCConnection):
+    def _data_received(self, event: Any) -> list[Any]:
+        # purerpc raises KeyError for DATA on a stream it no longer tracks (one we reset):
+        # drop it, and give its bytes back to the connection window.
+        if event.stream_id not in self.message_read_buffers:
+            self.h2_connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            return []
+        return super()._data_received(event)
+
+    def _stream_reset(self, event: Any) -> list[Any]:
+        return [_Reset(event.stream_id, int(event.error_code))]
+
+    def _connection_terminated(self, event: Any) -> list[Any]:
+        return [_GoAway(event.last_stream_id or 0)]
+
+
+def _grpc_timeout(seconds: float) -> datetime.timedelta:
+    """A timedelta purerpc formats within gRPC's 8-digit limit (whole seconds past 99 s)."""
+    if seconds >= 99:
+        return datetime.timedelta(seconds=math.ceil(seconds))
+    return datetime.timedelta(microseconds=max(1, math.ceil(seconds * 1e6)))
+
+
+class _Stream:
+    """One call's HTTP/2 stream. Inbound messages are acknowledged (flow control) only when
+    read, so the server can never push more than the stream window at a slow caller."""
+
+    def __init__(self, conn: _Connection, sid: int, deadline: float) -> None:
+        self.conn, self.sid, self.deadline = conn, sid, deadline
+        self._in_send, self._in = trio.open_memory_channel[MessageReceived](math.inf)
+        self.window = trio.Event()
+        self.status: tuple[int, str] | None = None
+        self.trailers: tuple[tuple[str, Any], ...] = ()
+        # A trailers-only response (an error before any message) arrives as one HEADERS frame;
+        # purerpc files its custom metadata under the response headers, so look there too.
+        self.headers: tuple[tuple[str, Any], ...] = ()
+        self._closed = False
+
+    # ---- called by the reader -----------------------------------------------------------
+
+    def deliver(self, event: Any) -> None:
+        if isinstance(event, MessageReceived):
+            try:
+                self._in_send.send_nowait(event)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                self.conn.ack(self.sid, event.flow_controlled_length)
+        elif isinstance(event, ResponseEnded):
+            self.finish(event.status.int_value, event.status.status_message, event.custom_metadata)
+
+    def finish(self, code: int, message: str, trailers: Sequence[tuple[str, Any]] = ()) -> None:
+        if self.status is None:
+            self.status, self.trailers = (code, message), tuple(trailers)
+        self._in_send.close()
+        self.window.set()
+
+    # ---- called by the call ---------------------------------------------------------------
+
+    def error(self) -> ShardError | None:
+        """The call's error once its status arrived (None for OK)."""
+        if self.status is None or self.status[0] == GrpcStatus.OK:
+            return None
+        return ShardError.from_status(self.status[0], self.status[1], (*self.trailers, *self.headers))
+
+    async def send(self, message: Message) -> None:
+        data = message.SerializeToString()
+        view = memoryview(struct.pack(">?I", False, len(data)) + data)
+        with self._deadline_scope():
+            while view:
+                if self.status is not None:
+                    return  # the server already ended the call; receive() reports why
+                window = self.conn.h2.flow_control_window(self.sid)
+                if window > 0:
+                    try:
+                        self.conn.h2.send_data(self.sid, bytes(view[:window]))
+                    except h2.exceptions.ProtocolError:
+                        return  # stream closed under us: receive() reports why
+                    view = view[window:]
+                    self.conn.send_pending()
+                else:
+                    await self.window.wait()
+                    self.window = trio.Event()
+            await self.conn.flush()
+
+    async def half_close(self) -> None:
+        if self.status is None:
+            try:
+                self.conn.h2.end_request(self.sid)
+            except (StreamClosedError, h2.exceptions.ProtocolError):
+                return  # the stream is already closed: receive() reports why
+            self.conn.send_pending()
+        await trio.lowlevel.checkpoint()
+
+    async def receive(self, message_type: type[M]) -> M | None:
+        """The next message, or None once the response ended (then see ``error()``)."""
+        with self._deadline_scope():
+            try:
+                event = await self._in.receive()
+            except trio.EndOfChannel:
+                return None
+        self.conn.ack(self.sid, event.flow_controlled_length)
+        message = message_type()
+        try:
+            message.ParseFromString(event.data)
+        except DecodeError:
+            self.abort()
+            raise ShardError(ErrorCode.INTERNAL, "cannot parse a response message") from None
+        return message
+
+    @contextmanager
+    def _deadline_scope(self) -> Iterator[None]:
+        with trio.move_on_at(self.deadline) as scope:
+            yield
+        if scope.cancelled_caught:
+            self.abort()
+            raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired (client side)")
+
+    def abort(self) -> None:
+        """Leave the call: RST_STREAM(CANCEL) if it is still running, then free it. Sync, so it
+        is safe in ``finally`` blocks and generator finalizers."""
+        if self.status is None and not self.conn.dead:
+            try:
+                self.conn.h2.reset_stream(self.sid, h2.errors.ErrorCodes.CANCEL)
+            except h2.exceptions.ProtocolError:
+                pass  # already closed
+            self.conn.send_pending()
+        self.finish(GrpcStatus.CANCELLED, "cancelled by the client")
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.conn.streams.pop(self.sid, None)
+        self.conn.h2.message_read_buffers.pop(self.sid, None)
+        while True:  # give unread bytes back to the connection window
+            try:
+                event = self._in.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            self.conn.ack(self.sid, event.flow_controlled_length)
+        self._in_send.close()
+        self._in.close()
+
+
+class _Connection:
+    """One HTTP/2 connection: reader and writer tasks, a stream table, no task groups that
+    span the caller's code except the one ``ShardClient.connect`` owns."""
+
+    def __init__(self, stream: trio.abc.Stream, authority: str, scheme: str) -> None:
+        self.stream, self.authority, self.scheme = stream, authority, scheme
+        self.h2 = _ClientH2(GRPCConfiguration(client_side=True))
+        self.streams: dict[int, _Stream] = {}
+        self.dead: str | None = None  # why the connection can no longer be used
+        self.going_away = False  # the server sent GOAWAY
+        self._outbox = bytearray()
+        self._wake = trio.Event()
+        self._drained = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Reader + writer; never raises (a broken connection fails its calls instead)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self.h2.initiate_connection()
+                self.send_pending()
+                nursery.start_soon(self._write_loop, nursery.cancel_scope)
+                task_status.started()
+                await self._read_loop()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._fail_all(self.dead or "connection closed")
+
+    def _fail_all(self, why: str) -> None:
+        self.dead = self.dead or why
+        for s in list(self.streams.values()):
+            s.finish(GrpcStatus.UNAVAILABLE, f"connection to {self.authority} lost: {why}")
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                data = await self.stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.dead = f"{type(exc).__name__}"
+                return
+            if not data:
+                self.dead = "closed by the server"
+                return
+            try:
+                events = self.h2.receive_data(data)
+            except Exception as exc:  # noqa: BLE001 - h2/purerpc parse errors of many types
+                # A peer that breaks HTTP/2 or gRPC framing ends the connection; its calls fail
+                # with UNAVAILABLE instead of the parser's exception reaching the caller.
+                self.dead = f"protocol error: {type(exc).__name__}: {exc}"
+                return
+            for event in events:
+                self._dispatch(event)
+            self.send_pending()
+
+    def _dispatch(self, event: Any) -> None:
+        if isinstance(event, WindowUpdated):
+            targets = self.streams.values() if event.stream_id == 0 else [self.streams.get(event.stream_id)]
+            for s in targets:
+                if s is not None:
+                    s.window.set()
+            return
+        if isinstance(event, _GoAway):
+            self.going_away = True  # no new calls; calls up to last_stream_id may finish
+            for sid, s in list(self.streams.items()):
+                if sid > event.last_stream_id:
+                    s.finish(GrpcStatus.UNAVAILABLE, "the server is going away")
+            return
+        target = self.streams.get(event.stream_id)
+        if target is None:
+            return
+        if isinstance(event, _Reset):
+            cancel = event.error_code == h2.errors.ErrorCodes.CANCEL
+            target.finish(
+                GrpcStatus.CANCELLED if cancel else GrpcStatus.UNAVAILABLE,
+                f"stream reset by the server (HTTP/2 error {event.error_code})",
+            )
+        elif isinstance(event, ResponseReceived):
+            target.headers = tuple(event.custom_metadata)
+        else:
+            target.deliver(event)
+
+    async def _write_loop(self, scope: trio.CancelScope) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self._outbox:
+                data = bytes(self._outbox)
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self.dead = self.dead or type(exc).__name__
+                    scope.cancel()  # stops the reader too; run() fails every call
+                    return
+                del self._outbox[: len(data)]
+                self._drained.set()
+                self._drained = trio.Event()
+
+    def send_pending(self) -> None:
+        data = self.h2.data_to_send()
+        if data:
+            self._outbox += data
+            self._wake.set()
+
+    async def flush(self) -> None:
+        """Queue h2's output; wait while more than 256 KiB are unsent (a slow network)."""
+        self.send_pending()
+        await trio.lowlevel.checkpoint()
+        while len(self._outbox) > 256 * 1024 and self.dead is None:
+            await self._drained.wait()
+
+    async def drain(self) -> None:
+        """Wait until everything queued was written (so resets reach the server before the
+        socket closes: a reset releases a session, a dropped connection retains it)."""
+        self.send_pending()
+        while self._outbox and self.dead is None:
+            await self._drained.wait()
+
+    def ack(self, sid: int, size: int) -> None:
+        if size and self.dead is None:
+            try:
+                self.h2.acknowledge_received_data(size, sid)
+            except h2.exceptions.ProtocolError:
+                return
+            self.send_pending()
+
+    def open_stream(
+        self, method: str, deadline: float, metadata: Sequence[tuple[str, str | bytes]]
+    ) -> _Stream:
+        if self.dead is not None or self.going_away:
+            why = self.dead or "the server sent GOAWAY"
+            raise ShardError(
+                ErrorCode.NOT_READY, f"connection to {self.authority} is closed: {why}",
+                grpc_status=GrpcStatus.UNAVAILABLE,
+            )
+        timeout = None
+        if deadline != math.inf:
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the deadline expired before the call")
+            timeout = _grpc_timeout(remaining)
+        try:
+            sid = self.h2.get_next_available_stream_id()
+            self.h2.start_request(
+                sid, self.scheme, SERVICE, method, None, self.authority, timeout, "+proto", metadata
+            )
+        except h2.exceptions.ProtocolError as exc:  # e.g. the server's MAX_CONCURRENT_STREAMS
+            raise ShardError(
+                ErrorCode.RESOURCE_EXHAUSTED, f"cannot start a call on this connection: {exc}"
+            ) from None
+        self.send_pending()
+        s = _Stream(self, sid, deadline)
+        self.streams[sid] = s
+        return s
+
+    def goodbye(self) -> None:
+        """Reset open calls and say GOAWAY (best effort) before the socket closes."""
+        for s in list(self.streams.values()):
+            s.abort()
+        if self.dead is None:
+            try:
+                self.h2.h2_connection.close_connection()
+            except h2.exceptions.ProtocolError:
+                pass
+            self.send_pending()
+
+
+def _parse_target(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"target must be HOST:PORT, got {target!r}")
+    return host.strip("[]"), int(port)
+
+
+# =============================================================================================
+# Public API
+# =============================================================================================
+
+
+class ShardClient:
+    """A connection to one worker. Create with ``ShardClient.connect(...)``."""
+
+    def __init__(
+        self,
+        conn: _Connection,
+        *,
+        timeout: float | None,
+        metadata: Sequence[tuple[str, str | bytes]],
+        version: tuple[int, int],
+    ) -> None:
+        self._conn = conn
+        self.timeout = timeout
+        self.metadata = tuple(metadata)
+        self.version = pb.ProtocolVersion(major=version[0], minor=version[1])
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        target: str,
+        *,
+        timeout: float | None = 30.0,
+        ssl_context: ssl.SSLContext | None = None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+        version: tuple[int, int] = CURRENT_VERSION,
+    ) -> AsyncIterator[ShardClient]:
+        """Connect to ``HOST:PORT``.
+
+        ``timeout``: default deadline in seconds of every call (a session stream counts as one
+        call) and of the TCP/TLS connect; None for none. ``metadata``: sent with every call
+        (e.g. an ``authorization`` header for the worker's auth hook). ``version`` is sent in
+        every request (tests use it to exercise version refusal).
+        """
+        host, port = _parse_target(target)
+        with unwrap_single_exception():
+            try:
+                with trio.fail_after(timeout if timeout is not None else math.inf):
+                    stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+                    if ssl_context is not None:
+                        ssl_context.set_alpn_protocols(["h2"])
+                        tls = trio.SSLStream(stream, ssl_context, server_hostname=host)
+                        try:
+                            await tls.do_handshake()
+                        except BaseException:
+                            await trio.aclose_forcefully(stream)  # never leak the socket
+                            raise
+                        stream = tls
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError) as exc:
+                raise ShardError(
+                    ErrorCode.NOT_READY,
+                    f"cannot connect to {target}: {exc or type(exc).__name__}",
+                    grpc_status=GrpcStatus.UNAVAILABLE,
+                    reason="CONNECT_FAILED",
+                ) from None
+            async with stream:
+                conn = _Connection(stream, f"{host}:{port}", "https" if ssl_context else "http")
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(conn.run)
+                    try:
+                        yield cls(conn, timeout=timeout, metadata=metadata, version=version)
+                    finally:
+                        conn.goodbye()
+                        with trio.move_on_after(1.0) as scope:  # send RST/GOAWAY, bounded
+                            scope.shield = True
+                            await conn.drain()
+                        nursery.cancel_scope.cancel()
+
+    # ---- unary calls ---------------------------------------------------------------------
+
+    def _deadline(self, timeout: float | None) -> float:
+        if timeout is _DEFAULT:
+            timeout = self.timeout
+        return math.inf if timeout is None else trio.current_time() + timeout
+
+    async def _unary(self, method: str, request: Message, response_type: type[M], timeout: float | None) -> M:
+        s = self._conn.open_stream(method, self._deadline(timeout), self.metadata)
+        try:
+            await s.send(request)
+            await s.half_close()
+            reply = await s.receive(response_type)
+            extra = await s.receive(response_type) if reply is not None else None
+            err = s.error()
+            if err is not None:
+                raise err
+            if reply is None or extra is not None:
+                raise ShardError(ErrorCode.INTERNAL, f"{method}: expected exactly one response")
+            return reply
+        finally:
+            if s.status is None:
+                s.abort()
+            else:
+                s.close()
+
+    async def capabilities(self, *, timeout: float | None = _DEFAULT) -> pb.GetCapabilitiesResponse:
+        """What the worker serves (model fingerprint, layer range, limits, versions)."""
+        return await self._unary(
+            "GetCapabilities", pb.GetCapabilitiesRequest(version=self.version),
+            pb.GetCapabilitiesResponse, timeout,
+        )
+
+    async def capabilities_dict(self, *, timeout: float | None = _DEFAULT) -> dict[str, Any]:
+        """``capabilities()`` as a JSON-ready dict in proto field order (for display)."""
+        caps = await self.capabilities(timeout=timeout)
+        out = MessageToDict(caps, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+        out["supported_versions"] = [f"{v.major}.{v.minor}" for v in caps.supported_versions]
+        out["layer_range"] = [caps.layer_range.start, caps.layer_range.end]
+        return out
+
+    async def health(self, *, timeout: float | None = _DEFAULT) -> pb.HealthResponse:
+        return await self._unary("Health", pb.HealthRequest(version=self.version), pb.HealthResponse, timeout)
+
+    async def metrics(self, *, timeout: float | None = _DEFAULT) -> pb.GetMetricsResponse:
+        return await self._unary(
+            "GetMetrics", pb.GetMetricsRequest(version=self.version), pb.GetMetricsResponse, timeout
+        )
+
+    async def cancel(self, session_id: str, *, timeout: float | None = _DEFAULT) -> pb.CancelResponse:
+        """Stop the session's running step (out-of-band; the session stays open)."""
+        return await self._unary(
+            "Cancel", pb.CancelRequest(version=self.version, session_id=session_id),
+            pb.CancelResponse, timeout,
+        )
+
+    async def release(self, session_id: str, *, timeout: float | None = _DEFAULT) -> bool:
+        """Free the session's KV cache now (streaming or retained); False if it did not exist."""
+        reply = await self._unary(
+            "Release", pb.ReleaseRequest(version=self.version, session_id=session_id),
+            pb.ReleaseResponse, timeout,
+        )
+        return reply.released
+
+    # ---- sessions ------------------------------------------------------------------------
+
+    async def open_session(
+        self,
+        session_id: str | None = None,
+        *,
+        cache: pb.CacheExpectation | None = None,
+        kv_budget: int = 0,
+        credit: int = 0,
+        step_timeout: float | None = None,
+        expected_model_fingerprint: str = "",
+        expected_layer_range: tuple[int, int] | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> ClientSession:
+        """Open a session stream and return it (prefer ``session()``, which also closes it).
+
+        The caller owns the result: finish it with ``close()`` or ``abort()``.
+        """
+        sid = session_id if session_id is not None else f"c-{secrets.token_hex(8)}"
+        open_msg = pb.OpenSession(
+            session_id=sid,
+            expected_model_fingerprint=expected_model_fingerprint,
+            kv_budget=kv_budget,
+            initial_credit=credit,
+            step_timeout_ms=0 if step_timeout is None else max(1, round(step_timeout * 1000)),
+        )
+        if cache is not None:
+            open_msg.cache.CopyFrom(cache)
+        if expected_layer_range is not None:
+            open_msg.expected_layer_range.CopyFrom(
+                pb.LayerRange(start=expected_layer_range[0], end=expected_layer_range[1])
+            )
+        stream = self._conn.open_stream("Session", self._deadline(timeout), self.metadata)
+        session = ClientSession(self, stream, sid)
+        try:
+            await session._open(open_msg)
+        except BaseException:
+            session.abort()
+            raise
+        return session
+
+    @asynccontextmanager
+    async def session(
+        self,
+        session_id: str | None = None,
+        *,
+        cache: pb.CacheExpectation | None = None,
+        kv_budget: int = 0,
+        credit: int = 0,
+        step_timeout: float | None = None,
+        expected_model_fingerprint: str = "",
+        expected_layer_range: tuple[int, int] | None = None,
+        timeout: float | None = _DEFAULT,
+    ) -> AsyncIterator[ClientSession]:
+        """Open a session stream for the block (``session_id`` defaults to a random id).
+
+        ``cache``: resume a retained session (see ``cache_expectation``); the outcome is in
+        ``session.cache``. ``credit``: results the worker may send ahead (0: its default).
+        ``step_timeout``: per-step deadline in seconds. ``timeout``: deadline of the whole
+        stream. Leaving the block normally closes the session (released, unless
+        ``close(retain=True)`` was called); leaving it with an exception or a cancellation
+        resets the stream, which releases the session on the worker.
+        """
+        session = await self.open_session(
+            session_id,
+            cache=cache,
+            kv_budget=kv_budget,
+            credit=credit,
+            step_timeout=step_timeout,
+            expected_model_fingerprint=expected_model_fingerprint,
+            expected_layer_range=expected_layer_range,
+            timeout=timeout,
+        )
+        try:
+            yield session
+            if session.closed is None and session._dead is None:
+                await session.close()
+        except BaseException:
+            session.abort()
+            raise
+        session._stream.close()
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_tokens: Sequence[int] = (),
+        ignore_eos: bool = False,
+        timeout: float | None = _DEFAULT,
+    ) -> OneShot:
+        """One-shot generation in a fresh session: iterate it for one ``StepResult`` per token.
+
+        ``prompt`` is text (tokenized by the worker, with BOS) or token ids. The session is
+        released when the iteration ends, fails or is cancelled. To stop early *and* free the
+        worker at once, use ``async with aclosing(client.generate(...)) as steps``; a plain
+        ``break`` is safe too, but the stream then stays open (the worker parks once its
+        credit is used up) until ``aclose()`` or until the client disconnects.
+        """
+        g = pb.Generate(max_tokens=max_tokens, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
+        if isinstance(prompt, str):
+            g.text = prompt
+        else:
+            g.tokens.ids.extend(prompt)
+        g.sampling.CopyFrom(sampling(temperature, top_k=top_k, top_p=top_p, seed=seed))
+        return OneShot(self, g, timeout)
+
+    def generate_text(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_tokens: Sequence[int] = (),
+        ignore_eos: bool = False,
+        timeout: float | None = _DEFAULT,
+    ) -> TextStream:
+        """Like ``generate`` but yields a ``TextChunk`` per token, with its text decoded.
+
+        Tokens carry raw bytes that may split a UTF-8 character, so pieces go through one
+        incremental decoder (invalid bytes become U+FFFD): ``chunk.text`` is empty while a
+        character is incomplete, and joining every ``chunk.text`` gives the whole text.
+        """
+        return TextStream(self.generate(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop_tokens=stop_tokens, ignore_eos=ignore_eos, timeout=timeout,
+        ))
+
+
+class ClientSession:
+    """One open session stream. Steps never overlap: issue one request at a time.
+
+    Step-level errors (bad input, a full KV budget, a step deadline, an out-of-band Cancel)
+    raise ``ShardError`` and leave the session usable; errors that end the stream raise
+    ``ShardError`` and every later call raises it again.
+    """
+
+    def __init__(self, client: ShardClient, stream: _Stream, session_id: str) -> None:
+        self._client = client
+        self._stream = stream
+        self.session_id = session_id
+        self.opened: pb.SessionOpened = pb.SessionOpened()
+        self.usage: pb.Usage = pb.Usage()  # of the last request
+        self.closed: pb.SessionClosed | None = None
+        self._dead: ShardError | None = None
+        self._window = 1
+        self._outstanding = 0  # credit granted and not yet used by a result
+        self._serial = 0  # requests sent; a StepStream only reads its own request's results
+        self._pending = False  # the last request's Usage has not been read (a generate left early)
+
+    @property
+    def cache(self) -> pb.CacheResult:
+        """The cache outcome of opening (NEW, HIT, PARTIAL, MISS, MISMATCH)."""
+        return self.opened.cache
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    def _request(self, **kind: Message) -> pb.SessionRequest:
+        return pb.SessionRequest(version=self._client.version, **kind)
+
+    async def _send(self, req: pb.SessionRequest) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self.closed is not None:
+            raise ShardError(
+                ErrorCode.ILLEGAL_TRANSITION, "the session is closed", session_id=self.session_id
+            )
+        await self._stream.send(req)
+
+    async def _next(self) -> pb.SessionResponse:
+        """The next response; a stream that ended becomes this session's fatal error."""
+        if self._dead is not None:
+            raise self._dead
+        try:
+            msg = await self._stream.receive(pb.SessionResponse)
+        except ShardError as err:
+            self._dead = err
+            raise
+        if msg is None:
+            err = self._stream.error() or ShardError(
+                ErrorCode.INTERNAL, "the worker ended the session stream without closing it",
+                session_id=self.session_id,
+            )
+            self._dead = err
+            raise err
+        if msg.WhichOneof("kind") == "closed":
+            self.closed = msg.closed
+        return msg
+
+    async def _open(self, open_msg: pb.OpenSession) -> None:
+        await self._send(self._request(open=open_msg))
+        msg = await self._next()
+        if msg.WhichOneof("kind") != "opened":
+            raise ShardError(ErrorCode.INTERNAL, f"expected SessionOpened, got {msg.WhichOneof('kind')}")
+        self.opened = msg.opened
+        self._window = self._outstanding = max(1, msg.opened.credit)
+
+    async def _top_up(self) -> None:
+        """Grant credit back once half the window is used (the caller consumed results)."""
+        if self._outstanding <= self._window // 2 and self.closed is None and self._dead is None:
+            grant = self._window - self._outstanding
+            await self._send(self._request(credit=pb.Credit(messages=grant)))
+            self._outstanding += grant
+
+    async def _begin(self, req: pb.SessionRequest) -> int:
+        """Send a step request after finishing any abandoned one; return its serial."""
+        await self._skip_abandoned()
+        await self._top_up()
+        await self._send(req)
+        self._serial += 1
+        self._pending = True
+        return self._serial
+
+    async def _skip_abandoned(self) -> None:
+        """A generate was left early: tell the worker to stop it and skip its results."""
+        if not self._pending:
+            return
+        await self._client.cancel(self.session_id)
+        while self._pending:
+            try:
+                await self._read_result(self._serial)
+            except ShardError:
+                if self._dead is not None or self.closed is not None:
+                    raise  # the session itself ended
+                # the abandoned request's own error (typically CANCELLED): nobody waits for it
+
+    async def _read_result(self, serial: int) -> pb.StepResult | None:
+        """The next StepResult of request ``serial``; None once its Usage arrived."""
+        if serial != self._serial or not self._pending:
+            raise ShardError(ErrorCode.ILLEGAL_TRANSITION, "this request's results were abandoned",
+                             session_id=self.session_id)
+        error: ShardError | None = None
+        while True:
+            msg = await self._next()
+            kind = msg.WhichOneof("kind")
+            if kind == "step":
+                self._outstanding -= 1
+                return msg.step
+            if kind == "error":
+                error = ShardError.from_proto(msg.error)
+            elif kind == "usage":
+                self.usage = msg.usage
+                self._pending = False
+                if error is not None:
+                    raise error
+                return None
+            elif kind == "closed":
+                self._pending = False
+                raise ShardError(ErrorCode.SESSION_NOT_FOUND, "the session was released",
+                                 session_id=self.session_id)
+
+    async def _one_step(self, req: pb.SessionRequest) -> pb.StepResult:
+        serial = await self._begin(req)
+        step = await self._read_result(serial)
+        if step is None:
+            raise ShardError(ErrorCode.INTERNAL, "the step produced no result", session_id=self.session_id)
+        if await self._read_result(serial) is not None:
+            raise ShardError(
+                ErrorCode.INTERNAL, "the step produced several results", session_id=self.session_id
+            )
+        return step
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    async def prefill(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        hidden_states: np.ndarray | None = None,
+        position: int | None = None,
+        sampling: pb.SamplingParams | None = None,
+        top_logprobs: int = 0,
+    ) -> pb.StepResult:
+        """Write a prompt (token ids, text, or float32 [n, n_embd] hidden states) at
+        ``position`` (default: append at the session's end)."""
+        p = pb.Prefill(top_logprobs=top_logprobs)
+        if tokens is not None:
+            p.tokens.ids.extend(tokens)
+        elif text is not None:
+            p.text = text
+        elif hidden_states is not None:
+            p.hidden_states.CopyFrom(convert.array_to_tensor(hidden_states))
+        if position is not None:
+            p.position.value = position
+        if sampling is not None:
+            p.sampling.CopyFrom(sampling)
+        return await self._one_step(self._request(prefill=p))
+
+    async def decode(
+        self,
+        token: int | None = None,
+        *,
+        hidden_state: np.ndarray | None = None,
+        sampling: pb.SamplingParams | None = None,
+        top_logprobs: int = 0,
+    ) -> pb.StepResult:
+        """Append one token (or one hidden-state row [1, n_embd]) and compute one step."""
+        d = pb.Decode(top_logprobs=top_logprobs)
+        if token is not None:
+            d.token = token
+        elif hidden_state is not None:
+            d.hidden_state.CopyFrom(convert.array_to_tensor(hidden_state))
+        if sampling is not None:
+            d.sampling.CopyFrom(sampling)
+        return await self._one_step(self._request(decode=d))
+
+    def generate(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        text: str | None = None,
+        max_tokens: int = 64,
+        sampling: pb.SamplingParams | None = None,
+        stop_tokens: Sequence[int] = (),
+        ignore_eos: bool = False,
+        top_logprobs: int = 0,
+    ) -> StepStream:
+        """Server-driven decoding: iterate for one ``StepResult`` per token (the last one has
+        ``finish_reason`` set). Without a prompt it continues from the last step's token.
+
+        Leaving the loop early is safe: the next request on this session first tells the
+        worker to stop (Cancel) and skips the rest; leaving the session block resets it.
+        """
+        g = pb.Generate(max_tokens=max_tokens, stop_tokens=stop_tokens, ignore_eos=ignore_eos,
+                        top_logprobs=top_logprobs)
+        if tokens is not None:
+            g.tokens.ids.extend(tokens)
+        elif text is not None:
+            g.text = text
+        if sampling is not None:
+            g.sampling.CopyFrom(sampling)
+        return StepStream(self, self._request(generate=g))
+
+    async def close(self, *, retain: bool = False) -> pb.SessionClosed:
+        """Close the session: free its KV cache, or keep it ``resume_ttl_ms`` for a later
+        stream (``retain=True``; resume with ``cache=cache_expectation(tokens)``)."""
+        if self.closed is not None:
+            return self.closed
+        await self._skip_abandoned()
+        await self._send(self._request(close=pb.CloseSession(retain=retain)))
+        await self._stream.half_close()
+        while self.closed is None:
+            msg = await self._next()
+            if msg.WhichOneof("kind") == "step":
+                self._outstanding -= 1
+        end = await self._stream.receive(pb.SessionResponse)  # the status follows
+        err = self._stream.error()
+        if end is not None or err is not None:
+            self._dead = err or ShardError(ErrorCode.INTERNAL, "unexpected message after SessionClosed")
+            raise self._dead
+        self._stream.close()
+        return self.closed
+
+    def abort(self) -> None:
+        """Reset the stream now (sync): the worker releases the session."""
+        self._dead = self._dead or ShardError(ErrorCode.CANCELLED, "aborted by the client",
+                                              session_id=self.session_id)
+        self._stream.abort()
+
+
+class StepStream:
+    """The results of one Generate (an async iterator; not a generator, so an abandoned one
+    needs no finalizer). Credit is granted each time the caller asks for the next result."""
+
+    def __init__(self, session: ClientSession, request: pb.SessionRequest) -> None:
+        self._session = session
+        self._request = request
+        self._serial: int | None = None
+        self._consumed = False
+        self._done = False
+
+    def __aiter__(self) -> StepStream:
+        return self
+
+    async def __anext__(self) -> pb.StepResult:
+        s = self._session
+        if self._done:
+            raise StopAsyncIteration
+        if self._serial is None:
+            self._serial = await s._begin(self._request)
+        elif self._consumed:
+            await s._top_up()  # the caller came back for more: grant credit
+        try:
+            step = await s._read_result(self._serial)
+        except BaseException:
+            self._done = True
+            raise
+        if step is None:
+            self._done = True
+            raise StopAsyncIteration
+        self._consumed = True
+        return step
+
+    async def aclose(self) -> None:
+        """Stop reading; the session skips the rest before its next request."""
+        self._done = True
+        await trio.lowlevel.checkpoint()
+
+
+class OneShot:
+    """``ShardClient.generate``: a session opened on first use, closed when exhausted, reset on
+    error, cancellation or ``aclose()``."""
+
+    def __init__(self, client: ShardClient, request: pb.Generate, timeout: float | None) -> None:
+        self._client = client
+        self._request = request
+        self._timeout = timeout
+        self._session: ClientSession | None = None
+        self._steps: StepStream | None = None
+        self._done = False
+
+    def __aiter__(self) -> OneShot:
+        return self
+
+    async def __anext__(self) -> pb.StepResult:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            if self._steps is None:
+                self._session = await self._client.open_session(timeout=self._timeout)
+                self._steps = StepStream(self._session, self._session._request(generate=self._request))
+            return await self._steps.__anext__()
+        except StopAsyncIteration:
+            self._done = True
+            assert self._session is not None
+            await self._session.close()
+            raise
+        except BaseException:
+            self._done = True
+            if self._session is not None:
+                self._session.abort()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop now: reset the stream so the worker releases the session at once."""
+        if not self._done:
+            self._done = True
+            if self._session is not None:
+                self._session.abort()
+        await trio.lowlevel.checkpoint()
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """One generated token as text. ``text`` is what the token completes: it may be empty
+    while a UTF-8 character is still incomplete, and the last chunk flushes the decoder."""
+
+    text: str
+    token_id: int
+    piece: bytes  # the token's raw bytes
+    logprob: float
+    finish_reason: int  # pb.FinishReason; FINISH_REASON_UNSPECIFIED except on the last token
+    n_past: int
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class TextStream:
+    """``ShardClient.generate_text``: a ``TextChunk`` per token of a ``OneShot``."""
+
+    def __init__(self, steps: OneShot) -> None:
+        self._steps = steps
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def __aiter__(self) -> TextStream:
+        return self
+
+    async def __anext__(self) -> TextChunk:
+        step = await self._steps.__anext__()
+        last = step.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        lg = step.logits
+        return TextChunk(
+            text=self._decoder.decode(lg.piece, final=last),
+            token_id=lg.token_id,
+            piece=lg.piece,
+            logprob=lg.logprob,
+            finish_reason=step.finish_reason,
+            n_past=step.n_past,
+        )
+
+    async def aclose(self) -> None:
+        await self._steps.aclose()

@@ -1,0 +1,141 @@
+"""Assemble a worker: engine + Shard servicer + grpc.health.v1 + the hardened transport.
+
+``serve()`` is the one entry point the CLI calls. It owns every task it starts (session
+registry with its reaper and stream tasks, the health synchroniser, the transport) in one
+nursery, and reports readiness with ``task_status.started(RunningServer)`` only once the port is
+bound. Cancelling it stops the transport, releases every session and returns; the engine itself
+belongs to the caller (``async with engine:``), so it is not closed here.
+
+Health is honest in both protocols: the Shard ``Health`` RPC and the standard
+``grpc.health.v1`` service report SERVING only while the engine is READY and the worker is not
+draining, and the standard one is kept in step by a small task that re-reads the engine state
+whenever it is nudged (load, drain) and at least every ``health_interval`` seconds (an engine
+can fail inside any step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import ssl
+from dataclasses import dataclass
+
+import trio
+from trio_util import AsyncValue
+
+from shard.engine import LoadSpec, ShardEngine
+from shard.v1 import shard_pb2 as pb
+
+from .errors import unwrap_single_exception
+from .health import NOT_SERVING, SERVING, HealthService
+from .registry import Registry
+from .servicer import Authorizer, ShardServicer
+from .session import SessionLimits
+from .transport import Server, TransportLimits
+
+log = logging.getLogger(__name__)
+
+SHARD_SERVICE = "shard.v1.Shard"
+
+
+@dataclass
+class RunningServer:
+    """Handle on a serving worker, given by ``task_status.started``."""
+
+    host: str
+    port: int
+    servicer: ShardServicer
+    registry: Registry
+    health: HealthService
+    _nudge: AsyncValue[int]
+
+    @property
+    def target(self) -> str:
+        """``host:port`` for ``ShardClient.connect`` or ``grpc.insecure_channel``."""
+        return f"{self.host}:{self.port}"
+
+    def drain(self) -> None:
+        """Refuse new sessions (DRAINING) while running ones finish; health turns DRAINING."""
+        self.registry.draining = True
+        self._nudge.value += 1
+
+    async def wait_idle(self) -> None:
+        """Wait until no Session stream is running (e.g. after ``drain()``)."""
+        await self.registry.streams.wait_value(0)
+
+    def sync_health(self) -> None:
+        """Push the current health to grpc.health.v1 now (also done periodically)."""
+        self._nudge.value += 1
+
+
+async def serve(
+    engine: ShardEngine,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    load: LoadSpec | None = None,
+    limits: SessionLimits = SessionLimits(),
+    resume_ttl: float | None = None,
+    transport_limits: TransportLimits = TransportLimits(),
+    ssl_context: ssl.SSLContext | None = None,
+    authorize: Authorizer | None = None,
+    health_interval: float = 1.0,
+    task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``engine`` on ``host:port`` until cancelled.
+
+    ``load``: when given, the engine (still CREATED) is loaded *after* the port is bound, so
+    health reports NOT_READY while it loads; a failed load raises out of ``serve``. Otherwise
+    pass an engine that is already loaded. ``port=0`` picks a free port (see
+    ``RunningServer.port``). ``limits`` bounds each session stream (credit, resume TTL, close
+    linger); ``resume_ttl`` (seconds, 0 disables retention) overrides ``limits.resume_ttl``.
+    ``authorize`` is the optional auth hook (see ``servicer.Authorizer``).
+    """
+    if not (math.isfinite(health_interval) and health_interval > 0):
+        raise ValueError("health_interval must be a positive number of seconds")
+    if resume_ttl is not None:
+        limits = dataclasses.replace(limits, resume_ttl=resume_ttl)
+    registry = Registry(engine, limits)
+    servicer = ShardServicer(
+        engine, registry, transport_limits=transport_limits, authorize=authorize
+    )
+    health = HealthService()
+    transport = Server(host=host, port=port, limits=transport_limits, ssl_context=ssl_context)
+    transport.add_service(servicer.service)
+    transport.add_service(health.service)
+    nudge = AsyncValue(0)
+    _apply_health(servicer, health)
+    try:
+        with unwrap_single_exception():  # callers get OSError / EngineError, not a group
+            async with trio.open_nursery() as nursery:
+                await nursery.start(registry.run)
+                nursery.start_soon(_sync_health, servicer, health, nudge, health_interval)
+                bound = await nursery.start(transport.serve)
+                running = RunningServer(host, bound, servicer, registry, health, nudge)
+                servicer.on_health_change = running.sync_health
+                log.info("serving %s on %s:%d", SHARD_SERVICE, host, bound)
+                task_status.started(running)
+                if load is not None:
+                    await engine.load(load)  # an EngineError here stops the worker
+                    running.sync_health()
+    finally:
+        health.shutdown()
+
+
+def _apply_health(servicer: ShardServicer, health: HealthService) -> None:
+    serving = servicer.health_status()[0] == pb.HealthResponse.STATUS_SERVING
+    for name in ("", SHARD_SERVICE):
+        health.set(name, SERVING if serving else NOT_SERVING)
+
+
+async def _sync_health(
+    servicer: ShardServicer, health: HealthService, nudge: AsyncValue[int], interval: float
+) -> None:
+    while True:
+        _apply_health(servicer, health)
+        with trio.move_on_after(interval):
+            await nudge.wait_transition()
+
+
+__all__ = ["RunningServer", "SHARD_SERVICE", "serve"]

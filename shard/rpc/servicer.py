@@ -1,0 +1,231 @@
+"""The ``shard.v1.Shard`` RPC handlers: authorize, check the version, call, map errors.
+
+Why thin: the session state machine lives in ``session.py`` and the session table in
+``registry.py``; this module only adapts them to the transport API (``current_call()``,
+``StatusError``) and to protobuf. Every error leaves as a gRPC status plus the
+``shard-error-bin`` trailer; an unexpected exception becomes a generic INTERNAL status and a log
+line, never a traceback on the wire.
+
+Error handling: handlers catch ``Exception`` only, so ``trio.Cancelled`` always propagates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+from shard.engine import EngineError, EngineState, ShardEngine
+from shard.v1 import shard_pb2 as pb
+from shard.v1.shard_grpc import ShardServicer as _ShardServicerBase
+
+from . import convert
+from .errors import ERROR_TRAILER, STATUS_ERROR_CODES, ErrorCode, GrpcStatus, ShardError, internal_error
+from .registry import Registry
+from .session import SessionLimits, StreamEnd
+from .transport import CallContext, EndReason, StatusError, TransportLimits, current_call
+from .versions import check_version
+
+log = logging.getLogger(__name__)
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+#: Optional authentication hook: inspect the call (metadata such as a bearer token, the peer)
+#: and raise ``ShardError(UNAUTHENTICATED | PERMISSION_DENIED)`` to refuse it. The worker only
+#: verifies; who may do what, and billing, stay with the router.
+Authorizer = Callable[[CallContext], Awaitable[None]]
+
+_STREAM_END: dict[EndReason, StreamEnd] = {
+    EndReason.DEADLINE: StreamEnd.DEADLINE,
+    EndReason.CLIENT_CANCELLED: StreamEnd.CLIENT_CANCELLED,
+    EndReason.CONNECTION_LOST: StreamEnd.CONNECTION_LOST,
+    EndReason.SHUTDOWN: StreamEnd.SHUTDOWN,
+}
+
+#: The Shard error that rides along when the transport itself ends a call with a status.
+_END_ERRORS: dict[EndReason, ShardError] = {
+    EndReason.DEADLINE: ShardError(ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired"),
+    EndReason.SHUTDOWN: ShardError(ErrorCode.NOT_READY, "the worker is shutting down"),
+}
+
+
+def status_error(err: ShardError) -> StatusError:
+    """The transport exception that ends a call with ``err`` as status + trailer."""
+    return StatusError(int(err.grpc_status), err.message, err.trailers())
+
+
+class _Requests:
+    """The request stream as the session sees it: transport failures become ShardErrors."""
+
+    def __init__(self, inner: AsyncIterable[pb.SessionRequest]) -> None:
+        self._inner = aiter(inner)
+
+    def __aiter__(self) -> _Requests:
+        return self
+
+    async def __anext__(self) -> pb.SessionRequest:
+        try:
+            return await anext(self._inner)
+        except StatusError as exc:  # oversized or unparsable request message
+            code = (
+                ErrorCode.INVALID_ARGUMENT
+                if exc.code == GrpcStatus.INTERNAL
+                else STATUS_ERROR_CODES.get(GrpcStatus(exc.code), ErrorCode.INTERNAL)
+            )
+            raise ShardError(code, exc.message) from None
+
+
+class ShardServicer(_ShardServicerBase):
+    """Handlers of ``shard.v1.Shard``; register ``servicer.service`` with the transport."""
+
+    def __init__(
+        self,
+        engine: ShardEngine,
+        registry: Registry,
+        *,
+        transport_limits: TransportLimits = TransportLimits(),
+        authorize: Authorizer | None = None,
+    ) -> None:
+        self.engine = engine
+        self.registry = registry
+        self._transport_limits = transport_limits
+        self._authorize = authorize
+        #: Called when an error suggests the engine's health changed (set by ``serve``), so
+        #: grpc.health.v1 turns NOT_SERVING at once rather than at the next periodic check.
+        self.on_health_change: Callable[[], None] | None = None
+
+    @property
+    def limits(self) -> SessionLimits:
+        return self.registry.limits
+
+    # ---- unary RPCs ------------------------------------------------------------------------
+
+    async def GetCapabilities(self, input_message: pb.GetCapabilitiesRequest) -> pb.GetCapabilitiesResponse:
+        return await self._unary(input_message, self._capabilities)
+
+    async def Health(self, input_message: pb.HealthRequest) -> pb.HealthResponse:
+        return await self._unary(input_message, self._health)
+
+    async def Cancel(self, input_message: pb.CancelRequest) -> pb.CancelResponse:
+        return await self._unary(input_message, self._cancel)
+
+    async def Release(self, input_message: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        return await self._unary(input_message, self._release)
+
+    async def GetMetrics(self, input_message: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
+        return await self._unary(input_message, self._metrics)
+
+    async def _unary(self, request: Req, handler: Callable[[Req], Awaitable[Resp]]) -> Resp:
+        ctx = current_call()
+        self.registry.count(f"rpc_{ctx.method.rsplit('/', 1)[-1]}_total")
+        try:
+            if self._authorize is not None:
+                await self._authorize(ctx)
+            check_version(request, getattr(request, "session_id", ""))
+            return await handler(request)
+        except ShardError as err:
+            raise self._refuse(err) from None
+        except EngineError as exc:
+            raise self._refuse(ShardError.from_engine(exc)) from None
+        except Exception:
+            log.exception("%s failed", ctx.method)
+            raise self._refuse(internal_error()) from None
+        finally:
+            _note_end(ctx)
+
+    async def _capabilities(self, _: pb.GetCapabilitiesRequest) -> pb.GetCapabilitiesResponse:
+        await trio.lowlevel.checkpoint()
+        return convert.capabilities_to_proto(
+            self.engine.capabilities(),
+            max_message_bytes=self._transport_limits.max_message_bytes,
+            max_credit=self.limits.max_credit,
+            resume_ttl_ms=self.limits.resume_ttl_ms,
+        )
+
+    async def _health(self, _: pb.HealthRequest) -> pb.HealthResponse:
+        await trio.lowlevel.checkpoint()
+        status, detail = self.health_status()
+        max_sessions = 0
+        if self.engine.health().ready:
+            max_sessions = self.engine.capabilities().max_sessions
+        return pb.HealthResponse(
+            status=status,  # type: ignore[arg-type]
+            detail=detail,
+            sessions_active=self.registry.n_live,
+            sessions_retained=self.registry.n_retained,
+            max_sessions=max_sessions,
+        )
+
+    def health_status(self) -> tuple[int, str]:
+        """Honest health: from the engine's own state and the worker's draining flag."""
+        H = pb.HealthResponse
+        health = self.engine.health()
+        if health.state is EngineState.FAILED:
+            return H.STATUS_FAILED, health.detail or "engine failed"
+        if health.state is not EngineState.READY:
+            return H.STATUS_NOT_READY, health.detail or health.state.value
+        if self.registry.draining:
+            return H.STATUS_DRAINING, "draining: finishing sessions, refusing new ones"
+        return H.STATUS_SERVING, ""
+
+    async def _cancel(self, req: pb.CancelRequest) -> pb.CancelResponse:
+        await trio.lowlevel.checkpoint()
+        found, was_running = self.registry.cancel(req.session_id)
+        return pb.CancelResponse(found=found, was_running=was_running)
+
+    async def _release(self, req: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=await self.registry.release(req.session_id))
+
+    async def _metrics(self, _: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
+        await trio.lowlevel.checkpoint()
+        return convert.metrics_to_proto(self.engine.metrics(), self.registry.worker_metrics())
+
+    # ---- the session stream ----------------------------------------------------------------
+
+    async def Session(
+        self, input_messages: AsyncIterable[pb.SessionRequest]
+    ) -> AsyncIterator[pb.SessionResponse]:
+        """Relay one ``SessionCall``'s responses; end it with the transport's end reason.
+
+        No nursery or cancel scope is open across ``yield`` (see session.py): the session's work
+        runs in the registry's nursery; this generator only forwards messages.
+        """
+        ctx = current_call()
+        try:
+            if self._authorize is not None:
+                await self._authorize(ctx)
+            call = await self.registry.start_call(_Requests(input_messages), deadline=ctx.deadline)
+        except ShardError as err:
+            raise self._refuse(err) from None
+        finished = False
+        try:
+            async for message in call.responses:
+                yield message
+            finished = True
+        finally:
+            if not finished:
+                reason = ctx.end_reason
+                call.end(_STREAM_END[reason] if reason is not None else StreamEnd.CONNECTION_LOST)
+                _note_end(ctx)
+            with trio.CancelScope(shield=True):
+                await call.done.wait()  # the session is released or retained by now
+            call.responses.close()
+        if call.error is not None:
+            raise self._refuse(call.error)
+
+    def _refuse(self, err: ShardError) -> StatusError:
+        self.registry.count_error(err.code)
+        if err.code in (ErrorCode.ENGINE_FAILURE, ErrorCode.NOT_READY) and self.on_health_change:
+            self.on_health_change()
+        return status_error(err)
+
+
+def _note_end(ctx: CallContext) -> None:
+    """When the transport ends the call itself, attach the matching Shard error trailer."""
+    if ctx.end_reason in _END_ERRORS and not any(k == ERROR_TRAILER for k, _ in ctx.trailers):
+        ctx.trailers.extend(_END_ERRORS[ctx.end_reason].trailers())
+
+
+__all__ = ["Authorizer", "ShardServicer", "status_error"]

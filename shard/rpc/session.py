@@ -1,0 +1,735 @@
+"""One ``Session`` stream: an explicit state machine running in its own nursery.
+
+Why a separate task tree: a purerpc handler for a bidi stream is an async generator, and a
+nursery or cancel scope must never stay open across a ``yield`` (the consumer's code would run
+inside it). So each stream's work runs in a ``SessionCall`` task owned by the registry's
+nursery; the handler only moves messages from ``SessionCall.responses`` to the wire and, when the
+wire goes away, calls ``SessionCall.end(reason)`` and waits for ``done``.
+
+State machine (``Phase``)::
+
+    AWAITING_OPEN --OpenSession--> IDLE --Prefill/Decode/Generate--> RUNNING --done--> IDLE
+    IDLE|RUNNING --CloseSession / half-close--> CLOSING --running step done--> CLOSED
+    any --fatal error / deadline / end(reason)--> CLOSED
+
+Anything else is a protocol violation and ends the stream with ILLEGAL_TRANSITION (a message
+before OpenSession, a second OpenSession, a step while a step runs, anything after
+CloseSession). Request-level problems (bad token ids, wrong hidden-state shape or dtype, a full
+KV budget, a step deadline, an out-of-band Cancel) are *step-level*: reported in-stream as
+``SessionResponse.error`` and the session stays usable. Every Prefill/Decode/Generate is answered
+by zero or more ``StepResult``, an optional ``Error``, then exactly one ``Usage``.
+
+Resource handling: the task owns the engine session from OpenSession until it either releases
+it or hands it to the registry as *retained* (kept for ``resume_ttl`` so a new stream can resume
+it). The cleanup runs shielded, so a cancelled or failed stream never leaks KV cells.
+
+Flow control: responses leave through a bounded memory channel (capacity ``max_credit`` + a few
+control messages). Each ``StepResult`` needs one credit, taken *before* the engine computes it,
+so a client that stops granting credit parks generation at once and at most ``credit`` results
+are ever buffered. After the client half-closes or sends CloseSession it can no longer grant
+credit; from then on only HTTP/2 flow control (through the same bounded channel) paces the
+stream.
+
+Deadlines: the task's cancel scope carries the call deadline (``grpc-timeout``); expiry releases
+the session and ends the stream with DEADLINE_EXCEEDED. ``OpenSession.step_timeout_ms`` bounds
+each engine call; expiry is a step-level DEADLINE_EXCEEDED (the engine rolls the step back).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import sys
+from collections.abc import AsyncIterable, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+import trio
+from google.protobuf.message import DecodeError
+from trio_util import AsyncBool, AsyncValue
+
+from shard.engine import (
+    Capabilities,
+    DecodeRequest,
+    EngineError,
+    EngineState,
+    PrefillRequest,
+    SamplingParams,
+    ShardEngine,
+    StepResult,
+    TooManySessions,
+)
+from shard.v1 import shard_pb2 as pb
+
+from . import convert
+from .errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
+from .versions import check_version, current_proto
+
+if TYPE_CHECKING:
+    from .registry import Registry, Retained
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+UNLIMITED_CREDIT = sys.maxsize
+MAX_SESSION_ID_BYTES = 128
+_CONTROL_SLOTS = 4  # opened + error + usage + closed never need credit
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Per-stream bounds; test defaults are the production defaults."""
+
+    default_credit: int = 16  # OpenSession.initial_credit == 0
+    max_credit: int = 64  # outstanding step messages a client may grant (channel capacity)
+    resume_ttl: float = 30.0  # seconds a retained session keeps its KV cache
+    close_linger: float = 5.0  # seconds to wait for the client's half-close after CloseSession
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_credit <= self.max_credit:
+            raise ValueError("need 1 <= default_credit <= max_credit")
+        for name in ("resume_ttl", "close_linger"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0")
+
+    @property
+    def resume_ttl_ms(self) -> int:
+        return int(self.resume_ttl * 1000)
+
+
+class Phase(enum.Enum):
+    AWAITING_OPEN = "awaiting_open"
+    IDLE = "idle"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class StreamEnd(enum.Enum):
+    """Why a stream ended from outside the state machine; decides release vs. retain."""
+
+    DEADLINE = "deadline"  # released
+    CLIENT_CANCELLED = "client_cancelled"  # RST_STREAM: released
+    CONNECTION_LOST = "connection_lost"  # retained for resume_ttl
+    SHUTDOWN = "shutdown"  # released
+    RELEASED = "released"  # Release RPC: released
+
+
+_RETAIN_ON_END = frozenset({StreamEnd.CONNECTION_LOST})
+_CLOSED_REASON = {
+    StreamEnd.DEADLINE: pb.SessionClosed.REASON_ERROR,
+    StreamEnd.CLIENT_CANCELLED: pb.SessionClosed.REASON_ERROR,
+    StreamEnd.CONNECTION_LOST: pb.SessionClosed.REASON_ERROR,
+    StreamEnd.SHUTDOWN: pb.SessionClosed.REASON_SHUTDOWN,
+    StreamEnd.RELEASED: pb.SessionClosed.REASON_RELEASED,
+}
+
+
+def _illegal(message: str, session_id: str = "") -> ShardError:
+    return ShardError(ErrorCode.ILLEGAL_TRANSITION, message, session_id=session_id)
+
+
+class SessionCall:
+    """The server side of one ``Session`` stream (see the module docstring).
+
+    Created and started by ``Registry.start_call``. Public surface for the handler and the
+    registry: ``responses`` (receive channel), ``end(reason)``, ``done``, ``error``;
+    ``cancel_step()`` for the Cancel RPC; ``phase``, ``credit``, ``parked`` and ``buffered()`` for
+    observers and tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: ShardEngine,
+        registry: Registry,
+        limits: SessionLimits,
+        requests: AsyncIterable[pb.SessionRequest],
+        deadline: float = math.inf,
+    ) -> None:
+        self._engine = engine
+        self._registry = registry
+        self._limits = limits
+        self._requests = requests
+        self._deadline = deadline
+        send, recv = trio.open_memory_channel[pb.SessionResponse](limits.max_credit + _CONTROL_SLOTS)
+        self._outbox = send
+        self.responses: trio.MemoryReceiveChannel[pb.SessionResponse] = recv
+
+        self.phase: AsyncValue[Phase] = AsyncValue(Phase.AWAITING_OPEN)
+        self.credit: AsyncValue[int] = AsyncValue(0)
+        self.parked = AsyncBool(False)  # a step waits for credit
+        self.done = trio.Event()
+        self.error: ShardError | None = None  # the fatal error the stream ends with, if any
+        self.session_id = ""
+
+        self._scope = trio.CancelScope(deadline=deadline)
+        self._end_reason: StreamEnd | None = None
+        self.ended_at: float | None = None  # trio time the stream was told to stop (observers)
+        self._nursery: trio.Nursery | None = None
+        self._reader_scope = trio.CancelScope()
+        self._step_scope: trio.CancelScope | None = None
+        self._step_active = AsyncBool(False)
+        self._owns_engine_session = False  # the engine session exists and is ours to free
+        self._caps: Capabilities | None = None
+        self._kv_capacity = 0
+        self._step_timeout = math.inf
+        self._end = 0  # logical end of the session (positions the client may build on)
+        self._engine_len = 0  # positions the engine holds (>= _end after a partial resume)
+        self._next_token: int | None = None  # token chosen by the last logits step
+        self._step_no = 0
+        self._totals = pb.Usage()
+
+    # ---- control from outside -------------------------------------------------------------
+
+    def end(self, reason: StreamEnd) -> None:
+        """Stop the stream because its consumer went away (or Release/shutdown). Idempotent."""
+        if self._end_reason is None:
+            self._end_reason = reason
+            self.ended_at = trio.current_time()
+        self._scope.cancel()
+
+    def cancel_step(self) -> bool:
+        """Out-of-band Cancel: stop the running step (the engine stops within one step)."""
+        if self._step_scope is None or not self._step_active.value:
+            return False
+        self._step_scope.cancel()
+        return True
+
+    def buffered(self) -> int:
+        """Responses produced but not yet taken by the transport (bounded by the channel)."""
+        return self._outbox.statistics().current_buffer_used
+
+    @property
+    def running(self) -> bool:
+        return self._step_active.value
+
+    @property
+    def deadline(self) -> float:
+        """The call deadline (trio clock); ``inf`` without ``grpc-timeout``."""
+        return self._deadline
+
+    # ---- the task -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The stream's task; started by the registry in its nursery."""
+        task_status.started()
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self._guarded, self._read_requests)
+            if (
+                self._scope.cancelled_caught
+                and self._end_reason is None
+                and self.error is None
+                and trio.current_time() >= self._deadline
+            ):
+                self._end_reason = StreamEnd.DEADLINE
+                self.ended_at = self._deadline
+                self.error = ShardError(
+                    ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired", session_id=self.session_id
+                )
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._finish()
+                except Exception:  # never leak KV cells because of a bug in the cleanup
+                    log.exception("session %r: cleanup failed", self.session_id)
+            self._outbox.close()
+            self.done.set()
+
+    async def _guarded(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run a child task; errors become the stream's fatal error instead of escaping."""
+        try:
+            await fn()
+        except ShardError as err:
+            self._fail(err)
+        except Exception:
+            log.exception("session %r: internal error", self.session_id)
+            self._fail(internal_error(self.session_id))
+
+    def _fail(self, err: ShardError) -> None:
+        """End the stream with ``err`` (first error wins); the session is released."""
+        if self.error is None:
+            if not err.session_id:
+                err.session_id = self.session_id
+            self.error = err
+        if self.ended_at is None:
+            self.ended_at = trio.current_time()
+        self._scope.cancel()
+
+    # ---- reading requests -----------------------------------------------------------------
+
+    async def _read_requests(self) -> None:
+        requests = self._requests
+        try:
+            with self._reader_scope:
+                try:
+                    async for req in requests:
+                        await self._dispatch(req)
+                except DecodeError:
+                    raise convert.invalid("a SessionRequest could not be parsed", self.session_id) from None
+                if self.phase.value is not Phase.CLOSED:
+                    await self._on_half_close()
+        finally:
+            aclose = getattr(requests, "aclose", None)
+            if aclose is not None:
+                with trio.CancelScope(shield=True):
+                    await aclose()
+
+    async def _dispatch(self, req: pb.SessionRequest) -> None:
+        sid = self.session_id
+        check_version(req, sid)
+        kind = req.WhichOneof("kind")
+        phase = self.phase.value
+        if phase in (Phase.CLOSING, Phase.CLOSED):
+            raise _illegal(f"{kind or 'a message'} after CloseSession", sid)
+        if kind is None:
+            raise convert.invalid("empty SessionRequest (no kind set)", sid)
+        if phase is Phase.AWAITING_OPEN:
+            if kind != "open":
+                raise _illegal(f"{kind} before OpenSession", sid)
+            await self._open(req.open)
+            return
+        if kind == "open":
+            raise _illegal("a second OpenSession on the same stream", sid)
+        if kind == "credit":
+            self._grant(req.credit.messages)
+        elif kind == "close":
+            await self._close_requested(retain=req.close.retain, half_close=False)
+        elif phase is Phase.RUNNING:
+            raise _illegal(f"{kind} while a step is running (steps never interleave)", sid)
+        else:
+            assert self._nursery is not None
+            self.phase.value = Phase.RUNNING
+            self._step_active.value = True
+            self._nursery.start_soon(self._guarded, lambda: self._run_step(req))
+
+    async def _on_half_close(self) -> None:
+        if self.phase.value is Phase.AWAITING_OPEN:
+            raise _illegal("the request stream ended before OpenSession")
+        await self._close_requested(retain=True, half_close=True)
+
+    def _grant(self, messages: int) -> None:
+        if self.credit.value != UNLIMITED_CREDIT:
+            self.credit.value = min(self.credit.value + messages, self._limits.max_credit)
+
+    # ---- open -----------------------------------------------------------------------------
+
+    async def _open(self, req: pb.OpenSession) -> None:
+        sid = req.session_id
+        if not sid or len(sid.encode("utf-8")) > MAX_SESSION_ID_BYTES:
+            raise convert.invalid(f"session_id must be 1..{MAX_SESSION_ID_BYTES} bytes")
+        try:
+            caps = self._engine.capabilities()
+        except EngineError as exc:
+            raise ShardError.from_engine(exc) from None
+        if self._registry.draining:
+            raise ShardError(ErrorCode.DRAINING, session_id=sid)
+        self._check_model(req, caps, sid)
+        if req.kv_budget > caps.n_ctx_per_session:
+            raise convert.invalid(
+                f"kv_budget {req.kv_budget} exceeds n_ctx_per_session {caps.n_ctx_per_session}", sid
+            )
+        expectation = req.cache if req.HasField("cache") else None
+        retained = self._registry.claim(sid, self, resuming=expectation is not None)
+        self.session_id = sid  # claimed: from here on the cleanup frees or returns it
+        self._caps = caps
+        self._step_timeout = req.step_timeout_ms / 1000 if req.step_timeout_ms else math.inf
+        cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
+        credit = min(req.initial_credit or self._limits.default_credit, self._limits.max_credit)
+        self.credit.value = credit
+        self.phase.value = Phase.IDLE
+        await self._send(
+            pb.SessionResponse(
+                opened=pb.SessionOpened(
+                    session_id=sid,
+                    cache=cache,
+                    kv_capacity=self._kv_capacity,
+                    n_past=self._end,
+                    credit=credit,
+                    version=current_proto(),
+                )
+            )
+        )
+
+    @staticmethod
+    def _check_model(req: pb.OpenSession, caps: Capabilities, sid: str) -> None:
+        if req.expected_model_fingerprint and req.expected_model_fingerprint != caps.model_fingerprint:
+            raise ShardError(
+                ErrorCode.INCOMPATIBLE_MODEL,
+                f"this worker serves model {caps.model_fingerprint}, "
+                f"not {req.expected_model_fingerprint}",
+                session_id=sid,
+            )
+        if req.HasField("expected_layer_range"):
+            want, have = req.expected_layer_range, caps.layer_range
+            if (want.start, want.end) != (have.start, have.end):
+                raise ShardError(
+                    ErrorCode.INCOMPATIBLE_MODEL,
+                    f"this worker serves layers [{have.start}, {have.end}), "
+                    f"not [{want.start}, {want.end})",
+                    session_id=sid,
+                )
+
+    async def _attach_kv(
+        self,
+        sid: str,
+        kv_budget: int | None,
+        expectation: pb.CacheExpectation | None,
+        retained: Retained | None,
+    ) -> pb.CacheResult:
+        """Resume a retained session or open a fresh one; return the cache outcome."""
+        R = pb.CacheResult
+        if retained is not None:
+            assert expectation is not None
+            self._owns_engine_session = True
+            outcome, held, reason = self._compare(sid, retained, expectation)
+            if outcome in (R.OUTCOME_HIT, R.OUTCOME_PARTIAL):
+                self._end = held
+                self._engine_len = retained.engine_len
+                self._kv_capacity = retained.kv_capacity
+                self._registry.count("sessions_resumed_total")
+                return R(outcome=outcome, tokens_held=held, reason=reason)
+            # Mismatch: the held cache is of no use to this client. Clear it, start empty.
+            await self._engine.release(sid)
+            self._owns_engine_session = False
+            await self._open_fresh(sid, kv_budget)
+            return R(outcome=outcome, tokens_held=0, reason=reason)
+        await self._open_fresh(sid, kv_budget)
+        if expectation is None:
+            return R(outcome=R.OUTCOME_NEW)
+        return R(outcome=R.OUTCOME_MISS, reason="no retained session with this id (expired or released)")
+
+    def _compare(
+        self, sid: str, retained: Retained, exp: pb.CacheExpectation
+    ) -> tuple[int, int, str]:
+        """Check a CacheExpectation against what the retained session holds."""
+        R = pb.CacheResult
+        try:
+            tokens = self._engine.session_info(sid).tokens
+        except EngineError:
+            return R.OUTCOME_MISMATCH, 0, "the retained session is gone from the engine"
+        held = retained.end
+        if not exp.prefix_sha256:  # count-only expectation (e.g. a hidden-state shard)
+            if exp.n_tokens <= held:
+                return R.OUTCOME_HIT, exp.n_tokens, ""
+            return R.OUTCOME_PARTIAL, held, f"only {held} of {exp.n_tokens} positions are held"
+        if tokens is None:
+            return R.OUTCOME_MISMATCH, 0, "the session holds hidden states; token digests cannot be checked"
+        if exp.n_tokens > held:
+            return R.OUTCOME_MISMATCH, 0, f"the expectation covers {exp.n_tokens} tokens, {held} are held"
+        if convert.prefix_sha256(tokens[: exp.n_tokens]) != exp.prefix_sha256:
+            return R.OUTCOME_MISMATCH, 0, "the held tokens differ from the expected prefix"
+        return R.OUTCOME_HIT, exp.n_tokens, ""
+
+    async def _open_fresh(self, sid: str, kv_budget: int | None) -> None:
+        while True:
+            try:
+                info = await self._engine.open_session(sid, kv_budget=kv_budget)
+                break
+            except TooManySessions as exc:
+                # Retained sessions are a best-effort cache: evict the oldest before refusing.
+                if not await self._registry.evict_one():
+                    raise ShardError.from_engine(exc) from None
+            except EngineError as exc:
+                raise ShardError.from_engine(exc) from None
+        self._owns_engine_session = True
+        self._kv_capacity = info.kv_budget
+        self._end = self._engine_len = 0
+
+    # ---- close ----------------------------------------------------------------------------
+
+    async def _close_requested(self, *, retain: bool, half_close: bool) -> None:
+        """CloseSession or half-close: let the running step finish, then release or retain."""
+        self.phase.value = Phase.CLOSING
+        self.credit.value = UNLIMITED_CREDIT  # the client can no longer grant credit
+        await self._step_active.wait_value(False)
+        C = pb.SessionClosed
+        reason = C.REASON_CLIENT_HALF_CLOSE if half_close else C.REASON_CLIENT_CLOSE
+        closed = await self._close(retain=retain, reason=reason)
+        await self._send(pb.SessionResponse(closed=closed))
+        if not half_close:
+            # Keep reading until the client half-closes, so that anything it sends after
+            # CloseSession is refused with ILLEGAL_TRANSITION rather than silently dropped.
+            self._reader_scope.deadline = trio.current_time() + self._limits.close_linger
+
+    async def _close(self, *, retain: bool, reason: int) -> pb.SessionClosed:
+        """Release or retain the engine session; move to CLOSED. Runs once."""
+        sid = self.session_id
+        healthy = self._engine.health().state is EngineState.READY
+        retained = False
+        if self._owns_engine_session:
+            self._owns_engine_session = False
+            if retain and healthy:
+                retained = self._registry.retain(
+                    sid, end=self._end, engine_len=self._engine_len, kv_capacity=self._kv_capacity
+                )
+            if not retained:
+                await self._registry.release_owned(sid)
+        elif sid:
+            self._registry.unclaim(sid, self)
+        self.phase.value = Phase.CLOSED
+        return pb.SessionClosed(
+            reason=reason,  # type: ignore[arg-type]
+            totals=self._totals,
+            kv_retained=retained,
+            resume_ttl_ms=self._limits.resume_ttl_ms if retained else 0,
+        )
+
+    async def _finish(self) -> None:
+        """Cleanup at the end of the task (shielded): release or retain if not done yet."""
+        if self.phase.value is Phase.CLOSED:
+            return
+        reason = self._end_reason
+        if reason is None and self.error is None:
+            # Cancelled from outside without a reason: the worker is stopping.
+            reason = StreamEnd.SHUTDOWN
+            self.error = ShardError(
+                ErrorCode.NOT_READY, "the worker is shutting down", session_id=self.session_id
+            )
+        retain = self.error is None and reason in _RETAIN_ON_END
+        closed_reason = pb.SessionClosed.REASON_ERROR if reason is None else _CLOSED_REASON[reason]
+        closed = await self._close(retain=retain, reason=closed_reason)
+        if reason is StreamEnd.RELEASED:
+            try:
+                self._outbox.send_nowait(pb.SessionResponse(closed=closed))
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client is not reading; the stream still ends cleanly
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    async def _run_step(self, req: pb.SessionRequest) -> None:
+        """One Prefill/Decode/Generate: StepResult*, optional Error, then Usage."""
+        usage = pb.Usage()
+        err: ShardError | None = None
+        try:
+            with trio.CancelScope() as scope:
+                self._step_scope = scope
+                kind = req.WhichOneof("kind")
+                if kind == "prefill":
+                    await self._prefill(req.prefill, usage)
+                elif kind == "decode":
+                    await self._decode(req.decode, usage)
+                else:
+                    await self._generate(req.generate, usage)
+            if scope.cancelled_caught:
+                err = ShardError(
+                    ErrorCode.CANCELLED, "the step was cancelled (Cancel RPC)", session_id=self.session_id
+                )
+        except ShardError as exc:
+            if exc.code in FATAL_IN_SESSION:
+                raise
+            err = exc
+        finally:
+            self.parked.value = False
+            self._step_scope = None
+        if err is not None:
+            if not err.session_id:
+                err.session_id = self.session_id
+            self._registry.count_error(err.code)
+            await self._send(pb.SessionResponse(error=err.to_proto()))
+        for field in ("prompt_tokens", "generated_tokens", "reused_tokens"):
+            setattr(self._totals, field, getattr(self._totals, field) + getattr(usage, field))
+        await self._send(pb.SessionResponse(usage=usage))
+        if self.phase.value is Phase.RUNNING:
+            self.phase.value = Phase.IDLE
+        self._step_active.value = False
+
+    async def _prefill(self, p: pb.Prefill, usage: pb.Usage) -> None:
+        caps, sid = self._require_caps(), self.session_id
+        position = p.position.value if p.HasField("position") else self._end
+        if position > self._end:
+            raise convert.invalid(f"position {position} is beyond the session end {self._end}", sid)
+        sampling = convert.sampling_from_proto(p.sampling, sid)
+        which = p.WhichOneof("input")
+        tokens = hidden = None
+        if which == "tokens":
+            tokens = tuple(p.tokens.ids)
+        elif which == "text":
+            tokens = self._tokenize(p.text, add_bos=position == 0)
+        elif which == "hidden_states":
+            hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid)
+        else:
+            raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
+        await self._take_credit()
+        request = PrefillRequest(
+            session_id=sid,
+            tokens=tokens,
+            hidden_states=hidden,
+            position=position,
+            sampling=sampling,
+            top_k_logprobs=p.top_logprobs,
+        )
+        result = await self._engine_call(self._engine.prefill, request)
+        usage.prompt_tokens += result.tokens_processed
+        usage.reused_tokens += result.reused_tokens
+        await self._send_step(result, position)
+
+    async def _decode(self, d: pb.Decode, usage: pb.Usage) -> None:
+        caps, sid = self._require_caps(), self.session_id
+        sampling = convert.sampling_from_proto(d.sampling, sid)
+        which = d.WhichOneof("input")
+        if which == "token":
+            token, hidden = d.token, None
+        elif which == "hidden_state":
+            token, hidden = None, convert.tensor_to_array(d.hidden_state, caps.n_embd, sid)
+            if hidden.shape[0] != 1:
+                raise convert.invalid("Decode takes exactly one hidden-state row", sid)
+        else:
+            raise convert.invalid("Decode needs a token or a hidden_state", sid)
+        await self._take_credit()
+        start = self._end
+        result = await self._decode_one(token, hidden, sampling, d.top_logprobs)
+        usage.generated_tokens += 1
+        await self._send_step(result, start)
+
+    async def _generate(self, g: pb.Generate, usage: pb.Usage) -> None:
+        caps, sid = self._require_caps(), self.session_id
+        if not (caps.is_first and caps.is_last):
+            raise ShardError(
+                ErrorCode.UNSUPPORTED_FEATURE,
+                "Generate needs a worker that serves the whole model (first and last shard)",
+                session_id=sid,
+            )
+        if g.max_tokens == 0:
+            raise convert.invalid("Generate.max_tokens must be >= 1", sid)
+        sampling = convert.sampling_from_proto(g.sampling, sid)
+        which = g.WhichOneof("prompt")
+        prompt: tuple[int, ...] | None = None
+        if which == "tokens":
+            prompt = tuple(g.tokens.ids)
+        elif which == "text":
+            prompt = self._tokenize(g.text, add_bos=self._end == 0)
+        elif self._next_token is None:
+            raise _illegal("Generate without a prompt needs a previous step to continue from", sid)
+        stop = frozenset(g.stop_tokens)
+        emitted = 0
+        while True:
+            await self._take_credit()
+            start = self._end
+            if emitted == 0 and prompt is not None:
+                request = PrefillRequest(
+                    session_id=sid,
+                    tokens=prompt,
+                    position=start,
+                    sampling=sampling,
+                    top_k_logprobs=g.top_logprobs,
+                )
+                result = await self._engine_call(self._engine.prefill, request)
+                usage.prompt_tokens += result.tokens_processed
+                usage.reused_tokens += result.reused_tokens
+            else:
+                assert self._next_token is not None
+                result = await self._decode_one(self._next_token, None, sampling, g.top_logprobs)
+            emitted += 1
+            usage.generated_tokens += 1
+            assert result.logits is not None
+            token = result.logits.token_id
+            if result.logits.is_eog and not g.ignore_eos:
+                finish = pb.FINISH_REASON_EOG
+            elif token in stop:
+                finish = pb.FINISH_REASON_STOP_TOKEN
+            elif emitted >= g.max_tokens:
+                finish = pb.FINISH_REASON_LENGTH
+            elif self._end + 1 > self._kv_capacity:
+                finish = pb.FINISH_REASON_CONTEXT_FULL
+            else:
+                finish = pb.FINISH_REASON_UNSPECIFIED
+            await self._send_step(result, start, finish)
+            if finish != pb.FINISH_REASON_UNSPECIFIED:
+                return
+
+    async def _decode_one(
+        self, token: int | None, hidden: np.ndarray | None, sampling: SamplingParams, top_k: int
+    ) -> StepResult:
+        """Append one position at the logical end.
+
+        After a resume that kept fewer positions than the engine holds, the engine's own end is
+        past the logical one; a one-position prefill at the logical end drops the surplus.
+        """
+        sid = self.session_id
+        if self._end != self._engine_len:
+            request = PrefillRequest(
+                session_id=sid,
+                tokens=None if token is None else (token,),
+                hidden_states=hidden,
+                position=self._end,
+                sampling=sampling,
+                top_k_logprobs=top_k,
+            )
+            return await self._engine_call(self._engine.prefill, request)
+        return await self._engine_call(
+            self._engine.decode,
+            DecodeRequest(
+                session_id=sid,
+                token=token,
+                hidden_state=hidden,
+                sampling=sampling,
+                top_k_logprobs=top_k,
+            ),
+        )
+
+    async def _engine_call(self, fn: Callable[[T], Awaitable[StepResult]], request: T) -> StepResult:
+        """One engine step under the per-step deadline; engine errors become ShardErrors."""
+        with trio.move_on_after(self._step_timeout):
+            try:
+                result = await fn(request)
+            except EngineError as exc:
+                raise ShardError.from_engine(exc) from None
+            self._end = self._engine_len = result.n_past
+            if result.logits is not None:
+                self._next_token = result.logits.token_id
+            return result
+        raise ShardError(
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"the step exceeded step_timeout_ms={round(self._step_timeout * 1000)}",
+            session_id=self.session_id,
+            reason="STEP_TIMEOUT",
+        )
+
+    def _tokenize(self, text: str, *, add_bos: bool) -> tuple[int, ...]:
+        try:
+            return self._engine.tokenize(text, add_bos=add_bos)
+        except EngineError as exc:
+            raise ShardError.from_engine(exc) from None
+
+    def _require_caps(self) -> Capabilities:
+        assert self._caps is not None
+        return self._caps
+
+    async def _take_credit(self) -> None:
+        """Wait for one credit: a client that grants none parks the step before it computes."""
+        if self.credit.value <= 0:
+            self.parked.value = True
+            try:
+                await self.credit.wait_value(lambda c: c > 0)
+            finally:
+                self.parked.value = False
+        if self.credit.value != UNLIMITED_CREDIT:
+            self.credit.value -= 1
+
+    async def _send_step(
+        self, result: StepResult, start: int, finish: int = pb.FINISH_REASON_UNSPECIFIED
+    ) -> None:
+        self._step_no += 1
+        msg = convert.step_to_proto(result, self._step_no, start)
+        msg.finish_reason = finish  # type: ignore[assignment]
+        self._registry.count("steps_sent_total")
+        await self._send(pb.SessionResponse(step=msg))
+
+    async def _send(self, msg: pb.SessionResponse) -> None:
+        """Hand a response to the transport; blocks while the bounded channel is full."""
+        try:
+            await self._outbox.send(msg)
+        except trio.BrokenResourceError:
+            # The handler stopped reading without telling us why: the connection is gone.
+            self.end(StreamEnd.CONNECTION_LOST)
+            await trio.lowlevel.checkpoint()  # raises Cancelled: our scope was just cancelled
+
+
+__all__ = ["Phase", "SessionCall", "SessionLimits", "StreamEnd", "UNLIMITED_CREDIT"]

@@ -1,0 +1,68 @@
+"""Protocol versioning: what this worker speaks and the one check every request goes through.
+
+Policy (as llama.cpp's RPC HELLO, stricter than gRPC's "ignore unknown fields"): a request must
+carry ``version``; its major must be one the worker supports and its minor must not be newer
+than the worker's minor for that major. A newer minor may rely on fields this worker would
+silently ignore, so it is refused instead of half-served. The check runs before any engine work
+and fails with FAILED_PRECONDITION / ``UNSUPPORTED_VERSION`` listing the supported versions, so
+version skew fails early and loudly instead of late and subtly.
+"""
+
+from __future__ import annotations
+
+from shard.v1 import shard_pb2 as pb
+
+from .errors import ErrorCode, ShardError
+
+#: Every (major, minor) this worker serves, oldest first. Minor versions are additive: a v1.N
+#: worker serves v1.0..v1.N requests.
+SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0),)
+CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
+
+
+def current_proto() -> pb.ProtocolVersion:
+    """The version this code sends (client) and answers with (server)."""
+    return pb.ProtocolVersion(major=CURRENT_VERSION[0], minor=CURRENT_VERSION[1])
+
+
+def supported_proto() -> list[pb.ProtocolVersion]:
+    return [pb.ProtocolVersion(major=a, minor=b) for a, b in SUPPORTED_VERSIONS]
+
+
+def is_supported(major: int, minor: int) -> bool:
+    """A major we serve, at a minor no newer than ours for that major."""
+    return any(major == a and minor <= b for a, b in SUPPORTED_VERSIONS)
+
+
+def check_version(message: object, session_id: str = "") -> tuple[int, int]:
+    """Return the request's (major, minor) or raise ``UNSUPPORTED_VERSION``.
+
+    ``message`` is any request with a ``version`` field. A missing version is refused: a client
+    that does not say what it speaks cannot be served safely.
+    """
+    if not message.HasField("version"):  # type: ignore[attr-defined]
+        raise _unsupported("the request carries no protocol version", session_id)
+    v = message.version  # type: ignore[attr-defined]
+    if not is_supported(v.major, v.minor):
+        raise _unsupported(f"protocol version {v.major}.{v.minor} is not supported", session_id)
+    return (v.major, v.minor)
+
+
+def _unsupported(message: str, session_id: str) -> ShardError:
+    listed = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_VERSIONS)
+    return ShardError(
+        ErrorCode.UNSUPPORTED_VERSION,
+        f"{message}; this worker supports {listed}",
+        session_id=session_id,
+        supported_versions=SUPPORTED_VERSIONS,
+    )
+
+
+__all__ = [
+    "CURRENT_VERSION",
+    "SUPPORTED_VERSIONS",
+    "check_version",
+    "current_proto",
+    "is_supported",
+    "supported_proto",
+]

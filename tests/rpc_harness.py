@@ -1,0 +1,304 @@
+"""Shared helpers for the RPC tests (session core, live server, grpcio, client, wire fixtures).
+
+Not a conftest on purpose: the RPC tests import what they use, so the other test modules stay
+unaffected. Every engine made here is checked for leaks when its test ends: no sessions and no
+KV cells may remain once the server (or registry) that used it has stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import trio
+
+from shard.engine import LayerRange, LoadSpec
+from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
+from shard.rpc.registry import Registry
+from shard.rpc.session import SessionCall, SessionLimits
+from shard.rpc.versions import current_proto
+from shard.v1 import shard_pb2 as pb
+
+V = current_proto()
+MODEL = FakeModel(n_layers_total=4, n_embd=8, seed=7)
+N_CTX, MAX_SESSIONS = 1024, 4  # 256 positions per session
+
+
+@dataclass
+class StepGate:
+    """An ``on_step`` hook: counts engine steps and can hold them until released.
+
+    ``hold()`` makes every later step wait (the test then observes a RUNNING session);
+    ``release()`` lets them go. ``after(t)`` counts steps whose hook ran after trio time ``t`` (the
+fake calls the hook once a step's latency has passed, just before computing it).
+    """
+
+    steps: int = 0
+    _open: trio.Event = field(default_factory=trio.Event)
+    _held: bool = False
+    times: list[float] = field(default_factory=list)
+    waiting: int = 0
+
+    def __post_init__(self) -> None:
+        self._open.set()
+
+    def hold(self) -> None:
+        self._held = True
+        self._open = trio.Event()
+
+    def release(self) -> None:
+        self._held = False
+        self._open.set()
+
+    async def __call__(self, step: FakeStep) -> None:
+        self.steps += 1
+        self.times.append(trio.current_time())
+        if self._held:
+            self.waiting += 1
+            try:
+                await self._open.wait()
+            finally:
+                self.waiting -= 1
+
+    def after(self, t: float) -> int:
+        return sum(1 for x in self.times if x > t)
+
+
+def make_engine(
+    *, latency: float = 0.0, gate: StepGate | None = None, fail_at_step: int | None = None
+) -> FakeEngine:
+    return FakeEngine(
+        model=MODEL,
+        script=FakeScript(step_latency=latency, on_step=gate, fail_at_step=fail_at_step),
+    )
+
+
+def assert_no_leaks(engine: FakeEngine) -> None:
+    m = engine.metrics()
+    assert engine.sessions() == (), f"sessions leaked: {engine.sessions()}"
+    assert m.sessions_active == 0
+    assert m.kv_cells_used == 0, f"{m.kv_cells_used} KV cells leaked"
+
+
+_LEAK_REPORTS: list[str] = []  # filled by ``loaded``, checked by the ``no_engine_leaks`` fixture
+
+
+@asynccontextmanager
+async def loaded(
+    engine: FakeEngine, *, layer_range: LayerRange | None = None, check_leaks: bool = True
+) -> AsyncIterator[FakeEngine]:
+    """Load ``engine``; on exit (after the server or registry using it stopped) record whether
+    it still holds sessions or KV cells, then close it."""
+    async with engine:
+        await engine.load(LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=layer_range))
+        yield engine
+        if check_leaks:
+            try:
+                assert_no_leaks(engine)
+            except AssertionError as exc:
+                _LEAK_REPORTS.append(str(exc))
+
+
+@pytest.fixture(autouse=True)
+def no_engine_leaks() -> Iterator[None]:
+    """After every RPC test: every engine it loaded ended with 0 sessions and 0 KV cells.
+
+    Import it into a test module to activate it there."""
+    del _LEAK_REPORTS[:]
+    yield
+    leaks, _LEAK_REPORTS[:] = list(_LEAK_REPORTS), []
+    assert not leaks, f"engine state leaked: {leaks}"
+
+
+@asynccontextmanager
+async def running_registry(engine: FakeEngine, limits: SessionLimits = SessionLimits()) -> AsyncIterator[Registry]:
+    """A session registry without any network, stopped (and everything freed) on exit."""
+    async with trio.open_nursery() as nursery:
+        registry = await nursery.start(Registry(engine, limits).run)
+        yield registry
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def running_server(engine: FakeEngine, **kwargs: Any) -> AsyncIterator[Any]:
+    """``serve()`` in a nursery on a free loopback port; stopped on exit (a RunningServer)."""
+    from shard.rpc.server import serve
+
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(lambda task_status: serve(engine, task_status=task_status, **kwargs))
+        yield server
+        nursery.cancel_scope.cancel()
+
+
+@dataclass
+class Worker:
+    """A live worker for network tests: its engine, server handle, step gate and streams."""
+
+    engine: FakeEngine
+    server: Any  # RunningServer
+    gate: StepGate
+    calls: list[SessionCall]  # every Session stream the worker started, in order
+    _scope: trio.CancelScope
+
+    def stop(self) -> None:
+        """Stop the server now (as a shutdown would); the test goes on."""
+        self._scope.cancel()
+
+    @property
+    def target(self) -> str:
+        return self.server.target
+
+    async def idle(self) -> None:
+        """Wait until no Session stream runs on the worker (bounded, so a bug fails fast)."""
+        with trio.fail_after(10):
+            await self.server.registry.streams.wait_value(0)
+
+    def call(self, session_id: str) -> SessionCall | None:
+        return self.server.registry.live(session_id)
+
+    def last_end(self) -> float:
+        """When the worker was told to stop the last stream (deadline, RST, error)."""
+        ended_at = self.calls[-1].ended_at
+        assert ended_at is not None
+        return ended_at
+
+
+@asynccontextmanager
+async def worker(
+    *, latency: float = 0.0, engine: FakeEngine | None = None, **serve_kwargs: Any
+) -> AsyncIterator[Worker]:
+    """A loaded FakeEngine served on a free port; leak-checked when the server has stopped."""
+    gate = StepGate()
+    engine = engine if engine is not None else make_engine(latency=latency, gate=gate)
+    from shard.rpc.server import serve
+
+    server_scope = trio.CancelScope()  # stops the server only, never the test body
+
+    async def run_server(task_status: trio.TaskStatus[Any]) -> None:
+        with server_scope:
+            await serve(engine, task_status=task_status, **serve_kwargs)
+
+    async with loaded(engine), trio.open_nursery() as nursery:
+        server = await nursery.start(run_server)
+        calls: list[SessionCall] = []
+        start_call = server.registry.start_call
+
+        async def recording_start_call(*args: Any, **kwargs: Any) -> SessionCall:
+            call = await start_call(*args, **kwargs)
+            calls.append(call)
+            return call
+
+        server.registry.start_call = recording_start_call
+        yield Worker(engine, server, gate, calls, server_scope)
+        server_scope.cancel()
+
+
+# ---- driving a SessionCall without a network -------------------------------------------------
+
+
+class Driver:
+    """Feeds requests to a ``SessionCall`` and reads its responses (no transport)."""
+
+    def __init__(self, call: SessionCall, send: trio.MemorySendChannel[pb.SessionRequest]) -> None:
+        self.call = call
+        self._send = send
+
+    async def send(self, **kind: Any) -> None:
+        await self._send.send(pb.SessionRequest(version=V, **kind))
+
+    async def send_raw(self, req: pb.SessionRequest) -> None:
+        await self._send.send(req)
+
+    async def half_close(self) -> None:
+        await self._send.aclose()
+
+    async def recv(self) -> pb.SessionResponse:
+        return await self.call.responses.receive()
+
+    async def recv_kind(self, kind: str) -> Any:
+        msg = await self.recv()
+        assert msg.WhichOneof("kind") == kind, msg
+        return getattr(msg, kind)
+
+    async def until_usage(self) -> tuple[list[pb.StepResult], pb.Error | None, pb.Usage]:
+        """Responses of one step request: steps, optional error, then usage."""
+        steps, error = [], None
+        while True:
+            msg = await self.recv()
+            kind = msg.WhichOneof("kind")
+            if kind == "step":
+                steps.append(msg.step)
+            elif kind == "error":
+                error = msg.error
+            elif kind == "usage":
+                return steps, error, msg.usage
+            else:
+                raise AssertionError(f"unexpected {msg}")
+
+    async def open(self, session_id: str = "s1", **fields: Any) -> pb.SessionOpened:
+        await self.send(open=pb.OpenSession(session_id=session_id, **fields))
+        return await self.recv_kind("opened")
+
+    async def drain(self) -> list[pb.SessionResponse]:
+        """Every remaining response until the call's channel closes."""
+        return [msg async for msg in self.call.responses]
+
+    async def finished(self) -> None:
+        await self.call.done.wait()
+
+
+@asynccontextmanager
+async def driver(registry: Registry, *, deadline: float = math.inf) -> AsyncIterator[Driver]:
+    send, recv = trio.open_memory_channel[pb.SessionRequest](16)
+    call = await registry.start_call(recv, deadline=deadline)
+    try:
+        yield Driver(call, send)
+    finally:
+        send.close()
+        if not call.done.is_set():
+            from shard.rpc.session import StreamEnd
+
+            call.end(StreamEnd.CLIENT_CANCELLED)
+        with trio.CancelScope(shield=True):
+            await call.done.wait()
+        call.responses.close()
+
+
+# ---- grpcio helpers (blocking; run them with trio.to_thread.run_sync) ------------------------
+
+
+class Requests:
+    """A grpcio request iterator fed from the test: ``put`` requests, ``end()`` half-closes."""
+
+    _END = object()
+
+    def __init__(self, *initial: pb.SessionRequest) -> None:
+        self._q: queue.Queue[Any] = queue.Queue()
+        for req in initial:
+            self.put(req)
+
+    def put(self, req: pb.SessionRequest) -> None:
+        self._q.put(req)
+
+    def end(self) -> None:
+        self._q.put(self._END)
+
+    def __iter__(self) -> Iterator[pb.SessionRequest]:
+        while True:
+            item = self._q.get()
+            if item is self._END:
+                return
+            yield item
+
+
+def req(**kind: Any) -> pb.SessionRequest:
+    return pb.SessionRequest(version=V, **kind)
+
+
+async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    return await trio.to_thread.run_sync(fn, *args)

@@ -1,0 +1,313 @@
+"""``shard.client.ShardClient`` against a live worker: the convenience API, typed errors (never
+exception groups), deadlines (``grpc-timeout`` sent and enforced), RST_STREAM on cancellation,
+leaving streams early, automatic credit, resume, and a lost connection."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import ssl
+import subprocess
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
+from rpc_harness import MODEL, worker
+from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling
+from shard.rpc.transport import CallContext
+from shard.v1 import shard_pb2 as pb
+
+TOKENS = [1, 72, 101, 108, 108, 111]
+
+
+async def test_capabilities_health_metrics_and_generate_text() -> None:
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
+        caps = await c.capabilities()
+        assert caps.engine == "fake" and caps.n_vocab == MODEL.n_vocab
+        assert (await c.health()).status == pb.HealthResponse.STATUS_SERVING
+
+        chunks = [ch async for ch in c.generate_text("hello", max_tokens=24, temperature=0.9, seed=5)]
+        steps = [s async for s in c.generate("hello", max_tokens=24, temperature=0.9, seed=5)]
+        assert len(steps) == 24 and steps[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        # Same seed, same tokens; the chunks' text is the incremental decoding of the pieces,
+        # so joining it equals decoding all bytes at once (no character is ever split).
+        assert [ch.token_id for ch in chunks] == [s.logits.token_id for s in steps]
+        assert [ch.piece for ch in chunks] == [s.logits.piece for s in steps]
+        raw = b"".join(s.logits.piece for s in steps)
+        assert "".join(ch.text for ch in chunks) == raw.decode("utf-8", errors="replace")
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH and str(chunks[0]) == chunks[0].text
+        assert all(ch.finish_reason == pb.FINISH_REASON_UNSPECIFIED for ch in chunks[:-1])
+
+        shown = await c.capabilities_dict()
+        assert shown["supported_versions"] == ["1.0"] and shown["layer_range"] == [0, MODEL.n_layers_total]
+        assert shown["engine"] == "fake" and shown["mtp_enabled"] is False  # defaults are shown too
+
+        metrics = await c.metrics()
+        assert metrics.worker["rpc_session_total"] == 2 and metrics.engine["sessions_active"] == 0
+        await w.idle()
+
+
+async def test_session_steps_and_resume() -> None:
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session(session_id="s1", credit=8) as s:
+            assert s.cache.outcome == pb.CacheResult.OUTCOME_NEW and s.opened.credit == 8
+            first = await s.prefill(TOKENS, top_logprobs=2)
+            assert first.n_past == 6 and len(first.logits.top) == 2 and s.usage.prompt_tokens == 6
+            second = await s.decode(first.logits.token_id)
+            assert second.n_past == 7
+            steps = [st async for st in s.generate(max_tokens=20, sampling=sampling(0.7, seed=3))]
+            assert len(steps) == 20 and s.usage.generated_tokens == 20  # credit topped up as consumed
+            closed = await s.close(retain=True)
+            assert closed.kv_retained and closed.reason == pb.SessionClosed.REASON_CLIENT_CLOSE
+        held = list(w.engine.session_info("s1").tokens)
+        assert len(held) == 7 + 20  # each generated token is fed back, except the last one
+
+        async with c.session(session_id="s1", cache=cache_expectation(held)) as s:
+            assert s.cache.outcome == pb.CacheResult.OUTCOME_HIT and s.opened.n_past == 27
+            step = await s.decode(steps[-1].logits.token_id)
+            assert step.n_past == 28
+        # Leaving the block closes without retain: released.
+        assert w.engine.sessions() == ()
+
+        async with c.session(session_id="s1", cache=cache_expectation(held)) as s:
+            assert s.cache.outcome == pb.CacheResult.OUTCOME_MISS
+        await w.idle()
+
+
+async def test_step_errors_are_typed_and_keep_the_session() -> None:
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session() as s:
+            with pytest.raises(ShardError) as info:
+                await s.prefill([1, 99_999])
+            assert info.value.code is ErrorCode.INVALID_ARGUMENT and not info.value.retryable
+            assert info.value.grpc_status == 3 and info.value.session_id == s.session_id
+            step = await s.prefill(TOKENS)
+            assert step.n_past == 6
+        await w.idle()
+
+
+async def test_fatal_errors_are_typed_never_groups() -> None:
+    async with worker() as w:
+        # A refused version: a plain ShardError out of the connect block, not an ExceptionGroup.
+        with pytest.raises(ShardError) as info:
+            async with ShardClient.connect(w.target, timeout=10, version=(2, 0)) as c:
+                await c.capabilities()
+        assert type(info.value) is ShardError
+        assert info.value.code is ErrorCode.UNSUPPORTED_VERSION and info.value.supported_versions == ((1, 0),)
+        assert info.value.grpc_status == 9
+
+        async with ShardClient.connect(w.target, timeout=10) as c:
+            async with c.session(session_id="dup"):
+                with pytest.raises(ShardError) as info:
+                    async with c.session(session_id="dup"):
+                        pass
+                assert info.value.code is ErrorCode.SESSION_EXISTS
+            with pytest.raises(ShardError) as info:
+                async with c.session(expected_model_fingerprint="nope"):
+                    pass
+            assert info.value.code is ErrorCode.INCOMPATIBLE_MODEL
+            assert not await c.release("never-opened")
+        await w.idle()
+        assert w.engine.sessions() == ()
+
+
+async def test_connect_failures_are_typed() -> None:
+    with pytest.raises(ValueError):
+        async with ShardClient.connect("no-port"):
+            pass
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens there now
+    with pytest.raises(ShardError) as info:
+        async with ShardClient.connect(f"127.0.0.1:{port}", timeout=5):
+            pass
+    assert info.value.reason == "CONNECT_FAILED" and info.value.retryable
+
+
+async def test_grpc_timeout_is_sent_and_metadata_reaches_the_worker() -> None:
+    seen: list[CallContext] = []
+
+    async def authorize(ctx: CallContext) -> None:
+        seen.append(ctx)
+
+    async with worker(authorize=authorize) as w:
+        async with ShardClient.connect(w.target, timeout=7, metadata=[("x-tenant", "t1")]) as c:
+            before = trio.current_time()
+            await c.health()
+            assert math.isfinite(seen[-1].deadline) and before < seen[-1].deadline <= before + 7.01
+            assert ("x-tenant", "t1") in seen[-1].metadata
+            await c.health(timeout=None)
+            assert seen[-1].deadline == math.inf
+            async with c.session(timeout=120.5):  # > 99 s: whole seconds, still a valid header
+                assert 120 <= w.calls[-1].deadline - trio.current_time() <= 121.01
+        await w.idle()
+
+
+async def test_client_deadline_resets_and_the_worker_releases() -> None:
+    async with worker(latency=0.002) as w, ShardClient.connect(w.target, timeout=10) as c:
+        with pytest.raises(ShardError) as info:
+            async with c.session(session_id="slowpoke", timeout=0.3) as s:
+                async for _ in s.generate(TOKENS, max_tokens=100_000, ignore_eos=True):
+                    pass
+        assert info.value.code is ErrorCode.DEADLINE_EXCEEDED and info.value.retryable
+        await w.idle()
+        assert w.engine.sessions() == () and w.server.registry.n_retained == 0
+        assert w.gate.after(w.last_end()) <= 1
+        assert (await c.health()).status == pb.HealthResponse.STATUS_SERVING  # connection still fine
+
+
+async def test_caller_cancellation_sends_rst_and_the_worker_releases() -> None:
+    async with worker(latency=0.002) as w, ShardClient.connect(w.target, timeout=10) as c:
+        got = 0
+        with trio.move_on_after(0.2):
+            async with c.session(session_id="cx") as s:
+                async for _ in s.generate(TOKENS, max_tokens=100_000, ignore_eos=True):
+                    got += 1
+        assert got > 0
+        await w.idle()
+        assert w.engine.sessions() == () and w.server.registry.n_retained == 0
+        assert w.gate.after(w.last_end()) <= 1
+
+
+async def test_leaving_generate_early_keeps_the_session_usable() -> None:
+    async with worker(latency=0.001) as w, ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session(session_id="brk") as s:
+            async for step in s.generate(TOKENS, max_tokens=10_000, ignore_eos=True):
+                if step.step == 3:
+                    break
+            # The worker is told to stop the abandoned generate before the next request.
+            nxt = await s.decode(5)
+            assert nxt.n_past == w.engine.session_info("brk").n_past
+            assert w.server.registry.counters["rpc_Cancel_total"] == 1
+        await w.idle()
+
+        # Leaving a one-shot generate early through aclosing resets its stream at once.
+        async with aclosing(c.generate_text("abc", max_tokens=10_000, ignore_eos=True)) as texts:
+            async for _ in texts:
+                break
+        await w.idle()
+        assert w.engine.sessions() == ()
+
+    # A plain break is safe too (no finalizer, no warning); the stream ends with the client.
+    async with worker(latency=0.001) as w:
+        async with ShardClient.connect(w.target, timeout=10) as c:
+            async for _ in c.generate_text("abc", max_tokens=10_000, ignore_eos=True):
+                break
+        await w.idle()
+        assert w.engine.sessions() == () and w.server.registry.n_retained == 0
+
+
+async def test_client_that_stops_reading_parks_the_worker() -> None:
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session(session_id="park", credit=4) as s:
+            gen = s.generate(TOKENS, max_tokens=100, ignore_eos=True)
+            async with aclosing(gen):
+                await gen.__anext__()  # take one result, then stop reading
+                call = w.call("park")
+                assert call is not None
+                with trio.fail_after(10):
+                    await call.parked.wait_value(True)
+                assert w.engine.metrics().steps_total == 4 and call.buffered() <= 4
+                for _ in range(20):
+                    await trio.testing.wait_all_tasks_blocked()
+                assert w.engine.metrics().steps_total == 4
+                rest = [step async for step in gen]  # reading again grants credit
+                assert len(rest) == 99
+        await w.idle()
+
+
+async def test_out_of_band_cancel_and_release_through_the_client() -> None:
+    async with worker(latency=0.002) as w, ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session(session_id="oob") as s:
+            results: list[pb.StepResult] = []
+
+            async def consume(session: ClientSession) -> None:
+                with pytest.raises(ShardError) as info:
+                    async for step in session.generate(TOKENS, max_tokens=100_000, ignore_eos=True):
+                        results.append(step)
+                assert info.value.code is ErrorCode.CANCELLED
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consume, s)
+                while len(results) < 3:
+                    await trio.sleep(0.001)
+                reply = await c.cancel("oob")
+                assert reply.found and reply.was_running
+            assert s.usage.generated_tokens >= 3
+            step = await s.decode(7)  # still usable
+            assert step.n_past == w.engine.session_info("oob").n_past
+
+            assert await c.release("oob")
+            with pytest.raises(ShardError) as info:
+                await s.decode(7)
+            assert info.value.code is ErrorCode.SESSION_NOT_FOUND
+        assert w.engine.sessions() == ()
+        await w.idle()
+
+
+async def test_server_stopping_mid_stream_fails_calls_with_a_typed_error() -> None:
+    async with worker(latency=0.002) as w, ShardClient.connect(w.target, timeout=10) as c:
+        with pytest.raises(ShardError) as info:
+            async with c.session(session_id="gone") as s:
+                async for step in s.generate(TOKENS, max_tokens=100_000, ignore_eos=True):
+                    if step.step == 5:
+                        w.stop()
+        assert type(info.value) is ShardError
+        assert info.value.grpc_status == 14 and info.value.retryable  # UNAVAILABLE: try elsewhere
+        with pytest.raises(ShardError):
+            await c.health()  # the connection is gone too
+    assert w.engine.sessions() == ()
+
+
+async def test_lost_connection_retains_the_session_for_resume() -> None:
+    async with worker(latency=0.002) as w:
+        async with ShardClient.connect(w.target, timeout=10) as c:
+            with pytest.raises(ShardError) as info:
+                async with c.session(session_id="drop") as s:
+                    await s.prefill(TOKENS)
+                    await c._conn.stream.aclose()  # noqa: SLF001 - the network goes away
+                    await s.decode(5)
+            assert info.value.grpc_status == 14 and type(info.value) is ShardError
+        await w.idle()
+        assert w.server.registry.retained("drop") is not None  # kept for resume_ttl
+        async with ShardClient.connect(w.target, timeout=10) as c:
+            async with c.session(session_id="drop", cache=cache_expectation(TOKENS)) as s:
+                assert s.cache.outcome == pb.CacheResult.OUTCOME_HIT and s.cache.tokens_held == 6
+        assert w.engine.sessions() == ()
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path]:
+    """A throwaway self-signed certificate for 127.0.0.1 (EC key: fast to make)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    return key, cert
+
+
+async def test_tls_end_to_end(tls_files: tuple[Path, Path]) -> None:
+    key, cert = tls_files
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    async with worker(ssl_context=server_ctx) as w:
+        async with ShardClient.connect(w.target, timeout=10, ssl_context=client_ctx) as c:
+            assert (await c.capabilities()).engine == "fake"
+            chunks = [ch async for ch in c.generate_text("tls", max_tokens=4)]
+            assert len(chunks) == 4
+        with pytest.raises(ShardError) as info:  # a client that does not trust the worker
+            async with ShardClient.connect(w.target, timeout=10, ssl_context=ssl.create_default_context()):
+                pass
+        assert info.value.reason == "CONNECT_FAILED"
+        await w.idle()
