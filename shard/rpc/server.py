@@ -117,7 +117,13 @@ async def serve(
                 log.info("serving %s on %s:%d", SHARD_SERVICE, host, bound)
                 task_status.started(running)
                 if load is not None:
-                    await engine.load(load)  # an EngineError here stops the worker
+                    caps = await engine.load(load)  # an EngineError here stops the worker
+                    log.info(
+                        "engine ready: %s %s, layers [%d, %d) of %d, %d sessions x %d tokens",
+                        caps.engine, caps.architecture, caps.layer_range.start,
+                        caps.layer_range.end, caps.n_layers_total, caps.max_sessions,
+                        caps.n_ctx_per_session,
+                    )
                     running.sync_health()
     finally:
         health.shutdown()

@@ -1,0 +1,122 @@
+"""The README's user flow, end to end through real processes: ``trio-shard serve`` in one
+process (llama engine, embedded tiny model), ``trio-shard generate`` / ``caps`` in others."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shard.cli import build_parser, main
+
+CLI = [sys.executable, "-m", "shard.cli"]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[str]:
+    """A real ``trio-shard serve --port 0`` process; yields its HOST:PORT."""
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--port", "0", "--threads", "1", "--max-sessions", "2", "--ctx", "1024"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore::ResourceWarning"},
+    )
+    assert proc.stderr is not None
+    target = None
+    lines = []
+    for line in proc.stderr:  # the bound port is logged once the socket listens
+        lines.append(line)
+        m = re.search(r"serving shard\.v1\.Shard on (\S+:\d+)", line)
+        if m:
+            target = m.group(1)
+            break
+    try:
+        assert target, "".join(lines)
+        yield target
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=30) == 0, rest
+        assert "SIGTERM: stopping" in rest
+        proc.stderr.close()
+
+
+def test_generate_json_and_streaming_agree(worker: str) -> None:
+    out = _run("generate", "--target", worker, "--json", "--max-tokens", "12", "hello")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["tokens"]) == 12
+    assert result["finish_reason"] == "length"
+    streamed = _run("generate", "--target", worker, "--max-tokens", "12", "hello")
+    assert streamed.returncode == 0, streamed.stderr
+    # Greedy is deterministic: the streamed text is the JSON text plus the final newline.
+    assert streamed.stdout == result["text"] + "\n"
+
+
+def test_caps_reports_the_llama_engine(worker: str) -> None:
+    out = _run("caps", "--target", worker, "--json")
+    assert out.returncode == 0, out.stderr
+    caps = json.loads(out.stdout)
+    assert caps["engine"] == "llama.cpp"
+    assert caps["is_first"] and caps["is_last"]
+    assert caps["max_sessions"] == 2
+    assert "1.0" in caps["supported_versions"]
+
+
+def test_seeded_sampling_is_reproducible_from_the_cli(worker: str) -> None:
+    args = ("generate", "--target", worker, "--json", "--max-tokens", "8",
+            "--temperature", "0.9", "--seed", "7", "hello")
+    first, second = _run(*args), _run(*args)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert json.loads(first.stdout)["tokens"] == json.loads(second.stdout)["tokens"]
+
+
+def test_unreachable_worker_is_a_clear_error() -> None:
+    out = _run("generate", "--target", "127.0.0.1:1", "--timeout", "5", "hi")
+    assert out.returncode == 1
+    assert "cannot connect to 127.0.0.1:1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_serve_refuses_a_non_gguf_model(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf file")
+    out = _run("serve", "--port", "0", "--model", str(bad))
+    assert out.returncode == 1
+    assert "is not a GGUF file" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_make_model_writes_a_loadable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tiny.gguf"
+    assert main(["make-model", "--preset", "tiny", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.read_bytes()[:4] == b"GGUF"
+    assert main(["make-model", "--preset", "nope", "--out", str(out)]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "70000"],
+        ["serve", "--max-sessions", "0"],
+        ["generate", "--temperature", "-1", "x"],
+        ["generate"],
+    ],
+)
+def test_bad_arguments_are_rejected_by_the_parser(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
