@@ -10,20 +10,31 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 DEFAULT_PORT = 50051
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` accepting integers in ``[minimum, maximum]``, with a clear message."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bound}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+_port = _int_at_least(0, 65535)
 
 
 def _non_negative_float(text: str) -> float:
@@ -31,25 +42,8 @@ def _non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
 
 
