@@ -276,6 +276,17 @@ class SessionLifecycle(RuleBasedStateMachine):
         if expected is None:
             self.apply_prefill(name, tokens, position, out.value)
 
+    @rule(name=session_names, where=positions, share=st.integers(1, PER_SESSION),
+          extra=st.lists(st.integers(3, 258), max_size=4).map(tuple))
+    def prefill_reusing_held_tokens(self, name: str, where: str, share: int,
+                                    extra: tuple[int, ...]) -> None:
+        """A prefill that starts with tokens the session already holds from ``position`` on:
+        random prompts almost never do, so prefix reuse needs its own rule."""
+        ref = self.refs.get(name)
+        position = self._position(name, where)
+        held = ref.tokens[position:] if ref is not None and position <= ref.n_past else ()
+        self.prefill(name, held[:share] + extra, where, False)
+
     @rule(name=session_names, token=st.one_of(st.integers(3, 258), st.sampled_from(BAD_IDS)))
     def decode(self, name: str, token: int) -> None:
         out = self.loop.run(capture, self.engine.decode, DecodeRequest(name, token=token))

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from shard.engine import (
     DecodeRequest,
@@ -20,6 +21,7 @@ from shard.engine import (
     InvalidInput,
     LayerRange,
     LoadSpec,
+    NotReady,
     PrefillRequest,
     ResultKind,
     SamplingParams,
@@ -410,4 +412,111 @@ async def test_prompt_tokens_helper_is_valid_for_the_fake() -> None:
     e = await loaded()
     toks = prompt_tokens(e, 300, salt=3)
     assert toks[0] == 1 and all(3 <= t < 259 for t in toks[1:])
+    await e.aclose()
+
+
+# ---- closing ----------------------------------------------------------------------------------
+
+
+async def test_close_admits_no_new_work_and_frees_natives_once() -> None:
+    """While aclose() waits for a running operation the engine is already CLOSED: nothing new
+    starts on it, and concurrent aclose() calls free the resources exactly once."""
+    gate = trio.Event()
+
+    async def hold(step: FakeStep) -> None:
+        if step.session_id == "s":
+            await gate.wait()
+
+    e = await loaded(script=FakeScript(on_step=hold))
+    closes: list[int] = []
+    impl_close = e._impl_close
+
+    async def counting_close() -> None:
+        closes.append(1)
+        await impl_close()
+
+    e._impl_close = counting_close  # type: ignore[method-assign]
+    await e.open_session("idle")
+    await e.open_session("s")
+    with trio.fail_after(30):  # a regression must fail, not hang on the gate
+        async with trio.open_nursery() as nursery:
+            try:
+                op = start_op(nursery, e.prefill, PrefillRequest("s", tokens=TOKENS))
+                await wait_running(e, "s")
+                first = start_op(nursery, e.aclose)
+                second = start_op(nursery, e.aclose)
+                await trio.testing.wait_all_tasks_blocked()
+                assert not first.done.is_set() and not second.done.is_set()  # both wait for "s"
+                assert e.health().state is EngineState.CLOSED and not e.health().ready
+                with pytest.raises(NotReady):
+                    await e.open_session("late")
+                with pytest.raises(NotReady):
+                    await e.prefill(PrefillRequest("idle", tokens=TOKENS))
+            finally:
+                gate.set()
+    assert isinstance(op.error, EngineCancelled), op.error
+    assert first.error is None and second.error is None
+    assert closes == [1]
+    assert e.metrics().sessions_active == 0 and e.sessions() == ()
+
+
+async def test_close_during_load(autojump_clock: trio.abc.Clock) -> None:
+    """aclose() while LOADING returns at once (CLOSED); the load then frees what it loaded and
+    raises NotReady, so nothing stays allocated."""
+    e = FakeEngine(script=FakeScript(load_latency=5.0))
+    async with trio.open_nursery() as nursery:
+        load = start_op(nursery, e.load, LoadSpec())
+        await trio.sleep(1.0)
+        assert e.health().state is EngineState.LOADING
+        await e.aclose()
+        assert e.health().state is EngineState.CLOSED
+        assert not load.done.is_set()
+    assert isinstance(load.error, NotReady), load.error
+    assert e._weights is None  # the load's cleanup ran
+    assert e.health().state is EngineState.CLOSED
+    with pytest.raises(NotReady):
+        e.capabilities()
+    await e.aclose()  # still idempotent
+
+
+async def test_a_failing_rollback_still_returns_the_session_to_idle() -> None:
+    class Boom(BaseException):
+        pass
+
+    def cancel_in_step(step: FakeStep) -> None:
+        e.cancel("s")
+
+    async def truncate(slot: object, keep: int) -> None:
+        raise Boom
+
+    e = await loaded(script=FakeScript(on_step=cancel_in_step))
+    await e.open_session("s")
+    e._impl_truncate = truncate  # type: ignore[method-assign]  # the rollback will raise
+    with pytest.raises(Boom):
+        await e.prefill(PrefillRequest("s", tokens=TOKENS))
+    assert e.session_info("s").state is SessionState.IDLE  # not RUNNING forever
+    assert e.metrics().operations_running == 0
+
+
+async def test_hidden_states_cannot_change_after_validation() -> None:
+    """A request keeps its own immutable copy: changing the caller's buffer after the request
+    was validated (here: NaN while the operation runs) cannot reach the computation."""
+    gate = trio.Event()
+
+    async def hold(step: FakeStep) -> None:
+        await gate.wait()
+
+    e = await loaded(script=FakeScript(on_step=hold), layers=LayerRange(2, 4))
+    await e.open_session("s")
+    buffer = np.random.default_rng(2).standard_normal((6, e.capabilities().n_embd)).astype(np.float32)
+    view = buffer.view()
+    view.flags.writeable = False
+    async with trio.open_nursery() as nursery:
+        op = start_op(nursery, e.prefill, PrefillRequest("s", hidden_states=view))
+        await wait_running(e, "s")
+        buffer[:] = np.nan
+        gate.set()
+    assert op.error is None, op.error
+    assert e.health().ready
+    assert op.value.logits is not None and math.isfinite(op.value.logits.logprob)
     await e.aclose()

@@ -19,8 +19,11 @@ import trio
 from shard.engine import (
     DecodeRequest,
     EngineCancelled,
+    EngineFailure,
     EngineState,
     InvalidInput,
+    KvCacheFull,
+    NotReady,
     LayerRange,
     LoadSpec,
     PrefillRequest,
@@ -368,6 +371,68 @@ async def test_abort_callback_stops_a_single_decode() -> None:
 
 
 # ---- errors ----------------------------------------------------------------------------------
+
+
+async def test_decode_return_codes_map_to_typed_errors(engine: LlamaCppEngine) -> None:
+    """llama_decode: 1 -> KvCacheFull, 2 -> cancelled (only if a cancel was asked), else failure.
+    Return code 1 cannot be provoked through the contract (per-session budgets stop it first),
+    so the mapping itself is checked here; 2 and -1 are also provoked for real elsewhere."""
+    await engine.open_session("m")
+    slot = engine._slots["m"]
+    with pytest.raises(KvCacheFull) as info:
+        engine._raise_decode_error(1, slot)
+    assert not info.value.retryable and info.value.session_id == "m"
+    with pytest.raises(EngineFailure, match="without a cancel"):
+        engine._raise_decode_error(2, slot)
+    slot.cancel.set()
+    with pytest.raises(EngineCancelled):
+        engine._raise_decode_error(2, slot)
+    slot.cancel.clear()
+    for rc in (-1, -3, 3):
+        with pytest.raises(EngineFailure, match=f"status {rc}"):
+            engine._raise_decode_error(rc, slot)
+    assert engine.health().ready  # the mapping alone changes nothing
+
+
+@pytest.mark.parametrize("keep", [2, 0], ids=["gap", "emptied"])
+async def test_kv_cache_out_of_step_is_an_engine_failure(engine: LlamaCppEngine, keep: int) -> None:
+    """Cells lost behind the engine's back: llama_decode returns -1 for a gap (mapped to
+    EngineFailure); an emptied sequence is caught by the engine's own length check. Never
+    silently wrong logits."""
+    await engine.open_session("s")
+    await engine.open_session("other")
+    await engine.prefill(PrefillRequest("s", tokens=(1, 5, 6, 7, 8)))
+    await engine.prefill(PrefillRequest("other", tokens=(1, 5, 6)))
+    engine._truncate_sync(engine._slots["s"].seq_id, keep)
+    with pytest.raises(EngineFailure):
+        await engine.decode(DecodeRequest("s", token=9))
+    assert engine.health().state is EngineState.FAILED
+    with pytest.raises(EngineFailure):
+        await engine.decode(DecodeRequest("other", token=9))
+
+
+async def test_close_during_load_frees_the_loaded_model(tiny_path: Path) -> None:
+    """aclose() while the load runs in its worker thread: the engine is CLOSED at once, the load
+    thread is not abandoned, and the load frees what it loaded and raises NotReady."""
+    eng = LlamaCppEngine()
+    async with trio.open_nursery() as nursery:
+        errors: list[Exception] = []
+
+        async def load() -> None:
+            try:
+                await eng.load(LoadSpec(model_path=tiny_path, n_ctx=256, n_threads=N_THREADS))
+            except NotReady as exc:
+                errors.append(exc)
+
+        nursery.start_soon(load)
+        while eng.health().state is not EngineState.LOADING:
+            await trio.lowlevel.checkpoint()
+        await eng.aclose()
+        assert eng.health().state is EngineState.CLOSED
+    assert len(errors) == 1
+    assert eng._ctx is None and eng._model is None and eng._batch is None
+    assert eng.health().state is EngineState.CLOSED and eng.metrics().kv_cells_used == 0
+
 
 
 async def test_missing_file(tmp_path: Path) -> None:

@@ -152,6 +152,7 @@ class ShardEngine(abc.ABC):
         self._caps: Capabilities | None = None
         self._slots: dict[str, Slot] = {}
         self._free_seq_ids: list[int] = []
+        self._closed = trio.Event()  # set once aclose() has freed everything
         self._counters: dict[str, int] = {
             name: 0 for name in EngineMetrics.__dataclass_fields__ if name.endswith("_total")
         }
@@ -220,20 +221,29 @@ class ShardEngine(abc.ABC):
         return caps
 
     async def aclose(self) -> None:
-        """Release every session and free native resources. Idempotent."""
-        if self._state is EngineState.CLOSED:
-            return
+        """Release every session and free native resources. Idempotent.
+
+        The engine turns CLOSED at once, so no new work starts while running operations are
+        stopped and waited for; native resources are freed exactly once (a concurrent second
+        ``aclose`` waits for the first to finish).
+        """
         with trio.CancelScope(shield=True):
-            for slot in list(self._slots.values()):
-                slot.cancel.set()
-            for slot in list(self._slots.values()):
-                if slot.state is SessionState.RUNNING:
-                    await slot.idle.wait()
-            self._slots.clear()
+            if self._state is EngineState.CLOSED:
+                await self._closed.wait()
+                return
             loading = self._state is EngineState.LOADING
             self._state, self._detail = EngineState.CLOSED, "closed"
-            if not loading:  # a running load() frees what it loaded when it sees CLOSED
-                await self._impl_close()
+            try:
+                for slot in list(self._slots.values()):
+                    slot.cancel.set()
+                for slot in list(self._slots.values()):
+                    while slot.state is SessionState.RUNNING:
+                        await slot.idle.wait()
+                self._slots.clear()
+                if not loading:  # a running load() frees what it loaded when it sees CLOSED
+                    await self._impl_close()
+            finally:
+                self._closed.set()
 
     async def __aenter__(self) -> ShardEngine:
         return self
@@ -291,8 +301,8 @@ class ShardEngine(abc.ABC):
 
     async def open_session(self, session_id: str, *, kv_budget: int | None = None) -> SessionInfo:
         """Create an empty IDLE session with its own sequence of KV cells."""
-        caps = self._require_ready()
         await trio.lowlevel.checkpoint()
+        caps = self._require_ready()  # after the checkpoint: the engine may have closed meanwhile
         if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_LEN:
             raise InvalidInput(f"session id must be a non-empty string of <= {MAX_SESSION_ID_LEN}")
         if session_id in self._slots:
@@ -319,8 +329,8 @@ class ShardEngine(abc.ABC):
     def cancel(self, session_id: str) -> bool:
         """Stop the session's running operation within one step. Idempotent: returns whether
         an operation was running; an unknown session returns False (nothing to stop)."""
-        slot = self._slots.get(session_id)
-        if slot is None or slot.releasing or slot.state is not SessionState.RUNNING:
+        slot = self._lookup(session_id)
+        if slot is None or slot.state is not SessionState.RUNNING:
             return False
         slot.cancel.set()
         return True
@@ -335,8 +345,8 @@ class ShardEngine(abc.ABC):
         between the running one stopping and the cells being freed. Never raises because of
         the engine state: on a FAILED or CLOSED engine it only forgets the session.
         """
-        slot = self._slots.get(session_id)
-        if slot is None or slot.releasing:
+        slot = self._lookup(session_id)
+        if slot is None:
             await trio.lowlevel.checkpoint()
             return False
         slot.releasing = True
@@ -361,6 +371,7 @@ class ShardEngine(abc.ABC):
         sid = request.session_id
         check_reserved_hooks(request.mtp, request.aux_state, caps)
         self._check_top_k(request.top_k_logprobs, sid)
+        self._check_sampling(request.sampling, sid)
         has_tokens, has_hidden = request.tokens is not None, request.hidden_states is not None
         if has_tokens == has_hidden:
             raise InvalidInput("prefill needs exactly one of tokens or hidden_states", session_id=sid)
@@ -397,6 +408,7 @@ class ShardEngine(abc.ABC):
         sid = request.session_id
         check_reserved_hooks(request.mtp, request.aux_state, caps)
         self._check_top_k(request.top_k_logprobs, sid)
+        self._check_sampling(request.sampling, sid)
         if (request.token is None) == (request.hidden_state is None):
             raise InvalidInput("decode needs exactly one of token or hidden_state", session_id=sid)
         if slot.n_past == 0:
@@ -426,9 +438,14 @@ class ShardEngine(abc.ABC):
             raise EngineFailure(f"engine failed: {self._detail}")
         raise NotReady(f"engine is {self._state.value}")
 
+    def _lookup(self, session_id: str) -> Slot | None:
+        """The open (not releasing) session with this id; None for anything else."""
+        slot = self._slots.get(session_id) if isinstance(session_id, str) else None
+        return None if slot is None or slot.releasing else slot
+
     def _slot(self, session_id: str, *, idle: bool = True) -> Slot:
-        slot = self._slots.get(session_id)
-        if slot is None or slot.releasing:
+        slot = self._lookup(session_id)
+        if slot is None:
             raise UnknownSession(f"session {session_id!r} is not open", session_id=session_id)
         if idle and slot.state is SessionState.RUNNING:
             raise SessionBusy(f"session {session_id!r} is running an operation", session_id=session_id)
@@ -438,6 +455,13 @@ class ShardEngine(abc.ABC):
     def _check_top_k(k: int, sid: str) -> None:
         if not isinstance(k, int) or not 0 <= k <= MAX_TOP_K_LOGPROBS:
             raise InvalidInput(f"top_k_logprobs must be in [0, {MAX_TOP_K_LOGPROBS}]", session_id=sid)
+
+    @staticmethod
+    def _check_sampling(params: SamplingParams, sid: str) -> None:
+        # SamplingParams validates itself; anything else would only fail while building the
+        # result, which would wrongly turn the engine FAILED.
+        if not isinstance(params, SamplingParams):
+            raise InvalidInput("sampling must be a SamplingParams", session_id=sid)
 
     @staticmethod
     def _check_length(slot: Slot, caps: Capabilities, new_len: int) -> None:
@@ -518,19 +542,21 @@ class ShardEngine(abc.ABC):
             self._counters["errors_total"] += 1
             raise
         finally:
-            if not committed:
-                # Leave the session exactly as it was up to ``keep``.
-                with trio.CancelScope(shield=True):
-                    slot.n_past = min(slot.n_past, plan.keep)
-                    if slot.tokens is not None:
-                        del slot.tokens[plan.keep :]
-                    if self._state is EngineState.READY:
-                        try:
-                            await self._guard_impl(self._impl_truncate(slot, plan.keep))
-                        except EngineError:
-                            log.warning("rollback of session %s failed", slot.session_id)
-            slot.state = SessionState.IDLE
-            slot.idle.set()
+            try:
+                if not committed:
+                    # Leave the session exactly as it was up to ``keep``.
+                    with trio.CancelScope(shield=True):
+                        slot.n_past = min(slot.n_past, plan.keep)
+                        if slot.tokens is not None:
+                            del slot.tokens[plan.keep :]
+                        if self._state is EngineState.READY:
+                            try:
+                                await self._guard_impl(self._impl_truncate(slot, plan.keep))
+                            except EngineError:
+                                log.warning("rollback of session %s failed", slot.session_id)
+            finally:  # never leave a session RUNNING, whatever the rollback raised
+                slot.state = SessionState.IDLE
+                slot.idle.set()
 
     async def _run_guarded(self, slot: Slot, fn: Callable[[], Awaitable[T]]) -> T:
         """Run ``fn`` shielded; a cancellation of the caller sets the slot's cancel flag.

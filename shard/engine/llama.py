@@ -18,8 +18,10 @@ attends over its own stream only. ``load`` checks ``llama_n_ctx_seq`` against th
 tests fill every session of a ``n_ctx=1000, max_sessions=3`` engine to 333 positions. (A unified
 cache would also fit the sums; decode speed was the same within noise at 4 x 1000 cached tokens
 on the bench model, so isolation decided.) llama.cpp also rejects a batch whose positions do
-not continue the sequence (``llama_decode`` -1), so a KV cache out of step with the session's
-``n_past`` surfaces as ``EngineFailure`` instead of silently wrong logits.
+not continue the sequence (``llama_decode`` -1), and ``_compute_sync`` checks the sequence's
+length before every evaluation (an emptied sequence would pass llama.cpp's check), so a KV cache
+out of step with the session's ``n_past`` surfaces as ``EngineFailure`` instead of silently wrong
+logits.
 
 Resource handling: the engine owns the model, context and batch from ``load`` until ``aclose``
 (one ``ExitStack``, freed explicitly and exactly once; nothing relies on ``__del__``). The ctypes
@@ -398,6 +400,13 @@ class LlamaCppEngine(ShardEngine):
         try:
             if not lc.llama_memory_seq_rm(self._mem, slot.seq_id, plan.keep, -1):
                 raise EngineFailure(f"llama.cpp could not truncate the KV cache of {slot.session_id!r}")
+            # llama_decode itself rejects a gap only when the sequence still holds cells; an
+            # emptied sequence would silently compute from position ``keep`` without history.
+            held = int(lc.llama_memory_seq_pos_max(self._mem, slot.seq_id)) + 1
+            if held != plan.keep:
+                raise EngineFailure(
+                    f"the KV cache of {slot.session_id!r} holds {held} positions, the session {plan.keep}"
+                )
             tokens = plan.tokens
             n = len(tokens)
             last_rows = 0

@@ -37,14 +37,27 @@ def top_logprobs(logits: np.ndarray, k: int, lse: float) -> tuple[TokenLogprob, 
     return tuple(TokenLogprob(int(i), float(logits[i]) - lse) for i in order)
 
 
+def candidate_order(x: np.ndarray, top_k: int) -> np.ndarray:
+    """Token ids by descending ``x``, ties by ascending id; only the first ``top_k`` if > 0.
+
+    With a top-k filter only the candidates are sorted: a partition (O(n)) finds the k-th
+    largest value, and every id tied with it is a candidate, so the tie-break by lower id gives
+    exactly the first ``top_k`` entries of the full sort.
+    """
+    n = x.shape[0]
+    if 0 < top_k < n:
+        kth = np.partition(x, n - top_k)[n - top_k]
+        cand = np.flatnonzero(x >= kth)
+        return cand[np.lexsort((cand, -x[cand]))][:top_k]
+    return np.lexsort((np.arange(n), -x))
+
+
 def choose_token(logits: np.ndarray, params: SamplingParams, position: int) -> int:
     """Pick the next token. Greedy takes the first maximum, as llama.cpp's greedy sampler does."""
     if params.greedy:
         return int(np.argmax(logits))
     x = np.asarray(logits, dtype=np.float64) / params.temperature
-    order = np.lexsort((np.arange(x.shape[0]), -x))  # descending logit, then ascending id
-    if params.top_k > 0:
-        order = order[: params.top_k]
+    order = candidate_order(x, params.top_k)  # descending logit, then ascending id
     sel = x[order]
     probs = np.exp(sel - sel[0])
     probs /= probs.sum()

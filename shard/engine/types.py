@@ -17,6 +17,14 @@ import numpy as np
 from .errors import InvalidInput, UnsupportedFeature
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 class EngineState(enum.Enum):
     """Engine lifecycle; see docs/engine.md for the transitions."""
 
@@ -190,14 +198,16 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        # Types are checked too: a wrong type would otherwise surface only while sampling, as an
+        # engine fault (FAILED engine) instead of this request's InvalidInput.
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidInput("temperature must be a finite number >= 0")
-        if self.top_k < 0:
-            raise InvalidInput("top_k must be >= 0")
-        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidInput("top_k must be an integer >= 0")
+        if not _is_real(self.top_p) or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidInput("top_p must be in (0, 1]")
-        if not 0 <= self.seed < 2**64:
-            raise InvalidInput("seed must fit in an unsigned 64-bit integer")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
+            raise InvalidInput("seed must be an integer that fits in an unsigned 64 bits")
 
     @property
     def greedy(self) -> bool:
@@ -365,23 +375,48 @@ class EngineMetrics:
 
 
 def _frozen_array(value: np.ndarray) -> np.ndarray:
+    """An array nobody can change: its memory is an immutable ``bytes`` object.
+
+    A plain read-only copy is not enough: numpy lets the holder set ``writeable`` back to True
+    on an array that owns its memory, and a read-only *view* still changes when its writeable
+    base does (so a request validated now could hold NaN by the time it is computed). An array
+    already backed by ``bytes`` (e.g. a previous result, or ``np.frombuffer`` of wire bytes) is
+    kept as is; anything else is copied once.
+    """
     arr = np.asarray(value)
-    if arr.flags.writeable:
+    if arr.dtype.hasobject:  # cannot live in a bytes buffer; rejected by validation anyway
         arr = arr.copy()
         arr.flags.writeable = False
-    return arr
+        return arr
+    if _is_immutable(arr):
+        return arr
+    return np.frombuffer(arr.tobytes(), dtype=arr.dtype).reshape(arr.shape)
+
+
+def _is_immutable(arr: np.ndarray) -> bool:
+    base: object = arr
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return False
+        base = base.base
+    return isinstance(base, bytes)
 
 
 def check_reserved_hooks(
     mtp: MtpRequest | None, aux_state: AuxState | None, caps: Capabilities
 ) -> None:
-    """Fail closed when a request uses a reserved hook the engine does not enable."""
+    """Fail closed when a request uses a reserved hook the engine does not enable.
+
+    Any value other than None counts as using the hook (a malformed one included): nothing is
+    silently ignored.
+    """
     if mtp is not None and not caps.mtp.enabled:
         raise UnsupportedFeature("multi-token prediction (MTP) is not enabled on this engine")
-    if aux_state is not None and aux_state.kind not in caps.aux_state.kinds:
-        raise UnsupportedFeature(
-            f"auxiliary state of kind {aux_state.kind.value!r} is not enabled on this engine"
-        )
+    if aux_state is not None:
+        kind = getattr(aux_state, "kind", None)
+        if not isinstance(aux_state, AuxState) or kind not in caps.aux_state.kinds:
+            name = kind.value if isinstance(kind, AuxStateKind) else type(aux_state).__name__
+            raise UnsupportedFeature(f"auxiliary state {name!r} is not enabled on this engine")
 
 
 def validate_hidden_states(value: np.ndarray, n_embd: int, *, rows: int | None = None) -> None:

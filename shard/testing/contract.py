@@ -25,7 +25,10 @@ semantics, so nothing here branches on the engine's name.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
+import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -140,6 +143,15 @@ def count_tasks() -> int:
     return n
 
 
+def count_native_threads() -> int:
+    """OS threads of this process (Linux ``/proc``), which also sees native threads that
+    ``threading`` does not (llama.cpp / OpenMP workers); elsewhere the Python thread count."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # pragma: no cover - not Linux
+        return threading.active_count()
+
+
 def inject_failure(engine: ShardEngine, exc: BaseException | None = None) -> None:
     """Make the engine's next compute fail with an unexpected exception (not an EngineError).
 
@@ -199,6 +211,32 @@ async def generate(engine: ShardEngine, sid: str, tokens: Sequence[int], n: int,
     return out
 
 
+def assert_project_value(value: Any, where: str = "value") -> None:
+    """``value`` holds only project-owned frozen dataclasses, enums of ``shard.engine``, plain
+    Python scalars, tuples and immutable numeric numpy arrays: nothing from ctypes, llama.cpp or
+    ggml (and no numpy scalar standing in for an int or float)."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return
+    if isinstance(value, tuple):
+        for i, item in enumerate(value):
+            assert_project_value(item, f"{where}[{i}]")
+        return
+    if isinstance(value, enum.Enum):
+        assert type(value).__module__.startswith("shard.engine"), f"{where}: {type(value)}"
+        return
+    if isinstance(value, np.ndarray):
+        assert type(value) is np.ndarray and value.dtype.kind in "biuf", f"{where}: {value.dtype}"
+        assert not value.flags.writeable, f"{where}: writeable array"
+        return
+    cls = type(value)
+    assert dataclasses.is_dataclass(value) and cls.__module__.startswith("shard.engine"), (
+        f"{where}: {cls.__module__}.{cls.__qualname__} is not a project-owned type"
+    )
+    assert cls.__dataclass_params__.frozen, f"{where}: {cls.__qualname__} is not frozen"  # type: ignore[attr-defined]
+    for f in dataclasses.fields(value):
+        assert_project_value(getattr(value, f.name), f"{where}.{f.name}")
+
+
 def _whole(n_ctx: int = 1024, max_sessions: int = 4) -> EngineOptions:
     return EngineOptions(n_ctx=n_ctx, max_sessions=max_sessions)
 
@@ -236,6 +274,28 @@ class EngineContractSuite:
             m = engine.metrics()
             assert (m.sessions_active, m.kv_cells_used, m.operations_running) == (0, 0, 0)
             assert m.steps_total == m.sessions_opened_total == 0
+
+    async def test_only_project_owned_frozen_values_cross_the_contract(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        async with engine_factory.open() as engine:
+            values: dict[str, Any] = {"capabilities": engine.capabilities()}
+            values["open_session"] = await engine.open_session("s")
+            values["tokenize"] = engine.tokenize("hello world")
+            values["token_piece"] = engine.token_piece(values["tokenize"][-1])
+            r = await prefill(engine, "s", prompt_tokens(engine, 6), top_k_logprobs=3)
+            values["prefill"] = r
+            assert r.logits is not None
+            values["decode"] = await decode(engine, "s", r.logits.token_id,
+                                            sampling=SamplingParams(temperature=1.0, top_k=5))
+            values["session_info"] = engine.session_info("s")
+            values["sessions"] = engine.sessions()
+            values["health"] = engine.health()
+            values["metrics"] = engine.metrics()
+            for name, value in values.items():
+                assert_project_value(value, name)
+            assert type(values["token_piece"]) is bytes
+            assert all(type(t) is int for t in values["tokenize"])
 
     async def test_reserved_hooks_are_reported_disabled(self, engine_factory: EngineFactory) -> None:
         async with engine_factory.open() as engine:
@@ -729,6 +789,12 @@ class EngineContractSuite:
                     DecodeRequest("s", hidden_state=hidden[:1]))),
                 (UnknownSession, lambda: prefill(engine, "ghost", good)),
                 (UnknownSession, lambda: decode(engine, "ghost", 5)),
+                (UnknownSession, lambda: prefill(engine, ["s"], good)),  # type: ignore[arg-type]
+                # Malformed fields must be this request's error, never an engine fault.
+                (InvalidInput, lambda: prefill(engine, "s", good, sampling=None)),
+                (InvalidInput, lambda: decode(engine, "s", 5, sampling="greedy")),
+                (UnsupportedFeature, lambda: prefill(engine, "s", good, aux_state="state")),
+                (UnsupportedFeature, lambda: decode(engine, "s", 5, aux_state=b"")),
             ]
             for expected, call in bad_requests:
                 with pytest.raises(expected):
@@ -743,6 +809,12 @@ class EngineContractSuite:
                 SamplingParams(temperature=float("nan"))
             with pytest.raises(InvalidInput):
                 SamplingParams(top_p=0.0)
+            for bad_params in ({"top_k": 2.5}, {"seed": 1.5}, {"top_k": True}, {"temperature": "1"},
+                               {"top_p": None}):
+                with pytest.raises(InvalidInput):
+                    SamplingParams(**{"temperature": 1.0, **bad_params})
+            assert engine.cancel(["s"]) is False  # type: ignore[arg-type]
+            assert await engine.release(["s"]) is False  # type: ignore[arg-type]
             assert engine.metrics().kv_cells_used == 6 + 8
             # Both sessions still compute exactly as before.
             again = await decode(engine, "s", r.logits.token_id)
@@ -928,11 +1000,15 @@ class EngineContractSuite:
                     assert r.logits is not None
                     await decode(engine, sid, r.logits.token_id, top_k_logprobs=0)
                 assert await engine.release(sid) is True
+                # Checked after *every* release: the next session reuses the same sequence id,
+                # and its first step truncates that sequence, which would hide a leak here.
+                assert engine.metrics().kv_cells_used == 0, f"cycle {i} left KV cells"
 
             warmup = 50
             for i in range(warmup):
                 await cycle(i)
             threads_before = threading.active_count()
+            native_before = count_native_threads()
             tasks_before = count_tasks()
             for i in range(warmup, warmup + N_LEAK_CYCLES):
                 await cycle(i)
@@ -941,9 +1017,12 @@ class EngineContractSuite:
             assert m.sessions_opened_total == m.sessions_released_total == warmup + N_LEAK_CYCLES
             assert engine.sessions() == ()
             assert count_tasks() == tasks_before
-            # Trio keeps idle worker threads cached for reuse: after the warm-up the cache is
-            # as large as this sequential workload needs, so the count may only stay or shrink.
+            # Trio keeps idle worker threads cached for reuse (a worker is marked idle before it
+            # reports back, so a sequential workload never needs a second one): after the
+            # warm-up the cache is as large as this workload needs, so the counts may only stay
+            # or shrink.
             assert threading.active_count() <= threads_before
+            assert count_native_threads() <= native_before
 
 
 # ---- the reference trace -------------------------------------------------------------------
@@ -1039,7 +1118,9 @@ __all__ = [
     "EngineContractSuite",
     "Pending",
     "assert_layer_range_refused",
+    "assert_project_value",
     "assert_same_logits",
+    "count_native_threads",
     "count_tasks",
     "decode",
     "generate",
