@@ -76,6 +76,11 @@ MAX_TOP_K_LOGPROBS = 64
 MAX_SESSION_ID_LEN = 128
 
 
+def _is_int(value: object) -> bool:
+    """A real integer: ``True`` is an ``int`` to Python but never a position or a count here."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class CancelFlag:
     """A thread-safe flag an engine thread polls to stop between (or inside) steps."""
 
@@ -375,7 +380,7 @@ class ShardEngine(abc.ABC):
         has_tokens, has_hidden = request.tokens is not None, request.hidden_states is not None
         if has_tokens == has_hidden:
             raise InvalidInput("prefill needs exactly one of tokens or hidden_states", session_id=sid)
-        if not isinstance(request.position, int) or not 0 <= request.position <= slot.n_past:
+        if not _is_int(request.position) or not 0 <= request.position <= slot.n_past:
             raise InvalidInput(
                 f"position {request.position} is outside [0, {slot.n_past}] for this session",
                 session_id=sid,
@@ -453,7 +458,7 @@ class ShardEngine(abc.ABC):
 
     @staticmethod
     def _check_top_k(k: int, sid: str) -> None:
-        if not isinstance(k, int) or not 0 <= k <= MAX_TOP_K_LOGPROBS:
+        if not _is_int(k) or not 0 <= k <= MAX_TOP_K_LOGPROBS:
             raise InvalidInput(f"top_k_logprobs must be in [0, {MAX_TOP_K_LOGPROBS}]", session_id=sid)
 
     @staticmethod

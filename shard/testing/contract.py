@@ -778,6 +778,8 @@ class EngineContractSuite:
                 (InvalidInput, lambda: prefill(engine, "s", good, position=-1)),
                 (InvalidInput, lambda: prefill(engine, "s", good, top_k_logprobs=-1)),
                 (InvalidInput, lambda: prefill(engine, "s", good, top_k_logprobs=65)),
+                (InvalidInput, lambda: prefill(engine, "s", good, position=True)),
+                (InvalidInput, lambda: prefill(engine, "s", good, top_k_logprobs=True)),
                 (InvalidInput, lambda: engine.prefill(PrefillRequest("s"))),
                 (InvalidInput, lambda: engine.prefill(
                     PrefillRequest("s", tokens=good, hidden_states=hidden))),
