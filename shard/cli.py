@@ -37,6 +37,14 @@ _non_negative_int = _int_at_least(0)
 _port = _int_at_least(0, 65535)
 
 
+def _target(text: str) -> str:
+    """HOST:PORT (an IPv6 host in brackets), checked here so that a typo is a usage error."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -110,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}",
+    p.add_argument("--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}",
                    help=f"worker address HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
 
 

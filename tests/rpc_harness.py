@@ -12,12 +12,12 @@ import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import trio
 
-from shard.engine import LayerRange, LoadSpec
+from shard.engine import LayerRange, LoadSpec, ShardEngine
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
 from shard.rpc.registry import Registry
 from shard.rpc.session import SessionCall, SessionLimits
@@ -25,6 +25,7 @@ from shard.rpc.versions import current_proto
 from shard.v1 import shard_pb2 as pb
 
 V = current_proto()
+E = TypeVar("E", bound=ShardEngine)
 MODEL = FakeModel(n_layers_total=4, n_embd=8, seed=7)
 N_CTX, MAX_SESSIONS = 1024, 4  # 256 positions per session
 
@@ -55,7 +56,7 @@ fake calls the hook once a step's latency has passed, just before computing it).
         self._held = False
         self._open.set()
 
-    async def __call__(self, step: FakeStep) -> None:
+    async def __call__(self, step: FakeStep | None = None) -> None:
         self.steps += 1
         self.times.append(trio.current_time())
         if self._held:
@@ -78,7 +79,7 @@ def make_engine(
     )
 
 
-def assert_no_leaks(engine: FakeEngine) -> None:
+def assert_no_leaks(engine: ShardEngine) -> None:
     m = engine.metrics()
     assert engine.sessions() == (), f"sessions leaked: {engine.sessions()}"
     assert m.sessions_active == 0
@@ -90,12 +91,19 @@ _LEAK_REPORTS: list[str] = []  # filled by ``loaded``, checked by the ``no_engin
 
 @asynccontextmanager
 async def loaded(
-    engine: FakeEngine, *, layer_range: LayerRange | None = None, check_leaks: bool = True
-) -> AsyncIterator[FakeEngine]:
-    """Load ``engine``; on exit (after the server or registry using it stopped) record whether
-    it still holds sessions or KV cells, then close it."""
+    engine: E,
+    *,
+    layer_range: LayerRange | None = None,
+    check_leaks: bool = True,
+    spec: LoadSpec | None = None,
+) -> AsyncIterator[E]:
+    """Load ``engine`` (with ``spec``, default: the FakeEngine test spec); on exit (after the
+    server or registry using it stopped) record whether it still holds sessions or KV cells,
+    then close it."""
+    if spec is None:
+        spec = LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=layer_range)
     async with engine:
-        await engine.load(LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=layer_range))
+        await engine.load(spec)
         yield engine
         if check_leaks:
             try:
@@ -139,7 +147,7 @@ async def running_server(engine: FakeEngine, **kwargs: Any) -> AsyncIterator[Any
 class Worker:
     """A live worker for network tests: its engine, server handle, step gate and streams."""
 
-    engine: FakeEngine
+    engine: Any  # FakeEngine, or any ShardEngine given to ``worker(engine=...)``
     server: Any  # RunningServer
     gate: StepGate
     calls: list[SessionCall]  # every Session stream the worker started, in order
@@ -170,10 +178,17 @@ class Worker:
 
 @asynccontextmanager
 async def worker(
-    *, latency: float = 0.0, engine: FakeEngine | None = None, **serve_kwargs: Any
+    *,
+    latency: float = 0.0,
+    engine: ShardEngine | None = None,
+    gate: StepGate | None = None,
+    load: LoadSpec | None = None,
+    **serve_kwargs: Any,
 ) -> AsyncIterator[Worker]:
-    """A loaded FakeEngine served on a free port; leak-checked when the server has stopped."""
-    gate = StepGate()
+    """A loaded engine (default: a FakeEngine) served on a free port; leak-checked when the
+    server has stopped. With ``engine``, pass the ``gate`` its steps call (if any) and the
+    ``load`` spec it needs."""
+    gate = gate if gate is not None else StepGate()
     engine = engine if engine is not None else make_engine(latency=latency, gate=gate)
     from shard.rpc.server import serve
 
@@ -183,7 +198,7 @@ async def worker(
         with server_scope:
             await serve(engine, task_status=task_status, **serve_kwargs)
 
-    async with loaded(engine), trio.open_nursery() as nursery:
+    async with loaded(engine, spec=load), trio.open_nursery() as nursery:
         server = await nursery.start(run_server)
         calls: list[SessionCall] = []
         start_call = server.registry.start_call
@@ -257,7 +272,8 @@ async def driver(registry: Registry, *, deadline: float = math.inf) -> AsyncIter
     send, recv = trio.open_memory_channel[pb.SessionRequest](16)
     call = await registry.start_call(recv, deadline=deadline)
     try:
-        yield Driver(call, send)
+        with trio.fail_after(60):  # a regression fails the test instead of hanging it
+            yield Driver(call, send)
     finally:
         send.close()
         if not call.done.is_set():

@@ -33,7 +33,7 @@ from shard.rpc.errors import ERROR_TRAILER, ErrorCode, ShardError
 from shard.rpc import convert
 from shard.rpc.convert import cache_expectation
 from shard.rpc.server import serve
-from shard.rpc.transport import CallContext
+from shard.rpc.transport import CallContext, TransportLimits
 from shard.v1 import shard_pb2 as pb
 
 METHOD = "/shard.v1.Shard/"
@@ -217,7 +217,7 @@ async def test_grpcio_timeout_ends_in_deadline_exceeded_and_releases_within_one_
         await w.idle()
         # Released (not retained) and the engine stopped within one decode step of the end.
         assert w.engine.sessions() == () and w.server.registry.n_retained == 0
-        assert w.engine.metrics().steps_total > 10  # it really was generating
+        assert w.gate.steps >= 2  # the prompt and at least one generated token: it was running
         # grpcio's own deadline may fire first (it then resets the stream): either way released.
         assert w.calls[-1].error is None or w.calls[-1].error.code is ErrorCode.DEADLINE_EXCEEDED
         assert w.gate.after(w.last_end()) <= 1
@@ -315,6 +315,79 @@ async def test_malformed_session_transitions_over_the_wire() -> None:
         assert w.engine.sessions() == ()
 
 
+async def test_step_while_running_and_after_close_fail_closed_without_touching_other_sessions() -> None:
+    async with live() as w:
+        other_reqs = Requests(req(open=pb.OpenSession(session_id="other")),
+                              req(prefill=pb.Prefill(tokens=pb.TokenIds(ids=TOKENS))))
+        other = Responses(w.stub.Session(iter(other_reqs), timeout=30))
+        try:
+            await other.kind("opened")
+            await other.until_usage()
+
+            # A prefill while a generate runs (parked on credit: still RUNNING).
+            reqs = Requests(req(open=pb.OpenSession(session_id="busy", initial_credit=1)),
+                            req(generate=pb.Generate(tokens=pb.TokenIds(ids=[1]), max_tokens=50)))
+            rs = Responses(w.stub.Session(iter(reqs), timeout=30))
+            await rs.kind("opened")
+            call = w.call("busy")
+            assert call is not None
+            with trio.fail_after(10):
+                await call.parked.wait_value(True)
+            reqs.put(req(prefill=pb.Prefill(tokens=pb.TokenIds(ids=[2]))))
+            reqs.end()
+            exc = await in_thread(expect_rpc_error(lambda: list(rs.call)))
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            err = shard_error(exc)
+            assert err.code is ErrorCode.ILLEGAL_TRANSITION and err.session_id == "busy"
+            assert "while a step is running" in err.message
+
+            # Anything after CloseSession.
+            after_close = [req(open=pb.OpenSession(session_id="done")),
+                           req(close=pb.CloseSession(retain=True)), req(decode=pb.Decode(token=3))]
+            exc = await in_thread(expect_rpc_error(lambda: list(w.stub.Session(iter(after_close), timeout=30))))
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert shard_error(exc).code is ErrorCode.ILLEGAL_TRANSITION
+            assert w.server.registry.retained("done") is not None  # closed before the error
+
+            # A hidden state of the wrong shape is step-level: reported in-stream.
+            bad = pb.Tensor(data=b"\0" * 12, shape=[1, 3], dtype="float32")
+            other_reqs.put(req(decode=pb.Decode(hidden_state=bad)))
+            _, err_msg, _ = await other.until_usage()
+            assert err_msg is not None and err_msg.code == pb.ERROR_CODE_INVALID_ARGUMENT
+
+            # The other session never noticed any of it.
+            assert w.call("busy") is None and w.call("other") is not None
+            other_reqs.put(req(decode=pb.Decode(token=7)))
+            (step,), err_msg, _ = await other.until_usage()
+            assert err_msg is None and step.n_past == len(TOKENS) + 1
+            other_reqs.put(req(close=pb.CloseSession()))
+            await other.kind("closed")
+        finally:
+            other_reqs.end()
+        assert await other.rest() == []
+        released = await in_thread(lambda: w.stub.Release(pb.ReleaseRequest(version=V, session_id="done"), timeout=10))
+        assert released.released
+        await w.idle()
+        assert w.engine.sessions() == ()
+
+
+async def test_oversized_or_unparsable_session_messages_fail_that_stream_with_the_trailer() -> None:
+    async with live(transport_limits=TransportLimits(max_message_bytes=4096)) as w:
+        raw = w.channel.stream_stream(METHOD + "Session", request_serializer=None, response_deserializer=None)
+        big = req(prefill=pb.Prefill(tokens=pb.TokenIds(ids=[5] * 5000))).SerializeToString()
+        cases = {
+            "oversized": (big, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorCode.RESOURCE_EXHAUSTED),
+            "unparsable": (b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INVALID_ARGUMENT),
+        }
+        for name, (second, status, code) in cases.items():
+            opened = req(open=pb.OpenSession(session_id=name)).SerializeToString()
+            exc = await in_thread(expect_rpc_error(lambda: list(raw(iter([opened, second]), timeout=10))))
+            assert exc.code() == status, name
+            assert shard_error(exc).code is code and shard_error(exc).session_id == name, name
+        await w.idle()
+        assert w.engine.sessions() == () and w.server.registry.n_retained == 0
+
+
 async def test_internal_errors_never_leak_internals(monkeypatch: pytest.MonkeyPatch) -> None:
     async with live() as w:
         def boom(*args: Any, **kwargs: Any) -> Any:
@@ -385,6 +458,15 @@ async def test_custom_metadata_reaches_the_auth_hook_and_refusals_carry_the_trai
         exc = await in_thread(expect_rpc_error(lambda: list(w.stub.Session(iter(reqs), timeout=10))))
         assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
         assert w.engine.metrics().sessions_opened_total == 0
+
+        # A session stream carries the metadata too, and its (OK) trailers are readable.
+        reqs = [req(open=pb.OpenSession(session_id="a")), req(close=pb.CloseSession())]
+        call = w.stub.Session(iter(reqs), timeout=10,
+                              metadata=[("authorization", "Bearer good"), ("x-router-bin", b"\xff")])
+        msgs = await in_thread(lambda: list(call))
+        assert [m.WhichOneof("kind") for m in msgs] == ["opened", "closed"]
+        assert call.code() == grpc.StatusCode.OK and call.trailing_metadata() is not None
+        assert ("x-router-bin", b"\xff") in seen[-1]
 
 
 async def test_grpc_health_v1_follows_engine_and_draining() -> None:

@@ -11,7 +11,7 @@ import trio.testing
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import V, StepGate, assert_no_leaks, driver, loaded, make_engine, running_registry
-from shard.engine import LayerRange
+from shard.engine import EngineFailure, LayerRange
 from shard.rpc.convert import array_to_tensor, cache_expectation
 from shard.rpc.errors import ErrorCode
 from shard.rpc.session import Phase, SessionLimits, StreamEnd
@@ -548,6 +548,54 @@ async def test_ttl_expiry_frees_kv_and_resume_misses(autojump_clock: trio.testin
         async with driver(reg) as d:
             opened = await d.open(cache=cache_expectation(TOKENS))
             assert opened.cache.outcome == R.OUTCOME_MISS and opened.cache.tokens_held == 0
+
+
+async def test_failing_engine_releases_never_stop_the_reaper_or_skip_sessions(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine release that raises (e.g. a failed KV truncate) must not kill the reaper (and
+    with it the registry and the server) nor leave the other retained sessions behind."""
+    limits = SessionLimits(resume_ttl=5.0)
+    async with loaded(make_engine()) as engine:
+        real_release = engine.release
+
+        async def failing_release(session_id: str) -> bool:
+            freed = await real_release(session_id)  # the engine frees the slot, then reports
+            raise EngineFailure(f"truncate of {session_id} failed")
+            return freed  # pragma: no cover
+
+        async with running_registry(engine, limits) as reg:
+            await _retain(reg, sid="a")
+            await _retain(reg, sid="b")
+            monkeypatch.setattr(engine, "release", failing_release)
+            await trio.sleep(6.0)  # both expire; the first failure must not stop the reaper
+            assert reg.n_retained == 0 and engine.sessions() == ()
+            monkeypatch.setattr(engine, "release", real_release)
+            async with driver(reg) as d:  # the registry still serves
+                assert (await d.open("c")).cache.outcome == R.OUTCOME_NEW
+            await _retain(reg, sid="d")
+            await _retain(reg, sid="e")
+            monkeypatch.setattr(engine, "release", failing_release)
+        # Shutdown freed every retained session despite the failures (checked by `loaded`).
+        assert engine.sessions() == ()
+
+
+async def test_failing_release_on_close_ends_with_engine_failure_and_frees_the_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with loaded(make_engine()) as engine, running_registry(engine) as reg, driver(reg) as d:
+        await d.open()
+        real_release = engine.release
+
+        async def failing_release(session_id: str) -> bool:
+            await real_release(session_id)
+            raise EngineFailure("truncate failed")
+
+        monkeypatch.setattr(engine, "release", failing_release)
+        await d.send(close=pb.CloseSession(retain=False))
+        await d.finished()
+        assert d.call.error is not None and d.call.error.code is ErrorCode.ENGINE_FAILURE
+        assert reg.n_live == 0 and reg.n_retained == 0 and engine.sessions() == ()
 
 
 async def test_release_frees_a_retained_session_at_once() -> None:

@@ -27,6 +27,7 @@ import trio.testing
 from google.protobuf.wrappers_pb2 import StringValue
 from h2.settings import SettingCodes
 
+from shard.rpc import transport
 from shard.rpc.transport import (
     CallContext,
     EndReason,
@@ -429,6 +430,59 @@ async def test_messages_larger_than_the_window_still_flow(nursery: trio.Nursery)
     big = "y" * (200 * 1024)
     response, _ = await call(port, big)
     assert response is not None and response.value == big
+
+
+async def test_empty_messages_to_a_handler_that_does_not_read_stay_bounded(
+    nursery: trio.Nursery,
+) -> None:
+    """Each queued message counts its 5-byte gRPC prefix against the stream window, so a peer
+    cannot queue an unbounded number of empty messages at a handler that stopped reading."""
+    server, echo, port = await start(nursery)
+    client = await RawClient.connect(port)
+    sid = await client.request("Bidi", frame("hang:e"), end=False)
+    await settle(echo.started["e"])  # the handler now waits forever without reading
+    empty, window = frame(b""), LIMITS.stream_window_bytes
+    (conn,) = server._connections
+    call = conn.calls[sid]
+    for _ in range(4):  # fill every window the server grants; unbounded, it grants forever
+        room = client.h2.local_flow_control_window(sid)
+        per_frame = client.h2.max_outbound_frame_size // len(empty)
+        n = room // len(empty)
+        while n > 0:
+            client.h2.send_data(sid, empty * min(n, per_frame))
+            n -= per_frame
+        client.h2.ping(b"barrier!")  # answered after the data before it was processed
+        await client.flush()
+        await client.until(lambda e: isinstance(e, h2.events.PingAckReceived))
+    queued = call.inbox.statistics().current_buffer_used
+    assert queued <= 2 * window // len(empty) + 1, queued
+    assert conn.h2.flow[sid][1] > 0  # acknowledgements are being withheld
+    await client.stream.aclose()
+
+
+async def test_a_peer_that_never_reads_cannot_grow_the_outbox(nursery: trio.Nursery) -> None:
+    """Frames h2 answers by itself (PING ACKs here) also wait for the peer to read: the
+    connection stops reading while its outbox is over the high-water mark."""
+    server, _, port = await start(nursery)
+    client = await RawClient.connect(port)
+    flooded = 0
+
+    async def flood() -> None:  # 2.5 MB of PINGs, never reading a single ACK
+        nonlocal flooded
+        for _ in range(150):
+            for _ in range(1000):
+                client.h2.ping(b"flooding")
+            await client.flush()
+            flooded += 1000
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(flood)
+        await trio.testing.wait_all_tasks_blocked()  # flood, reader and writer all stuck
+        (conn,) = server._connections
+        assert len(conn._outbox) <= transport._OUTBOX_HIGH_WATER + transport._READ_SIZE + 17
+        assert flooded < 150_000  # the server stopped reading, so the flood could not finish
+        inner.cancel_scope.cancel()
+    await client.stream.aclose()
 
 
 def test_limits_are_validated() -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import trio
 from trio_util import AsyncValue
 
-from shard.engine import ShardEngine
+from shard.engine import EngineError, ShardEngine
 from shard.v1 import shard_pb2 as pb
 
 from .errors import ErrorCode, ShardError
@@ -108,7 +108,7 @@ class Registry:
                 if self._retained.pop(sid, None) is not None:
                     self._bump()
                     self.counters["sessions_expired_total"] += 1
-                    await self.engine.release(sid)
+                    await self._free(sid)
             if expired:
                 continue
             next_at = min((r.expires_at for r in self._retained.values()), default=math.inf)
@@ -178,7 +178,7 @@ class Registry:
         del self._retained[sid]
         self._bump()
         self.counters["sessions_evicted_total"] += 1
-        await self.engine.release(sid)
+        await self._free(sid)
         return True
 
     def count(self, name: str, n: int = 1) -> None:
@@ -215,7 +215,17 @@ class Registry:
             sid = next(iter(self._retained))
             del self._retained[sid]
             self._bump()
-            await self.engine.release(sid)
+            await self._free(sid)
+
+    async def _free(self, session_id: str) -> None:
+        """Release a retained session's engine state from a background path (reaper, eviction,
+        shutdown). An engine error is logged, not raised: the engine frees the session's slot
+        even when it fails (and then reports FAILED health), and one failure must neither stop
+        the reaper (whose nursery holds every stream) nor skip the other sessions."""
+        try:
+            await self.engine.release(session_id)
+        except EngineError:
+            log.exception("releasing retained session %r failed", session_id)
 
     # ---- observation -----------------------------------------------------------------------
 

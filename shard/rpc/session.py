@@ -248,6 +248,8 @@ class SessionCall:
             await fn()
         except ShardError as err:
             self._fail(err)
+        except EngineError as exc:  # e.g. a release on a failing engine: keep its meaning
+            self._fail(ShardError.from_engine(exc))
         except Exception:
             log.exception("session %r: internal error", self.session_id)
             self._fail(internal_error(self.session_id))

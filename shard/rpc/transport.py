@@ -6,12 +6,17 @@ of DESIGN.md section 3 live: deadlines never enforced, RST_STREAM and dropped co
 surfaced, bare ``except:`` swallowing ``trio.Cancelled``, SO_REUSEPORT on all interfaces,
 sockets never closed, one oversized message killing the connection, 64 MiB / 1 GiB windows.
 
+Outbound bytes wait in one outbox per connection; both the handlers and the connection's reader
+pause while it holds more than ``_OUTBOX_HIGH_WATER``, so a peer that stops reading stalls its
+own connection instead of growing the worker's memory.
+
 Resource handling: every connection and call is a task in an owner nursery under ``serve()``;
 ``serve_listeners`` closes each accepted stream, ``serve`` closes the listener.  Per-call state
 (call table, purerpc read buffer, flow-control ledger) is dropped when the call task ends.
 
 Flow control: the per-stream window is ``stream_window_bytes``; frame bytes are acknowledged on
-arrival while the handler has at most that many unread message bytes queued, and deferred
+arrival while the handler has at most that many unread message bytes queued (each message
+counting its 5-byte prefix, so empty messages are bounded too), and deferred
 (acknowledged when the handler reads) beyond it, so a message larger than the window still
 flows while a slow handler back-pressures its own stream.  Deferred bytes also hold the
 connection window: keep ``connection_window_bytes`` above (streams that may stall) x window.
@@ -53,6 +58,9 @@ log = logging.getLogger(__name__)
 
 _OUTBOX_HIGH_WATER = 256 * 1024  # queued outbound bytes before a sending handler waits
 _READ_SIZE = 1024 * 1024  # 64 KiB reads halved 1 MiB-message throughput (measured)
+# Each queued message also counts its 5-byte gRPC prefix as unread: otherwise empty messages
+# would cost nothing and a peer could queue unboundedly many at a handler that is not reading.
+_PREFIX = 5
 _Outcome = tuple[int, str, Sequence[tuple[str, "str | bytes"]]]  # (code, message, trailers)
 
 
@@ -181,7 +189,7 @@ class _H2(GRPCConnection):
                 del self.message_read_buffers[sid]
                 too_large = True
             for data, _ in buffer.read_all_complete_messages_flowcontrol():
-                flow[0] += len(data)
+                flow[0] += len(data) + _PREFIX
                 events.append(MessageReceived(sid, data, len(data)))
         if buffer is not None and not too_large and flow[0] <= self.limits.stream_window_bytes:
             self.h2_connection.acknowledge_received_data(size, sid)
@@ -262,7 +270,7 @@ class _Call:
             if isinstance(item, StatusError):
                 self.error = item
             else:
-                self.conn.h2.consumed(self.sid, len(item))
+                self.conn.h2.consumed(self.sid, len(item) + _PREFIX)
                 self.conn.send_pending()
                 message = self.request_type()
                 try:
@@ -383,6 +391,10 @@ class _Connection:
             for event in events:
                 self._dispatch(event)
             self.send_pending()
+            # Stop reading while the peer does not read: otherwise frames h2 answers by itself
+            # (PING and SETTINGS ACKs) would pile up in the outbox without a bound.
+            while len(self._outbox) > _OUTBOX_HIGH_WATER:
+                await self._drained.wait()
 
     def _dispatch(self, event: Any) -> None:
         sid = event.stream_id
