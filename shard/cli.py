@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import ssl
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -82,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most concurrently open sessions (default: 4)")
     serve.add_argument("--batch", type=_positive_int, default=512,
                        help="prefill batch size in tokens (default: 512)")
+    serve.add_argument("--tls-cert", type=Path, metavar="PEM",
+                       help="serve TLS with this certificate chain (with --tls-key)")
+    serve.add_argument("--tls-key", type=Path, metavar="PEM", help="private key for --tls-cert")
+    serve.add_argument("--tls-client-ca", type=Path, metavar="PEM",
+                       help="require client certificates signed by this CA (mutual TLS)")
     serve.add_argument("--resume-ttl", type=_non_negative_float, default=60.0,
                        help="seconds a session's KV cache is kept after its stream ends without "
                        "release, for resume (default: 60)")
@@ -120,6 +127,42 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}",
                    help=f"worker address HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
+    p.add_argument("--tls-ca", type=Path, metavar="PEM",
+                   help="connect with TLS, trusting this CA bundle")
+    p.add_argument("--tls-cert", type=Path, metavar="PEM",
+                   help="client certificate chain for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, metavar="PEM", help="client private key")
+
+
+def _tls_pair_given(args: argparse.Namespace) -> bool:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    return args.tls_cert is not None
+
+
+def _server_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """TLS for ``serve``: certificate + key, and with --tls-client-ca, required client certs."""
+    if not _tls_pair_given(args):
+        if args.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    if args.tls_client_ca is not None:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(args.tls_client_ca)
+    return ctx
+
+
+def _client_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """TLS for ``generate``/``caps``: enabled by --tls-ca (or a client certificate)."""
+    pair = _tls_pair_given(args)
+    if args.tls_ca is None and not pair:
+        return None
+    ctx = ssl.create_default_context(cafile=args.tls_ca)
+    if pair:
+        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    return ctx
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,6 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `trio-shard caps | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet exit flush
+        return 0
 
 
 def _fail(message: str, code: int = 1) -> int:
@@ -171,6 +217,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         n_batch=args.batch,
     )
+    try:
+        ssl_context = _server_ssl_context(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"TLS set-up failed: {exc}", 2)
     logging.getLogger("shard").info("model: %s", model)
 
     async def run() -> None:
@@ -181,7 +231,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                     # The port is bound first (health NOT_READY while loading), then the load.
                     await serve(
                         engine, host=args.host, port=args.port, load=spec,
-                        resume_ttl=args.resume_ttl,
+                        resume_ttl=args.resume_ttl, ssl_context=ssl_context,
                     )
                     nursery.cancel_scope.cancel()
 
@@ -210,6 +260,11 @@ async def _stop_on_signal(scope: "trio.CancelScope") -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import trio
 
+    try:
+        ssl_context = _client_ssl_context(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"TLS set-up failed: {exc}", 2)
+
     from shard.client import ShardClient, ShardError
     from shard.v1 import shard_pb2 as pb
 
@@ -217,7 +272,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         text: list[str] = []
         tokens: list[int] = []
         finish = pb.FINISH_REASON_UNSPECIFIED
-        async with ShardClient.connect(args.target, timeout=args.timeout) as client:
+        async with ShardClient.connect(
+            args.target, timeout=args.timeout, ssl_context=ssl_context
+        ) as client:
             async for chunk in client.generate_text(
                 args.prompt,
                 max_tokens=args.max_tokens,
@@ -246,10 +303,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_caps(args: argparse.Namespace) -> int:
     import trio
 
+    try:
+        ssl_context = _client_ssl_context(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"TLS set-up failed: {exc}", 2)
+
     from shard.client import ShardClient, ShardError
 
     async def run() -> dict[str, object]:
-        async with ShardClient.connect(args.target, timeout=args.timeout) as client:
+        async with ShardClient.connect(
+            args.target, timeout=args.timeout, ssl_context=ssl_context
+        ) as client:
             return await client.capabilities_dict()
 
     try:

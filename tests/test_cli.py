@@ -10,9 +10,11 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import trustme
 
 from shard.cli import build_parser, main
 
@@ -23,11 +25,12 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def worker() -> Iterator[str]:
-    """A real ``trio-shard serve --port 0`` process; yields its HOST:PORT."""
+@contextmanager
+def running_worker(*extra: str) -> Iterator[str]:
+    """A real ``trio-shard serve --port 0 ...`` process; yields its HOST:PORT, then SIGTERMs it."""
     proc = subprocess.Popen(
-        [*CLI, "serve", "--port", "0", "--threads", "1", "--max-sessions", "2", "--ctx", "1024"],
+        [*CLI, "serve", "--port", "0", "--threads", "1", "--max-sessions", "2", "--ctx", "1024",
+         *extra],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "always::ResourceWarning"},  # shown, then refused
@@ -54,6 +57,37 @@ def worker() -> Iterator[str]:
         # llama_cpp/_utils.py opens two /dev/null files at import and never closes them.
         leaks = [ln for ln in (*lines, *rest.splitlines()) if "ResourceWarning" in ln]
         assert all("name='/dev/null'" in ln for ln in leaks), leaks
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[str]:
+    with running_worker() as target:
+        yield target
+
+
+def test_tls_and_mutual_tls_from_the_command_line(tmp_path: Path) -> None:
+    ca, client_ca = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    client = client_ca.issue_cert("router")
+    files = {
+        "ca.pem": ca.cert_pem, "client-ca.pem": client_ca.cert_pem,
+        "server.pem": server.cert_chain_pems[0], "server.key": server.private_key_pem,
+        "client.pem": client.cert_chain_pems[0], "client.key": client.private_key_pem,
+    }
+    for name, blob in files.items():
+        blob.write_to_path(str(tmp_path / name))
+    p = {name: str(tmp_path / name) for name in files}
+    with running_worker("--tls-cert", p["server.pem"], "--tls-key", p["server.key"],
+                        "--tls-client-ca", p["client-ca.pem"]) as target:
+        mtls = ("--tls-ca", p["ca.pem"], "--tls-cert", p["client.pem"], "--tls-key", p["client.key"])
+        out = _run("generate", "--target", target, *mtls, "--json", "--max-tokens", "3", "hi")
+        assert out.returncode == 0, out.stderr
+        assert len(json.loads(out.stdout)["tokens"]) == 3
+        # Without a client certificate, or without TLS at all, the worker refuses the peer.
+        for refused in (("--tls-ca", p["ca.pem"]), ()):
+            out = _run("caps", "--target", target, "--timeout", "10", *refused)
+            assert out.returncode == 1, out.stdout
+            assert "Traceback" not in out.stderr
 
 
 def test_generate_json_and_streaming_agree(worker: str) -> None:
