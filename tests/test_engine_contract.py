@@ -88,6 +88,15 @@ def test_choose_token_equals_the_reference_implementation(
     assert choose_token(logits, params, position) == _reference_choose_token(logits, params, position)
 
 
+@pytest.mark.parametrize("temperature", [1e-310, 1e-30, 1e-9])
+def test_a_tiny_temperature_samples_among_the_maxima_only(temperature: float) -> None:
+    # Scaling before shifting overflowed the maximum to inf and gave NaN probabilities.
+    logits = np.array([1.0, 5.0, 3.0, 5.0, 4.999], dtype=np.float32)
+    picks = {choose_token(logits, SamplingParams(temperature=temperature, seed=s), 3)
+             for s in range(64)}
+    assert picks == {1, 3}
+
+
 def test_top_k_sampling_only_picks_candidates() -> None:
     logits = np.array([0.0, 5.0, 5.0, 1.0, 5.0, -2.0], dtype=np.float32)
     picks = {choose_token(logits, SamplingParams(temperature=50.0, top_k=2, seed=s), 3)

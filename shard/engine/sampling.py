@@ -56,10 +56,12 @@ def choose_token(logits: np.ndarray, params: SamplingParams, position: int) -> i
     """Pick the next token. Greedy takes the first maximum, as llama.cpp's greedy sampler does."""
     if params.greedy:
         return int(np.argmax(logits))
-    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    x = np.asarray(logits, dtype=np.float64)
     order = candidate_order(x, params.top_k)  # descending logit, then ascending id
-    sel = x[order]
-    probs = np.exp(sel - sel[0])
+    # Shift before scaling: a tiny temperature then sends the others to -inf (probability 0)
+    # instead of overflowing the maximum to inf (NaN probabilities).
+    with np.errstate(over="ignore"):  # -big / tiny -> -inf is the intended limit
+        probs = np.exp((x[order] - x[order[0]]) / params.temperature)
     probs /= probs.sum()
     if params.top_p < 1.0:
         cum = np.cumsum(probs)
