@@ -316,6 +316,36 @@ async def test_unknown_method_and_service_are_unimplemented(nursery: trio.Nurser
     assert await trio.to_thread.run_sync(run) == [grpc.StatusCode.UNIMPLEMENTED] * 2
 
 
+async def test_compressed_requests_are_refused_not_inflated(nursery: trio.Nursery) -> None:
+    _, echo, port = await start(nursery)
+    _, err = await call(port, "x" * 1000, compression=grpc.Compression.Gzip)
+    assert isinstance(err, grpc.RpcError)
+    assert err.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert "gzip" in err.details()
+    # The connection and the server stay usable for identity-encoded calls.
+    reply, _ = await call(port, "plain")
+    assert reply is not None
+
+
+async def test_a_compressed_flag_fails_that_stream_only(nursery: trio.Nursery) -> None:
+    """A message with the compressed flag set (no grpc-encoding header) used to raise out of
+    purerpc's parser and take the connection down; now only that stream fails."""
+    _, _, port = await start(nursery)
+    client = await RawClient.connect(port)
+    data = StringValue(value="zip?").SerializeToString()
+    sid = await client.request("Unary", struct.pack(">?I", True, len(data)) + data)
+
+    def status_of(stream_id: int) -> Callable[[Any], bool]:  # trailers, or trailers-only
+        return lambda e: getattr(e, "stream_id", None) == stream_id and "grpc-status" in dict(
+            getattr(e, "headers", None) or ())
+
+    ended = await client.until(status_of(sid))
+    assert dict(ended.headers)["grpc-status"] == "12"
+    ok = await client.request("Unary", frame("still here"))
+    assert dict((await client.until(status_of(ok))).headers)["grpc-status"] == "0"
+    await client.stream.aclose()
+
+
 # -- deadlines, cancellation, dropped connections ----------------------------------------------
 
 async def test_deadline_cancels_handler_and_sends_deadline_exceeded(nursery: trio.Nursery) -> None:

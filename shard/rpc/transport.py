@@ -49,7 +49,11 @@ from h2.settings import SettingCodes, Settings
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
 from purerpc.grpclib.events import MessageReceived, RequestEnded, RequestReceived, WindowUpdated
-from purerpc.grpclib.exceptions import MessageTooLargeError, ProtocolError
+from purerpc.grpclib.exceptions import (
+    MessageTooLargeError,
+    ProtocolError,
+    UnsupportedMessageEncodingError,
+)
 from purerpc.grpclib.headers import sanitize_headers
 from purerpc.grpclib.status import Status
 from purerpc.rpc import Cardinality
@@ -139,6 +143,10 @@ class TransportLimits:
             raise ValueError("max_concurrent_streams must be >= 1")
 
 
+def _refuse_compressed(data: bytes) -> bytes:
+    raise UnsupportedMessageEncodingError("compressed messages are not supported")
+
+
 class _Signal(NamedTuple):
     """Transport events purerpc drops or turns into connection errors."""
 
@@ -174,28 +182,41 @@ class _H2(GRPCConnection):
 
     def _request_received(self, event: Any) -> list[Any]:
         try:
-            return super()._request_received(event)
+            events = super()._request_received(event)
         except (ProtocolError, ValueError, KeyError, AttributeError):
             return [_Signal("malformed", event.stream_id)]
+        # purerpc would inflate compressed messages with no size limit (a zip bomb walks past
+        # max_message_bytes) and a bad one raised out of the connection loop: refuse them.
+        self.message_read_buffers[event.stream_id].decompress = _refuse_compressed
+        return events
 
     def _data_received(self, event: Any) -> list[Any]:
         sid, size = event.stream_id, event.flow_controlled_length
         flow = self.flow.setdefault(sid, [0, 0])
         buffer, too_large, events = self.message_read_buffers.get(sid), False, []
+        compressed = False
         if buffer is not None:
             try:
                 buffer.data_received(event.data, size)
             except MessageTooLargeError:  # fail this stream only; purerpc failed the connection
                 del self.message_read_buffers[sid]
                 too_large = True
+            except UnsupportedMessageEncodingError:
+                del self.message_read_buffers[sid]
+                compressed = True
             for data, _ in buffer.read_all_complete_messages_flowcontrol():
                 flow[0] += len(data) + _PREFIX
                 events.append(MessageReceived(sid, data, len(data)))
-        if buffer is not None and not too_large and flow[0] <= self.limits.stream_window_bytes:
+        failed = too_large or compressed
+        if buffer is not None and not failed and flow[0] <= self.limits.stream_window_bytes:
             self.h2_connection.acknowledge_received_data(size, sid)
         else:
             flow[1] += size  # acknowledged when the handler reads, or when the call ends
-        return events + [_Signal("oversized", sid)] * too_large
+        return (
+            events
+            + [_Signal("oversized", sid)] * too_large
+            + [_Signal("compressed", sid)] * compressed
+        )
 
     def _stream_reset(self, event: Any) -> list[Any]:
         return [_Signal("reset", event.stream_id)]
@@ -416,6 +437,9 @@ class _Connection:
         elif event == ("oversized", sid):
             call.inbox_send.send_nowait(StatusError(8, "request message larger than the limit"))
             call.inbox_send.close()
+        elif event == ("compressed", sid):
+            call.inbox_send.send_nowait(StatusError(12, "compressed messages are not supported"))
+            call.inbox_send.close()
         elif event == ("reset", sid):
             call.abort(EndReason.CLIENT_CANCELLED)
 
@@ -425,6 +449,14 @@ class _Connection:
         if bound is None:
             method = f"/{event.service_name}/{event.method_name}"
             self.end_stream(event.stream_id, False, 12, f"method {method} is not implemented", ())
+            return
+        if event.message_encoding not in (None, "identity"):
+            # Only identity encoding (see _refuse_compressed); the gRPC spec's answer to an
+            # unsupported encoding is UNIMPLEMENTED.
+            self.end_stream(
+                event.stream_id, False, 12,
+                f"message encoding {event.message_encoding!r} is not supported", (),
+            )
             return
         call = _Call(self, event, bound.signature.request_type)
         self.calls[call.sid] = call
