@@ -216,24 +216,11 @@ async def worker(
 # ---- driving a SessionCall without a network -------------------------------------------------
 
 
-class Driver:
-    """Feeds requests to a ``SessionCall`` and reads its responses (no transport)."""
-
-    def __init__(self, call: SessionCall, send: trio.MemorySendChannel[pb.SessionRequest]) -> None:
-        self.call = call
-        self._send = send
-
-    async def send(self, **kind: Any) -> None:
-        await self._send.send(pb.SessionRequest(version=V, **kind))
-
-    async def send_raw(self, req: pb.SessionRequest) -> None:
-        await self._send.send(req)
-
-    async def half_close(self) -> None:
-        await self._send.aclose()
+class StepReader:
+    """Reads session responses; subclasses say where they come from (``recv``)."""
 
     async def recv(self) -> pb.SessionResponse:
-        return await self.call.responses.receive()
+        raise NotImplementedError
 
     async def recv_kind(self, kind: str) -> Any:
         msg = await self.recv()
@@ -254,6 +241,26 @@ class Driver:
                 return steps, error, msg.usage
             else:
                 raise AssertionError(f"unexpected {msg}")
+
+
+class Driver(StepReader):
+    """Feeds requests to a ``SessionCall`` and reads its responses (no transport)."""
+
+    def __init__(self, call: SessionCall, send: trio.MemorySendChannel[pb.SessionRequest]) -> None:
+        self.call = call
+        self._send = send
+
+    async def send(self, **kind: Any) -> None:
+        await self._send.send(pb.SessionRequest(version=V, **kind))
+
+    async def send_raw(self, req: pb.SessionRequest) -> None:
+        await self._send.send(req)
+
+    async def half_close(self) -> None:
+        await self._send.aclose()
+
+    async def recv(self) -> pb.SessionResponse:
+        return await self.call.responses.receive()
 
     async def open(self, session_id: str = "s1", **fields: Any) -> pb.SessionOpened:
         await self.send(open=pb.OpenSession(session_id=session_id, **fields))

@@ -21,6 +21,7 @@ from rpc_harness import (
     MODEL,
     V,
     Requests,
+    StepReader,
     Worker,
     assert_no_leaks,
     in_thread,
@@ -76,34 +77,18 @@ async def live(**kwargs: Any) -> AsyncIterator[Live]:
             yield Live(w.engine, w.server, w.gate, w.calls, w._scope, channel, Stub(channel))  # noqa: SLF001
 
 
-class Responses:
+class Responses(StepReader):
     """A grpcio response iterator read from Trio (each ``next`` runs in a thread)."""
 
     def __init__(self, call: Any) -> None:
         self.call = call
         self._it: Iterator[pb.SessionResponse] = iter(call)
 
-    async def next(self) -> pb.SessionResponse:
+    async def recv(self) -> pb.SessionResponse:
         return await in_thread(next, self._it)
 
-    async def kind(self, kind: str) -> Any:
-        msg = await self.next()
-        assert msg.WhichOneof("kind") == kind, msg
-        return getattr(msg, kind)
-
-    async def until_usage(self) -> tuple[list[pb.StepResult], pb.Error | None, pb.Usage]:
-        steps, error = [], None
-        while True:
-            msg = await self.next()
-            kind = msg.WhichOneof("kind")
-            if kind == "step":
-                steps.append(msg.step)
-            elif kind == "error":
-                error = msg.error
-            elif kind == "usage":
-                return steps, error, msg.usage
-            else:
-                raise AssertionError(msg)
+    next = recv
+    kind = StepReader.recv_kind
 
     async def rest(self) -> list[pb.SessionResponse]:
         return await in_thread(list, self._it)
