@@ -7,6 +7,7 @@ Commands: ``serve`` (run a worker), ``generate`` and ``caps`` (talk to a worker)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -14,6 +15,12 @@ import ssl
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
+    import trio
+
+    from shard.rpc.server import RunningServer
 
 DEFAULT_PORT = 50051
 
@@ -89,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", type=Path, metavar="PEM", help="private key for --tls-cert")
     serve.add_argument("--tls-client-ca", type=Path, metavar="PEM",
                        help="require client certificates signed by this CA (mutual TLS)")
+    serve.add_argument("--grace", type=_non_negative_float, default=10.0,
+                       help="seconds running sessions may finish after SIGTERM/SIGINT before "
+                       "they are cancelled; a second signal stops at once (default: 10)")
     serve.add_argument("--resume-ttl", type=_non_negative_float, default=60.0,
                        help="seconds a session's KV cache is kept after its stream ends without "
                        "release, for resume (default: 60)")
@@ -227,13 +237,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         async with LlamaCppEngine() as engine:
             with unwrap_single_exception():  # report OSError / EngineError, not a group
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
                     # The port is bound first (health NOT_READY while loading), then the load.
-                    await serve(
-                        engine, host=args.host, port=args.port, load=spec,
+                    server = await nursery.start(functools.partial(
+                        serve, engine, host=args.host, port=args.port, load=spec,
                         resume_ttl=args.resume_ttl, ssl_context=ssl_context,
-                    )
-                    nursery.cancel_scope.cancel()
+                    ))
+                    nursery.start_soon(_stop_on_signal, server, nursery.cancel_scope, args.grace)
 
     try:
         trio.run(run)
@@ -244,17 +253,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _stop_on_signal(scope: "trio.CancelScope") -> None:
-    """SIGTERM/SIGINT stop the worker cleanly: cancelling ``serve`` releases every session."""
+async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace: float) -> None:
+    """SIGTERM/SIGINT: drain (refuse new sessions, let running ones finish for up to ``grace``
+    seconds), then stop; a second signal stops at once. Stopping releases every session."""
     import signal
 
     import trio
 
+    log = logging.getLogger("shard")
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            logging.getLogger("shard").info("%s: stopping", signal.Signals(signum).name)
-            scope.cancel()
-            return
+        async with trio.open_nursery() as nursery:
+
+            async def drain_then_stop() -> None:
+                finished = await server.drain_for(grace)
+                log.info("drained" if finished else "grace period over: cancelling sessions")
+                scope.cancel()
+
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if nursery.child_tasks:
+                    log.info("%s again: stopping now", name)
+                    scope.cancel()
+                    return
+                log.info("%s: stopping (draining for up to %gs)", name, grace)
+                nursery.start_soon(drain_then_stop)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

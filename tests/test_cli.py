@@ -26,8 +26,9 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 @contextmanager
-def running_worker(*extra: str) -> Iterator[str]:
-    """A real ``trio-shard serve --port 0 ...`` process; yields its HOST:PORT, then SIGTERMs it."""
+def running_worker(*extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A real ``trio-shard serve --port 0 ...`` process; yields its HOST:PORT and the process,
+    then SIGTERMs it (unless the test did) and checks it stopped cleanly."""
     proc = subprocess.Popen(
         [*CLI, "serve", "--port", "0", "--threads", "1", "--max-sessions", "2", "--ctx", "1024",
          *extra],
@@ -46,9 +47,10 @@ def running_worker(*extra: str) -> Iterator[str]:
             break
     try:
         assert target, "".join(lines)
-        yield target
+        yield target, proc
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         with proc.stderr:
             rest = proc.stderr.read()
         assert proc.wait(timeout=30) == 0, rest
@@ -61,7 +63,7 @@ def running_worker(*extra: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[str]:
-    with running_worker() as target:
+    with running_worker() as (target, _):
         yield target
 
 
@@ -78,7 +80,7 @@ def test_tls_and_mutual_tls_from_the_command_line(tmp_path: Path) -> None:
         blob.write_to_path(str(tmp_path / name))
     p = {name: str(tmp_path / name) for name in files}
     with running_worker("--tls-cert", p["server.pem"], "--tls-key", p["server.key"],
-                        "--tls-client-ca", p["client-ca.pem"]) as target:
+                        "--tls-client-ca", p["client-ca.pem"]) as (target, _):
         mtls = ("--tls-ca", p["ca.pem"], "--tls-cert", p["client.pem"], "--tls-key", p["client.key"])
         out = _run("generate", "--target", target, *mtls, "--json", "--max-tokens", "3", "hi")
         assert out.returncode == 0, out.stderr
@@ -100,6 +102,29 @@ def test_generate_json_and_streaming_agree(worker: str) -> None:
     assert streamed.returncode == 0, streamed.stderr
     # Greedy is deterministic: the streamed text is the JSON text plus the final newline.
     assert streamed.stdout == result["text"] + "\n"
+
+
+def test_sigterm_drains_a_running_generate_before_stopping() -> None:
+    with running_worker("--grace", "60") as (target, server):
+        gen = subprocess.Popen(
+            [*CLI, "generate", "--target", target, "--max-tokens", "1000", "hello"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        assert gen.stdout is not None
+        first = gen.stdout.read(1)  # text is streaming: the generate is running
+        server.send_signal(signal.SIGTERM)
+        rest, err = gen.communicate(timeout=120)
+        assert gen.returncode == 0, err  # it finished in full rather than being cut off
+        assert server.wait(timeout=60) == 0
+    full = _run_json_against_fresh_worker()
+    assert (first + rest).decode() == full["text"] + "\n"
+
+
+def _run_json_against_fresh_worker() -> dict[str, object]:
+    with running_worker() as (target, _):
+        out = _run("generate", "--target", target, "--json", "--max-tokens", "1000", "hello")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def test_caps_reports_the_llama_engine(worker: str) -> None:

@@ -517,3 +517,55 @@ async def test_serve_raises_plain_exceptions_for_a_busy_port_and_a_failed_load()
         with pytest.raises(EngineError):
             await serve(engine, load=LoadSpec())  # binds, starts loading, fails, stops
         assert engine.health().state.value == "failed"
+
+
+async def test_graceful_stop_lets_a_running_generate_finish_and_refuses_new_sessions() -> None:
+    async with live() as w:
+        w.gate.hold()  # the generate below cannot finish until the gate opens
+        reqs = Requests(req(open=pb.OpenSession(session_id="g", initial_credit=64)),
+                        req(generate=pb.Generate(tokens=pb.TokenIds(ids=[1]), max_tokens=6,
+                                                 ignore_eos=True)))
+        rs = Responses(w.stub.Session(iter(reqs), timeout=10))
+        try:
+            await rs.kind("opened")
+            async with trio.open_nursery() as nursery:
+                drained: list[bool] = []
+                nursery.start_soon(lambda: _append(drained, w.server.drain_for(30)))
+                await trio.testing.wait_all_tasks_blocked()
+                late = [req(open=pb.OpenSession(session_id="late"))]
+                exc = await in_thread(expect_rpc_error(lambda: list(w.stub.Session(iter(late), timeout=10))))
+                assert shard_error(exc).code is ErrorCode.DRAINING
+                assert not drained  # still waiting for the running generate
+                w.gate.release()
+                steps, error, _ = await rs.until_usage()
+                assert error is None and len(steps) == 6  # the generate finished in full
+                reqs.put(req(close=pb.CloseSession()))
+                await rs.kind("closed")
+                reqs.end()  # half-close: the stream is done, the drain can complete
+            assert drained == [True]
+        finally:
+            reqs.end()
+        assert w.engine.sessions() == ()
+
+
+async def test_graceful_stop_gives_up_after_the_grace_period() -> None:
+    async with live() as w:
+        w.gate.hold()
+        reqs = Requests(req(open=pb.OpenSession(session_id="stuck")),
+                        req(generate=pb.Generate(tokens=pb.TokenIds(ids=[1]), max_tokens=6)))
+        rs = Responses(w.stub.Session(iter(reqs), timeout=10))
+        try:
+            await rs.kind("opened")
+            assert await w.server.drain_for(0.01) is False  # the step is still held
+            w.stop()  # what the CLI does next: cancel serve; the session is released
+            w.gate.release()  # a held fake step is shielded like a native one: let it end
+            await w.idle()
+            assert w.gate.after(w.last_end()) <= 1  # stopped within one step
+        finally:
+            w.gate.release()
+            reqs.end()
+        assert w.engine.sessions() == () and w.server.registry.n_retained == 0
+
+
+async def _append(box: list[Any], awaitable: Any) -> None:
+    box.append(await awaitable)

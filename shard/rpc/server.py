@@ -49,6 +49,7 @@ class RunningServer:
     registry: Registry
     health: HealthService
     _nudge: AsyncValue[int]
+    transport: Server | None = None
 
     @property
     def target(self) -> str:
@@ -63,6 +64,18 @@ class RunningServer:
     async def wait_idle(self) -> None:
         """Wait until no Session stream is running (e.g. after ``drain()``)."""
         await self.registry.streams.wait_value(0)
+
+    async def drain_for(self, grace: float) -> bool:
+        """Graceful stop, first half: ``drain()``, then wait up to ``grace`` seconds for the
+        running streams to finish. Returns whether they all did; the caller then cancels
+        ``serve`` (streams still running are cancelled and their sessions released)."""
+        self.drain()
+        with trio.move_on_after(grace):
+            await self.wait_idle()
+            if self.transport is not None:
+                await self.transport.wait_flushed()  # final responses and trailers are out
+            return True
+        return False
 
     def sync_health(self) -> None:
         """Push the current health to grpc.health.v1 now (also done periodically)."""
@@ -112,7 +125,7 @@ async def serve(
                 await nursery.start(registry.run)
                 nursery.start_soon(_sync_health, servicer, health, nudge, health_interval)
                 bound = await nursery.start(transport.serve)
-                running = RunningServer(host, bound, servicer, registry, health, nudge)
+                running = RunningServer(host, bound, servicer, registry, health, nudge, transport)
                 servicer.on_health_change = running.sync_health
                 log.info("serving %s on %s:%d", SHARD_SERVICE, host, bound)
                 task_status.started(running)

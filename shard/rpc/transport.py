@@ -143,6 +143,9 @@ class TransportLimits:
             raise ValueError("max_concurrent_streams must be >= 1")
 
 
+_FLUSH_POLL = 0.005  # seconds between checks in Server.wait_flushed (a stop-time wait)
+
+
 def _refuse_compressed(data: bytes) -> bytes:
     raise UnsupportedMessageEncodingError("compressed messages are not supported")
 
@@ -363,6 +366,11 @@ class _Connection:
         self.abort_calls(reason)
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
+
+    @property
+    def unsent(self) -> int:
+        """Bytes queued for the peer and not written yet."""
+        return len(self._outbox)
 
     def send_pending(self) -> None:
         data = self.h2.data_to_send()
@@ -616,6 +624,15 @@ class Server:
     def open_calls(self) -> int:
         """Calls whose task has not finished yet, over all connections."""
         return sum(len(conn.calls) for conn in self._connections)
+
+    async def wait_flushed(self) -> None:
+        """Wait until no call runs and every connection has written out what it queued.
+
+        A graceful stop waits here before cancelling ``serve``, so the last responses and
+        trailers of finished calls reach their clients instead of dying with the socket.
+        """
+        while self.open_calls or any(conn.unsent for conn in self._connections):
+            await trio.sleep(_FLUSH_POLL)
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until cancelled; ``task_status.started(port)`` once bound.
