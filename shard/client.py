@@ -17,8 +17,9 @@ Quick start::
 Why not purerpc's client as is (DESIGN.md section 3): it never sends ``grpc-timeout``; a server
 RST_STREAM or a dropped connection leaves a call waiting forever; breaking out of a bidi
 iterator crashes Trio; errors of streaming calls arrive wrapped in exception groups; its task
-groups span the caller's code. This module keeps purerpc's gRPC-over-h2 codec
-(``GRPCConnection``) and replaces the connection loop, in one place:
+groups span the caller's code. The wire side (purerpc's gRPC-over-h2 codec with
+our own connection loop) lives in ``shard.rpc.transport`` with the server's, so purerpc's
+internals stay in one module; this module adds the calls, sessions and typed errors:
 
 * every call carries ``grpc-timeout`` (the remaining time to its deadline) and the client also
   enforces the deadline itself;
@@ -37,29 +38,22 @@ and closes the socket on exit; each call owns one HTTP/2 stream and frees it whe
 from __future__ import annotations
 
 import codecs
-import datetime
 import math
 import secrets
 import ssl
-import struct
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import h2.errors
-import h2.exceptions
 import numpy as np
 import trio
 from google.protobuf.json_format import MessageToDict
-from google.protobuf.message import DecodeError, Message
-from purerpc.grpclib.config import GRPCConfiguration
-from purerpc.grpclib.connection import GRPCConnection
-from purerpc.grpclib.events import MessageReceived, ResponseEnded, ResponseReceived, WindowUpdated
-from purerpc.grpclib.exceptions import StreamClosedError
+from google.protobuf.message import Message
 
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode, GrpcStatus, ShardError, unwrap_single_exception
+from shard.rpc.transport import ClientConnection, ClientStream
 from shard.rpc.versions import CURRENT_VERSION
 from shard.v1 import shard_pb2 as pb
 
@@ -89,334 +83,6 @@ def sampling(
     return pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
-# =============================================================================================
-# Connection: purerpc's GRPCConnection (h2 + gRPC framing) driven by our own reader/writer.
-# =============================================================================================
-
-
-class _Reset:
-    """RST_STREAM from the server (purerpc drops it, leaving the call hanging)."""
-
-    def __init__(self, stream_id: int, error_code: int) -> None:
-        self.stream_id, self.error_code = stream_id, error_code
-
-
-class _GoAway:
-    stream_id = 0
-
-    def __init__(self, last_stream_id: int) -> None:
-        self.last_stream_id = last_stream_id
-
-
-class _ClientH2(GRPCConnection):
-    def _data_received(self, event: Any) -> list[Any]:
-        # purerpc raises KeyError for DATA on a stream it no longer tracks (one we reset):
-        # drop it, and give its bytes back to the connection window.
-        if event.stream_id not in self.message_read_buffers:
-            self.h2_connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            return []
-        return super()._data_received(event)
-
-    def _stream_reset(self, event: Any) -> list[Any]:
-        return [_Reset(event.stream_id, int(event.error_code))]
-
-    def _connection_terminated(self, event: Any) -> list[Any]:
-        return [_GoAway(event.last_stream_id or 0)]
-
-
-def _grpc_timeout(seconds: float) -> datetime.timedelta:
-    """A timedelta purerpc formats within gRPC's 8-digit limit (whole seconds past 99 s)."""
-    if seconds >= 99:
-        return datetime.timedelta(seconds=math.ceil(seconds))
-    return datetime.timedelta(microseconds=max(1, math.ceil(seconds * 1e6)))
-
-
-class _Stream:
-    """One call's HTTP/2 stream. Inbound messages are acknowledged (flow control) only when
-    read, so the server can never push more than the stream window at a slow caller."""
-
-    def __init__(self, conn: _Connection, sid: int, deadline: float) -> None:
-        self.conn, self.sid, self.deadline = conn, sid, deadline
-        self._in_send, self._in = trio.open_memory_channel[MessageReceived](math.inf)
-        self.window = trio.Event()
-        self.status: tuple[int, str] | None = None
-        self.trailers: tuple[tuple[str, Any], ...] = ()
-        # A trailers-only response (an error before any message) arrives as one HEADERS frame;
-        # purerpc files its custom metadata under the response headers, so look there too.
-        self.headers: tuple[tuple[str, Any], ...] = ()
-        self._closed = False
-
-    # ---- called by the reader -----------------------------------------------------------
-
-    def deliver(self, event: Any) -> None:
-        if isinstance(event, MessageReceived):
-            try:
-                self._in_send.send_nowait(event)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                self.conn.ack(self.sid, event.flow_controlled_length)
-        elif isinstance(event, ResponseEnded):
-            self.finish(event.status.int_value, event.status.status_message, event.custom_metadata)
-
-    def finish(self, code: int, message: str, trailers: Sequence[tuple[str, Any]] = ()) -> None:
-        if self.status is None:
-            self.status, self.trailers = (code, message), tuple(trailers)
-        self._in_send.close()
-        self.window.set()
-
-    # ---- called by the call ---------------------------------------------------------------
-
-    def error(self) -> ShardError | None:
-        """The call's error once its status arrived (None for OK)."""
-        if self.status is None or self.status[0] == GrpcStatus.OK:
-            return None
-        return ShardError.from_status(self.status[0], self.status[1], (*self.trailers, *self.headers))
-
-    async def send(self, message: Message) -> None:
-        data = message.SerializeToString()
-        view = memoryview(struct.pack(">?I", False, len(data)) + data)
-        with self._deadline_scope():
-            while view:
-                if self.status is not None:
-                    return  # the server already ended the call; receive() reports why
-                window = self.conn.h2.flow_control_window(self.sid)
-                if window > 0:
-                    try:
-                        self.conn.h2.send_data(self.sid, bytes(view[:window]))
-                    except h2.exceptions.ProtocolError:
-                        return  # stream closed under us: receive() reports why
-                    view = view[window:]
-                    self.conn.send_pending()
-                else:
-                    await self.window.wait()
-                    self.window = trio.Event()
-            await self.conn.flush()
-
-    async def half_close(self) -> None:
-        if self.status is None:
-            try:
-                self.conn.h2.end_request(self.sid)
-            except (StreamClosedError, h2.exceptions.ProtocolError):
-                return  # the stream is already closed: receive() reports why
-            self.conn.send_pending()
-        await trio.lowlevel.checkpoint()
-
-    async def receive(self, message_type: type[M]) -> M | None:
-        """The next message, or None once the response ended (then see ``error()``)."""
-        with self._deadline_scope():
-            try:
-                event = await self._in.receive()
-            except trio.EndOfChannel:
-                return None
-        self.conn.ack(self.sid, event.flow_controlled_length)
-        message = message_type()
-        try:
-            message.ParseFromString(event.data)
-        except DecodeError:
-            self.abort()
-            raise ShardError(ErrorCode.INTERNAL, "cannot parse a response message") from None
-        return message
-
-    @contextmanager
-    def _deadline_scope(self) -> Iterator[None]:
-        with trio.move_on_at(self.deadline) as scope:
-            yield
-        if scope.cancelled_caught:
-            self.abort()
-            raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired (client side)")
-
-    def abort(self) -> None:
-        """Leave the call: RST_STREAM(CANCEL) if it is still running, then free it. Sync, so it
-        is safe in ``finally`` blocks and generator finalizers."""
-        if self.status is None and not self.conn.dead:
-            try:
-                self.conn.h2.reset_stream(self.sid, h2.errors.ErrorCodes.CANCEL)
-            except h2.exceptions.ProtocolError:
-                pass  # already closed
-            self.conn.send_pending()
-        self.finish(GrpcStatus.CANCELLED, "cancelled by the client")
-        self.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.conn.streams.pop(self.sid, None)
-        self.conn.h2.message_read_buffers.pop(self.sid, None)
-        while True:  # give unread bytes back to the connection window
-            try:
-                event = self._in.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            self.conn.ack(self.sid, event.flow_controlled_length)
-        self._in_send.close()
-        self._in.close()
-
-
-class _Connection:
-    """One HTTP/2 connection: reader and writer tasks, a stream table, no task groups that
-    span the caller's code except the one ``ShardClient.connect`` owns."""
-
-    def __init__(self, stream: trio.abc.Stream, authority: str, scheme: str) -> None:
-        self.stream, self.authority, self.scheme = stream, authority, scheme
-        self.h2 = _ClientH2(GRPCConfiguration(client_side=True))
-        self.streams: dict[int, _Stream] = {}
-        self.dead: str | None = None  # why the connection can no longer be used
-        self.going_away = False  # the server sent GOAWAY
-        self._outbox = bytearray()
-        self._wake = trio.Event()
-        self._drained = trio.Event()
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Reader + writer; never raises (a broken connection fails its calls instead)."""
-        try:
-            async with trio.open_nursery() as nursery:
-                self.h2.initiate_connection()
-                self.send_pending()
-                nursery.start_soon(self._write_loop, nursery.cancel_scope)
-                task_status.started()
-                await self._read_loop()
-                nursery.cancel_scope.cancel()
-        finally:
-            self._fail_all(self.dead or "connection closed")
-
-    def _fail_all(self, why: str) -> None:
-        self.dead = self.dead or why
-        for s in list(self.streams.values()):
-            s.finish(GrpcStatus.UNAVAILABLE, f"connection to {self.authority} lost: {why}")
-
-    async def _read_loop(self) -> None:
-        while True:
-            try:
-                data = await self.stream.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self.dead = f"{type(exc).__name__}"
-                return
-            if not data:
-                self.dead = "closed by the server"
-                return
-            try:
-                events = self.h2.receive_data(data)
-            except Exception as exc:  # noqa: BLE001 - h2/purerpc parse errors of many types
-                # A peer that breaks HTTP/2 or gRPC framing ends the connection; its calls fail
-                # with UNAVAILABLE instead of the parser's exception reaching the caller.
-                self.dead = f"protocol error: {type(exc).__name__}: {exc}"
-                return
-            for event in events:
-                self._dispatch(event)
-            self.send_pending()
-
-    def _dispatch(self, event: Any) -> None:
-        if isinstance(event, WindowUpdated):
-            targets = self.streams.values() if event.stream_id == 0 else [self.streams.get(event.stream_id)]
-            for s in targets:
-                if s is not None:
-                    s.window.set()
-            return
-        if isinstance(event, _GoAway):
-            self.going_away = True  # no new calls; calls up to last_stream_id may finish
-            for sid, s in list(self.streams.items()):
-                if sid > event.last_stream_id:
-                    s.finish(GrpcStatus.UNAVAILABLE, "the server is going away")
-            return
-        target = self.streams.get(event.stream_id)
-        if target is None:
-            return
-        if isinstance(event, _Reset):
-            cancel = event.error_code == h2.errors.ErrorCodes.CANCEL
-            target.finish(
-                GrpcStatus.CANCELLED if cancel else GrpcStatus.UNAVAILABLE,
-                f"stream reset by the server (HTTP/2 error {event.error_code})",
-            )
-        elif isinstance(event, ResponseReceived):
-            target.headers = tuple(event.custom_metadata)
-        else:
-            target.deliver(event)
-
-    async def _write_loop(self, scope: trio.CancelScope) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake = trio.Event()
-            while self._outbox:
-                data = bytes(self._outbox)
-                try:
-                    await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    self.dead = self.dead or type(exc).__name__
-                    scope.cancel()  # stops the reader too; run() fails every call
-                    return
-                del self._outbox[: len(data)]
-                self._drained.set()
-                self._drained = trio.Event()
-
-    def send_pending(self) -> None:
-        data = self.h2.data_to_send()
-        if data:
-            self._outbox += data
-            self._wake.set()
-
-    async def flush(self) -> None:
-        """Queue h2's output; wait while more than 256 KiB are unsent (a slow network)."""
-        self.send_pending()
-        await trio.lowlevel.checkpoint()
-        while len(self._outbox) > 256 * 1024 and self.dead is None:
-            await self._drained.wait()
-
-    async def drain(self) -> None:
-        """Wait until everything queued was written (so resets reach the server before the
-        socket closes: a reset releases a session, a dropped connection retains it)."""
-        self.send_pending()
-        while self._outbox and self.dead is None:
-            await self._drained.wait()
-
-    def ack(self, sid: int, size: int) -> None:
-        if size and self.dead is None:
-            try:
-                self.h2.acknowledge_received_data(size, sid)
-            except h2.exceptions.ProtocolError:
-                return
-            self.send_pending()
-
-    def open_stream(
-        self, method: str, deadline: float, metadata: Sequence[tuple[str, str | bytes]]
-    ) -> _Stream:
-        if self.dead is not None or self.going_away:
-            why = self.dead or "the server sent GOAWAY"
-            raise ShardError(
-                ErrorCode.NOT_READY, f"connection to {self.authority} is closed: {why}",
-                grpc_status=GrpcStatus.UNAVAILABLE,
-            )
-        timeout = None
-        if deadline != math.inf:
-            remaining = deadline - trio.current_time()
-            if remaining <= 0:
-                raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the deadline expired before the call")
-            timeout = _grpc_timeout(remaining)
-        try:
-            sid = self.h2.get_next_available_stream_id()
-            self.h2.start_request(
-                sid, self.scheme, SERVICE, method, None, self.authority, timeout, "+proto", metadata
-            )
-        except h2.exceptions.ProtocolError as exc:  # e.g. the server's MAX_CONCURRENT_STREAMS
-            raise ShardError(
-                ErrorCode.RESOURCE_EXHAUSTED, f"cannot start a call on this connection: {exc}"
-            ) from None
-        self.send_pending()
-        s = _Stream(self, sid, deadline)
-        self.streams[sid] = s
-        return s
-
-    def goodbye(self) -> None:
-        """Reset open calls and say GOAWAY (best effort) before the socket closes."""
-        for s in list(self.streams.values()):
-            s.abort()
-        if self.dead is None:
-            try:
-                self.h2.h2_connection.close_connection()
-            except h2.exceptions.ProtocolError:
-                pass
-            self.send_pending()
-
-
 def _parse_target(target: str) -> tuple[str, int]:
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -434,7 +100,7 @@ class ShardClient:
 
     def __init__(
         self,
-        conn: _Connection,
+        conn: ClientConnection,
         *,
         timeout: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
@@ -485,7 +151,9 @@ class ShardClient:
                     reason="CONNECT_FAILED",
                 ) from None
             async with stream:
-                conn = _Connection(stream, f"{host}:{port}", "https" if ssl_context else "http")
+                conn = ClientConnection(
+                    stream, f"{host}:{port}", "https" if ssl_context else "http", SERVICE
+                )
                 async with trio.open_nursery() as nursery:
                     await nursery.start(conn.run)
                     try:
@@ -705,7 +373,7 @@ class ClientSession:
     ``ShardError`` and every later call raises it again.
     """
 
-    def __init__(self, client: ShardClient, stream: _Stream, session_id: str) -> None:
+    def __init__(self, client: ShardClient, stream: ClientStream, session_id: str) -> None:
         self._client = client
         self._stream = stream
         self.session_id = session_id

@@ -1,4 +1,5 @@
-"""llama.cpp, ctypes and ggml may be imported only by shard/engine/llama.py.
+"""llama.cpp, ctypes and ggml may be imported only by shard/engine/llama.py; purerpc's
+internals and h2 only by shard/rpc/transport.py.
 
 Everything else talks to the engine through the project-owned contract (shard.engine), so the
 transport and tests never depend on the native library's types. The scan is static (``ast``):
@@ -102,3 +103,50 @@ def test_scanner_reports_the_offending_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("import numpy\nfrom ctypes import CDLL\n")
     assert forbidden_imports(bad.read_text(), str(bad)) == [(2, "ctypes")]
+
+
+# ---- purerpc internals and h2 belong to the transport ------------------------------------------
+
+TRANSPORT = Path("shard/rpc/transport.py")
+
+
+def wire_internal_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) for imports of purerpc's internals (``purerpc.<sub>``) or of h2.
+
+    ``import purerpc`` itself (``Service``, ``RPCSignature``: its public API, which the
+    generated stubs and the health service use) is allowed everywhere.
+    """
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [(node.lineno, node.module)]
+        hits += [(line, mod) for line, mod in names
+                 if mod.startswith("purerpc.") or mod.split(".")[0] == "h2"]
+    return hits
+
+
+def test_only_the_transport_touches_purerpc_internals_and_h2() -> None:
+    found = {
+        str(path.relative_to(ROOT)): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(ROOT) != TRANSPORT
+        and (hits := wire_internal_imports(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}
+    assert wire_internal_imports((ROOT / TRANSPORT).read_text())  # the scanner does see them
+
+
+@pytest.mark.parametrize("source", [
+    "from purerpc.grpclib.connection import GRPCConnection",
+    "import h2.events",
+    "import purerpc.grpclib.buffers as b",
+])
+def test_wire_scanner_flags_internal_imports(source: str) -> None:
+    assert wire_internal_imports(source)
+
+
+def test_wire_scanner_accepts_the_public_purerpc_api() -> None:
+    assert wire_internal_imports("import purerpc\nfrom purerpc import Service") == []

@@ -559,18 +559,21 @@ class SessionCall:
         else:
             raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
         await self._take_credit()
-        request = PrefillRequest(
-            session_id=sid,
-            tokens=tokens,
-            hidden_states=hidden,
-            position=position,
-            sampling=sampling,
-            top_k_logprobs=p.top_logprobs,
+        result = await self._prefill_one(
+            PrefillRequest(
+                sid, tokens, hidden, position=position, sampling=sampling,
+                top_k_logprobs=p.top_logprobs,
+            ),
+            usage,
         )
+        await self._send_step(result, position)
+
+    async def _prefill_one(self, request: PrefillRequest, usage: pb.Usage) -> StepResult:
+        """One engine prefill, counted in ``usage`` (prompt and reused tokens)."""
         result = await self._engine_call(self._engine.prefill, request)
         usage.prompt_tokens += result.tokens_processed
         usage.reused_tokens += result.reused_tokens
-        await self._send_step(result, position)
+        return result
 
     async def _decode(self, d: pb.Decode, usage: pb.Usage) -> None:
         caps, sid = self._require_caps(), self.session_id
@@ -616,15 +619,9 @@ class SessionCall:
             start = self._end
             if emitted == 0 and prompt is not None:
                 request = PrefillRequest(
-                    session_id=sid,
-                    tokens=prompt,
-                    position=start,
-                    sampling=sampling,
-                    top_k_logprobs=g.top_logprobs,
+                    sid, prompt, position=start, sampling=sampling, top_k_logprobs=g.top_logprobs
                 )
-                result = await self._engine_call(self._engine.prefill, request)
-                usage.prompt_tokens += result.tokens_processed
-                usage.reused_tokens += result.reused_tokens
+                result = await self._prefill_one(request, usage)
             else:
                 assert self._next_token is not None
                 result = await self._decode_one(self._next_token, None, sampling, g.top_logprobs)
