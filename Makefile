@@ -5,24 +5,31 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 50051
 
-.PHONY: serve test bench proto
+.PHONY: serve test bench proto llama
 
-# Create the virtualenv and install the project with its test extras (llama-cpp-python compiles
-# from source the first time: about 4 minutes on 2 cores; pip caches the wheel afterwards).
-$(STAMP): pyproject.toml
+# Create the virtualenv, install llama-cpp-python built with the llama.cpp CPU flags chosen by
+# shard/llama_build.py (portable by default; TRIO_SHARD_LLAMA_BUILD=native opts into
+# -march=native), then the project with its test extras. The llama.cpp wheel is compiled once per
+# set of flags (several minutes on 2 cores) and cached under $TRIO_SHARD_CACHE/llama-wheels/.
+$(STAMP): pyproject.toml shard/llama_build.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python shard/llama_build.py install
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-serve: $(STAMP)
+# Reinstalls llama-cpp-python only when the requested build profile differs from the installed one.
+llama: $(STAMP)
+	$(BIN)/python shard/llama_build.py install
+
+serve: llama
 	$(BIN)/trio-shard serve --port $(PORT)
 
-test: $(STAMP)
+test: llama
 	$(BIN)/python -m compileall -q shard tests bench
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+bench: llama
 	$(BIN)/python -m bench.bench_engine
 
 proto: $(STAMP)

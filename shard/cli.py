@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most concurrently open sessions (default: 4)")
     serve.add_argument("--batch", type=_positive_int, default=512,
                        help="prefill batch size in tokens (default: 512)")
+    serve.add_argument("--no-extra-bufts", dest="extra_bufts", action="store_false",
+                       help="load weights without llama.cpp's extra buffer types (repacked and "
+                       "AMX layouts): a safe fallback when a native build's AMX kernels trap; "
+                       "`caps` shows which kernels run")
     serve.add_argument("--tls-cert", type=Path, metavar="PEM",
                        help="serve TLS with this certificate chain (with --tls-key)")
     serve.add_argument("--tls-key", type=Path, metavar="PEM", help="private key for --tls-cert")
@@ -226,6 +230,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         max_sessions=args.max_sessions,
         n_batch=args.batch,
+        use_extra_bufts=args.extra_bufts,
     )
     try:
         ssl_context = _server_ssl_context(args)

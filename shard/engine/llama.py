@@ -59,9 +59,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import llama_cpp.llama_cpp as lc
 import numpy as np
 import trio
+
+from shard.llama_build import installed_build
 
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot
 from .errors import (
@@ -158,6 +161,18 @@ def file_fingerprint(path: Path) -> str:
     with _fingerprint_lock:
         _fingerprints[key] = digest
     return digest
+
+
+def native_system_info(*, use_extra_bufts: bool = True) -> str:
+    """One line naming the native code that runs: the llama-cpp-python version, the build profile
+    it was installed with (``shard.llama_build``), whether extra buffer types (repacked / AMX
+    weight layouts) are used, and llama.cpp's system info (the CPU features it was compiled for).
+    """
+    build = installed_build()
+    origin = f"build {build['key']}" if build else "build not recorded (not installed by shard.llama_build)"
+    info = " ".join(lc.llama_print_system_info().decode("utf-8", "replace").split())
+    bufts = "on" if use_extra_bufts else "off"
+    return f"llama-cpp-python {llama_cpp.__version__}; {origin}; extra bufts {bufts}; {info}"
 
 
 def _default_threads() -> int:
@@ -312,6 +327,7 @@ class LlamaCppEngine(ShardEngine):
         with contextlib.ExitStack() as natives:
             mparams = lc.llama_model_default_params()
             mparams.n_gpu_layers = 0
+            mparams.use_extra_bufts = spec.use_extra_bufts
             model = lc.llama_model_load_from_file(os.fsencode(path), mparams)
             if not model:
                 raise InvalidInput(f"llama.cpp could not load {str(path)!r}{_native_reason()}")
@@ -393,6 +409,7 @@ class LlamaCppEngine(ShardEngine):
             max_sessions=spec.max_sessions,
             bos_token_id=None if bos == _LLAMA_TOKEN_NULL else bos,
             eos_token_id=None if eos == _LLAMA_TOKEN_NULL else eos,
+            system_info=native_system_info(use_extra_bufts=spec.use_extra_bufts),
         )
 
     def _compute_sync(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
@@ -518,4 +535,4 @@ class LlamaCppEngine(ShardEngine):
         return None
 
 
-__all__ = ["LlamaCppEngine", "file_fingerprint"]
+__all__ = ["LlamaCppEngine", "file_fingerprint", "native_system_info"]

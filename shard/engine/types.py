@@ -69,6 +69,9 @@ class LoadSpec:
 
     ``model_path`` may be None only for engines that need no file (the fake engine).
     ``layer_range`` None means the whole model.
+    ``use_extra_bufts`` False loads weights without the engine's extra buffer types (llama.cpp's
+    repacked and AMX weight layouts): slower on some quantizations, but it keeps a build that
+    includes AMX kernels off them (see docs/engine.md, "Native builds").
     """
 
     model_path: Path | None = None
@@ -77,6 +80,7 @@ class LoadSpec:
     n_threads: int | None = None
     max_sessions: int = 4
     n_batch: int = 512
+    use_extra_bufts: bool = True
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0:
@@ -87,6 +91,8 @@ class LoadSpec:
             raise InvalidInput("n_batch must be positive")
         if self.n_threads is not None and self.n_threads <= 0:
             raise InvalidInput("n_threads must be positive")
+        if not isinstance(self.use_extra_bufts, bool):
+            raise InvalidInput("use_extra_bufts must be a boolean")
 
 
 # --- Reserved hooks -------------------------------------------------------------------------
@@ -163,6 +169,9 @@ class Capabilities:
     bos_token_id: int | None
     eos_token_id: int | None
     hidden_dtype: str = "float32"
+    #: The engine's own account of the native kernels it runs (llama.cpp's system info line and
+    #: build profile), so a crash report or a benchmark says which code ran; "" for the fake.
+    system_info: str = ""
     mtp: MtpCapability = field(default_factory=MtpCapability)
     aux_state: AuxStateCapability = field(default_factory=AuxStateCapability)
 

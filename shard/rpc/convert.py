@@ -141,6 +141,7 @@ def capabilities_to_proto(
         max_message_bytes=max_message_bytes,
         max_credit=max_credit,
         resume_ttl_ms=resume_ttl_ms,
+        system_info=caps.system_info,
     )
 
 

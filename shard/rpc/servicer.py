@@ -168,7 +168,8 @@ class ShardServicer(_ShardServicerBase):
             return H.STATUS_NOT_READY, health.detail or health.state.value
         if self.registry.draining:
             return H.STATUS_DRAINING, "draining: finishing sessions, refusing new ones"
-        return H.STATUS_SERVING, ""
+        # Serving: the detail says which native kernels run (useful in a crash report).
+        return H.STATUS_SERVING, self.engine.capabilities().system_info
 
     async def _cancel(self, req: pb.CancelRequest) -> pb.CancelResponse:
         await trio.lowlevel.checkpoint()
