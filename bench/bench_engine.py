@@ -19,7 +19,8 @@ from pathlib import Path
 import trio
 
 from shard.engine import DecodeRequest, LoadSpec, PrefillRequest
-from shard.engine.llama import LlamaCppEngine
+from shard.engine.llama import LlamaCppEngine, native_system_info
+from shard.llama_build import installed_build
 from shard.models import ensure_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
@@ -44,6 +45,9 @@ def environment(threads: int) -> dict[str, str]:
         "cores": str(os.cpu_count()),
         "threads": str(threads),
         "llama_cpp_python": llama_cpp.__version__,
+        # Which llama.cpp build ran: numbers from different builds must not be compared blindly.
+        "llama_build": str((installed_build() or {}).get("key", "not recorded")),
+        "system_info": native_system_info(),
     }
 
 

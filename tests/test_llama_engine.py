@@ -370,6 +370,47 @@ async def test_abort_callback_stops_a_single_decode() -> None:
         assert eng.metrics().kv_cells_used == 8
 
 
+# ---- long prefill in one native step (bench model) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_prefill_logits() -> dict[bool, np.ndarray]:
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra_bufts", [True, False], ids=["extra-bufts", "no-extra-bufts"])
+async def test_long_prefill_in_one_llama_decode(
+    extra_bufts: bool, long_prefill_logits: dict[bool, np.ndarray]
+) -> None:
+    """1,024 tokens of a Q8_0 model in one ``llama_decode``: the large-batch matrix kernels a
+    native build would run on AMX (SIGILL on CPUs that advertise AMX but trap on it). Both weight
+    layouts give the same answer."""
+    path = await trio.to_thread.run_sync(ensure_model, "bench")
+    async with LlamaCppEngine() as eng:
+        caps = await eng.load(LoadSpec(
+            model_path=path, n_ctx=2048, max_sessions=1, n_batch=2048, n_threads=N_THREADS,
+            use_extra_bufts=extra_bufts,
+        ))
+        assert f"extra bufts {'on' if extra_bufts else 'off'}" in caps.system_info
+        assert "CPU :" in caps.system_info  # llama.cpp's own system info line
+        await eng.open_session("long")
+        rng = random.Random(7)
+        prompt = (1, *(rng.randrange(3, caps.n_vocab) for _ in range(1023)))
+        res = await eng.prefill(PrefillRequest("long", tokens=prompt, top_k_logprobs=8))
+        assert res.n_past == 1024 and res.tokens_processed == 1024 and res.logits is not None
+        assert eng.metrics().kv_cells_used == 1024
+        top = np.array([t.logprob for t in res.logits.top])
+        assert np.isfinite(top).all()
+        long_prefill_logits[extra_bufts] = np.array([[t.token_id, t.logprob] for t in res.logits.top])
+        assert await eng.release("long")
+        assert eng.metrics().kv_cells_used == 0
+    if len(long_prefill_logits) == 2:  # the second parametrization compares with the first
+        on, off = long_prefill_logits[True], long_prefill_logits[False]
+        assert on[0, 0] == off[0, 0]  # same greedy token
+        np.testing.assert_allclose(on[:, 1], off[:, 1], atol=1e-2)
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 

@@ -1,0 +1,91 @@
+"""The llama.cpp build is the one the project asked for (shard/llama_build.py).
+
+These tests check the *installed* library, not only the build recipe: the native libraries in use
+must be byte-identical to the wheel built with the recorded flags (so no wheel that pip found in
+a cache, or built later with other flags, can stand in), and llama.cpp's own system info must
+agree with the profile (the default build never contains AMX or AVX-512 kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+import llama_cpp.llama_cpp as lc
+import pytest
+
+from shard import llama_build
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _record() -> dict[str, object]:
+    record = llama_build.installed_build()
+    assert record is not None, (
+        "llama-cpp-python was not installed by shard/llama_build.py (run `make test`, which "
+        "installs it; a plain `pip install` compiles llama.cpp with -march=native)"
+    )
+    return record
+
+
+def test_installed_build_is_the_requested_profile() -> None:
+    record = _record()
+    wanted = llama_build.plan(llama_build.requested_profile())
+    assert record["key"] == wanted["key"]
+    assert record["cmake_args"] == wanted["cmake_args"]
+
+
+def test_installed_libraries_are_the_recorded_wheel() -> None:
+    record = _record()
+    site_dir = Path(llama_cpp.__file__).resolve().parent.parent
+    assert llama_build.installed_libraries_match(site_dir, record) == []
+
+
+def test_system_info_agrees_with_the_profile() -> None:
+    record = _record()
+    info = lc.llama_print_system_info().decode()
+    if record["profile"] == "native":
+        return  # whatever this CPU offers: nothing to hold it to
+    assert "AMX" not in info and "AVX512" not in info, info
+    if record["profile"] == "portable" and llama_build._is_x86():
+        for feature in ("AVX2", "FMA", "F16C"):
+            assert f"{feature} = 1" in info, info
+
+
+def test_profiles_and_cache_keys() -> None:
+    portable = llama_build.cmake_args("portable")
+    native = llama_build.cmake_args("native")
+    assert "-DGGML_NATIVE=OFF" in portable and "-DGGML_NATIVE=ON" in native
+    assert not any(a.startswith(("-DGGML_AMX", "-DGGML_AVX512")) and a.endswith("=ON") for a in portable)
+    assert "-DGGML_BACKEND_DL=OFF" in portable  # no runtime variant loading (no AMX variant)
+    keys = {llama_build.plan(p)["key"] for p in llama_build.PROFILES}
+    assert len(keys) == len(llama_build.PROFILES)  # a wheel is never reused across flags
+    assert llama_build.plan("portable") == llama_build.plan("portable")  # stable
+
+
+def test_unknown_profile_is_a_clear_error() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "shard" / "llama_build.py"), "show"],
+        capture_output=True, text=True, env={"TRIO_SHARD_LLAMA_BUILD": "fastest", "PATH": ""},
+    )
+    assert proc.returncode != 0
+    assert "choose one of portable, baseline, native" in proc.stderr
+
+
+def test_show_prints_the_plan_and_the_installed_build() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "shard" / "llama_build.py"), "show"],
+        capture_output=True, text=True, check=True,
+    )
+    shown = json.loads(proc.stdout)
+    assert shown["plan"]["key"] == llama_build.plan(llama_build.requested_profile())["key"]
+    assert shown["installed"]["key"] == _record()["key"]
+
+
+@pytest.mark.parametrize("profile", llama_build.PROFILES)
+def test_cmake_args_are_sorted_and_unique(profile: str) -> None:
+    args = llama_build.cmake_args(profile)
+    assert list(args) == sorted(set(args))
