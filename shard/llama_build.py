@@ -218,7 +218,7 @@ def _sdist() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         print(f"llama_build: downloading {PACKAGE}=={VERSION} source", file=sys.stderr)
-        _pip("download", "--no-deps", "--no-binary", ":all:", "--no-cache-dir",
+        _pip("download", "--no-deps", "--no-binary", PACKAGE, "--no-cache-dir",
              "-d", tmp, f"{PACKAGE}=={VERSION}")
         got = Path(tmp) / SDIST_NAME
         if not got.is_file():
