@@ -254,8 +254,9 @@ def ensure_wheel(profile: str) -> tuple[Path, dict[str, object]]:
         started = time.monotonic()
         with tempfile.TemporaryDirectory(dir=entry.parent) as tmp:
             out = Path(tmp) / "out"
+            # Not quiet: pip's "still running..." lines show that the long compile is alive.
             _pip("wheel", "--no-cache-dir", "--no-deps", "-w", str(out), str(sdist),
-                 env=_clean_env(profile))
+                 env=_clean_env(profile), quiet=False)
             built = sorted(out.glob("*.whl"))
             if len(built) != 1:
                 raise SystemExit(f"llama_build: expected one wheel, got {[p.name for p in built]}")
