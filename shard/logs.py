@@ -42,13 +42,33 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time of the record (tests swap it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def configure(level: str = "INFO", fmt: str = "text") -> None:
-    """Send every log record to stderr in ``fmt``; replaces any handler set before."""
+    """Send log records of ``level`` and above to stderr in ``fmt``.
+
+    Calling it again replaces the handler it installed before; handlers installed by others
+    (a test runner's) are left alone.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
-    handler = logging.StreamHandler(sys.stderr)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
+        root.removeHandler(old)
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    root.addHandler(handler)
+    root.setLevel(level)
 
 
 def kv(fields: Mapping[str, object]) -> str:
