@@ -8,12 +8,14 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from rpc_harness import StepGate, worker
+from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, StepGate, worker
+from shard.engine import LayerRange, LoadSpec
 from shard.client import ShardClient, ShardError, cache_expectation
 from shard.rpc.errors import ErrorCode
 from shard.rpc.metrics import families, snapshot_values
@@ -101,6 +103,21 @@ async def test_metrics_server_stops_with_the_worker() -> None:
         assert (await trio.to_thread.run_sync(scrape, port))["trio_shard_worker_draining"] == 1
     with pytest.raises(urllib.error.URLError):  # the port is closed with the worker
         await trio.to_thread.run_sync(scrape, port)
+
+
+async def test_hidden_state_bytes_in_and_out_on_a_middle_shard() -> None:
+    spec = LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=LayerRange(1, 3))
+    async with worker(load=spec) as w:
+        rows = np.linspace(-1, 1, 3 * MODEL.n_embd, dtype=np.float32).reshape(3, MODEL.n_embd)
+        async with ShardClient.connect(w.target, timeout=30) as client:
+            async with client.session() as s:
+                out = await s.prefill(hidden_states=rows)
+                step = await s.decode(hidden_state=rows[:1])
+            metrics = snapshot_values(await client.metrics())
+    sent = len(out.hidden_states.data) + len(step.hidden_states.data)
+    assert sent > 0
+    assert metrics["worker.hidden_state_bytes_in_total"] == rows.nbytes + rows[:1].nbytes
+    assert metrics["worker.hidden_state_bytes_out_total"] == sent
 
 
 def test_families_map_every_key_once() -> None:

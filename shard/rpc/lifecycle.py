@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from contextvars import ContextVar
+from typing import Protocol
 
 import trio
 
@@ -72,14 +73,12 @@ def _code_name(code: int) -> str:
         return str(code)
 
 
-class Counts:
-    """Where a watch reports: the registry's counters plus the latency histograms."""
+class Counts(Protocol):
+    """Where a watch reports (``metrics.WorkerMetrics``): counters and a latency histogram."""
 
-    def count(self, name: str, n: int = 1) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    def count(self, name: str, n: int = 1) -> None: ...
 
-    def time_to_first_token(self, seconds: float) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    def time_to_first_token(self, seconds: float) -> None: ...
 
 
 class StreamWatch:

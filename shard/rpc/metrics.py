@@ -43,7 +43,6 @@ from shard.engine import DecodeRequest, EngineError, PrefillRequest, ShardEngine
 from shard.v1 import shard_pb2 as pb
 
 from . import convert
-from .lifecycle import Counts
 from .registry import Registry
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,7 @@ _PER_TOKEN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
-class WorkerMetrics(Counts):
+class WorkerMetrics:
     """The worker's metrics: counters (in the registry), histograms, the snapshot.
 
     ``attach(engine, registry)`` before ``snapshot()``; ``prometheus`` is the registry to
@@ -90,7 +89,7 @@ class WorkerMetrics(Counts):
     def attach(self, engine: ShardEngine, registry: Registry) -> None:
         self._engine, self._registry = engine, registry
 
-    # ---- Counts (for lifecycle.StreamWatch) --------------------------------------------------
+    # ---- lifecycle.Counts (what a StreamWatch reports) -----------------------------------------
 
     def count(self, name: str, n: int = 1) -> None:
         if self._registry is not None:
@@ -237,7 +236,10 @@ async def serve_metrics(metrics: WorkerMetrics, host: str, port: int) -> AsyncIt
     """Serve ``/metrics`` on ``host:port`` (0 picks a free port) while the block runs; yields
     the bound port. On exit the HTTP server is stopped and its socket closed."""
     metrics._collector.trio_token = trio.lowlevel.current_trio_token()
-    httpd, thread = start_http_server(port, addr=host, registry=metrics.prometheus)
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=metrics.prometheus)
+    except OSError as exc:  # say which of the worker's two ports failed
+        raise OSError(exc.errno, f"metrics on {host}:{port}: {exc.strerror or exc}") from None
     try:
         yield httpd.server_port
     finally:
