@@ -18,8 +18,9 @@ from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, StepGate, worker
 from shard.engine import LayerRange, LoadSpec
 from shard.client import ShardClient, ShardError, cache_expectation
 from shard.rpc.errors import ErrorCode
+from shard.rpc.lifecycle import StreamWatch
 from shard.rpc.metrics import families, snapshot_values
-from shard.rpc.transport import CallContext
+from shard.rpc.transport import CallContext, EndReason
 from shard.v1 import shard_pb2 as pb
 
 
@@ -216,3 +217,52 @@ async def test_every_lifecycle_event_is_one_line_with_id_peer_and_principal(
     line = next(r.getMessage() for r in caplog.records if r.name == "shard.sessions")
     assert line.startswith("session open session_id=life peer=ipv4:127.0.0.1:")
     assert "principal=router-7" in line
+
+
+class _Counts:
+    """A fake ``lifecycle.Counts``: plain counters and recorded first-token times."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, int] = {}
+        self.ttft: list[float] = []
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def time_to_first_token(self, seconds: float) -> None:
+        self.ttft.append(seconds)
+
+
+@pytest.mark.parametrize(
+    ("error", "end", "expected_events", "expected_counters"),
+    [
+        (ShardError(ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired"), EndReason.DEADLINE,
+         [("deadline", "call"), ("close", "error")],
+         {"sessions_failed_total": 1, "sessions_deadline_exceeded_total": 1}),
+        (ShardError(ErrorCode.ENGINE_FAILURE, "boom"), None,
+         [("error", "session"), ("close", "error")], {"sessions_failed_total": 1}),
+        (None, EndReason.CLIENT_CANCELLED, [("close", "client_cancelled")],
+         {"sessions_cancelled_total": 1}),
+        (None, EndReason.CONNECTION_LOST, [("close", "connection_lost")], {}),
+    ],
+)
+async def test_stream_watch_tells_how_a_session_ended(
+    error: ShardError | None, end: EndReason | None, expected_events: list[tuple[str, str]],
+    expected_counters: dict[str, int], caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    counts = _Counts()
+    ctx = CallContext(method="/shard.v1.Shard/Session", metadata=(), peer="ipv4:10.0.0.9:4242")
+    watch = StreamWatch(counts, ctx)
+    watch.request(pb.SessionRequest(open=pb.OpenSession(session_id="w")))
+    watch.response(pb.SessionResponse(opened=pb.SessionOpened(session_id="w")))
+    watch.request(pb.SessionRequest(generate=pb.Generate(max_tokens=2)))
+    watch.response(pb.SessionResponse(step=pb.StepResult(step=1)))
+    watch.response(pb.SessionResponse(step=pb.StepResult(step=2)))  # not a first token
+    ctx.end_reason = end
+    watch.end(error, retained=False)
+    got = [(e["event"], e.get("scope") or e.get("reason")) for e in events(caplog)]
+    assert got == [("open", None), *expected_events]
+    assert all(e["peer"] == "ipv4:10.0.0.9:4242" and e["session_id"] == "w" for e in events(caplog))
+    assert len(counts.ttft) == 1
+    assert counts.counters == {"sessions_opened_total": 1, "sessions_closed_total": 1, **expected_counters}
