@@ -17,6 +17,7 @@ from shard.client import ShardClient, ShardError
 from shard.rpc.auth import (
     TokenAuthenticator,
     TokenFileError,
+    bearer_metadata,
     binding_refusal,
     first_token,
     is_loopback,
@@ -105,6 +106,9 @@ async def test_missing_wrong_and_right_tokens_over_grpcio(
             grpc.StatusCode.UNAUTHENTICATED)
         ok = await in_thread(_session, w.target, (("authorization", f"Bearer {TOKEN_A}"),))
         assert ok == grpc.StatusCode.OK
+        # The Trio client encodes the header itself (hpack): nothing of it is logged either.
+        async with ShardClient.connect(w.target, timeout=10, metadata=bearer_metadata(TOKEN_B)) as c:
+            assert (await c.health()).status == pb.HealthResponse.STATUS_SERVING
         await w.idle()
         assert w.engine.metrics().sessions_opened_total == 1  # refused streams opened nothing
     records = [r for r in caplog.records]

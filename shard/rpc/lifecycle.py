@@ -13,8 +13,8 @@ Events (logger ``shard.sessions``; fields ``session_id``, ``peer``, ``principal`
 ``deadline`` (a step over ``step_timeout_ms``, or the call deadline), ``release`` (the Release
 RPC), ``error`` (a refused open, a step-level or fatal error, with its code), ``close`` (how the
 stream ended and whether the KV cache is retained). Nothing secret is logged: the principal is
-the authenticator's name for the caller, never its credential, and hpack's DEBUG header dump
-is switched off (see below).
+the authenticator's name for the caller, never its credential (and hpack's DEBUG header dump
+is switched off for the whole package, see ``shard/rpc/__init__.py``).
 """
 
 from __future__ import annotations
@@ -32,11 +32,6 @@ from .errors import ErrorCode, ShardError
 from .transport import CallContext, EndReason, current_call
 
 log = logging.getLogger("shard.sessions")
-
-# hpack (under h2) logs every decoded header block at DEBUG, the ``authorization`` header
-# included. Capped here, where the servicer imports it, so that a bearer token never reaches a
-# log whatever the log level (tests/test_auth.py checks every logger at DEBUG).
-logging.getLogger("hpack").setLevel(logging.INFO)
 
 #: The authenticated caller of the current RPC ("" without an authenticator).
 principal: ContextVar[str] = ContextVar("shard_principal", default="")
