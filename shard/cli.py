@@ -1,7 +1,13 @@
 """``trio-shard`` command line: argument parsing and wiring only, no logic of its own.
 
-Commands: ``serve`` (run a worker), ``generate`` and ``caps`` (talk to a worker), and
-``make-model`` (write a small GGUF file locally).
+Commands: ``serve`` (run a worker), ``generate``, ``caps``, ``health`` and ``metrics`` (talk to
+a worker), and ``make-model`` (write a small GGUF file locally).
+
+Configuration: every ``serve`` option (and the global ``--log-level``) can also come from an
+environment variable, ``TRIO_SHARD_`` + the long option name in upper case with ``_`` for
+``-`` (``--max-sessions`` -> ``TRIO_SHARD_MAX_SESSIONS``); the command line wins. This is done
+generically over the parser's actions, so an option added to ``serve`` later is covered without
+further code; ``serve --print-config`` shows the effective values and where each came from.
 """
 
 from __future__ import annotations
@@ -11,18 +17,23 @@ import functools
 import json
 import logging
 import os
+import shlex
 import ssl
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
     import trio
 
+    from shard.rpc.auth import TokenAuthenticator
     from shard.rpc.server import RunningServer
 
 DEFAULT_PORT = 50051
+ENV_PREFIX = "TRIO_SHARD_"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
 
 
 def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -64,8 +75,76 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def env_name(action: argparse.Action) -> str | None:
+    """``TRIO_SHARD_<LONG_OPTION>`` for an option, None for positionals and help."""
+    longs = [o for o in action.option_strings if o.startswith("--")]
+    if not longs or isinstance(action, argparse._HelpAction | argparse._VersionAction):
+        return None
+    return ENV_PREFIX + longs[0][2:].upper().replace("-", "_")
+
+
+def _from_env(action: argparse.Action, raw: str) -> object:
+    """Convert an environment value the way argparse converts the option's arguments."""
+    if action.nargs == 0:  # a flag: store_true / store_false / store_const / --x/--no-x
+        word = raw.strip().lower()
+        if word not in _TRUE | _FALSE:
+            raise ValueError(f"expected one of {', '.join(sorted(_TRUE | _FALSE - {''}))}")
+        given = word in _TRUE
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return given
+        return action.const if given else action.default
+    if isinstance(action, argparse._CountAction):
+        return int(raw)
+    convert = action.type if callable(action.type) else str
+
+    def one(text: str) -> object:
+        value = convert(text)
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"invalid choice {value!r} (choose from {', '.join(map(str, action.choices))})")
+        return value
+
+    if action.nargs in (None, "?") and not isinstance(action, argparse._AppendAction):
+        return one(raw)
+    return [one(part) for part in shlex.split(raw)]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose options can default from ``TRIO_SHARD_*`` when ``from_env``."""
+
+    from_env = False
+    env_sources: dict[str, str]  # dest -> the variable that set its default
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        if self.from_env and not hasattr(self, "env_sources"):
+            self.env_sources = self.apply_environment(os.environ)
+        return super().parse_known_args(args, namespace)
+
+    def apply_environment(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """Take option defaults from ``environ``; a bad value is a usage error naming it."""
+        sources = {}
+        for action in self._actions:
+            name = env_name(action)
+            if name is None or name not in environ:
+                continue
+            if environ[name] == "" and action.nargs != 0:
+                continue  # empty means unset (what --print-config prints for "no value")
+            try:
+                action.default = _from_env(action, environ[name])
+            except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+                self.error(f"environment variable {name}={environ[name]!r}: {exc}")
+            sources[action.dest] = name
+        return sources
+
+    def document_environment(self) -> None:
+        """Name each option's environment variable in its --help text."""
+        for action in self._actions:
+            name = env_name(action)
+            if name is not None and action.help is not argparse.SUPPRESS:
+                action.help = f"{action.help or ''} [env {name}]".strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="trio-shard",
         description="Serve one shard of a GGUF language model over gRPC (Shard protocol v1).",
     )
@@ -73,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="logging level (default: INFO)",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     serve = sub.add_parser(
         "serve", help="serve a GGUF model over gRPC",
@@ -106,6 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--resume-ttl", type=_non_negative_float, default=60.0,
                        help="seconds a session's KV cache is kept after its stream ends without "
                        "release, for resume (default: 60)")
+    serve.add_argument("--metrics-port", type=_port, metavar="PORT",
+                       help="serve Prometheus metrics on http://METRICS_HOST:PORT/metrics "
+                       "(0 picks a free port; default: off)")
+    serve.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                       help="address for --metrics-port (default: 127.0.0.1)")
+    serve.add_argument("--auth-token-file", type=Path, metavar="FILE",
+                       help="require 'authorization: Bearer TOKEN' on every Shard call; FILE "
+                       "holds one 'TOKEN [NAME]' per line, re-read on SIGHUP")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow plaintext without authentication on a non-loopback --host")
+    serve.add_argument("--log-format", choices=["text", "json"], default="text",
+                       help="log lines as text or as one JSON object each (default: text)")
+    serve.add_argument("--print-config", action="store_true",
+                       help="print the effective configuration (flags, environment, defaults) "
+                       "and exit")
 
     gen = sub.add_parser(
         "generate", help="generate text from a running worker",
@@ -129,12 +223,42 @@ def build_parser() -> argparse.ArgumentParser:
                       help="deadline in seconds (default: 10)")
     caps.add_argument("--json", action="store_true", help="print JSON")
 
+    health = sub.add_parser(
+        "health", help="probe a worker: exit 0 only when it is SERVING",
+        description="Ask a worker for its health (Shard Health RPC). Exit status 0 when it is "
+        "SERVING, 1 when it is not (NOT_READY, DRAINING, FAILED) or cannot be reached: usable "
+        "as a liveness/readiness probe.",
+    )
+    _add_target(health)
+    health.add_argument("--timeout", type=_non_negative_float, default=5.0,
+                        help="deadline in seconds per check (default: 5)")
+    health.add_argument("--json", action="store_true", help="print JSON")
+    health.add_argument("--watch", action="store_true",
+                        help="keep checking and print every change until interrupted")
+    health.add_argument("--interval", type=_non_negative_float, default=2.0,
+                        help="seconds between checks with --watch (default: 2)")
+
+    met = sub.add_parser(
+        "metrics", help="show a worker's counters and gauges (GetMetrics)",
+        description="Print a worker's GetMetrics counters and gauges, the same values its "
+        "Prometheus /metrics page shows.",
+    )
+    _add_target(met)
+    met.add_argument("--timeout", type=_non_negative_float, default=10.0,
+                     help="deadline in seconds (default: 10)")
+    met.add_argument("--json", action="store_true", help="print JSON")
+
     mk = sub.add_parser(
         "make-model", help="write a small GGUF model file (no download)",
         description="Write a deterministic GGUF model with random weights and a real tokenizer.",
     )
     mk.add_argument("--preset", default="tiny", help="tiny (default) or bench (214 MB, Q8_0)")
     mk.add_argument("--out", type=Path, required=True, help="output file")
+
+    # Last, so that options other modules add to ``serve`` above are covered too.
+    for env_parser in (parser, serve):
+        env_parser.from_env = True
+        env_parser.document_environment()
     return parser
 
 
@@ -146,6 +270,8 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=Path, metavar="PEM",
                    help="client certificate chain for mutual TLS (with --tls-key)")
     p.add_argument("--tls-key", type=Path, metavar="PEM", help="client private key")
+    p.add_argument("--token-file", type=Path, metavar="FILE",
+                   help="send the first token in FILE as 'authorization: Bearer TOKEN'")
 
 
 def _tls_pair_given(args: argparse.Namespace) -> bool:
@@ -168,6 +294,14 @@ def _server_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     return ctx
 
 
+def _client_options(args: argparse.Namespace) -> dict[str, object]:
+    """``ShardClient.connect`` keywords: TLS and the bearer token (ValueError/OSError/SSLError)."""
+    from shard.rpc.auth import bearer_metadata, first_token
+
+    metadata = bearer_metadata(first_token(args.token_file)) if args.token_file else ()
+    return {"ssl_context": _client_ssl_context(args), "metadata": metadata}
+
+
 def _client_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     """TLS for ``generate``/``caps``: enabled by --tls-ca (or a client certificate)."""
     pair = _tls_pair_given(args)
@@ -180,16 +314,21 @@ def _client_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from shard import logs
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logs.configure(args.log_level, getattr(args, "log_format", "text"))
     handler = {
         "serve": _cmd_serve,
         "generate": _cmd_generate,
         "caps": _cmd_caps,
+        "health": _cmd_health,
+        "metrics": _cmd_metrics,
         "make-model": _cmd_make_model,
     }[args.command]
+    if args.command == "serve" and args.print_config:
+        return _print_config(parser, args)
     try:
         return handler(args)
     except KeyboardInterrupt:
@@ -223,6 +362,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from shard.rpc.errors import unwrap_single_exception
     from shard.rpc.server import serve
 
+    from shard.rpc.auth import TokenAuthenticator, TokenFileError, binding_refusal, is_loopback
+
+    try:
+        ssl_context = _server_ssl_context(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"TLS set-up failed: {exc}", 2)
+    authenticator = None
+    if args.auth_token_file is not None:
+        try:
+            authenticator = TokenAuthenticator(args.auth_token_file)
+        except TokenFileError as exc:
+            return _fail(str(exc), 2)
+    refusal = binding_refusal(
+        args.host, tls=ssl_context is not None, authenticated=authenticator is not None,
+        insecure=args.insecure,
+    )
+    if refusal is not None:
+        return _fail(refusal, 2)
+    log = logging.getLogger("shard")
+    if ssl_context is None and authenticator is None and not is_loopback(args.host):
+        log.warning("--insecure: serving plaintext without authentication on %s", args.host)
+    if authenticator is not None:
+        log.info("bearer-token authentication: %d token(s) from %s", len(authenticator),
+                 args.auth_token_file)
+
     model = args.model if args.model is not None else ensure_model("tiny")
     spec = LoadSpec(
         model_path=model,
@@ -232,11 +396,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         n_batch=args.batch,
         use_extra_bufts=args.extra_bufts,
     )
-    try:
-        ssl_context = _server_ssl_context(args)
-    except (ValueError, OSError, ssl.SSLError) as exc:
-        return _fail(f"TLS set-up failed: {exc}", 2)
-    logging.getLogger("shard").info("model: %s", model)
+    log.info("model: %s", model)
 
     async def run() -> None:
         async with LlamaCppEngine() as engine:
@@ -246,8 +406,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                     server = await nursery.start(functools.partial(
                         serve, engine, host=args.host, port=args.port, load=spec,
                         resume_ttl=args.resume_ttl, ssl_context=ssl_context,
+                        authorize=authenticator, metrics_port=args.metrics_port,
+                        metrics_host=args.metrics_host,
                     ))
                     nursery.start_soon(_stop_on_signal, server, nursery.cancel_scope, args.grace)
+                    if authenticator is not None:
+                        nursery.start_soon(_reload_on_sighup, authenticator)
 
     try:
         trio.run(run)
@@ -256,6 +420,56 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}")
     return 0
+
+
+def _print_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``serve --print-config``: one ``TRIO_SHARD_X=value  # source`` line per option."""
+    sources: dict[str, str] = {}
+    lines = ["# trio-shard serve: effective configuration (command line > environment > default)"]
+    for p in (parser, _subparser(parser, "serve")):
+        sources.update(getattr(p, "env_sources", {}))
+        for action in p._actions:
+            name = env_name(action)
+            if name is None or action.dest in ("print_config",):
+                continue
+            value = getattr(args, action.dest)
+            if action.dest in sources and value == action.default:
+                source = "environment"
+            elif value == action.default:
+                source = "default"
+            else:
+                source = "command line"
+            lines.append(f"{name}={_config_value(value)}  # {source}")
+    print("\n".join(lines))
+    return 0
+
+
+def _config_value(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, list | tuple):
+        return shlex.quote(shlex.join(map(str, value)))
+    return shlex.quote(str(value))
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
+async def _reload_on_sighup(authenticator: TokenAuthenticator) -> None:
+    """SIGHUP re-reads the token file (a broken file keeps the tokens in force)."""
+    import signal
+
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            authenticator.reload()
 
 
 async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace: float) -> None:
@@ -288,9 +502,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import trio
 
     try:
-        ssl_context = _client_ssl_context(args)
+        options = _client_options(args)
     except (ValueError, OSError, ssl.SSLError) as exc:
-        return _fail(f"TLS set-up failed: {exc}", 2)
+        return _fail(f"client set-up failed: {exc}", 2)
 
     from shard.client import ShardClient, ShardError
     from shard.v1 import shard_pb2 as pb
@@ -299,9 +513,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         text: list[str] = []
         tokens: list[int] = []
         finish = pb.FINISH_REASON_UNSPECIFIED
-        async with ShardClient.connect(
-            args.target, timeout=args.timeout, ssl_context=ssl_context
-        ) as client:
+        async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
             async for chunk in client.generate_text(
                 args.prompt,
                 max_tokens=args.max_tokens,
@@ -331,16 +543,14 @@ def _cmd_caps(args: argparse.Namespace) -> int:
     import trio
 
     try:
-        ssl_context = _client_ssl_context(args)
+        options = _client_options(args)
     except (ValueError, OSError, ssl.SSLError) as exc:
-        return _fail(f"TLS set-up failed: {exc}", 2)
+        return _fail(f"client set-up failed: {exc}", 2)
 
     from shard.client import ShardClient, ShardError
 
     async def run() -> dict[str, object]:
-        async with ShardClient.connect(
-            args.target, timeout=args.timeout, ssl_context=ssl_context
-        ) as client:
+        async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
             return await client.capabilities_dict()
 
     try:
@@ -352,6 +562,90 @@ def _cmd_caps(args: argparse.Namespace) -> int:
     else:
         width = max(len(k) for k in caps)
         for key, value in caps.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    import trio
+
+    try:
+        options = _client_options(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"client set-up failed: {exc}", 2)
+
+    from shard.client import ShardClient, ShardError
+    from shard.v1 import shard_pb2 as pb
+
+    async def check() -> dict[str, object]:
+        try:
+            async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
+                h = await client.health()
+        except ShardError as exc:
+            return {"status": "UNREACHABLE" if exc.reason == "CONNECT_FAILED" else "ERROR",
+                    "detail": str(exc)}
+        return {
+            "status": pb.HealthResponse.Status.Name(h.status).removeprefix("STATUS_"),
+            "detail": h.detail,
+            "sessions_active": h.sessions_active,
+            "sessions_retained": h.sessions_retained,
+            "max_sessions": h.max_sessions,
+        }
+
+    def show(report: dict[str, object]) -> None:
+        if args.json:
+            print(json.dumps(report), flush=True)
+            return
+        line = str(report["status"])
+        if "sessions_active" in report:
+            line += (f"  sessions: {report['sessions_active']} active, "
+                     f"{report['sessions_retained']} retained, max {report['max_sessions']}")
+        if report["detail"]:
+            line += f"  ({report['detail']})"
+        print(line, flush=True)
+
+    async def run() -> int:
+        last: dict[str, object] | None = None
+        while True:
+            report = await check()
+            if last is None or report["status"] != last["status"] or not args.watch:
+                show(report)
+            last = report
+            if not args.watch:
+                return 0 if report["status"] == "SERVING" else 1
+            await trio.sleep(args.interval)
+
+    return trio.run(run)
+
+
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    import trio
+
+    try:
+        options = _client_options(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"client set-up failed: {exc}", 2)
+
+    from shard.client import ShardClient, ShardError
+    from shard.rpc.metrics import snapshot_values
+
+    async def run() -> dict[str, int]:
+        async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
+            return snapshot_values(await client.metrics())
+
+    try:
+        values = trio.run(run)
+    except ShardError as exc:
+        return _fail(str(exc))
+    if args.json:
+        nested: dict[str, dict[str, int]] = {"engine": {}, "worker": {}}
+        for key, value in values.items():
+            section, _, name = key.partition(".")
+            nested[section][name] = value
+        print(json.dumps(nested, indent=2, sort_keys=True))
+    else:
+        width = max(map(len, values), default=0)
+        for key, value in values.items():
             print(f"{key:<{width}}  {value}")
     return 0
 

@@ -29,6 +29,9 @@ from shard.v1 import shard_pb2 as pb
 
 from .errors import unwrap_single_exception
 from .health import NOT_SERVING, SERVING, HealthService
+from .health import SERVICE_NAME as HEALTH_SERVICE
+from .metrics import WorkerMetrics, serve_metrics
+from .reflection import ReflectionService
 from .registry import Registry
 from .servicer import Authorizer, ShardServicer
 from .session import SessionLimits
@@ -50,6 +53,8 @@ class RunningServer:
     health: HealthService
     _nudge: AsyncValue[int]
     transport: Server | None = None
+    metrics: WorkerMetrics | None = None
+    metrics_port: int | None = None  # where /metrics is served, if it is
 
     @property
     def target(self) -> str:
@@ -94,6 +99,9 @@ async def serve(
     ssl_context: ssl.SSLContext | None = None,
     authorize: Authorizer | None = None,
     health_interval: float = 1.0,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    reflection: bool = True,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``engine`` on ``host:port`` until cancelled.
@@ -104,19 +112,28 @@ async def serve(
     ``RunningServer.port``). ``limits`` bounds each session stream (credit, resume TTL, close
     linger); ``resume_ttl`` (seconds, 0 disables retention) overrides ``limits.resume_ttl``.
     ``authorize`` is the optional auth hook (see ``servicer.Authorizer``).
+    ``metrics_port``: also serve Prometheus ``/metrics`` on ``metrics_host:metrics_port`` (0
+    picks a free port, see ``RunningServer.metrics_port``). ``reflection``: serve gRPC server
+    reflection (v1 and v1alpha) next to the Shard and health services.
     """
     if not (math.isfinite(health_interval) and health_interval > 0):
         raise ValueError("health_interval must be a positive number of seconds")
     if resume_ttl is not None:
         limits = dataclasses.replace(limits, resume_ttl=resume_ttl)
+    metrics = WorkerMetrics()
+    engine = metrics.meter(engine)  # times every step for the latency histograms
     registry = Registry(engine, limits)
+    metrics.attach(engine, registry)
     servicer = ShardServicer(
-        engine, registry, transport_limits=transport_limits, authorize=authorize
+        engine, registry, transport_limits=transport_limits, authorize=authorize, metrics=metrics
     )
     health = HealthService()
     transport = Server(host=host, port=port, limits=transport_limits, ssl_context=ssl_context)
     transport.add_service(servicer.service)
     transport.add_service(health.service)
+    if reflection:
+        for service in ReflectionService([SHARD_SERVICE, HEALTH_SERVICE]).services:
+            transport.add_service(service)
     nudge = AsyncValue(0)
     _apply_health(servicer, health)
     try:
@@ -125,7 +142,15 @@ async def serve(
                 await nursery.start(registry.run)
                 nursery.start_soon(_sync_health, servicer, health, nudge, health_interval)
                 bound = await nursery.start(transport.serve)
-                running = RunningServer(host, bound, servicer, registry, health, nudge, transport)
+                running = RunningServer(
+                    host, bound, servicer, registry, health, nudge, transport, metrics
+                )
+                if metrics_port is not None:
+                    running.metrics_port = await nursery.start(
+                        _serve_metrics, metrics, metrics_host, metrics_port
+                    )
+                    log.info("serving Prometheus metrics on http://%s/metrics",
+                             _host_port(metrics_host, running.metrics_port))
                 servicer.on_health_change = running.sync_health
                 log.info("serving %s on %s:%d", SHARD_SERVICE, host, bound)
                 task_status.started(running)
@@ -140,6 +165,18 @@ async def serve(
                     running.sync_health()
     finally:
         health.shutdown()
+
+
+async def _serve_metrics(
+    metrics: WorkerMetrics, host: str, port: int, *, task_status: trio.TaskStatus[int]
+) -> None:
+    async with serve_metrics(metrics, host, port) as bound:
+        task_status.started(bound)
+        await trio.sleep_forever()
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _apply_health(servicer: ShardServicer, health: HealthService) -> None:

@@ -21,8 +21,9 @@ from shard.engine import EngineError, EngineState, ShardEngine
 from shard.v1 import shard_pb2 as pb
 from shard.v1.shard_grpc import ShardServicer as _ShardServicerBase
 
-from . import convert
+from . import convert, lifecycle
 from .errors import ERROR_TRAILER, STATUS_ERROR_CODES, ErrorCode, GrpcStatus, ShardError, internal_error
+from .metrics import WorkerMetrics
 from .registry import Registry
 from .session import SessionLimits, StreamEnd
 from .transport import CallContext, EndReason, StatusError, TransportLimits, current_call
@@ -33,9 +34,10 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 #: Optional authentication hook: inspect the call (metadata such as a bearer token, the peer)
-#: and raise ``ShardError(UNAUTHENTICATED | PERMISSION_DENIED)`` to refuse it. The worker only
+#: and raise ``ShardError(UNAUTHENTICATED | PERMISSION_DENIED)`` to refuse it. It may return
+#: the caller's principal name (shown in session logs; never a credential). The worker only
 #: verifies; who may do what, and billing, stay with the router.
-Authorizer = Callable[[CallContext], Awaitable[None]]
+Authorizer = Callable[[CallContext], Awaitable[str | None]]
 
 _STREAM_END: dict[EndReason, StreamEnd] = {
     EndReason.DEADLINE: StreamEnd.DEADLINE,
@@ -59,15 +61,20 @@ def status_error(err: ShardError) -> StatusError:
 class _Requests:
     """The request stream as the session sees it: transport failures become ShardErrors."""
 
-    def __init__(self, inner: AsyncIterable[pb.SessionRequest]) -> None:
+    def __init__(
+        self,
+        inner: AsyncIterable[pb.SessionRequest],
+        observe: Callable[[pb.SessionRequest], None] | None = None,
+    ) -> None:
         self._inner = aiter(inner)
+        self._observe = observe
 
     def __aiter__(self) -> _Requests:
         return self
 
     async def __anext__(self) -> pb.SessionRequest:
         try:
-            return await anext(self._inner)
+            request = await anext(self._inner)
         except StatusError as exc:  # oversized or unparsable request message
             code = (
                 ErrorCode.INVALID_ARGUMENT
@@ -75,6 +82,9 @@ class _Requests:
                 else STATUS_ERROR_CODES.get(GrpcStatus(exc.code), ErrorCode.INTERNAL)
             )
             raise ShardError(code, exc.message) from None
+        if self._observe is not None:
+            self._observe(request)
+        return request
 
 
 class ShardServicer(_ShardServicerBase):
@@ -87,11 +97,17 @@ class ShardServicer(_ShardServicerBase):
         *,
         transport_limits: TransportLimits = TransportLimits(),
         authorize: Authorizer | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.registry = registry
         self._transport_limits = transport_limits
         self._authorize = authorize
+        if metrics is None:
+            metrics = WorkerMetrics()
+            metrics.attach(engine, registry)
+        #: Counters, histograms and the snapshot GetMetrics returns (also served on /metrics).
+        self.metrics = metrics
         #: Called when an error suggests the engine's health changed (set by ``serve``), so
         #: grpc.health.v1 turns NOT_SERVING at once rather than at the next periodic check.
         self.on_health_change: Callable[[], None] | None = None
@@ -121,8 +137,7 @@ class ShardServicer(_ShardServicerBase):
         ctx = current_call()
         self.registry.count(f"rpc_{ctx.method.rsplit('/', 1)[-1]}_total")
         try:
-            if self._authorize is not None:
-                await self._authorize(ctx)
+            await self._authenticate(ctx)
             check_version(request, getattr(request, "session_id", ""))
             return await handler(request)
         except ShardError as err:
@@ -134,6 +149,11 @@ class ShardServicer(_ShardServicerBase):
             raise self._refuse(internal_error()) from None
         finally:
             _note_end(ctx)
+
+    async def _authenticate(self, ctx: CallContext) -> None:
+        """Run the auth hook; remember the principal for this call's log lines."""
+        if self._authorize is not None:
+            lifecycle.principal.set(await self._authorize(ctx) or "")
 
     async def _capabilities(self, _: pb.GetCapabilitiesRequest) -> pb.GetCapabilitiesResponse:
         await trio.lowlevel.checkpoint()
@@ -174,14 +194,17 @@ class ShardServicer(_ShardServicerBase):
     async def _cancel(self, req: pb.CancelRequest) -> pb.CancelResponse:
         await trio.lowlevel.checkpoint()
         found, was_running = self.registry.cancel(req.session_id)
+        lifecycle.event("cancel", req.session_id, scope="rpc", found=found, was_running=was_running)
         return pb.CancelResponse(found=found, was_running=was_running)
 
     async def _release(self, req: pb.ReleaseRequest) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=await self.registry.release(req.session_id))
+        released = await self.registry.release(req.session_id)
+        lifecycle.event("release", req.session_id, released=released)
+        return pb.ReleaseResponse(released=released)
 
     async def _metrics(self, _: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
         await trio.lowlevel.checkpoint()
-        return convert.metrics_to_proto(self.engine.metrics(), self.registry.worker_metrics())
+        return self.metrics.snapshot()
 
     # ---- the session stream ----------------------------------------------------------------
 
@@ -194,15 +217,18 @@ class ShardServicer(_ShardServicerBase):
         runs in the registry's nursery; this generator only forwards messages.
         """
         ctx = current_call()
+        watch = lifecycle.StreamWatch(self.metrics, ctx)
         try:
-            if self._authorize is not None:
-                await self._authorize(ctx)
-            call = await self.registry.start_call(_Requests(input_messages), deadline=ctx.deadline)
+            await self._authenticate(ctx)
+            call = await self.registry.start_call(
+                _Requests(input_messages, watch.request), deadline=ctx.deadline
+            )
         except ShardError as err:
             raise self._refuse(err) from None
         finished = False
         try:
             async for message in call.responses:
+                watch.response(message)
                 yield message
             finished = True
         finally:
@@ -213,6 +239,8 @@ class ShardServicer(_ShardServicerBase):
             with trio.CancelScope(shield=True):
                 await call.done.wait()  # the session is released or retained by now
             call.responses.close()
+            retained = bool(watch.session_id) and self.registry.retained(watch.session_id) is not None
+            watch.end(call.error, retained)
         if call.error is not None:
             raise self._refuse(call.error)
 

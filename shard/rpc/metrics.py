@@ -1,0 +1,257 @@
+"""Worker metrics: one snapshot feeds both ``GetMetrics`` and the Prometheus ``/metrics`` page.
+
+Why one snapshot: an operator who reads ``trio-shard metrics`` and a dashboard fed by
+Prometheus must see the same numbers. ``WorkerMetrics.snapshot()`` builds the
+``GetMetricsResponse`` from the engine's counters and the registry's counters and gauges; the
+``GetMetrics`` RPC returns it as is, and a custom Prometheus collector renders the very same
+message as metric families (``trio_shard_engine_*``, ``trio_shard_worker_*``), so the two
+cannot disagree. Latency histograms (time to first token, engine queue wait, decode step,
+prefill time per token) live only in the Prometheus registry: a histogram does not fit the
+``map<string, uint64>`` of ``GetMetrics``.
+
+Each worker has its own ``CollectorRegistry`` (not prometheus_client's global one), so several
+workers in one process (tests) never share or collide.
+
+Threads: the ``/metrics`` HTTP server is prometheus_client's own (a thread per scrape). Engine
+and registry state belong to the Trio thread, so the collector hops into Trio
+(``trio.from_thread.run_sync``) for each snapshot instead of reading that state from another
+thread. ``serve_metrics`` owns the server: it stops it and closes its socket on exit.
+
+Queue wait and step time: ``MeteredEngine`` wraps the engine the registry uses. Both engines run
+one operation at a time (the llama engine under one ``CapacityLimiter(1)``), so an operation
+started when the previous one finished: ``start = max(called, last completion)``. That splits
+each step's latency into the wait for the engine (``queue_wait``) and its own compute time,
+without touching the engine. If an engine ever runs operations in parallel (batching), the
+split over-counts compute and must come from the engine instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shard.engine import DecodeRequest, EngineError, PrefillRequest, ShardEngine, StepResult
+from shard.v1 import shard_pb2 as pb
+
+from . import convert
+from .registry import Registry
+
+log = logging.getLogger(__name__)
+
+PREFIX = "trio_shard"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_PER_TOKEN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_NAME = re.compile(r"[^a-zA-Z0-9_]")
+
+
+class WorkerMetrics:
+    """The worker's metrics: counters (in the registry), histograms, the snapshot.
+
+    ``attach(engine, registry)`` before ``snapshot()``; ``prometheus`` is the registry to
+    expose (``serve_metrics``).
+    """
+
+    def __init__(self) -> None:
+        self.prometheus = CollectorRegistry(auto_describe=False)
+        self._engine: ShardEngine | None = None
+        self._registry: Registry | None = None
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=self.prometheus)
+
+        self.ttft = hist(
+            "time_to_first_token_seconds",
+            "From a Prefill or Generate request to its first result (a token, or hidden states "
+            "on a non-last shard) leaving the worker.", _LATENCY_BUCKETS)
+        self.queue_wait = hist(
+            "queue_wait_seconds",
+            "Time an engine operation waited for the engine (busy with other sessions) before "
+            "it started.", _LATENCY_BUCKETS)
+        self.decode_step = hist(
+            "decode_step_seconds", "Engine compute time of one decode step.", _LATENCY_BUCKETS)
+        self.prefill_per_token = hist(
+            "prefill_seconds_per_token",
+            "Engine compute time of a prefill divided by the positions it computed.",
+            _PER_TOKEN_BUCKETS)
+        self._collector = _SnapshotCollector(self)
+        self.prometheus.register(self._collector)
+
+    def attach(self, engine: ShardEngine, registry: Registry) -> None:
+        self._engine, self._registry = engine, registry
+
+    # ---- lifecycle.Counts (what a StreamWatch reports) -----------------------------------------
+
+    def count(self, name: str, n: int = 1) -> None:
+        if self._registry is not None:
+            self._registry.count(name, n)
+
+    def time_to_first_token(self, seconds: float) -> None:
+        self.ttft.observe(max(seconds, 0.0))
+
+    # ---- the snapshot ------------------------------------------------------------------------
+
+    def snapshot(self) -> pb.GetMetricsResponse:
+        """Everything ``GetMetrics`` returns (Trio thread only)."""
+        engine, registry = self._engine, self._registry
+        if engine is None or registry is None:
+            raise RuntimeError("WorkerMetrics.attach() was not called")
+        em = engine.metrics()
+        worker: dict[str, int] = dict(registry.worker_metrics())
+        if engine.health().ready:
+            try:
+                total = engine.capabilities().n_ctx
+            except EngineError:
+                total = None
+            if total is not None:
+                worker["kv_cells_total"] = total
+                worker["kv_cells_free"] = max(total - em.kv_cells_used, 0)
+        return convert.metrics_to_proto(em, worker)
+
+    def meter(self, engine: ShardEngine) -> ShardEngine:
+        """``engine`` with its operations timed into the histograms (see the module doc)."""
+        return MeteredEngine(engine, self)  # type: ignore[return-value]
+
+
+def families(snapshot: pb.GetMetricsResponse) -> Iterator[Metric]:
+    """A ``GetMetricsResponse`` as Prometheus metric families (the one mapping both use).
+
+    ``engine`` key ``k`` -> ``trio_shard_engine_k``; ``worker`` key ``k`` ->
+    ``trio_shard_worker_k``; keys ending in ``_total`` are counters, others gauges. Worker keys
+    ``errors_total:ERROR_CODE_X`` -> ``trio_shard_worker_errors_total{code="X"}`` and
+    ``rpc_M_total`` -> ``trio_shard_worker_rpc_total{method="M"}``.
+    """
+    labelled: dict[str, tuple[str, str, list[tuple[str, int]]]] = {}
+    for section, values in (("engine", snapshot.engine), ("worker", snapshot.worker)):
+        for key in sorted(values):
+            value = values[key]
+            if section == "worker" and key.startswith("errors_total:"):
+                code = key.split(":", 1)[1].removeprefix("ERROR_CODE_")
+                labelled.setdefault("errors_total", ("code", "Errors sent, by code.", []))[2].append((code, value))
+                continue
+            m = re.fullmatch(r"rpc_(\w+?)_total", key)
+            if section == "worker" and m:
+                labelled.setdefault("rpc_total", ("method", "RPCs received, by method.", []))[2].append((m[1], value))
+                continue
+            name = f"{PREFIX}_{section}_{_NAME.sub('_', key)}"
+            doc = f"GetMetrics {section}[{key!r}]"
+            if key.endswith("_total"):
+                yield CounterMetricFamily(name, doc, value=value)
+            else:
+                yield GaugeMetricFamily(name, doc, value=value)
+    for key, (label, doc, samples) in labelled.items():
+        family = CounterMetricFamily(f"{PREFIX}_worker_{key}", doc, labels=[label])
+        for label_value, value in samples:
+            family.add_metric([label_value], value)
+        yield family
+
+
+def snapshot_values(snapshot: pb.GetMetricsResponse) -> dict[str, int]:
+    """``section.key`` -> value: a flat view for display and comparisons."""
+    out = {f"engine.{k}": int(v) for k, v in snapshot.engine.items()}
+    out.update({f"worker.{k}": int(v) for k, v in snapshot.worker.items()})
+    return dict(sorted(out.items()))
+
+
+class _SnapshotCollector(Collector):
+    """Renders ``WorkerMetrics.snapshot()`` for Prometheus; called from the HTTP thread."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._metrics = metrics
+        self.trio_token: trio.lowlevel.TrioToken | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if _in_trio_thread() or self.trio_token is None:
+            snapshot = self._metrics.snapshot()
+        else:  # a scrape thread; fails (HTTP 500) once the worker's Trio run has ended
+            snapshot = trio.from_thread.run_sync(self._metrics.snapshot, trio_token=self.trio_token)
+        yield from families(snapshot)
+
+
+def _in_trio_thread() -> bool:
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return False
+    return True
+
+
+class MeteredEngine:
+    """A ``ShardEngine`` proxy that times prefill and decode (everything else passes through)."""
+
+    def __init__(self, engine: ShardEngine, metrics: WorkerMetrics) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._last_done = -float("inf")  # when the engine last finished an operation
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def prefill(self, request: PrefillRequest) -> StepResult:
+        return await self._timed(self._engine.prefill, request, decode=False)
+
+    async def decode(self, request: DecodeRequest) -> StepResult:
+        return await self._timed(self._engine.decode, request, decode=True)
+
+    async def open_session(self, session_id: str, *, kv_budget: int | None = None) -> Any:
+        try:
+            return await self._engine.open_session(session_id, kv_budget=kv_budget)
+        finally:
+            self._last_done = trio.current_time()
+
+    async def release(self, session_id: str) -> bool:
+        try:
+            return await self._engine.release(session_id)
+        finally:
+            self._last_done = trio.current_time()
+
+    async def _timed(self, fn: Callable[[Any], Any], request: Any, *, decode: bool) -> StepResult:
+        called = trio.current_time()
+        try:
+            result: StepResult = await fn(request)
+        finally:
+            done = trio.current_time()
+            started = max(called, min(self._last_done, done))
+            self._last_done = done
+        self._metrics.queue_wait.observe(started - called)
+        compute = done - started
+        if decode:
+            self._metrics.decode_step.observe(compute)
+        elif result.tokens_processed:
+            self._metrics.prefill_per_token.observe(compute / result.tokens_processed)
+        return result
+
+
+@asynccontextmanager
+async def serve_metrics(metrics: WorkerMetrics, host: str, port: int) -> AsyncIterator[int]:
+    """Serve ``/metrics`` on ``host:port`` (0 picks a free port) while the block runs; yields
+    the bound port. On exit the HTTP server is stopped and its socket closed."""
+    metrics._collector.trio_token = trio.lowlevel.current_trio_token()
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=metrics.prometheus)
+    except OSError as exc:  # say which of the worker's two ports failed
+        raise OSError(exc.errno, f"metrics on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        yield httpd.server_port
+    finally:
+        with trio.CancelScope(shield=True):
+            # shutdown() waits for the serve loop (up to its 0.5 s poll): not on the Trio thread.
+            await trio.to_thread.run_sync(_stop, httpd, thread)
+
+
+def _stop(httpd: Any, thread: threading.Thread) -> None:
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+
+
+__all__ = ["MeteredEngine", "WorkerMetrics", "families", "serve_metrics", "snapshot_values"]

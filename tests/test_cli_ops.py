@@ -1,0 +1,258 @@
+"""The operator's commands and configuration: ``health`` and ``metrics``, ``TRIO_SHARD_*``
+environment variables for every ``serve`` option, ``--print-config``, and one real worker
+process with metrics, tokens, JSON logs and SIGHUP."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import trio
+
+from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
+from rpc_harness import worker
+from shard.cli import _subparser, build_parser, env_name, main
+from shard.client import ShardClient, ShardError
+from shard.rpc.auth import bearer_metadata
+from shard.rpc.errors import ErrorCode
+from shard.rpc.metrics import snapshot_values
+
+CLI = [sys.executable, "-m", "shard.cli"]
+
+
+def serve_options() -> list[argparse.Action]:
+    return [a for a in _subparser(build_parser(), "serve")._actions if env_name(a)]
+
+
+# ---- environment ------------------------------------------------------------------------------
+
+
+def parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    for key in [k for k in os.environ if k.startswith("TRIO_SHARD_") and k != "TRIO_SHARD_CACHE"]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return build_parser().parse_args(argv)
+
+
+def test_every_serve_option_has_a_documented_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    names = [env_name(a) for a in serve_options()]
+    assert len(names) >= 18 and "TRIO_SHARD_MAX_SESSIONS" in names
+    for name in names:
+        assert f"[env {name}]" in help_text, name
+
+
+def test_environment_sets_serve_options_and_the_command_line_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {
+        "TRIO_SHARD_PORT": "6001", "TRIO_SHARD_HOST": "::1", "TRIO_SHARD_MAX_SESSIONS": "7",
+        "TRIO_SHARD_GRACE": "2.5", "TRIO_SHARD_MODEL": "/models/m.gguf",
+        "TRIO_SHARD_INSECURE": "true", "TRIO_SHARD_LOG_FORMAT": "json",
+        "TRIO_SHARD_LOG_LEVEL": "DEBUG", "TRIO_SHARD_THREADS": "",  # empty: unset
+    }
+    args = parse(["serve", "--max-sessions", "3"], env, monkeypatch)
+    assert (args.port, args.host, args.max_sessions, args.grace) == (6001, "::1", 3, 2.5)
+    assert args.model == Path("/models/m.gguf") and args.insecure is True
+    assert (args.log_format, args.log_level, args.threads) == ("json", "DEBUG", None)
+    assert parse(["serve"], {"TRIO_SHARD_INSECURE": "0"}, monkeypatch).insecure is False
+    # Other commands ignore serve's variables.
+    assert parse(["caps"], {"TRIO_SHARD_PORT": "nonsense"}, monkeypatch).command == "caps"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [("TRIO_SHARD_PORT", "70000", "expected an integer in [0, 65535]"),
+     ("TRIO_SHARD_CTX", "lots", "expected an integer"),
+     ("TRIO_SHARD_LOG_FORMAT", "xml", "invalid choice"),
+     ("TRIO_SHARD_INSECURE", "maybe", "expected one of")],
+)
+def test_a_bad_variable_is_a_usage_error_naming_it(
+    name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse(["serve"], {name: value}, monkeypatch)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"environment variable {name}={value!r}" in err and message in err
+
+
+def test_options_added_later_are_covered_without_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = build_parser()
+    serve = _subparser(parser, "serve")
+    serve.add_argument("--layers", help="layer range START:END")
+    serve.add_argument("--no-extra-bufts", dest="extra_bufts", action="store_false")
+    serve.add_argument("--devices", nargs="+", type=int)
+    for key, value in {"TRIO_SHARD_LAYERS": "0:4", "TRIO_SHARD_NO_EXTRA_BUFTS": "yes",
+                       "TRIO_SHARD_DEVICES": "0 1"}.items():
+        monkeypatch.setenv(key, value)
+    args = parser.parse_args(["serve"])
+    assert (args.layers, args.extra_bufts, args.devices) == ("0:4", False, [0, 1])
+
+
+def test_print_config_shows_every_value_and_its_source(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TRIO_SHARD_PORT", "6002")
+    monkeypatch.setenv("TRIO_SHARD_RESUME_TTL", "5")
+    assert main(["serve", "--host", "0.0.0.0", "--resume-ttl", "9", "--print-config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "TRIO_SHARD_PORT=6002  # environment" in lines
+    assert "TRIO_SHARD_HOST=0.0.0.0  # command line" in lines
+    assert "TRIO_SHARD_RESUME_TTL=9.0  # command line" in lines
+    assert "TRIO_SHARD_MAX_SESSIONS=4  # default" in lines
+    assert "TRIO_SHARD_AUTH_TOKEN_FILE=  # default" in lines
+    shown = {line.split("=", 1)[0] for line in lines if not line.startswith("#")}
+    assert {env_name(a) for a in serve_options()} - {"TRIO_SHARD_PRINT_CONFIG"} <= shown
+
+
+# ---- health and metrics commands --------------------------------------------------------------
+
+
+async def run_cli(*argv: str) -> int:
+    return await trio.to_thread.run_sync(main, list(argv))
+
+
+async def test_health_exits_0_when_serving_and_1_when_draining(capsys: pytest.CaptureFixture[str]) -> None:
+    async with worker() as w:
+        assert await run_cli("health", "--target", w.target) == 0
+        assert capsys.readouterr().out.startswith("SERVING  sessions: 0 active, 0 retained, max 4")
+        w.server.drain()
+        assert await run_cli("health", "--target", w.target, "--json") == 1
+        report = json.loads(capsys.readouterr().out)
+        assert report["status"] == "DRAINING" and "draining" in report["detail"]
+    assert await run_cli("health", "--target", "127.0.0.1:1", "--timeout", "5") == 1
+    assert capsys.readouterr().out.startswith("UNREACHABLE")
+
+
+async def test_health_watch_prints_each_change_until_interrupted() -> None:
+    async with worker() as w:
+        watch = subprocess.Popen(
+            [*CLI, "health", "--target", w.target, "--watch", "--interval", "0.05", "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        assert watch.stdout is not None
+
+        async def next_status() -> str:
+            with trio.fail_after(60):
+                line = await trio.to_thread.run_sync(watch.stdout.readline)
+            return str(json.loads(line)["status"])
+
+        try:
+            assert await next_status() == "SERVING"
+            w.server.drain()
+            assert await next_status() == "DRAINING"  # printed once, when it changed
+            w.stop()
+            assert await next_status() == "UNREACHABLE"
+        finally:
+            watch.send_signal(signal.SIGINT)
+            _, err = await trio.to_thread.run_sync(watch.communicate)
+        assert watch.returncode == 130, err
+
+
+async def test_metrics_command_prints_get_metrics(capsys: pytest.CaptureFixture[str]) -> None:
+    async with worker() as w:
+        async with ShardClient.connect(w.target, timeout=30) as client:
+            async for _ in client.generate([1, 2, 3], max_tokens=3):
+                pass
+            before = snapshot_values(await client.metrics())
+        assert await run_cli("metrics", "--target", w.target, "--json") == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert await run_cli("metrics", "--target", w.target) == 0
+        text = capsys.readouterr().out
+    flat = {f"{section}.{k}": v for section, values in printed.items() for k, v in values.items()}
+    assert flat.pop("worker.rpc_GetMetrics_total") == before.pop("worker.rpc_GetMetrics_total") + 1
+    flat.pop("worker.rpc_GetMetrics_total", None)
+    assert flat == before and flat["engine.decode_tokens_total"] == 2
+    assert re.search(r"^engine\.decode_tokens_total +2$", text, re.M)
+
+
+# ---- a real worker process ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_worker_with_metrics_tokens_json_logs_and_sighup(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("sekret-one router-a\n")
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--port", "0", "--threads", "1", "--max-sessions", "2", "--ctx", "1024",
+         "--auth-token-file", str(tokens), "--log-format", "json"],
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TRIO_SHARD_METRICS_PORT": "0"},  # from the environment
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    target = metrics = None
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            message = json.loads(line)["message"]  # every line is one JSON object
+            if m := re.search(r"Prometheus metrics on http://(\S+)/metrics", message):
+                metrics = m.group(1)
+            if m := re.search(r"serving shard\.v1\.Shard on (\S+:\d+)", message):
+                target = m.group(1)
+                break
+        assert target and metrics, "".join(lines)
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+        token_one = tmp_path / "client-one"
+        token_one.write_text("sekret-one\n")
+        assert cli("health", "--target", target, "--token-file", str(token_one)).returncode == 0
+        gen = cli("generate", "--target", target, "--token-file", str(token_one), "--json",
+                  "--max-tokens", "4", "hello")
+        assert gen.returncode == 0, gen.stderr
+        got = json.loads(cli("metrics", "--target", target, "--token-file", str(token_one),
+                             "--json").stdout)
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=30) as reply:
+            page = reply.read().decode()
+        assert f"trio_shard_engine_decode_tokens_total {float(got['engine']['decode_tokens_total'])}" in page
+        assert f"trio_shard_worker_sessions_opened_total {float(got['worker']['sessions_opened_total'])}" in page
+
+        # Rotate: a new token file, SIGHUP, the new token works and the old one is refused.
+        tokens.write_text("sekret-two router-b\n")
+        proc.send_signal(signal.SIGHUP)
+        assert trio.run(_wait_accepted, target, "sekret-two")
+        assert not trio.run(_accepted, target, "sekret-one")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        proc.stderr.close()
+        code = proc.wait(timeout=60)
+    log = "".join(lines) + rest
+    assert code == 0, log
+    records = [json.loads(line) for line in log.splitlines()]
+    events = [(r.get("event"), r.get("principal")) for r in records if r["logger"] == "shard.sessions"]
+    assert ("open", "router-a") in events and ("close", "router-a") in events
+    assert any("token file reloaded" in r["message"] for r in records)
+    assert "sekret" not in log
+
+
+async def _accepted(target: str, token: str) -> bool:
+    async with ShardClient.connect(target, timeout=30, metadata=bearer_metadata(token)) as client:
+        try:
+            await client.health()
+        except ShardError as err:
+            assert err.code is ErrorCode.UNAUTHENTICATED
+            return False
+    return True
+
+
+async def _wait_accepted(target: str, token: str) -> bool:
+    """Until the worker has handled the SIGHUP (bounded)."""
+    with trio.move_on_after(60):
+        while not await _accepted(target, token):
+            await trio.sleep(0.1)
+        return True
+    return False
