@@ -164,17 +164,6 @@ def ensure_slice(source: Path, layers: LayerRange, *, progress: bool = False) ->
     return slice_model(source, layers, path, progress=progress)
 
 
-def parse_layer_range(text: str) -> LayerRange:
-    """``"A:B"`` -> ``LayerRange(A, B)``; raises SliceError with a usage message otherwise."""
-    start, sep, end = text.partition(":")
-    if not sep or not start.strip().isdigit() or not end.strip().isdigit():
-        raise SliceError(f"expected a layer range A:B (blocks A..B-1), got {text!r}")
-    a, b = int(start), int(end)
-    if a >= b:
-        raise SliceError(f"layer range {text!r} is empty: A must be smaller than B")
-    return LayerRange(a, b)
-
-
 # ---- internals ---------------------------------------------------------------------------------
 
 
@@ -346,7 +335,6 @@ __all__ = [
     "ModelInfo",
     "SliceError",
     "ensure_slice",
-    "parse_layer_range",
     "read_model_info",
     "slice_cache_path",
     "slice_model",

@@ -1,0 +1,229 @@
+"""Layer-range slices (shard.models.slice and ``trio-shard slice`` / ``serve --layers``):
+renumbered blocks, recorded origin, the non-block tensors each part keeps, refusals, cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from shard.engine import InvalidInput, LayerRange
+from shard.models import (
+    RANGE_ARCHITECTURES,
+    SLICER_VERSION,
+    SliceError,
+    ensure_model,
+    ensure_slice,
+    file_fingerprint,
+    read_model_info,
+    slice_cache_path,
+    slice_model,
+)
+from shard.models.slice import STUB_VOCAB_SIZE
+
+CLI = [sys.executable, "-m", "shard.cli"]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return ensure_model("tiny")
+
+
+def _tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def _field(path: Path, key: str) -> object:
+    field = gguf.GGUFReader(path).get_field(key)
+    return None if field is None else field.contents()
+
+
+@pytest.mark.parametrize("layers", [LayerRange(0, 2), LayerRange(1, 3), LayerRange(2, 4), LayerRange(1, 2)])
+def test_blocks_are_renumbered_and_copied_byte_for_byte(tiny: Path, tmp_path: Path, layers: LayerRange) -> None:
+    out = slice_model(tiny, layers, tmp_path / "s.gguf")
+    src, sl = _tensors(tiny), _tensors(out)
+    blocks = sorted({int(n.split(".")[1]) for n in sl if n.startswith("blk.")})
+    assert blocks == list(range(layers.count))
+    for name, t in src.items():
+        if not name.startswith("blk."):
+            continue
+        index = int(name.split(".")[1])
+        new = f"blk.{index - layers.start}.{name.split('.', 2)[2]}"
+        if layers.start <= index < layers.end:
+            assert sl[new].tensor_type == t.tensor_type
+            assert np.array_equal(np.asarray(sl[new].data), np.asarray(t.data))
+    assert _field(out, "llama.block_count") == layers.count
+    # Everything else about the architecture is kept.
+    for key in ("llama.embedding_length", "llama.attention.head_count", "llama.rope.freq_base"):
+        assert _field(out, key) == _field(tiny, key)
+    # No temporary file is left next to the output.
+    assert [p.name for p in tmp_path.iterdir()] == ["s.gguf"]
+
+
+def test_origin_is_recorded_and_read_back(tiny: Path, tmp_path: Path) -> None:
+    out = slice_model(tiny, LayerRange(1, 3), tmp_path / "s.gguf")
+    info = read_model_info(out)
+    assert info.is_slice and info.layer_range == LayerRange(1, 3)
+    assert info.source_sha256 == file_fingerprint(tiny) and info.source_block_count == 4
+    assert info.architecture == "llama" and info.block_count == 2 and info.n_embd == 64
+    assert info.source_n_vocab == len(gguf.GGUFReader(tiny).fields["tokenizer.ggml.tokens"].data)
+    assert _field(out, "trio_shard.slicer.version") == SLICER_VERSION
+    whole = read_model_info(tiny)
+    assert not whole.is_slice and whole.layer_range is None and whole.block_count == 4
+
+
+def test_each_part_keeps_only_the_tensors_it_needs(tiny: Path, tmp_path: Path) -> None:
+    src = _tensors(tiny)
+    n_vocab = int(src["output.weight"].shape[1])
+    first = slice_model(tiny, LayerRange(0, 2), tmp_path / "first.gguf")
+    middle = slice_model(tiny, LayerRange(1, 3), tmp_path / "middle.gguf")
+    last = slice_model(tiny, LayerRange(2, 4), tmp_path / "last.gguf")
+    f, m, la = _tensors(first), _tensors(middle), _tensors(last)
+
+    # First: real embeddings and vocabulary, no LM head (llama.cpp ties it to token_embd).
+    assert "output.weight" not in f
+    assert np.array_equal(np.asarray(f["token_embd.weight"].data), np.asarray(src["token_embd.weight"].data))
+    assert _field(first, "tokenizer.ggml.model") == "llama"
+    # Middle: no head, a stub vocabulary and a one-row token_embd stand-in.
+    assert "output.weight" not in m
+    assert _field(middle, "tokenizer.ggml.model") == "none"
+    assert _field(middle, "tokenizer.ggml.tokens") is None
+    assert _field(middle, "llama.vocab_size") == STUB_VOCAB_SIZE
+    assert list(m["token_embd.weight"].shape) == [64, STUB_VOCAB_SIZE]
+    # Last: the real head and vocabulary; token_embd is an all-zero 4.5-bit stand-in.
+    assert np.array_equal(np.asarray(la["output.weight"].data), np.asarray(src["output.weight"].data))
+    assert _field(last, "tokenizer.ggml.model") == "llama"
+    stand_in = la["token_embd.weight"]
+    assert list(stand_in.shape) == [64, n_vocab]
+    assert stand_in.tensor_type == gguf.GGMLQuantizationType.Q4_0
+    assert not np.asarray(stand_in.data).any()
+    # Everyone keeps output_norm (llama.cpp requires it).
+    for part in (f, m, la):
+        assert "output_norm.weight" in part
+    assert middle.stat().st_size < first.stat().st_size and middle.stat().st_size < last.stat().st_size
+
+
+def _header_only_model(path: Path, arch: str, block_count: int = 4) -> Path:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(block_count)
+    writer.add_embedding_length(8)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_refusals(tiny: Path, tmp_path: Path) -> None:
+    gemma = _header_only_model(tmp_path / "gemma.gguf", "gemma2")
+    assert "gemma2" not in RANGE_ARCHITECTURES
+    with pytest.raises(SliceError, match="architecture 'gemma2' cannot be sliced"):
+        slice_model(gemma, LayerRange(0, 2), tmp_path / "g.gguf")
+    with pytest.raises(SliceError, match=r"\[2, 5\) is outside the model's 4 blocks"):
+        slice_model(tiny, LayerRange(2, 5), tmp_path / "x.gguf")
+    with pytest.raises(InvalidInput, match="empty"):  # A >= B cannot even be expressed
+        LayerRange(2, 2)
+    with pytest.raises(InvalidInput):
+        LayerRange(3, 1)
+    part = slice_model(tiny, LayerRange(0, 2), tmp_path / "part.gguf")
+    with pytest.raises(SliceError, match="already a slice"):
+        slice_model(part, LayerRange(0, 1), tmp_path / "x.gguf")
+    not_gguf = tmp_path / "junk.gguf"
+    not_gguf.write_bytes(b"not a model at all")
+    with pytest.raises(SliceError, match="not a readable GGUF"):
+        slice_model(not_gguf, LayerRange(0, 1), tmp_path / "x.gguf")
+    with pytest.raises(SliceError, match="does not exist"):
+        read_model_info(tmp_path / "missing.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma.gguf", "junk.gguf", "part.gguf"]
+
+
+def test_ensure_slice_writes_once_into_the_cache(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRIO_SHARD_CACHE", str(tmp_path / "cache"))
+    layers = LayerRange(1, 3)
+    path = ensure_slice(tiny, layers)
+    assert path == slice_cache_path(file_fingerprint(tiny), layers)
+    assert path.parent == tmp_path / "cache" / "slices"
+    assert file_fingerprint(tiny) in path.name and f"-v{SLICER_VERSION}" in path.name
+    stamp = path.stat().st_mtime_ns
+    assert ensure_slice(tiny, layers) == path
+    assert path.stat().st_mtime_ns == stamp  # reused, not rewritten
+    assert ensure_slice(tiny, LayerRange(1, 2)) != path  # keyed by the range too
+
+
+def test_progress_bar_on_request(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    slice_model(tiny, LayerRange(0, 1), tmp_path / "a.gguf")
+    assert "slicing" not in capsys.readouterr().err
+    slice_model(tiny, LayerRange(0, 1), tmp_path / "b.gguf", progress=True)
+    assert "slicing blocks 0:1" in capsys.readouterr().err
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
+@pytest.mark.slow
+def test_non_last_bench_slices_hold_no_lm_head_and_are_much_smaller(tmp_path: Path) -> None:
+    bench = ensure_model("bench")
+    whole = bench.stat().st_size
+    head = _tensors(bench)["output.weight"].n_bytes
+    first = slice_model(bench, LayerRange(0, 6), tmp_path / "first.gguf")
+    middle = slice_model(bench, LayerRange(4, 8), tmp_path / "middle.gguf")
+    for part in (first, middle):
+        assert "output.weight" not in _tensors(part)
+    # Half the blocks, the embeddings and no head: well under half of the whole file.
+    assert first.stat().st_size < (whole - head) / 2 + head / 4
+    # A third of the blocks and stand-ins only: about a quarter of the whole file.
+    assert middle.stat().st_size < whole * 0.3
+    print(f"bench sizes: whole {whole / 1e6:.1f} MB, first half {first.stat().st_size / 1e6:.1f} MB, "
+          f"middle third {middle.stat().st_size / 1e6:.1f} MB")
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+def test_slice_command(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "part.gguf"
+    done = subprocess.run([*CLI, "slice", "--model", str(tiny), "--layers", "1:3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(out)
+    assert read_model_info(out).layer_range == LayerRange(1, 3)
+    bad = subprocess.run([*CLI, "slice", "--model", str(tiny), "--layers", "3:9", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "outside the model's 4 blocks" in bad.stderr
+
+
+@pytest.mark.parametrize("text", ["3:3", "4:2", "1", "a:b", "-1:2", "1:2:3"])
+def test_bad_layer_ranges_are_usage_errors(text: str) -> None:
+    from shard.cli import build_parser
+
+    for argv in (["slice", "--model", "m", "--out", "o", "--layers", text], ["serve", "--layers", text]):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(argv)
+        assert exc.value.code == 2
+
+
+def test_serve_layers_slices_into_the_cache_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_cli import running_worker  # the README flow's worker harness
+
+    source = ensure_model("tiny")
+    monkeypatch.setenv("TRIO_SHARD_CACHE", str(tmp_path))  # inherited by the worker processes
+    expected = slice_cache_path(file_fingerprint(source), LayerRange(2, 4))
+    stamps = []
+    for _ in range(2):
+        with running_worker("--model", str(source), "--layers", "2:4") as (target, _proc):
+            caps = subprocess.run([*CLI, "caps", "--json", "--target", target],
+                                  capture_output=True, text=True, timeout=60)
+        assert caps.returncode == 0, caps.stderr
+        shown = json.loads(caps.stdout)
+        assert shown["layer_range"] == [2, 4] and shown["n_layers_total"] == 4
+        assert shown["model_fingerprint"] == file_fingerprint(source)
+        assert [f.name for f in (tmp_path / "slices").iterdir()] == [expected.name]
+        stamps.append(expected.stat().st_mtime_ns)
+    assert stamps[0] == stamps[1]  # the second worker reused the slice
