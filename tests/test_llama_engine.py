@@ -29,7 +29,6 @@ from shard.engine import (
     PrefillRequest,
     SamplingParams,
     SessionState,
-    UnsupportedFeature,
 )
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model

@@ -4,7 +4,6 @@ renumbered blocks, recorded origin, the non-block tensors each part keeps, refus
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -23,10 +23,18 @@ length before every evaluation (an emptied sequence would pass llama.cpp's check
 out of step with the session's ``n_past`` surfaces as ``EngineFailure`` instead of silently wrong
 logits.
 
+Layer ranges: a range is served from a file cut by ``shard.models.slice`` (blocks renumbered,
+LM head dropped on non-last parts; see docs/engine.md, "Layer ranges on llama.cpp"). Non-first
+shards feed hidden states through ``batch.embd``; non-last shards mark every position as an
+output and capture the last block's output (``l_out-{n-1}``) with the scheduler's ``cb_eval``
+callback, which then stops the graph so the output norm and LM head never run. Capabilities
+report the source model (fingerprint, block count, vocabulary size) read from the slice's
+metadata. A strict range of a whole file is refused: loading never writes files.
+
 Resource handling: the engine owns the model, context and batch from ``load`` until ``aclose``
 (one ``ExitStack``, freed explicitly and exactly once; nothing relies on ``__del__``). The ctypes
-abort callback is an attribute of the engine, and the log callback a module global, so neither
-can be collected while native code may call it.
+abort and eval callbacks are attributes of the engine, and the log callback a module global, so
+none can be collected while native code may call it.
 
 Threading: a llama context is not thread-safe. Every call that touches the context runs in
 ``trio.to_thread.run_sync`` under one ``CapacityLimiter(1)`` and is never abandoned (the base
