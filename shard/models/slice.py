@@ -35,8 +35,10 @@ place with ``os.replace``, so readers never see a partial slice.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import re
+import struct
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -97,12 +99,14 @@ class ModelInfo:
 
 
 def read_model_info(path: Path) -> ModelInfo:
-    """Read architecture, block count, width and slice metadata (header only, memory-mapped).
+    """Read architecture, block count, width and slice metadata from the GGUF header.
 
+    Fast on any model (the engine calls it on every load): only scalar keys are decoded, arrays
+    such as the vocabulary are skipped (``gguf.GGUFReader`` takes seconds on a 32k vocabulary).
     Raises SliceError when the file is not a readable GGUF or lacks the keys a model needs.
     """
-    reader = _open(Path(path))
-    return _info(reader, Path(path))
+    path = Path(path)
+    return _info(_read_scalars(path), path)
 
 
 def slice_model(source: Path, layers: LayerRange, out: Path, *, progress: bool = False) -> Path:
@@ -115,8 +119,7 @@ def slice_model(source: Path, layers: LayerRange, out: Path, *, progress: bool =
     source, out = Path(source), Path(out)
     if not isinstance(layers, LayerRange):
         raise SliceError(f"layers must be a LayerRange, got {type(layers).__name__}")
-    reader = _open(source)
-    info = _info(reader, source)
+    info = read_model_info(source)
     if info.is_slice:
         raise SliceError(f"{str(source)!r} is already a slice; slice the whole model instead")
     if info.architecture not in RANGE_ARCHITECTURES:
@@ -130,6 +133,7 @@ def slice_model(source: Path, layers: LayerRange, out: Path, *, progress: bool =
             f"{info.block_count} blocks"
         )
     sha = file_fingerprint(source)
+    reader = _open(source)  # every tensor and key, memory-mapped (seconds on a large vocabulary)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
@@ -183,32 +187,93 @@ def _scalar(reader: gguf.GGUFReader, key: str) -> Any:
     return None if field is None else field.contents()
 
 
-def _int_key(reader: gguf.GGUFReader, key: str, path: Path) -> int:
-    value = _scalar(reader, key)
+# GGUF value types (gguf.GGUFValueType) -> struct format of one scalar, little-endian.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                   10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _read_scalars(path: Path) -> dict[str, Any]:
+    """Every scalar key of a little-endian GGUF v2/v3 header (arrays are skipped, not decoded)."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _parse_scalars(buf)
+    except FileNotFoundError:
+        raise SliceError(f"model file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise SliceError(f"model path {str(path)!r} is a directory") from None
+    except (ValueError, OSError, struct.error, UnicodeDecodeError) as exc:  # empty file, truncation
+        raise SliceError(f"{str(path)!r} is not a readable GGUF file ({exc})") from None
+
+
+def _parse_scalars(buf: mmap.mmap) -> dict[str, Any]:
+    if buf[:4] != b"GGUF":
+        raise ValueError("no GGUF magic")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (only little-endian v2 and v3 are read)")
+    (n_kv,) = struct.unpack_from("<Q", buf, 16)
+    pos = 24
+    out: dict[str, Any] = {}
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, at)
+        if at + 8 + n > len(buf):
+            raise ValueError("truncated string")
+        return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8"), at + 8 + n
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        pos += 4
+        if vtype == _STRING:
+            out[key], pos = string(pos)
+        elif vtype in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[vtype]
+            (out[key],) = struct.unpack_from(fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+        elif vtype == _ARRAY:
+            sub, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if sub == _STRING:
+                for _ in range(count):
+                    (n,) = struct.unpack_from("<Q", buf, pos)
+                    pos += 8 + n
+            elif sub in _SCALAR_FORMATS:
+                pos += count * struct.calcsize(_SCALAR_FORMATS[sub])
+            else:
+                raise ValueError(f"unsupported array element type {sub} in {key!r}")
+        else:
+            raise ValueError(f"unknown value type {vtype} for {key!r}")
+    return out
+
+
+def _int_key(meta: dict[str, Any], key: str, path: Path) -> int:
+    value = meta.get(key)
     if not isinstance(value, int) or isinstance(value, bool):
         raise SliceError(f"{str(path)!r} has no integer {key!r}")
     return value
 
 
-def _info(reader: gguf.GGUFReader, path: Path) -> ModelInfo:
-    arch = _scalar(reader, gguf.Keys.General.ARCHITECTURE)
+def _info(meta: dict[str, Any], path: Path) -> ModelInfo:
+    arch = meta.get(gguf.Keys.General.ARCHITECTURE)
     if not isinstance(arch, str):
         raise SliceError(f"{str(path)!r} does not name its architecture")
-    block_count = _int_key(reader, gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch), path)
-    n_embd = _int_key(reader, gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), path)
-    if reader.get_field(KEY_RANGE_START) is None:
+    block_count = _int_key(meta, gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch), path)
+    n_embd = _int_key(meta, gguf.Keys.LLM.EMBEDDING_LENGTH.format(arch=arch), path)
+    if KEY_RANGE_START not in meta:
         return ModelInfo(path, arch, block_count, n_embd)
-    start = _int_key(reader, KEY_RANGE_START, path)
-    end = _int_key(reader, KEY_RANGE_END, path)
-    total = _int_key(reader, KEY_SOURCE_BLOCK_COUNT, path)
-    sha = _scalar(reader, KEY_SOURCE_SHA256)
+    start = _int_key(meta, KEY_RANGE_START, path)
+    end = _int_key(meta, KEY_RANGE_END, path)
+    total = _int_key(meta, KEY_SOURCE_BLOCK_COUNT, path)
+    sha = meta.get(KEY_SOURCE_SHA256)
     if not (0 <= start < end <= total) or end - start != block_count or not isinstance(sha, str):
         raise SliceError(f"{str(path)!r} has inconsistent trio_shard slice metadata")
     return ModelInfo(
         path, arch, block_count, n_embd,
         source_sha256=sha,
         source_block_count=total,
-        source_n_vocab=_int_key(reader, KEY_SOURCE_N_VOCAB, path),
+        source_n_vocab=_int_key(meta, KEY_SOURCE_N_VOCAB, path),
         layer_range=LayerRange(start, end),
     )
 
