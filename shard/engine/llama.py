@@ -179,7 +179,9 @@ def _ggml() -> _GgmlApi:
             lib.ggml_get_name.restype = ctypes.c_char_p
             lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
             lib.ggml_nbytes.restype = ctypes.c_size_t
-            lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+            lib.ggml_backend_tensor_get.argtypes = [
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+            ]
             lib.ggml_backend_tensor_get.restype = None
             _ggml_api = _GgmlApi(lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get)
         return _ggml_api
@@ -326,9 +328,8 @@ class LlamaCppEngine(ShardEngine):
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
         if (plan.tokens is not None) != self._first:  # the base class checks this per request
-            raise EngineFailure(
-                f"this shard takes {'token ids, not hidden states' if self._first else 'hidden states, not token ids'}"
-            )
+            wanted = "token ids, not hidden states" if self._first else "hidden states, not token ids"
+            raise EngineFailure(f"this shard takes {wanted}")
         try:
             return await trio.to_thread.run_sync(self._compute_sync, slot, plan, limiter=self._limiter)
         except _AbortedInStep:
@@ -399,7 +400,8 @@ class LlamaCppEngine(ShardEngine):
         n_layers_total = 0 if info is None else info.source_block_count or info.block_count
         first = served is None or served.start == 0
         last = served is None or served.end == n_layers_total
-        fingerprint = file_fingerprint(path) if info is None or info.source_sha256 is None else info.source_sha256
+        # Every shard of one model reports the source file's fingerprint.
+        fingerprint = info.source_sha256 if info is not None and info.source_sha256 else file_fingerprint(path)
         ggml_api = None if last else _ggml()
         _ensure_native_init()
         _recent_native_errors.clear()
@@ -416,7 +418,9 @@ class LlamaCppEngine(ShardEngine):
             if served is None:
                 served, n_layers_total = LayerRange(0, n_layer), n_layer
             elif n_layer != served.count:
-                raise InvalidInput(f"llama.cpp sees {n_layer} blocks in {str(path)!r}, its metadata {served.count}")
+                raise InvalidInput(
+                    f"llama.cpp sees {n_layer} blocks in {str(path)!r}, its metadata {served.count}"
+                )
             vocab = lc.llama_model_get_vocab(model)
             if not vocab:
                 raise InvalidInput(f"model {str(path)!r} has no vocabulary")
@@ -472,7 +476,8 @@ class LlamaCppEngine(ShardEngine):
             if first:
                 self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
             else:
-                self._batch_embd = np.ctypeslib.as_array(batch.embd, shape=(n_batch * n_embd,)).reshape(n_batch, n_embd)
+                embd = np.ctypeslib.as_array(batch.embd, shape=(n_batch * n_embd,))
+                self._batch_embd = embd.reshape(n_batch, n_embd)
             self._batch_pos = np.ctypeslib.as_array(batch.pos, shape=(n_batch,))
             self._batch_nseq = np.ctypeslib.as_array(batch.n_seq_id, shape=(n_batch,))
             self._batch_out = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
@@ -651,7 +656,9 @@ class LlamaCppEngine(ShardEngine):
                 or nbytes % row
                 or capture.rows + rows > capture.dest.shape[0]
             ):
-                capture.error = f"unexpected boundary tensor ({nbytes} bytes for rows of {self._n_embd} float32)"
+                capture.error = (
+                    f"unexpected boundary tensor ({nbytes} bytes for rows of {self._n_embd} float32)"
+                )
                 return False
             api.tensor_get(tensor, capture.dest.ctypes.data + capture.rows * row, 0, nbytes)
             capture.rows += rows
