@@ -232,3 +232,17 @@ def test_serve_layers_slices_into_the_cache_once(tmp_path: Path, monkeypatch: py
         assert [f.name for f in (tmp_path / "slices").iterdir()] == [expected.name]
         stamps.append(expected.stat().st_mtime_ns)
     assert stamps[0] == stamps[1]  # the second worker reused the slice
+
+
+@pytest.mark.parametrize(
+    ("n_embd", "qtype"),
+    [(1024, gguf.GGMLQuantizationType.IQ1_S), (64, gguf.GGMLQuantizationType.Q4_0),
+     (48, gguf.GGMLQuantizationType.F16)],
+)
+def test_stand_ins_use_the_smallest_type_the_width_allows(n_embd: int, qtype: gguf.GGMLQuantizationType) -> None:
+    from shard.models.slice import _stand_in
+
+    data, got = _stand_in(3, n_embd)
+    assert got == qtype and not data.any()
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    assert data.nbytes == 3 * n_embd // block * type_size

@@ -13,9 +13,10 @@ Non-block tensors are chosen so that a non-last shard never stores or computes t
 * middle shards: a stub vocabulary of ``STUB_VOCAB_SIZE`` dummy tokens (tokenizer model
   ``none``), so ``token_embd`` and the tied head are a few bytes; they take hidden states in;
 * last shard (``B == block_count``): ``output_norm``, ``output.weight`` and the full vocabulary
-  (token pieces, end-of-generation ids); its ``token_embd`` is never read (hidden states come
-  in), so it is an all-zero stand-in of the right shape in a 4.5-bit type that the kernel's
-  page cache never loads (mmap);
+  (token pieces, end-of-generation ids); its ``token_embd`` is never used (hidden states come
+  in), so it is an all-zero stand-in of the right shape in the smallest type the width allows
+  (IQ1_S, 1.56 bits per weight: 6.4 MB instead of 35 MB on the bench model; llama.cpp still
+  maps it in at load);
 * ``output_norm`` and every other non-block tensor (e.g. ``rope_freqs``) are copied everywhere:
   llama.cpp requires them and they are small.
 
@@ -54,7 +55,7 @@ from .fingerprint import file_fingerprint
 from .write import cache_dir
 
 #: Bump when the slicer's output changes; it is part of the cached slice's file name.
-SLICER_VERSION = 1
+SLICER_VERSION = 2
 #: Architectures whose slices are covered by an equivalence test.
 RANGE_ARCHITECTURES: tuple[str, ...] = ("llama",)
 #: Dummy tokens in a middle shard's stub vocabulary (token_embd and the tied head: 1 row each).
@@ -291,12 +292,20 @@ def _n_vocab(reader: gguf.GGUFReader, arch: str) -> int:
     return int(embd.shape[-1])  # GGUF shapes are innermost first: [n_embd, n_vocab]
 
 
+#: Stand-in types, smallest first (bits per weight: 1.56, 4.5); F16 when no block size fits.
+_STAND_IN_TYPES = (gguf.GGMLQuantizationType.IQ1_S, gguf.GGMLQuantizationType.Q4_0)
+
+
 def _stand_in(rows: int, n_embd: int) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """All-zero ``[rows, n_embd]`` in the smallest type the row width allows (never read)."""
-    qtype = gguf.GGMLQuantizationType.Q4_0
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if n_embd % block == 0:
-        return np.zeros((rows, n_embd // block * type_size), dtype=np.uint8), qtype
+    """All-zero ``[rows, n_embd]`` in the smallest type the row width allows.
+
+    Never computed with, but llama.cpp maps model files with MAP_POPULATE, so its bytes are
+    read into the page cache at load: size matters, not just shape.
+    """
+    for qtype in _STAND_IN_TYPES:
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if n_embd % block == 0:
+            return np.zeros((rows, n_embd // block * type_size), dtype=np.uint8), qtype
     return np.zeros((rows, n_embd), dtype=np.float16), gguf.GGMLQuantizationType.F16
 
 
