@@ -14,18 +14,23 @@ step. The capture's own cost is estimated against a compute model: weights read 
 proportional to the tensors' bytes (decode on CPU is memory-bound), so the first shard "should"
 take ``bytes(blocks < cut) / bytes(all blocks + head)`` of a whole step; the measured excess
 over that share is what capture costs (callbacks, copying one row, the skipped graph tail).
-The callback count per step is counted in a separate, untimed step. Timing lives here, never
-in tests.
+The callback count per step is counted in a separate, untimed step. ``--busy`` repeats the
+measurement while another Python thread spins: every callback needs the GIL, so this shows what
+a busy event loop in the same process costs a non-last shard. Timing lives here, never in tests.
 
-    python -m bench.bench_boundary [--preset bench|tiny] [--cut 6] [--steps 64] [--rounds 3] [--threads 1]
+    python -m bench.bench_boundary [--preset bench|tiny] [--cut 6] [--steps 64] [--rounds 3]
+        [--threads 1] [--busy]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -93,7 +98,29 @@ async def count_callbacks(engine: LlamaCppEngine) -> int:
         engine._ggml_api = api
 
 
-async def run(model: Path, n_layer: int, cut: int, steps: int, rounds: int, threads: int) -> None:
+@contextlib.contextmanager
+def busy_python_thread(enabled: bool) -> Iterator[None]:
+    """A thread that keeps the GIL busy with pure-Python work while the block runs."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x = (x + 1) % 1_000_003
+
+    thread = threading.Thread(target=spin, daemon=True) if enabled else None
+    if thread is not None:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join()
+
+
+async def run(model: Path, n_layer: int, cut: int, steps: int, rounds: int, threads: int,
+              busy: bool) -> None:
     first_path = await trio.to_thread.run_sync(ensure_slice, model, LayerRange(0, cut))
     last_path = await trio.to_thread.run_sync(ensure_slice, model, LayerRange(cut, n_layer))
 
@@ -108,11 +135,14 @@ async def run(model: Path, n_layer: int, cut: int, steps: int, rounds: int, thre
         hidden = rng.standard_normal((41, caps.n_embd)).astype(np.float32)
         asked = await count_callbacks(first)
         print(f"first shard [0, {cut}): the eval callback is asked about {asked} nodes per decode step")
+        if busy:
+            print("another Python thread spins during every measurement (--busy)")
         t_whole, t_first, t_last = [], [], []
         for round_no in range(1, rounds + 1):
-            t_whole.append(await _time_steps(whole, steps, hidden=None))
-            t_first.append(await _time_steps(first, steps, hidden=None))
-            t_last.append(await _time_steps(last, steps, hidden=hidden))
+            with busy_python_thread(busy):
+                t_whole.append(await _time_steps(whole, steps, hidden=None))
+                t_first.append(await _time_steps(first, steps, hidden=None))
+                t_last.append(await _time_steps(last, steps, hidden=hidden))
             print(f"round {round_no}: whole {t_whole[-1] * 1e3:7.2f} ms | first [0, {cut}) "
                   f"{t_first[-1] * 1e3:7.2f} ms | last [{cut}, {n_layer}) {t_last[-1] * 1e3:7.2f} ms per step")
     w, f, la = statistics.median(t_whole), statistics.median(t_first), statistics.median(t_last)
@@ -133,6 +163,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
     parser.add_argument("--threads", type=int, default=1,
                         help="llama.cpp threads (default: 1, steadiest on a shared machine)")
+    parser.add_argument("--busy", action="store_true",
+                        help="measure while another Python thread spins (GIL contention)")
     args = parser.parse_args()
 
     model = ensure_model(args.preset, progress=True)
@@ -142,7 +174,7 @@ def main() -> None:
     for key, value in environment(args.threads).items():
         print(f"  {key}: {value}")
     print(f"model: {model.name} ({model.stat().st_size / 1e6:.0f} MB), steps/measurement: {args.steps}")
-    trio.run(run, model, n_layer, cut, args.steps, args.rounds, args.threads)
+    trio.run(run, model, n_layer, cut, args.steps, args.rounds, args.threads, args.busy)
 
 
 if __name__ == "__main__":
