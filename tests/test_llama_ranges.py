@@ -98,7 +98,9 @@ async def chain_decode(chain: Sequence[LlamaCppEngine], sid: str, token: int) ->
     return step
 
 
-@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 3, 4)], ids=["2-way", "3-way"])
+@pytest.mark.parametrize(
+    "cuts", [(0, 2, 4), (0, 3, 4), (0, 1, 3, 4), (0, 1, 2, 3, 4)], ids=["2-way", "2-way-late", "3-way", "4-way"]
+)
 async def test_a_chain_of_shards_equals_the_whole_model(tiny: Path, cuts: tuple[int, ...]) -> None:
     async with (
         open_chain(tiny, cuts, n_batch=8) as chain,
@@ -134,6 +136,33 @@ async def test_a_chain_of_shards_equals_the_whole_model(tiny: Path, cuts: tuple[
         for engine in (*chain, whole):
             assert await engine.release("s")
             assert engine.metrics().kv_cells_used == 0
+
+
+async def test_prefix_reuse_through_a_chain(tiny: Path) -> None:
+    """The first shard reuses what it holds; later shards recompute from its start_position."""
+    async with open_chain(tiny, (0, 1, 3, 4)) as chain, LlamaCppEngine() as whole:
+        await whole.load(_spec(tiny))
+        last_out, whole_out = spy_outputs(chain[-1]), spy_outputs(whole)
+        tokens = whole.tokenize(PROMPT)
+        for engine in (*chain, whole):
+            await engine.open_session("s")
+        await chain_prefill(chain, "s", tokens[:12], 0)
+        await whole.prefill(PrefillRequest("s", tokens=tokens[:12]))
+        # Resend the whole prompt from 0, with a different tail: 12 tokens are reused.
+        edited = (*tokens[:12], 700, 701, 702)
+        first_step = await chain[0].prefill(PrefillRequest("s", tokens=edited))
+        assert first_step.reused_tokens == 12 and first_step.boundary is not None
+        assert first_step.boundary.start_position == 12
+        step = first_step
+        for engine in chain[1:]:
+            step = await engine.prefill(PrefillRequest(
+                "s", hidden_states=step.boundary.hidden_states, position=step.boundary.start_position))
+        direct = await whole.prefill(PrefillRequest("s", tokens=edited))
+        assert direct.reused_tokens == 12
+        assert step.logits is not None and direct.logits is not None
+        assert step.logits.token_id == direct.logits.token_id
+        assert float(np.max(np.abs(last_out[-1] - whole_out[-1]))) <= LOGITS_ATOL
+        assert [e.session_info("s").n_past for e in (*chain, whole)] == [15] * 4
 
 
 async def test_boundary_capture_stops_the_graph_before_the_lm_head(tiny: Path) -> None:

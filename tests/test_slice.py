@@ -108,6 +108,21 @@ def test_each_part_keeps_only_the_tensors_it_needs(tiny: Path, tmp_path: Path) -
     assert middle.stat().st_size < first.stat().st_size and middle.stat().st_size < last.stat().st_size
 
 
+def test_every_range_of_the_tiny_model_has_the_expected_tensor_set(tiny: Path, tmp_path: Path) -> None:
+    src = _tensors(tiny)
+    per_block = sorted(n.split(".", 2)[2] for n in src if n.startswith("blk.0."))
+    for a in range(4):
+        for b in range(a + 1, 5):
+            out = slice_model(tiny, LayerRange(a, b), tmp_path / f"{a}-{b}.gguf")
+            expected = {f"blk.{i}.{rest}" for i in range(b - a) for rest in per_block}
+            expected |= {"token_embd.weight", "output_norm.weight"}
+            if b == 4:
+                expected.add("output.weight")
+            assert set(_tensors(out)) == expected, (a, b)
+            assert _field(out, "tokenizer.ggml.model") == ("llama" if a == 0 or b == 4 else "none")
+            assert read_model_info(out).layer_range == LayerRange(a, b)
+
+
 def _header_only_model(path: Path, arch: str, block_count: int = 4) -> Path:
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(block_count)
