@@ -188,20 +188,19 @@ def test_progress_bar_on_request(tiny: Path, tmp_path: Path, capsys: pytest.Capt
 
 
 @pytest.mark.slow
-def test_a_first_bench_slice_holds_no_lm_head_and_is_much_smaller(tmp_path: Path) -> None:
+def test_a_non_last_bench_slice_holds_no_lm_head_and_is_much_smaller(tmp_path: Path) -> None:
     bench = ensure_model("bench")
-    src = _tensors(bench)  # (gguf.GGUFReader takes seconds on this vocabulary: read it once)
     whole = bench.stat().st_size
-    header = whole - sum(t.n_bytes for t in src.values())  # metadata, vocabulary, padding
-    first = slice_model(bench, LayerRange(0, 2), tmp_path / "first.gguf")
-    assert read_model_info(first).layer_range == LayerRange(0, 2)
-    # Its 2 blocks, the embeddings and the norm; not the head (35 MB), not the other 10 blocks.
-    kept = src["token_embd.weight"].n_bytes + src["output_norm.weight"].n_bytes + sum(
-        t.n_bytes for n, t in src.items() if n.startswith("blk.") and int(n.split(".")[1]) < 2)
-    assert src["output.weight"].n_bytes > 30e6
-    assert kept <= first.stat().st_size <= kept + header + 1_000_000
-    assert first.stat().st_size < 0.3 * whole
-    print(f"bench: whole {whole / 1e6:.1f} MB, first [0, 2) {first.stat().st_size / 1e6:.1f} MB")
+    middle = slice_model(bench, LayerRange(4, 6), tmp_path / "middle.gguf")
+    part = _tensors(middle)  # (a stub vocabulary: quick to read, unlike the 32k-token source)
+    assert "output.weight" not in part
+    assert list(part["token_embd.weight"].shape) == [1024, STUB_VOCAB_SIZE]
+    blocks = sum(t.n_bytes for n, t in part.items() if n.startswith("blk."))
+    assert blocks > 20e6  # 2 of 12 Q8_0 blocks
+    # Two blocks and a few KB of stand-ins: no head (35 MB), no embeddings (35 MB).
+    assert middle.stat().st_size < blocks + 1_000_000
+    assert middle.stat().st_size < 0.15 * whole
+    print(f"bench: whole {whole / 1e6:.1f} MB, middle [4, 6) {middle.stat().st_size / 1e6:.1f} MB")
 
 
 # ---- the command line ------------------------------------------------------------------------
