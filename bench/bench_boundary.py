@@ -3,14 +3,14 @@
 A non-last llama shard captures its output through ggml's eval callback, a Python function
 that ggml asks about every graph node until the last block's output (``l_out-{n-1}``), then
 stops the graph, so the output norm and LM head never run. This bench measures, in one process
-on the same machine and thread count, the mean time of one decode step of
+on the same machine and thread count, the time of one decode step of
 
 * the whole model (every block + output norm + LM head),
 * the first shard ``[0, cut)`` (its blocks + capture, no head),
 * the last shard ``[cut, n)`` (hidden state in, its blocks + head, no capture),
 
-in alternating rounds so drift affects all alike, and prints the ratios to the whole-model
-step. The capture's own cost is estimated against a compute model: weights read per step are
+in alternating rounds so drift affects all alike (median step of each measurement, median over
+rounds), and prints the ratios to the whole-model step. The capture's own cost is estimated against a compute model: weights read per step are
 proportional to the tensors' bytes (decode on CPU is memory-bound), so the first shard "should"
 take ``bytes(blocks < cut) / bytes(all blocks + head)`` of a whole step; the measured excess
 over that share is what capture costs (callbacks, copying one row, the skipped graph tail).
@@ -57,7 +57,10 @@ def weight_share(model: Path, cut: int) -> float:
 
 
 async def _time_steps(engine: LlamaCppEngine, steps: int, *, hidden: np.ndarray | None) -> float:
-    """Mean seconds per decode step after a short prefill (token 42 or one hidden row)."""
+    """Median seconds of one decode step after a short prefill (token 42 or one hidden row).
+
+    The median, not the mean: on a shared machine single steps are delayed by other processes,
+    and those outliers would swamp a difference of a few percent."""
     await engine.open_session("b")
     try:
         if hidden is None:
@@ -67,10 +70,12 @@ async def _time_steps(engine: LlamaCppEngine, steps: int, *, hidden: np.ndarray 
             await engine.prefill(PrefillRequest("b", hidden_states=hidden[:40]))
             request = DecodeRequest("b", hidden_state=hidden[40:41], top_k_logprobs=0)
         await engine.decode(request)  # warm-up
-        start = time.perf_counter()
+        times = []
         for _ in range(steps):
+            start = time.perf_counter()
             await engine.decode(request)
-        return (time.perf_counter() - start) / steps
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
     finally:
         await engine.release("b")
 
