@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shard.engine import InvalidInput, LayerRange
 from shard.models import (
@@ -260,3 +263,75 @@ def test_stand_ins_use_the_smallest_type_the_width_allows(n_embd: int, qtype: gg
     assert got == qtype and not data.any()
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     assert data.nbytes == 3 * n_embd // block * type_size
+
+
+# ---- the header reader (read_model_info) -------------------------------------------------------
+
+_VALUES = st.one_of(
+    st.integers(0, 2**32 - 1).map(lambda v: (v, gguf.GGUFValueType.UINT32)),
+    st.integers(-(2**63), 2**63 - 1).map(lambda v: (v, gguf.GGUFValueType.INT64)),
+    st.integers(-128, 127).map(lambda v: (v, gguf.GGUFValueType.INT8)),
+    st.booleans().map(lambda v: (v, gguf.GGUFValueType.BOOL)),
+    st.floats(width=32, allow_nan=False).map(lambda v: (v, gguf.GGUFValueType.FLOAT32)),
+    st.floats(allow_nan=False).map(lambda v: (v, gguf.GGUFValueType.FLOAT64)),
+    st.text(max_size=20).map(lambda v: (v, gguf.GGUFValueType.STRING)),
+    st.lists(st.text(max_size=8), min_size=1, max_size=30).map(lambda v: (v, gguf.GGUFValueType.ARRAY)),
+    st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=30).map(
+        lambda v: (v, gguf.GGUFValueType.ARRAY)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(items=st.dictionaries(st.text(st.characters(codec="utf-8"), min_size=1, max_size=12).map(
+    lambda k: f"x.{k}"), _VALUES, max_size=8), cut=st.integers(0, 400))
+def test_header_reader_agrees_with_gguf_reader(items: dict[str, tuple[object, gguf.GGUFValueType]],
+                                              cut: int) -> None:
+    from shard.models.slice import _read_scalars
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.gguf"
+        writer = gguf.GGUFWriter(path, "llama")
+        try:
+            writer.add_block_count(3)
+            writer.add_embedding_length(8)
+            for key, (value, vtype) in items.items():
+                writer.add_key_value(key, value, vtype)
+            writer.add_tensor("token_embd.weight", np.zeros((2, 8), dtype=np.float32))
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+        expected = {f.name: f.contents() for f in gguf.GGUFReader(path).fields.values()
+                    if not f.name.startswith("GGUF.") and f.types[0] != gguf.GGUFValueType.ARRAY}
+        got = _read_scalars(path)
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert got[key] == value or (isinstance(value, float) and np.float32(got[key]) == np.float32(value))
+        info = read_model_info(path)
+        assert (info.architecture, info.block_count, info.n_embd, info.is_slice) == ("llama", 3, 8, False)
+        # Cut anywhere inside the metadata: a clean SliceError, never a crash or a wrong answer.
+        data = path.read_bytes()
+        kv_end = data.index(b"token_embd.weight") - 8  # the first tensor info's name length
+        path.write_bytes(data[: min(cut, kv_end - 1)])
+        with pytest.raises(SliceError):
+            _read_scalars(path)
+
+
+def test_inconsistent_slice_metadata_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_embedding_length(8)
+    writer.add_uint32("trio_shard.layer_range.start", 1)
+    writer.add_uint32("trio_shard.layer_range.end", 4)  # 3 blocks, but the file says 2
+    writer.add_uint32("trio_shard.source.block_count", 4)
+    writer.add_uint32("trio_shard.source.n_vocab", 10)
+    writer.add_string("trio_shard.source.sha256", "0" * 64)
+    writer.add_tensor("token_embd.weight", np.zeros((2, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(SliceError, match="inconsistent"):
+        read_model_info(path)

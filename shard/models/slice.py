@@ -244,6 +244,8 @@ def _parse_scalars(buf: mmap.mmap) -> dict[str, Any]:
                 pos += count * struct.calcsize(_SCALAR_FORMATS[sub])
             else:
                 raise ValueError(f"unsupported array element type {sub} in {key!r}")
+            if pos > len(buf):
+                raise ValueError(f"truncated array {key!r}")
         else:
             raise ValueError(f"unknown value type {vtype} for {key!r}")
     return out
