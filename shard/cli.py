@@ -1,7 +1,8 @@
 """``trio-shard`` command line: argument parsing and wiring only, no logic of its own.
 
 Commands: ``serve`` (run a worker), ``generate``, ``caps``, ``health`` and ``metrics`` (talk to
-a worker), and ``make-model`` (write a small GGUF file locally).
+a worker), ``make-model`` (write a small GGUF file locally) and ``slice`` (cut a model into a
+layer-range shard file).
 
 Configuration: every ``serve`` option (and the global ``--log-level``) can also come from an
 environment variable, ``TRIO_SHARD_`` + the long option name in upper case with ``_`` for
@@ -63,6 +64,16 @@ def _target(text: str) -> str:
     if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return text
+
+
+def _layer_range(text: str) -> tuple[int, int]:
+    """A:B, the half-open block range [A, B) (0-based), with A < B."""
+    start, sep, end = text.partition(":")
+    if not sep or not start.isdigit() or not end.isdigit():
+        raise argparse.ArgumentTypeError(f"expected A:B (blocks A..B-1), got {text!r}")
+    if int(start) >= int(end):
+        raise argparse.ArgumentTypeError(f"empty layer range {text!r}: A must be smaller than B")
+    return int(start), int(end)
 
 
 def _non_negative_float(text: str) -> float:
@@ -160,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model, serves the embedded tiny model (written locally on first use, no download).",
     )
     serve.add_argument("--model", type=Path, help="GGUF file (default: the embedded tiny model)")
+    serve.add_argument("--layers", type=_layer_range, metavar="A:B",
+                       help="serve only blocks A..B-1 of the model: a whole model is sliced into "
+                       "the model cache on first use and the slice reused afterwards (default: "
+                       "the whole model, or the range a sliced --model holds)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=DEFAULT_PORT,
                        help=f"port to bind, 0 picks a free one (default: {DEFAULT_PORT})")
@@ -255,6 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--preset", default="tiny", help="tiny (default) or bench (214 MB, Q8_0)")
     mk.add_argument("--out", type=Path, required=True, help="output file")
 
+    sl = sub.add_parser(
+        "slice", help="cut a GGUF model into a layer-range shard file",
+        description="Write blocks A..B-1 of a llama GGUF model to a GGUF that llama.cpp loads "
+        "as a shard: blocks renumbered from 0, only the other tensors that part needs (the first "
+        "part keeps the token embeddings, the last the output norm and LM head, middle parts get "
+        "tiny stand-ins), the source fingerprint and range recorded in its metadata.",
+    )
+    sl.add_argument("--model", type=Path, required=True, help="whole GGUF model to slice")
+    sl.add_argument("--layers", type=_layer_range, required=True, metavar="A:B",
+                    help="blocks A..B-1 (0-based, half-open)")
+    sl.add_argument("--out", type=Path, required=True, help="output file (written atomically)")
+
     # Last, so that options other modules add to ``serve`` above are covered too.
     for env_parser in (parser, serve):
         env_parser.from_env = True
@@ -326,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "health": _cmd_health,
         "metrics": _cmd_metrics,
         "make-model": _cmd_make_model,
+        "slice": _cmd_slice,
     }[args.command]
     if args.command == "serve" and args.print_config:
         return _print_config(parser, args)
@@ -353,12 +381,25 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_slice(args: argparse.Namespace) -> int:
+    from shard.engine import LayerRange
+    from shard.models import SliceError, slice_model
+
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer's INFO lines are noise here
+    try:
+        path = slice_model(args.model, LayerRange(*args.layers), args.out, progress=sys.stderr.isatty())
+    except SliceError as exc:
+        return _fail(str(exc), 2)
+    print(path)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from shard.engine import EngineError, LoadSpec
+    from shard.engine import EngineError, LayerRange, LoadSpec
     from shard.engine.llama import LlamaCppEngine
-    from shard.models import ensure_model
+    from shard.models import SliceError, ensure_model, ensure_slice, read_model_info
     from shard.rpc.errors import unwrap_single_exception
     from shard.rpc.server import serve
 
@@ -388,8 +429,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                  args.auth_token_file)
 
     model = args.model if args.model is not None else ensure_model("tiny")
+    layers = LayerRange(*args.layers) if args.layers is not None else None
+    if layers is not None:
+        logging.getLogger("gguf").setLevel(logging.WARNING)
+        try:  # a sliced --model is served as is (the engine checks that its range matches)
+            if not read_model_info(model).is_slice:
+                model = ensure_slice(model, layers, progress=sys.stderr.isatty())
+        except SliceError as exc:
+            return _fail(str(exc), 2)
     spec = LoadSpec(
         model_path=model,
+        layer_range=layers,
         n_ctx=args.ctx,
         n_threads=args.threads,
         max_sessions=args.max_sessions,

@@ -29,7 +29,6 @@ from shard.engine import (
     PrefillRequest,
     SamplingParams,
     SessionState,
-    UnsupportedFeature,
 )
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model
@@ -316,8 +315,8 @@ async def test_abort_callback_armed_for_multi_token_steps_only(tiny_path: Path) 
 
 
 async def test_hidden_state_plan_is_an_engine_failure(engine: LlamaCppEngine) -> None:
-    """Unreachable through the public API (a whole-model shard is a first shard): the hook still
-    refuses hidden states rather than misinterpreting them."""
+    """Unreachable through the public API (the base class checks the input kind; a whole-model
+    shard is a first shard): the hook still refuses hidden states rather than misreading them."""
     from shard.engine import EngineFailure
     from shard.engine.base import ComputePlan
 
@@ -511,10 +510,12 @@ async def test_truncated_gguf_fails_cleanly(tmp_path: Path, tiny_path: Path, kee
         assert eng.health().state is EngineState.FAILED
 
 
-async def test_layer_range_subset_unsupported(tiny_path: Path) -> None:
+async def test_layer_range_of_a_whole_model_file_says_slice_first(tiny_path: Path) -> None:
+    # Loading never writes files: a strict range of an unsliced model is refused with a hint.
     async with LlamaCppEngine() as eng:
-        with pytest.raises(UnsupportedFeature, match="whole models only"):
+        with pytest.raises(InvalidInput, match=r"slice it first .*--layers 0:2"):
             await eng.load(LoadSpec(model_path=tiny_path, layer_range=LayerRange(0, 2)))
+        assert eng.health().state is EngineState.FAILED
     async with LlamaCppEngine() as eng:
         caps = await eng.load(LoadSpec(model_path=tiny_path, layer_range=LayerRange(0, 4), n_ctx=256))
         assert caps.layer_range == LayerRange(0, 4)

@@ -23,10 +23,18 @@ length before every evaluation (an emptied sequence would pass llama.cpp's check
 out of step with the session's ``n_past`` surfaces as ``EngineFailure`` instead of silently wrong
 logits.
 
+Layer ranges: a range is served from a file cut by ``shard.models.slice`` (blocks renumbered,
+LM head dropped on non-last parts; see docs/engine.md, "Layer ranges on llama.cpp"). Non-first
+shards feed hidden states through ``batch.embd``; non-last shards mark every position as an
+output and capture the last block's output (``l_out-{n-1}``) with the scheduler's ``cb_eval``
+callback, which then stops the graph so the output norm and LM head never run. Capabilities
+report the source model (fingerprint, block count, vocabulary size) read from the slice's
+metadata. A strict range of a whole file is refused: loading never writes files.
+
 Resource handling: the engine owns the model, context and batch from ``load`` until ``aclose``
 (one ``ExitStack``, freed explicitly and exactly once; nothing relies on ``__del__``). The ctypes
-abort callback is an attribute of the engine, and the log callback a module global, so neither
-can be collected while native code may call it.
+abort and eval callbacks are attributes of the engine, and the log callback a module global, so
+none can be collected while native code may call it.
 
 Threading: a llama context is not thread-safe. Every call that touches the context runs in
 ``trio.to_thread.run_sync`` under one ``CapacityLimiter(1)`` and is never abandoned (the base
@@ -52,10 +60,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import hashlib
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +73,14 @@ import numpy as np
 import trio
 
 from shard.llama_build import installed_build
+from shard.models.fingerprint import file_fingerprint
+from shard.models.slice import RANGE_ARCHITECTURES, ModelInfo, SliceError, read_model_info
 
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot
 from .errors import (
     EngineCancelled,
     EngineFailure,
+    IllegalTransition,
     InvalidInput,
     KvCacheFull,
     UnsupportedFeature,
@@ -138,29 +149,55 @@ def _native_reason() -> str:
     return f" (llama.cpp: {_recent_native_errors[0]})" if _recent_native_errors else ""
 
 
-# ---- model fingerprint ---------------------------------------------------------------------------
+# ---- ggml tensor access (boundary capture) -----------------------------------------------------
+# llama-cpp-python binds llama.h only. The three ggml calls the capture callback needs live in
+# libggml-base, next to libllama in llama_cpp's lib/ directory (libllama already loaded it, so
+# CDLL returns the same handle).
 
-_fingerprints: dict[tuple[int, int, int, int], str] = {}
-_fingerprint_lock = threading.Lock()
+_GGML_TYPE_F32 = 0  # enum ggml_type; ``type`` is the first member of struct ggml_tensor
 
 
-def file_fingerprint(path: Path) -> str:
-    """SHA-256 of the file's bytes (hex), cached by (device, inode, size, mtime).
+@dataclass(frozen=True)
+class _GgmlApi:
+    get_name: Any  # const char * ggml_get_name(const struct ggml_tensor *)
+    nbytes: Any  # size_t ggml_nbytes(const struct ggml_tensor *)
+    tensor_get: Any  # void ggml_backend_tensor_get(const struct ggml_tensor *, void *, size_t, size_t)
 
-    Hashing the 214 MB bench model took 0.17 s on an idle 2-core machine (0.7 s under load); a
-    process that loads the same file again (tests, engine restarts) pays it once.
-    """
-    st = os.stat(path)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    with _fingerprint_lock:
-        hit = _fingerprints.get(key)
-    if hit is not None:
-        return hit
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    with _fingerprint_lock:
-        _fingerprints[key] = digest
-    return digest
+
+_ggml_api: _GgmlApi | None = None
+
+
+def _ggml() -> _GgmlApi:
+    """Resolve the ggml functions once per process."""
+    global _ggml_api
+    with _init_lock:
+        if _ggml_api is None:
+            lib_dir = Path(lc.__file__).parent / "lib"
+            found = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("ggml-base.*"))
+            if not found:
+                raise EngineFailure(f"libggml-base not found in {lib_dir}: cannot capture hidden states")
+            lib = ctypes.CDLL(str(found[0]))
+            lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+            lib.ggml_get_name.restype = ctypes.c_char_p
+            lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+            lib.ggml_nbytes.restype = ctypes.c_size_t
+            lib.ggml_backend_tensor_get.argtypes = [
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+            ]
+            lib.ggml_backend_tensor_get.restype = None
+            _ggml_api = _GgmlApi(lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get)
+        return _ggml_api
+
+
+class _Capture:
+    """Where the eval callback copies the boundary rows of one ``llama_decode`` (all ubatches)."""
+
+    __slots__ = ("dest", "error", "rows")
+
+    def __init__(self, dest: np.ndarray) -> None:
+        self.dest = dest  # C-contiguous float32 [m, n_embd]
+        self.rows = 0
+        self.error: str | None = None
 
 
 def native_system_info(*, use_extra_bufts: bool = True) -> str:
@@ -206,8 +243,44 @@ def _check_model_file(model_path: Path | None) -> Path:
     return path
 
 
+def _served_range(info: ModelInfo, requested: LayerRange | None) -> LayerRange:
+    """The layer range a file can serve for a requested range (None: whatever the file holds).
+
+    A sliced file serves exactly its recorded range. A whole model serves itself; a strict
+    range of a whole model is refused (slice it first: loading never writes files).
+    """
+    path = str(info.path)
+    total = info.source_block_count or info.block_count
+    if requested is not None and requested.end > total:
+        raise InvalidInput(
+            f"layer range [{requested.start}, {requested.end}) is outside the model's {total} blocks"
+        )
+    if info.layer_range is not None:
+        recorded = info.layer_range
+        if requested is not None and requested != recorded:
+            raise InvalidInput(
+                f"{path!r} is a slice of layers [{recorded.start}, {recorded.end}); it cannot "
+                f"serve [{requested.start}, {requested.end})"
+            )
+        if recorded.count != total and info.architecture not in RANGE_ARCHITECTURES:
+            raise UnsupportedFeature(f"layer ranges of architecture {info.architecture!r} are not supported")
+        return recorded
+    whole = LayerRange(0, total)
+    if requested is None or requested == whole:
+        return whole
+    if info.architecture not in RANGE_ARCHITECTURES:
+        raise UnsupportedFeature(
+            f"layer ranges of architecture {info.architecture!r} are not supported "
+            f"(supported: {', '.join(RANGE_ARCHITECTURES)})"
+        )
+    raise InvalidInput(
+        f"{path!r} is a whole {total}-layer model: slice it first (shard.models.ensure_slice, or "
+        f"`trio-shard slice --layers {requested.start}:{requested.end}`) and load the slice"
+    )
+
+
 class LlamaCppEngine(ShardEngine):
-    """Whole-model shard served by llama.cpp (first and last shard at once).
+    """A whole model, or a layer range of a sliced llama model, served by llama.cpp.
 
     Options (all keyword-only, defaults suit the contract suite):
 
@@ -240,6 +313,7 @@ class LlamaCppEngine(ShardEngine):
         self._batch_pos: np.ndarray | None = None
         self._batch_nseq: np.ndarray | None = None
         self._batch_out: np.ndarray | None = None
+        self._batch_embd: np.ndarray | None = None  # [n_batch, n_embd] input rows (non-first)
         self._batch_rows: list[Any] = []  # per-row seq_id pointers of the batch
         self._batch_row_seq: np.ndarray | None = None
         self._n_batch = 0
@@ -253,6 +327,13 @@ class LlamaCppEngine(ShardEngine):
         self._abort_callback = lc.ggml_abort_callback(self._poll_abort)
         self._no_abort_callback = lc.ggml_abort_callback()  # NULL function pointer
         self._abort_armed = False
+        # Layer range: which end of the model this shard is, and the boundary capture (non-last).
+        self._first = self._last = True
+        self._n_embd = 0
+        self._capture_name = b""
+        self._capture: _Capture | None = None
+        self._ggml_api: _GgmlApi | None = None
+        self._eval_callback = lc.ggml_backend_sched_eval_callback(self._on_eval)
 
     # ---- hooks -------------------------------------------------------------------------------
 
@@ -260,8 +341,9 @@ class LlamaCppEngine(ShardEngine):
         return await trio.to_thread.run_sync(self._load_sync, spec, limiter=self._limiter)
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
-        if plan.hidden is not None or plan.tokens is None:
-            raise EngineFailure("a whole-model llama.cpp shard cannot take hidden states")
+        if (plan.tokens is not None) != self._first:  # the base class checks this per request
+            wanted = "token ids, not hidden states" if self._first else "hidden states, not token ids"
+            raise EngineFailure(f"this shard takes {wanted}")
         try:
             return await trio.to_thread.run_sync(self._compute_sync, slot, plan, limiter=self._limiter)
         except _AbortedInStep:
@@ -287,6 +369,8 @@ class LlamaCppEngine(ShardEngine):
         raise EngineFailure("llama_tokenize disagreed with itself about the token count")
 
     def _impl_token_piece(self, token_id: int) -> bytes:
+        if not (self._first or self._last):
+            raise IllegalTransition("a middle shard holds no vocabulary (its slice has a stub)")
         vocab = self._require_vocab()
         size = 64
         for _ in range(2):
@@ -320,7 +404,19 @@ class LlamaCppEngine(ShardEngine):
         n_ctx_per_session = spec.n_ctx // spec.max_sessions
         if n_ctx_per_session == 0:
             raise InvalidInput(f"n_ctx {spec.n_ctx} is smaller than max_sessions {spec.max_sessions}")
-        fingerprint = file_fingerprint(path)
+        try:
+            info: ModelInfo | None = read_model_info(path)
+        except SliceError as exc:
+            if spec.layer_range is not None:
+                raise InvalidInput(str(exc)) from None
+            info = None  # not a slice; llama.cpp's loader says what it thinks of the file
+        served = None if info is None else _served_range(info, spec.layer_range)
+        n_layers_total = 0 if info is None else info.source_block_count or info.block_count
+        first = served is None or served.start == 0
+        last = served is None or served.end == n_layers_total
+        # Every shard of one model reports the source file's fingerprint.
+        fingerprint = info.source_sha256 if info is not None and info.source_sha256 else file_fingerprint(path)
+        ggml_api = None if last else _ggml()
         _ensure_native_init()
         _recent_native_errors.clear()
 
@@ -334,11 +430,11 @@ class LlamaCppEngine(ShardEngine):
             natives.callback(lc.llama_model_free, model)
 
             n_layer = int(lc.llama_model_n_layer(model))
-            whole = LayerRange(0, n_layer)
-            if spec.layer_range is not None and spec.layer_range != whole:
-                raise UnsupportedFeature(
-                    f"layer range [{spec.layer_range.start}, {spec.layer_range.end}) of a "
-                    f"{n_layer}-layer model: the llama.cpp engine serves whole models only"
+            if served is None:
+                served, n_layers_total = LayerRange(0, n_layer), n_layer
+            elif n_layer != served.count:
+                raise InvalidInput(
+                    f"llama.cpp sees {n_layer} blocks in {str(path)!r}, its metadata {served.count}"
                 )
             vocab = lc.llama_model_get_vocab(model)
             if not vocab:
@@ -359,6 +455,10 @@ class LlamaCppEngine(ShardEngine):
             cparams.embeddings = False
             cparams.offload_kqv = False
             cparams.no_perf = True
+            if not last:
+                # Boundary capture; the callback object lives as long as the engine.
+                cparams.cb_eval = self._eval_callback
+                cparams.cb_eval_user_data = None
             if self._flash_attn is not None:
                 cparams.flash_attn_type = (
                     lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self._flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -375,7 +475,8 @@ class LlamaCppEngine(ShardEngine):
                     f"{n_ctx_per_session} promised per session"
                 )
             n_batch = int(lc.llama_n_batch(ctx))  # llama.cpp caps n_batch at n_ctx
-            batch = lc.llama_batch_init(n_batch, 0, 1)
+            # First shards feed token ids; later shards feed hidden-state rows (batch.embd).
+            batch = lc.llama_batch_init(n_batch, 0 if first else n_embd, 1)
             natives.callback(lc.llama_batch_free, batch)
             mem = lc.llama_get_memory(ctx)
             if not mem:
@@ -384,7 +485,14 @@ class LlamaCppEngine(ShardEngine):
             # Commit: from here on the engine owns the handles (freed by _close_sync).
             self._model, self._ctx, self._mem, self._vocab, self._batch = model, ctx, mem, vocab, batch
             self._n_batch, self._n_vocab, self._n_seq = n_batch, n_vocab, spec.max_sessions
-            self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
+            self._first, self._last, self._n_embd = first, last, n_embd
+            self._capture_name = f"l_out-{n_layer - 1}".encode()
+            self._ggml_api = ggml_api
+            if first:
+                self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
+            else:
+                embd = np.ctypeslib.as_array(batch.embd, shape=(n_batch * n_embd,))
+                self._batch_embd = embd.reshape(n_batch, n_embd)
             self._batch_pos = np.ctypeslib.as_array(batch.pos, shape=(n_batch,))
             self._batch_nseq = np.ctypeslib.as_array(batch.n_seq_id, shape=(n_batch,))
             self._batch_out = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
@@ -392,18 +500,19 @@ class LlamaCppEngine(ShardEngine):
             self._batch_row_seq = np.full(n_batch, -1, dtype=np.int64)
             self._natives = natives.pop_all()
         log.debug(
-            "loaded %s: arch=%s layers=%d n_ctx=%d n_ctx_seq=%d n_batch=%d threads=%d",
-            path, arch, n_layer, spec.n_ctx, n_ctx_seq, n_batch, threads,
+            "loaded %s: arch=%s layers=[%d, %d) of %d n_ctx=%d n_ctx_seq=%d n_batch=%d threads=%d",
+            path, arch, served.start, served.end, n_layers_total, spec.n_ctx, n_ctx_seq, n_batch, threads,
         )
         bos, eos = int(lc.llama_vocab_bos(vocab)), int(lc.llama_vocab_eos(vocab))
         return Capabilities(
             engine="llama.cpp",
             model_fingerprint=fingerprint,
             architecture=arch,
-            n_layers_total=n_layer,
-            layer_range=whole,
+            n_layers_total=n_layers_total,
+            layer_range=served,
             n_embd=n_embd,
-            n_vocab=n_vocab,
+            # A middle slice holds a stub vocabulary: report the model's.
+            n_vocab=(info.source_n_vocab if info is not None else None) or n_vocab,
             n_ctx=spec.n_ctx,
             n_ctx_per_session=n_ctx_per_session,
             max_sessions=spec.max_sessions,
@@ -413,7 +522,7 @@ class LlamaCppEngine(ShardEngine):
         )
 
     def _compute_sync(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
-        assert plan.tokens is not None and self._ctx is not None
+        assert self._ctx is not None
         try:
             if not lc.llama_memory_seq_rm(self._mem, slot.seq_id, plan.keep, -1):
                 raise EngineFailure(f"llama.cpp could not truncate the KV cache of {slot.session_id!r}")
@@ -424,22 +533,36 @@ class LlamaCppEngine(ShardEngine):
                 raise EngineFailure(
                     f"the KV cache of {slot.session_id!r} holds {held} positions, the session {plan.keep}"
                 )
-            tokens = plan.tokens
-            n = len(tokens)
+            n = plan.n_new
+            hidden_out = None if self._last else np.empty((n, self._n_embd), dtype=np.float32)
             last_rows = 0
             for start in range(0, n, self._n_batch):
                 slot.cancel.raise_if_set(slot.session_id)
-                chunk = tokens[start : start + self._n_batch]
-                last_rows = len(chunk)
-                self._fill_batch(chunk, plan.keep + start, slot.seq_id, last=start + last_rows == n)
-                self._arm_abort(last_rows >= self._abort_min_tokens)
+                m = min(self._n_batch, n - start)
+                last_rows = m
+                if plan.tokens is not None:
+                    self._batch_tokens[:m] = plan.tokens[start : start + m]
+                else:
+                    self._batch_embd[:m] = plan.hidden[start : start + m]
+                self._fill_batch(m, plan.keep + start, slot.seq_id, last=start + m == n)
+                self._arm_abort(m >= self._abort_min_tokens)
+                capture = None if hidden_out is None else _Capture(hidden_out[start : start + m])
+                self._capture = capture
                 self._decoding = slot.cancel
                 try:
                     rc = lc.llama_decode(self._ctx, self._batch)
                 finally:
                     self._decoding = None
+                    self._capture = None
                 if rc != 0:
                     self._raise_decode_error(rc, slot)
+                if capture is not None:
+                    if capture.error is not None or capture.rows != m:
+                        raise EngineFailure(
+                            capture.error or f"captured {capture.rows} of {m} boundary rows"
+                        )
+            if hidden_out is not None:
+                return hidden_out
             ptr = lc.llama_get_logits_ith(self._ctx, last_rows - 1)
             if not ptr:
                 raise EngineFailure("llama.cpp returned no logits for the last position")
@@ -447,16 +570,20 @@ class LlamaCppEngine(ShardEngine):
         finally:
             self._kv_used = self._count_kv_cells()
 
-    def _fill_batch(self, chunk: tuple[int, ...], pos0: int, seq: int, *, last: bool) -> None:
+    def _fill_batch(self, m: int, pos0: int, seq: int, *, last: bool) -> None:
+        """Positions, sequence and output flags of the ``m`` rows already written."""
         assert self._batch is not None and self._batch_row_seq is not None
-        m = len(chunk)
         self._batch.n_tokens = m
-        self._batch_tokens[:m] = chunk
         self._batch_pos[:m] = np.arange(pos0, pos0 + m, dtype=np.int32)
         self._batch_nseq[:m] = 1
-        self._batch_out[:m] = 0
-        if last:
-            self._batch_out[m - 1] = 1
+        if self._last:
+            self._batch_out[:m] = 0
+            if last:
+                self._batch_out[m - 1] = 1
+        else:
+            # Every row is an output: the last block keeps only output rows (get_rows pruning),
+            # and the next shard needs all of them.
+            self._batch_out[:m] = 1
         # seq_id is an array of per-row pointers: only rewrite rows that hold another sequence.
         for i in np.flatnonzero(self._batch_row_seq[:m] != seq):
             self._batch_rows[i][0] = seq
@@ -501,6 +628,8 @@ class LlamaCppEngine(ShardEngine):
 
     def _close_sync(self) -> None:
         self._batch_tokens = self._batch_pos = self._batch_nseq = self._batch_out = None
+        self._batch_embd = None
+        self._capture = None
         self._batch_rows = []
         self._batch_row_seq = None
         self._model = self._ctx = self._mem = self._vocab = self._batch = None
@@ -515,6 +644,44 @@ class LlamaCppEngine(ShardEngine):
         self.abort_polls += 1
         flag = self._decoding
         return flag is not None and flag.is_set()
+
+    def _on_eval(self, tensor: int | None, ask: bool, _data: int | None) -> bool:
+        """ggml's scheduler eval callback (non-last shards), on its compute thread.
+
+        With ``ask`` it is asked, node by node, whether we want a node's data: only the output
+        of the slice's last block (``l_out-{n-1}``), so ggml computes everything up to it in one
+        piece. Then it is called again with ``ask=False`` once that node is computed: copy it
+        and return False, which makes ggml stop the graph there, so the output norm and the LM
+        head never run. All KV writes happen inside the blocks, before that node. Must not
+        raise (an exception cannot cross into C): failures are recorded on the capture.
+        """
+        capture = self._capture
+        try:
+            api = self._ggml_api
+            if api is None or not tensor or api.get_name(tensor) != self._capture_name:
+                return False
+            if ask:
+                return True
+            if capture is None:
+                return False
+            nbytes = int(api.nbytes(tensor))
+            row = self._n_embd * 4
+            rows = nbytes // row
+            if (
+                ctypes.c_int32.from_address(tensor).value != _GGML_TYPE_F32
+                or nbytes % row
+                or capture.rows + rows > capture.dest.shape[0]
+            ):
+                capture.error = (
+                    f"unexpected boundary tensor ({nbytes} bytes for rows of {self._n_embd} float32)"
+                )
+                return False
+            api.tensor_get(tensor, capture.dest.ctypes.data + capture.rows * row, 0, nbytes)
+            capture.rows += rows
+        except Exception as exc:  # noqa: BLE001 - reported through the capture, checked by the caller
+            if capture is not None:
+                capture.error = f"boundary capture failed: {type(exc).__name__}: {exc}"
+        return False
 
     def _require_vocab(self) -> lc.llama_vocab_p:
         if self._vocab is None:

@@ -824,13 +824,16 @@ class EngineContractSuite:
             await prefill(engine, "ref", good)
             assert_same_logits(again, await decode(engine, "ref", r.logits.token_id))
 
-    async def test_bad_hidden_states_on_a_later_shard(self, engine_factory: EngineFactory) -> None:
+    @pytest.mark.parametrize("part", [ShardPart.LAST, ShardPart.MIDDLE], ids=lambda p: p.value)
+    async def test_bad_hidden_states_on_a_later_shard(
+        self, engine_factory: EngineFactory, part: ShardPart
+    ) -> None:
         if not engine_factory.layer_ranges:
-            await assert_layer_range_refused(engine_factory, ShardPart.LAST)
+            await assert_layer_range_refused(engine_factory, part)
             return
-        async with engine_factory.open(EngineOptions(part=ShardPart.LAST)) as engine:
+        async with engine_factory.open(EngineOptions(part=part, pieces=3)) as engine:
             caps = engine.capabilities()
-            assert not caps.is_first and caps.is_last
+            assert not caps.is_first and caps.is_last is (part is ShardPart.LAST)
             d = caps.n_embd
             await engine.open_session("s")
             await engine.open_session("bystander")
@@ -871,7 +874,12 @@ class EngineContractSuite:
             assert engine.sessions() == snapshot
             assert engine.metrics().kv_cells_used == 8
             r = await engine.decode(DecodeRequest("s", hidden_state=ok[:1]))
-            assert r.n_past == 6 and r.logits is not None
+            assert r.n_past == 6
+            if caps.is_last:
+                assert r.logits is not None and r.boundary is None
+            else:
+                assert r.logits is None and r.boundary is not None
+                assert r.boundary.hidden_states.shape == (1, d) and r.boundary.start_position == 5
             assert engine.session_info("s").tokens is None  # ids are unknown past layer 0
 
     async def test_reserved_hooks_fail_closed(self, engine_factory: EngineFactory) -> None:
@@ -912,17 +920,19 @@ class EngineContractSuite:
     async def test_layer_ranges_are_served_or_refused_as_declared(
         self, engine_factory: EngineFactory
     ) -> None:
-        for part in (ShardPart.FIRST, ShardPart.LAST):
+        for part in (ShardPart.FIRST, ShardPart.MIDDLE, ShardPart.LAST):
             if not engine_factory.layer_ranges:
                 await assert_layer_range_refused(engine_factory, part)
                 continue
-            async with engine_factory.open(EngineOptions(part=part)) as engine:
+            options = EngineOptions(part=part, pieces=3)
+            async with engine_factory.open(options) as engine:
                 caps = engine.capabilities()
                 assert caps.is_first is (part is ShardPart.FIRST)
                 assert caps.is_last is (part is ShardPart.LAST)
-                assert caps.layer_range == part.layer_range(caps.n_layers_total)
+                assert caps.layer_range == options.layer_range(caps.n_layers_total)
+                assert caps.hidden_dtype == "float32"
                 assert caps.result_kind is (
-                    ResultKind.BOUNDARY if part is ShardPart.FIRST else ResultKind.LOGITS
+                    ResultKind.LOGITS if part is ShardPart.LAST else ResultKind.BOUNDARY
                 )
 
     async def test_two_shard_chain_matches_the_whole_model(self, engine_factory: EngineFactory) -> None:
@@ -971,6 +981,57 @@ class EngineContractSuite:
                 == whole.metrics().kv_cells_used
                 == 14
             )
+
+    async def test_three_shard_chain_matches_the_whole_model(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        if not engine_factory.layer_ranges:
+            await assert_layer_range_refused(engine_factory, ShardPart.MIDDLE)
+            return
+        parts = (ShardPart.FIRST, ShardPart.MIDDLE, ShardPart.LAST)
+        async with (
+            engine_factory.open(EngineOptions(part=parts[0], pieces=3)) as first,
+            engine_factory.open(EngineOptions(part=parts[1], pieces=3)) as middle,
+            engine_factory.open(EngineOptions(part=parts[2], pieces=3)) as last,
+            engine_factory.open() as whole,
+        ):
+            chain = (first, middle, last)
+            caps = [e.capabilities() for e in chain]
+            cw = whole.capabilities()
+            assert len({c.model_fingerprint for c in caps} | {cw.model_fingerprint}) == 1
+            assert caps[0].layer_range.start == 0 and caps[2].layer_range.end == cw.n_layers_total
+            assert caps[0].layer_range.end == caps[1].layer_range.start
+            assert caps[1].layer_range.end == caps[2].layer_range.start
+            assert [c.result_kind for c in caps] == [ResultKind.BOUNDARY] * 2 + [ResultKind.LOGITS]
+            for engine in (*chain, whole):
+                await engine.open_session("s")
+
+            async def through(step: StepResult, sid: str = "s", *, is_decode: bool) -> StepResult:
+                for engine in chain[1:]:
+                    assert step.boundary is not None and step.logits is None
+                    h = step.boundary.hidden_states
+                    assert h.dtype == np.float32 and h.shape[1] == cw.n_embd and np.isfinite(h).all()
+                    step = await (
+                        engine.decode(DecodeRequest(sid, hidden_state=h)) if is_decode
+                        else engine.prefill(PrefillRequest(sid, hidden_states=h,
+                                                           position=step.boundary.start_position))
+                    )
+                return step
+
+            tokens = prompt_tokens(first, 13, salt=5)
+            # Prefill in two requests (the second appends at position 9), then decode.
+            await through(await prefill(first, "s", tokens[:9]), is_decode=False)
+            chained = await through(await prefill(first, "s", tokens[9:], position=9), is_decode=False)
+            direct = await prefill(whole, "s", tokens)
+            assert_same_logits(chained, direct)
+            for _ in range(4):
+                assert chained.logits is not None
+                token = chained.logits.token_id
+                chained = await through(await decode(first, "s", token), is_decode=True)
+                direct = await decode(whole, "s", token)
+                assert_same_logits(chained, direct)
+            assert [e.metrics().kv_cells_used for e in (*chain, whole)] == [17] * 4
+            assert middle.session_info("s").tokens is None and middle.session_info("s").n_past == 17
 
     # -- one reference trace ------------------------------------------------------------------
 

@@ -20,19 +20,24 @@ from shard.engine.fake import FakeEngine, FakeModel, FakeScript
 
 
 class ShardPart(enum.Enum):
-    """Which part of the model an engine under test serves."""
+    """Which part of the model an engine under test serves, when it is cut into ``pieces``."""
 
     WHOLE = "whole"  # every layer: takes tokens, returns logits
-    FIRST = "first"  # the first half: takes tokens, returns boundary hidden states
-    LAST = "last"  # the second half: takes hidden states, returns logits
+    FIRST = "first"  # the first piece: takes tokens, returns boundary hidden states
+    MIDDLE = "middle"  # the middle piece (3 pieces or more): hidden states in and out
+    LAST = "last"  # the last piece: takes hidden states, returns logits
 
-    def layer_range(self, n_layers_total: int) -> LayerRange | None:
+    def layer_range(self, n_layers_total: int, pieces: int = 2) -> LayerRange | None:
+        """This part's range when the model is cut into ``pieces`` near-equal ranges (the cuts
+        are ``i * n_layers_total // pieces``, so the parts of one ``pieces`` tile the model)."""
         if self is ShardPart.WHOLE:
             return None
-        if n_layers_total < 2:
-            raise ValueError("splitting a model needs at least 2 layers")
-        cut = n_layers_total // 2
-        return LayerRange(0, cut) if self is ShardPart.FIRST else LayerRange(cut, n_layers_total)
+        if not 2 <= pieces <= n_layers_total:
+            raise ValueError(f"cannot cut {n_layers_total} layers into {pieces} pieces")
+        if self is ShardPart.MIDDLE and pieces < 3:
+            raise ValueError("a middle part needs at least 3 pieces")
+        index = {ShardPart.FIRST: 0, ShardPart.MIDDLE: pieces // 2, ShardPart.LAST: pieces - 1}[self]
+        return LayerRange(index * n_layers_total // pieces, (index + 1) * n_layers_total // pieces)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,10 @@ class EngineOptions:
     max_sessions: int = 4
     n_batch: int = 8
     part: ShardPart = ShardPart.WHOLE
+    pieces: int = 2  # how many parts the model is cut into (``part`` is one of them)
+
+    def layer_range(self, n_layers_total: int) -> LayerRange | None:
+        return self.part.layer_range(n_layers_total, self.pieces)
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,7 @@ def fake_factory(
     def load_spec(options: EngineOptions) -> LoadSpec:
         return LoadSpec(
             model_path=None,
-            layer_range=options.part.layer_range(fake_model.n_layers_total),
+            layer_range=options.layer_range(fake_model.n_layers_total),
             n_ctx=options.n_ctx,
             max_sessions=options.max_sessions,
             n_batch=options.n_batch,
@@ -99,13 +108,14 @@ def fake_factory(
 
 
 def llama_factory(
-    preset: str = "tiny", *, n_threads: int = 2, layer_ranges: bool = False, name: str = "llama"
+    preset: str = "tiny", *, n_threads: int = 2, layer_ranges: bool = True, name: str = "llama"
 ) -> EngineFactory:
     """The llama.cpp engine on a locally written GGUF model (``shard.models.ensure_model``).
 
+    A part of the model is served from its cached slice (``shard.models.ensure_slice``, written
+    on first use): the engine loads slices, it never cuts a whole file itself.
     ``shard.engine.llama`` is imported lazily so that merely importing the testing package never
-    loads llama.cpp. ``layer_ranges`` is False because LlamaCppEngine serves whole models only
-    today (it refuses a layer range with UnsupportedFeature); set it once slicing lands.
+    loads llama.cpp.
     """
 
     def create() -> ShardEngine:
@@ -114,11 +124,13 @@ def llama_factory(
         return LlamaCppEngine()
 
     def load_spec(options: EngineOptions) -> LoadSpec:
-        from shard.models import ensure_model, get_preset
+        from shard.models import ensure_model, ensure_slice, get_preset
 
+        layer_range = options.layer_range(get_preset(preset).n_layer)
+        path = ensure_model(preset)
         return LoadSpec(
-            model_path=ensure_model(preset),
-            layer_range=options.part.layer_range(get_preset(preset).n_layer),
+            model_path=path if layer_range is None else ensure_slice(path, layer_range),
+            layer_range=layer_range,
             n_ctx=options.n_ctx,
             max_sessions=options.max_sessions,
             n_batch=options.n_batch,
