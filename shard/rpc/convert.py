@@ -111,7 +111,8 @@ def array_to_tensor(arr: np.ndarray, dtype: str = HIDDEN_DTYPE) -> pb.Tensor:
     if wire is None:
         raise invalid(f"unknown hidden-state wire dtype {dtype!r}")
     src = np.asarray(arr, dtype=np.float32)
-    a = np.ascontiguousarray(src, dtype=wire)
+    with np.errstate(over="ignore"):  # overflow is detected below, with a clear error
+        a = np.ascontiguousarray(src, dtype=wire)
     if dtype != HIDDEN_DTYPE and not np.array_equal(np.isfinite(a), np.isfinite(src)):
         raise ShardError(
             ErrorCode.INVALID_ARGUMENT,
