@@ -54,6 +54,16 @@ def _target(text: str) -> str:
     return text
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
 def _targets(text: str) -> list[str]:
     """HOST:PORT,HOST:PORT[,...] for --pipeline: every entry checked like --target."""
     entries = [entry.strip() for entry in text.split(",")]
@@ -65,16 +75,6 @@ def _targets(text: str) -> list[str]:
         except argparse.ArgumentTypeError:
             raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {entry!r} in {text!r}") from None
     return entries
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -247,6 +247,7 @@ class Pipeline:
             raise ValueError("max_tokens must be >= 1")
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
+        self._check_chunk(chunk_tokens)
         if timeout is _DEFAULT:
             timeout = self.timeout
         deadline = math.inf if timeout is None else trio.current_time() + timeout
@@ -292,10 +293,30 @@ class Pipeline:
                 await self._release(sid, attempted)
             raise
 
+    def _wire_dtype(self, hop: Hop) -> str:
+        """The dtype asked of ``hop``: the caller's choice if the worker offers it."""
+        assert hop.caps is not None
+        if self.hidden_dtype in hop.caps.hidden_wire_dtypes:
+            return self.hidden_dtype
+        return convert.HIDDEN_DTYPE
+
+    def _check_chunk(self, chunk_tokens: int) -> None:
+        """A chunk's hidden states must fit in one message of every hop that carries them."""
+        for prev, hop in zip(self.hops, self.hops[1:]):
+            assert hop.caps is not None
+            limit = min(hop.caps.max_message_bytes, prev.caps.max_message_bytes if prev.caps else 0)
+            size = chunk_tokens * hop.caps.n_embd * convert.WIRE_DTYPES[self._wire_dtype(hop)].itemsize
+            if limit and size + 1024 > limit:
+                raise PipelineError(hop, ShardError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"chunk_tokens={chunk_tokens} makes {size}-byte hidden-state messages; "
+                    f"this chain accepts at most {limit} bytes per message",
+                ))
+
     async def _open(self, hop: Hop, sid: str, deadline: float) -> ClientSession:
         """Open the hop's session with the remaining budget as its grpc-timeout."""
         assert hop.caps is not None
-        want = self.hidden_dtype if self.hidden_dtype in hop.caps.hidden_wire_dtypes else ""
+        want = self._wire_dtype(hop)
         with self._blame(hop):
             remaining = deadline - trio.current_time()
             if remaining <= 0:

@@ -389,3 +389,56 @@ def test_float16_encoding_refuses_overflow_instead_of_sending_infinities() -> No
     with pytest.raises(ShardError) as info:
         array_to_tensor(np.array([[70000.0, 0, 0, 0]], np.float32), "float16")
     assert info.value.reason == "FLOAT16_OVERFLOW"
+
+
+async def test_a_chunk_larger_than_a_message_is_refused_before_any_work() -> None:
+    from shard.rpc.transport import TransportLimits
+
+    async with shards(cuts_to_ranges([0, 2, 4]), transport_limits=TransportLimits(max_message_bytes=4096)) as chain:
+        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            with pytest.raises(PipelineError) as info:
+                await pipe.generate(PROMPT, max_tokens=2, chunk_tokens=200)
+            assert info.value.code == ErrorCode.INVALID_ARGUMENT and info.value.hop_index == 1
+            assert "6400-byte" in info.value.message
+            got = await pipe.generate(PROMPT, max_tokens=2, chunk_tokens=16)
+            assert len(got.tokens) == 2
+        assert all(w.engine.metrics().sessions_opened_total == 1 for w in chain)
+
+
+# ---- bytes on the wire (the table in docs/pipelines.md) ---------------------------------------
+
+GRPC_PREFIX = 5  # gRPC message framing: 1 flag byte + 4 length bytes
+BENCH_N_EMBD = 1024
+
+
+def wire_sizes(n_tokens: int, n_embd: int, dtype: str) -> tuple[int, int, int]:
+    """(tensor data, request to the next shard, result from the previous shard) in bytes, each
+    message serialized for real plus its gRPC framing. Step and position numbers are those of
+    a decode at position ~600 (varints: a few bytes either way)."""
+    from shard.rpc.convert import array_to_tensor
+
+    rows = np.random.default_rng(0).standard_normal((n_tokens, n_embd)).astype(np.float32)
+    t = array_to_tensor(rows, dtype)
+    V = pb.ProtocolVersion(major=1)
+    if n_tokens == 1:
+        req = pb.SessionRequest(version=V, decode=pb.Decode(hidden_state=t, sampling=pb.SamplingParams()))
+    else:
+        req = pb.SessionRequest(version=V, prefill=pb.Prefill(hidden_states=t, position=pb.Position(value=0)))
+    res = pb.SessionResponse(step=pb.StepResult(
+        step=600, n_past=600, tokens_processed=n_tokens, hidden_states=t, start_position=599
+    ))
+    return len(t.data), req.ByteSize() + GRPC_PREFIX, res.ByteSize() + GRPC_PREFIX
+
+
+def test_docs_state_the_bytes_per_step_measured_on_real_messages() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "pipelines.md").read_text()
+    for dtype in ("float32", "float16"):
+        for n, what in ((1, "decode step"), (512, "512-token prefill")):
+            data, request, result = wire_sizes(n, BENCH_N_EMBD, dtype)
+            row = f"| {what} | {dtype} | {data:,} | {request:,} | {result:,} | {request + result:,} |"
+            assert row in doc, row
+    half = wire_sizes(1, BENCH_N_EMBD, "float16")
+    full = wire_sizes(1, BENCH_N_EMBD, "float32")
+    assert half[0] * 2 == full[0]
