@@ -13,7 +13,7 @@ import logging
 import os
 import ssl
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -334,30 +334,36 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-    async def run() -> None:
+    async def generate() -> bool:
+        """Generate; True when Ctrl-C interrupted it (after every session was released)."""
         if args.pipeline:
             async with Pipeline.connect(
                 args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
                 ssl_context=ssl_context,
             ) as pipe:
-                await pipe.generate(
-                    args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                    seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
-                )
-            return
+                return await _until_sigint(functools.partial(
+                    pipe.generate, args.prompt, max_tokens=args.max_tokens,
+                    temperature=args.temperature, seed=args.seed,
+                    chunk_tokens=args.chunk_tokens, on_token=emit,
+                ))
         async with ShardClient.connect(
             args.target, timeout=args.timeout, ssl_context=ssl_context
         ) as client:
-            async for step in client.generate(
-                args.prompt,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                seed=args.seed,
-            ):
-                emit(step)
+
+            async def one_worker() -> None:
+                async for step in client.generate(
+                    args.prompt,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    seed=args.seed,
+                ):
+                    emit(step)
+
+            return await _until_sigint(one_worker)
 
     try:
-        trio.run(run)
+        if trio.run(generate):
+            return 130
     except ShardError as exc:
         return _fail(str(exc))
     if args.json:
@@ -366,6 +372,36 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
+
+
+async def _until_sigint(fn: Callable[[], Awaitable[object]]) -> bool:
+    """Run ``fn``; Ctrl-C (SIGINT) *cancels* it and returns True.
+
+    Why not Trio's KeyboardInterrupt: it can land in any task, e.g. a connection's reader, and
+    kill the connection before the cleanup (reset the streams, Release the sessions) can use it.
+    A cancellation inside the connection's block runs that cleanup in order.
+    """
+    import signal
+
+    import trio
+
+    from shard.rpc.errors import unwrap_single_exception
+
+    interrupted = False
+    with unwrap_single_exception(), trio.open_signal_receiver(signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_on_signal() -> None:
+                nonlocal interrupted
+                async for _ in signals:
+                    interrupted = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(cancel_on_signal)
+            await fn()
+            nursery.cancel_scope.cancel()
+    return interrupted
 
 
 def _cmd_caps(args: argparse.Namespace) -> int:

@@ -283,7 +283,7 @@ class Pipeline:
                     break
                 step = await self._decode(sessions, token, params, top_logprobs)
             for hop, session in zip(self.hops, sessions, strict=True):
-                with self._blame(hop):
+                with _Blame(hop):
                     await session.close()
             return result
         except BaseException:
@@ -317,18 +317,19 @@ class Pipeline:
         """Open the hop's session with the remaining budget as its grpc-timeout."""
         assert hop.caps is not None
         want = self._wire_dtype(hop)
-        with self._blame(hop):
+        with _Blame(hop):
             remaining = deadline - trio.current_time()
             if remaining <= 0:
                 raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired")
-            return await self._clients[hop.index].open_session(
+            session = await self._clients[hop.index].open_session(
                 sid,
                 expected_model_fingerprint=hop.caps.model_fingerprint,
                 expected_layer_range=hop.layers,
+                # float32 is not asked for, so a v1.0 exchange stays byte for byte the same
                 hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
                 timeout=None if math.isinf(remaining) else remaining,
             )
-        raise AssertionError("unreachable")  # _blame always raises on error
+        return session
 
     async def _prefill(
         self,
@@ -347,7 +348,7 @@ class Pipeline:
 
         async def first(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None) -> None:
             hop, session = hops[0], sessions[0]
-            with self._blame(hop, failures, nursery.cancel_scope):
+            with _Blame(hop, failures, nursery.cancel_scope):
                 steps = session.prefill_chunks(
                     tokens, text=text, chunk_tokens=chunk_tokens, sampling=params,
                     top_logprobs=top_logprobs,
@@ -366,7 +367,7 @@ class Pipeline:
             out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None,
         ) -> None:
             hop, session = hops[k], sessions[k]
-            with self._blame(hop, failures, nursery.cancel_scope):
+            with _Blame(hop, failures, nursery.cancel_scope):
                 async for position, rows in inbox:
                     step = await session.prefill(
                         hidden_states=rows, position=position, sampling=params,
@@ -399,7 +400,7 @@ class Pipeline:
         rows: np.ndarray | None = None
         step = pb.StepResult()
         for hop, session in zip(self.hops, sessions, strict=True):
-            with self._blame(hop):
+            with _Blame(hop):
                 if rows is None:
                     step = await session.decode(token, sampling=params, top_logprobs=top_logprobs)
                 else:
@@ -426,14 +427,6 @@ class Pipeline:
             for hop in self.hops[:attempted]:
                 nursery.start_soon(release, hop)
 
-    @staticmethod
-    def _blame(
-        hop: Hop,
-        failures: list[ShardError] | None = None,
-        scope: trio.CancelScope | None = None,
-    ) -> _Blame:
-        return _Blame(hop, failures, scope)
-
 
 class _Blame:
     """Turn a ``ShardError`` inside the block into a ``PipelineError`` naming ``hop``.
@@ -443,7 +436,10 @@ class _Blame:
     """
 
     def __init__(
-        self, hop: Hop, failures: list[ShardError] | None, scope: trio.CancelScope | None
+        self,
+        hop: Hop,
+        failures: list[ShardError] | None = None,
+        scope: trio.CancelScope | None = None,
     ) -> None:
         self._hop, self._failures, self._scope = hop, failures, scope
 

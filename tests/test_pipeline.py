@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, StepGate, Worker, worker
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
@@ -442,3 +444,57 @@ def test_docs_state_the_bytes_per_step_measured_on_real_messages() -> None:
     half = wire_sizes(1, BENCH_N_EMBD, "float16")
     full = wire_sizes(1, BENCH_N_EMBD, "float32")
     assert half[0] * 2 == full[0]
+
+
+# ---- properties ------------------------------------------------------------------------------
+
+
+@given(
+    n_layers=st.integers(1, 8),
+    ranges=st.lists(st.tuples(st.integers(0, 8), st.integers(1, 8)), min_size=1, max_size=5),
+)
+def test_chain_check_accepts_exactly_the_tilings(n_layers: int, ranges: list[tuple[int, int]]) -> None:
+    from shard.pipeline import Hop, check_chain
+
+    hops = [
+        Hop(i, f"h{i}:1", pb.GetCapabilitiesResponse(
+            model_fingerprint="f", n_layers_total=n_layers, n_embd=8,
+            layer_range=pb.LayerRange(start=a, end=b),
+        ))
+        for i, (a, b) in enumerate(ranges)
+    ]
+    tiles = ranges[0][0] == 0 and ranges[-1][1] == n_layers and all(
+        a < b for a, b in ranges
+    ) and all(prev[1] == nxt[0] for prev, nxt in zip(ranges, ranges[1:]))
+    try:
+        check_chain(hops)
+    except PipelineError as err:
+        assert not tiles, err
+        assert err.code == ErrorCode.INCOMPATIBLE_MODEL and 0 <= err.hop_index < len(hops)
+    else:
+        assert tiles
+
+
+@given(
+    dtype=st.sampled_from(["float32", "float16", "bfloat16", ""]),
+    session=st.sampled_from(["float32", "float16"]),
+    shape=st.lists(st.integers(0, 5), max_size=3),
+    data=st.binary(max_size=80),
+    rows=st.none() | st.integers(1, 3),
+)
+def test_tensor_validation_accepts_only_well_formed_finite_tensors(
+    dtype: str, session: str, shape: list[int], data: bytes, rows: int | None
+) -> None:
+    """Any bytes: a finite float32 array of the declared shape, or INVALID_ARGUMENT."""
+    from shard.client import ShardError
+    from shard.rpc.convert import tensor_to_array
+
+    msg = pb.Tensor(data=data, shape=shape, dtype=dtype)
+    try:
+        arr = tensor_to_array(msg, 4, dtype=session, rows=rows)
+    except ShardError as err:
+        assert err.code == ErrorCode.INVALID_ARGUMENT
+        return
+    assert dtype == session and arr.dtype == np.float32 and list(arr.shape) == shape
+    assert shape[1] == 4 and shape[0] > 0 and (rows is None or shape[0] == rows)
+    assert np.isfinite(arr).all()
