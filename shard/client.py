@@ -32,7 +32,10 @@ internals stay in one module; this module adds the calls, sessions and typed err
   stops reading pauses the worker instead of filling buffers.
 
 Resource handling: ``connect()`` owns a nursery with the connection's reader and writer tasks
-and closes the socket on exit; each call owns one HTTP/2 stream and frees it when it ends.
+and closes the socket on exit; each call owns one HTTP/2 stream and frees it when it ends. The
+connection tasks are shielded until the ``connect()`` block ends, so a caller cancelled from
+outside still resets its streams (and can release sessions) instead of dropping the connection,
+which would make the worker retain them.
 """
 
 from __future__ import annotations
@@ -154,8 +157,17 @@ class ShardClient:
                 conn = ClientConnection(
                     stream, f"{host}:{port}", "https" if ssl_context else "http", SERVICE
                 )
+                # Shielded: a cancellation of the caller's scope must not kill the connection
+                # before the caller's cleanup (and goodbye below) used it to reset its streams
+                # and release sessions. It stops when this block ends, not before.
+                conn_scope = trio.CancelScope(shield=True)
+
+                async def run_connection(task_status: trio.TaskStatus[None]) -> None:
+                    with conn_scope:
+                        await conn.run(task_status=task_status)
+
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(conn.run)
+                    await nursery.start(run_connection)
                     try:
                         yield cls(conn, timeout=timeout, metadata=metadata, version=version)
                     finally:
@@ -163,7 +175,7 @@ class ShardClient:
                         with trio.move_on_after(1.0) as scope:  # send RST/GOAWAY, bounded
                             scope.shield = True
                             await conn.drain()
-                        nursery.cancel_scope.cancel()
+                        conn_scope.cancel()
 
     # ---- unary calls ---------------------------------------------------------------------
 

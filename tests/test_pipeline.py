@@ -263,6 +263,27 @@ async def test_cancel_releases_every_shard(phase: str) -> None:
             await assert_all_free(chain)  # at once: the shielded Release already ran
 
 
+async def test_cancelling_a_scope_around_connect_also_releases_every_shard() -> None:
+    """The connections outlive the cancellation long enough for the cleanup to use them."""
+    gates = [StepGate() for _ in THREE]
+    async with shards(THREE, gates=gates) as chain:
+        with trio.CancelScope() as scope:
+            async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+
+                async def cancel_mid_decode() -> None:
+                    with trio.fail_after(10):
+                        while gates[2].steps < 20:
+                            await trio.sleep(0.001)
+                    scope.cancel()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(cancel_mid_decode)
+                    await pipe.generate(PROMPT, max_tokens=500, ignore_eos=True)
+        assert scope.cancelled_caught
+        await assert_all_free(chain)
+        assert all(w.server.registry.counters["sessions_retained_total"] == 0 for w in chain)
+
+
 async def test_deadline_travels_to_every_hop_and_releases_every_shard() -> None:
     async with shards(THREE, latency=0.01) as chain:
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
