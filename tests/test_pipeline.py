@@ -240,26 +240,24 @@ THREE = cuts_to_ranges([0, 1, 3, 4])
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 async def test_cancel_releases_every_shard(phase: str) -> None:
     gates = [StepGate() for _ in THREE]
-    async with shards(THREE, gates=gates) as chain:
+    async with shards(THREE, gates=gates, latency=0.001) as chain:
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
             with trio.CancelScope() as scope:
 
-                async def hold_then_cancel() -> None:
-                    # the middle shard parks on its 3rd step (mid-prefill) or 20th (mid-decode)
-                    target = 3 if phase == "prefill" else 20
+                async def cancel_midway() -> None:
+                    # the middle shard is at its 3rd step (mid-prefill) or 80th (mid-decode)
+                    target = 3 if phase == "prefill" else 80
                     with trio.fail_after(10):
-                        while gates[1].steps < target - 1:
-                            await trio.sleep(0.001)
-                        gates[1].hold()
-                        while not gates[1].waiting:
-                            await trio.sleep(0.001)
+                        while gates[1].steps < target:
+                            await trio.sleep(0)
                     scope.cancel()
 
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(hold_then_cancel)
+                    nursery.start_soon(cancel_midway)
                     await pipe.generate(PROMPT * 3, max_tokens=200, ignore_eos=True, chunk_tokens=4)
             assert scope.cancelled_caught
-            gates[1].release()
+            n_prompt = len(PROMPT * 3) + 1
+            assert (gates[1].steps < n_prompt) is (phase == "prefill")
             await assert_all_free(chain)  # at once: the shielded Release already ran
 
 
