@@ -161,7 +161,8 @@ def _add_target(p: argparse.ArgumentParser, *, pipeline: bool = False) -> None:
                        help=f"worker address HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
     if pipeline:
         where.add_argument("--pipeline", type=_targets, metavar="HOST:PORT,HOST:PORT[,...]",
-                           help="generate through a chain of workers, first shard first")
+                           help="generate through a chain of workers, first shard first (the TLS "
+                           "options apply to every worker)")
     p.add_argument("--tls-ca", type=Path, metavar="PEM",
                    help="connect with TLS, trusting this CA bundle")
     p.add_argument("--tls-cert", type=Path, metavar="PEM",
