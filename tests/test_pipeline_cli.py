@@ -123,3 +123,15 @@ async def test_client_disconnect_frees_every_shard(how: str) -> None:
                         break
                     await trio.sleep(0.1)
             await assert_all_free(chain)
+
+
+async def test_a_hop_failing_mid_generation_is_a_clear_error() -> None:
+    async with shards(THREE, fail_at_step={2: 20}) as chain:
+        out = await run_cli(
+            "generate", "--pipeline", ",".join(w.target for w in chain), "--max-tokens", "50", PROMPT
+        )
+        await assert_all_free(chain[:2])
+    assert out.returncode == 1
+    err = out.stderr.decode()
+    assert f"ENGINE_FAILURE: hop 2 ({chain[2].target}, layers [3, 4))" in err, err
+    assert "Traceback" not in err
