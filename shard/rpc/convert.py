@@ -189,13 +189,13 @@ def capabilities_to_proto(
         bos_token_id=-1 if caps.bos_token_id is None else caps.bos_token_id,
         eos_token_id=-1 if caps.eos_token_id is None else caps.eos_token_id,
         hidden_dtype=caps.hidden_dtype,
+        hidden_wire_dtypes=list(WIRE_DTYPES),
         mtp_enabled=caps.mtp.enabled,
         mtp_max_draft_tokens=caps.mtp.max_draft_tokens,
         aux_state_kinds=[k.value for k in caps.aux_state.kinds],
         max_message_bytes=max_message_bytes,
         max_credit=max_credit,
         resume_ttl_ms=resume_ttl_ms,
-        hidden_wire_dtypes=list(WIRE_DTYPES),
     )
 
 

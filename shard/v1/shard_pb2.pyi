@@ -96,7 +96,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "hidden_wire_dtypes")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -113,13 +113,13 @@ class GetCapabilitiesResponse(_message.Message):
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_WIRE_DTYPES_FIELD_NUMBER: _ClassVar[int]
     MTP_ENABLED_FIELD_NUMBER: _ClassVar[int]
     MTP_MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AUX_STATE_KINDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CREDIT_FIELD_NUMBER: _ClassVar[int]
     RESUME_TTL_MS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_WIRE_DTYPES_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -136,14 +136,14 @@ class GetCapabilitiesResponse(_message.Message):
     bos_token_id: int
     eos_token_id: int
     hidden_dtype: str
+    hidden_wire_dtypes: _containers.RepeatedScalarFieldContainer[str]
     mtp_enabled: bool
     mtp_max_draft_tokens: int
     aux_state_kinds: _containers.RepeatedScalarFieldContainer[str]
     max_message_bytes: int
     max_credit: int
     resume_ttl_ms: int
-    hidden_wire_dtypes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("version",)
