@@ -13,11 +13,13 @@ import logging
 import os
 import ssl
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
+    from collections.abc import Awaitable
+
     import trio
 
     from shard.rpc.server import RunningServer
@@ -62,19 +64,6 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
-
-
-def _targets(text: str) -> list[str]:
-    """HOST:PORT,HOST:PORT[,...] for --pipeline: every entry checked like --target."""
-    entries = [entry.strip() for entry in text.split(",")]
-    if any(not entry for entry in entries):
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT[,HOST:PORT...] without empty entries, got {text!r}")
-    for entry in entries:
-        try:
-            _target(entry)
-        except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {entry!r} in {text!r}") from None
-    return entries
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,6 +295,8 @@ async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.pipeline:
+        return _cmd_generate_pipeline(args)
     import trio
 
     try:
@@ -313,9 +304,69 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ssl.SSLError) as exc:
         return _fail(f"TLS set-up failed: {exc}", 2)
 
+    from shard.client import ShardClient, ShardError
+    from shard.v1 import shard_pb2 as pb
+
+    async def run() -> int:
+        text: list[str] = []
+        tokens: list[int] = []
+        finish = pb.FINISH_REASON_UNSPECIFIED
+        async with ShardClient.connect(
+            args.target, timeout=args.timeout, ssl_context=ssl_context
+        ) as client:
+            async for chunk in client.generate_text(
+                args.prompt,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                seed=args.seed,
+            ):
+                tokens.append(chunk.token_id)
+                text.append(chunk.text)
+                finish = chunk.finish_reason or finish
+                if not args.json and chunk.text:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        if args.json:
+            reason = pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+            print(json.dumps({"text": "".join(text), "tokens": tokens, "finish_reason": reason}))
+        else:
+            sys.stdout.write("\n")
+        return 0
+
+    try:
+        return trio.run(run)
+    except ShardError as exc:
+        return _fail(str(exc))
+
+
+# ---- generate --pipeline (docs/pipelines.md) -----------------------------------------------
+
+
+def _targets(text: str) -> list[str]:
+    """HOST:PORT,HOST:PORT[,...] for --pipeline: every entry checked like --target."""
+    entries = [entry.strip() for entry in text.split(",")]
+    if any(not entry for entry in entries):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT[,HOST:PORT...] without empty entries, got {text!r}")
+    for entry in entries:
+        try:
+            _target(entry)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {entry!r} in {text!r}") from None
+    return entries
+
+
+def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
+    """``generate --pipeline``: the same output as one worker's generate, from a chain."""
     import codecs
 
-    from shard.client import ShardClient, ShardError
+    import trio
+
+    try:
+        ssl_context = _client_ssl_context(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"TLS set-up failed: {exc}", 2)
+
+    from shard.client import ShardError
     from shard.pipeline import Pipeline
     from shard.v1 import shard_pb2 as pb
 
@@ -325,7 +376,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def emit(step: pb.StepResult) -> None:
-        """One generated token: the same output whether one worker or a pipeline made it."""
+        """One token, printed as the single-worker generate prints it."""
         nonlocal finish
         finish = step.finish_reason or finish
         piece = decoder.decode(step.logits.piece, final=step.finish_reason != pb.FINISH_REASON_UNSPECIFIED)
@@ -335,35 +386,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-    async def generate() -> bool:
+    async def run() -> bool:
         """Generate; True when Ctrl-C interrupted it (after every session was released)."""
-        if args.pipeline:
-            async with Pipeline.connect(
-                args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
-                ssl_context=ssl_context,
-            ) as pipe:
-                return await _until_sigint(functools.partial(
-                    pipe.generate, args.prompt, max_tokens=args.max_tokens,
-                    temperature=args.temperature, seed=args.seed,
-                    chunk_tokens=args.chunk_tokens, on_token=emit,
-                ))
-        async with ShardClient.connect(
-            args.target, timeout=args.timeout, ssl_context=ssl_context
-        ) as client:
-
-            async def one_worker() -> None:
-                async for step in client.generate(
-                    args.prompt,
-                    max_tokens=args.max_tokens,
-                    temperature=args.temperature,
-                    seed=args.seed,
-                ):
-                    emit(step)
-
-            return await _until_sigint(one_worker)
+        async with Pipeline.connect(
+            args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
+            ssl_context=ssl_context,
+        ) as pipe:
+            return await _until_sigint(functools.partial(
+                pipe.generate, args.prompt, max_tokens=args.max_tokens,
+                temperature=args.temperature, seed=args.seed,
+                chunk_tokens=args.chunk_tokens, on_token=emit,
+            ))
 
     try:
-        if trio.run(generate):
+        if trio.run(run):
             return 130
     except ShardError as exc:
         return _fail(str(exc))
