@@ -424,12 +424,13 @@ def test_float16_encoding_refuses_overflow_instead_of_sending_infinities() -> No
 async def test_a_chunk_larger_than_a_message_is_refused_before_any_work() -> None:
     from shard.rpc.transport import TransportLimits
 
-    async with shards(cuts_to_ranges([0, 2, 4]), transport_limits=TransportLimits(max_message_bytes=4096)) as chain:
+    limits = TransportLimits(max_message_bytes=16384)
+    async with shards(cuts_to_ranges([0, 2, 4]), transport_limits=limits) as chain:
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
             with pytest.raises(PipelineError) as info:
-                await pipe.generate(PROMPT, max_tokens=2, chunk_tokens=200)
+                await pipe.generate(PROMPT, max_tokens=2, chunk_tokens=600)
             assert info.value.code == ErrorCode.INVALID_ARGUMENT and info.value.hop_index == 1
-            assert "6400-byte" in info.value.message
+            assert "19200-byte" in info.value.message
             got = await pipe.generate(PROMPT, max_tokens=2, chunk_tokens=16)
             assert len(got.tokens) == 2
         assert all(w.engine.metrics().sessions_opened_total == 1 for w in chain)
