@@ -13,6 +13,11 @@ unpipelined baseline: each shard waits for the whole prompt of the shard before 
 
     python -m bench.pipeline_prefill [--engine fake|llama] [--shards 3] [--prompt 256]
         [--chunks 256,64,32,16,8] [--rounds 3] [--latency 0.002] [--preset bench]
+    python -m bench.pipeline_prefill --engine llama --float16-agreement 32 [--shards 2]
+
+``--float16-agreement N`` instead compares N greedy tokens generated with float32 and with
+float16 hidden states on the wire (how many agree, the first that differs, the largest
+top-8 log-probability difference on the steps before it).
 
 Timing lives here, never in tests.
 """
@@ -76,8 +81,32 @@ def llama_engines(args: argparse.Namespace) -> list[tuple[ShardEngine, LoadSpec]
     return out
 
 
+async def float16_agreement(targets: list[str], n_tokens: int) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog."
+    runs = {}
+    for dtype in ("float32", "float16"):
+        async with Pipeline.connect(targets, timeout=600, hidden_dtype=dtype) as pipe:
+            runs[dtype] = await pipe.generate(prompt, max_tokens=n_tokens, ignore_eos=True, top_logprobs=8)
+    a, b = runs["float32"], runs["float16"]
+    first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
+    agreeing = a.steps if first is None else a.steps[:first]
+    worst = max(
+        (abs(p.logprob - q.logprob)
+         for s, t in zip(agreeing, b.steps)
+         for p, q in zip(s.logits.top, t.logits.top) if p.token_id == q.token_id),
+        default=0.0,
+    )
+    same = sum(x == y for x, y in zip(a.tokens, b.tokens))
+    print(f"float16 vs float32 hidden states, {n_tokens} greedy tokens: {same} equal, first "
+          f"difference at token {first}, max |logprob diff| before it {worst:.2e}")
+
+
 async def run(args: argparse.Namespace) -> None:
     engines = fake_engines(args) if args.engine == "fake" else llama_engines(args)
+    if args.float16_agreement:
+        async with workers(engines) as targets:
+            await float16_agreement(targets, args.float16_agreement)
+        return
     chunks = [int(c) for c in args.chunks.split(",")]
     prompt = [1, *[3 + (i * 7) % 200 for i in range(args.prompt - 1)]]
     times: dict[int, list[float]] = {c: [] for c in chunks}
@@ -108,6 +137,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--latency", type=float, default=0.002, help="fake: seconds per position per shard")
     p.add_argument("--preset", default="bench", help="llama: model preset (bench or tiny)")
+    p.add_argument("--float16-agreement", type=int, default=0, metavar="N",
+                   help="compare N greedy tokens with float32 and float16 hidden states instead")
     trio.run(run, p.parse_args())
 
 
