@@ -42,7 +42,7 @@ import math
 import secrets
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,17 +349,16 @@ class Pipeline:
         async def first(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None) -> None:
             hop, session = hops[0], sessions[0]
             with _Blame(hop, failures, nursery.cancel_scope):
-                steps = session.prefill_chunks(
-                    tokens, text=text, chunk_tokens=chunk_tokens, sampling=params,
-                    top_logprobs=top_logprobs,
-                )
-                async for step in steps:
-                    if out is None:
-                        last[:] = [step]
-                    else:
-                        await out.send(_hidden(step, hop, session))
-                if out is not None:
-                    await out.aclose()
+                async with out if out is not None else nullcontext():  # closing ends the next hop
+                    steps = session.prefill_chunks(
+                        tokens, text=text, chunk_tokens=chunk_tokens, sampling=params,
+                        top_logprobs=top_logprobs,
+                    )
+                    async for step in steps:
+                        if out is None:
+                            last[:] = [step]
+                        else:
+                            await out.send(_hidden(step, hop, session))
 
         async def later(
             k: int,
@@ -368,17 +367,16 @@ class Pipeline:
         ) -> None:
             hop, session = hops[k], sessions[k]
             with _Blame(hop, failures, nursery.cancel_scope):
-                async for position, rows in inbox:
-                    step = await session.prefill(
-                        hidden_states=rows, position=position, sampling=params,
-                        top_logprobs=top_logprobs,
-                    )
-                    if out is None:
-                        last[:] = [step]
-                    else:
-                        await out.send(_hidden(step, hop, session))
-                if out is not None:
-                    await out.aclose()
+                async with inbox, out if out is not None else nullcontext():
+                    async for position, rows in inbox:
+                        step = await session.prefill(
+                            hidden_states=rows, position=position, sampling=params,
+                            top_logprobs=top_logprobs,
+                        )
+                        if out is None:
+                            last[:] = [step]
+                        else:
+                            await out.send(_hidden(step, hop, session))
 
         with unwrap_single_exception():
             async with trio.open_nursery() as nursery:
