@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
+    from collections.abc import Awaitable
+
     import trio
 
     from shard.rpc.auth import TokenAuthenticator
@@ -218,10 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser(
         "generate", help="generate text from a running worker",
-        description="Stream generated text from a worker serving a whole model.",
+        description="Stream generated text from a worker serving a whole model, or with "
+        "--pipeline from a chain of workers serving consecutive layer ranges of one model "
+        "(see docs/pipelines.md).",
     )
     gen.add_argument("prompt", metavar="PROMPT", help="prompt text")
-    _add_target(gen)
+    _add_target(gen, pipeline=True)
     gen.add_argument("--max-tokens", type=_positive_int, default=64,
                      help="most tokens to generate (default: 64)")
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
@@ -231,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="deadline in seconds for the whole call (default: 60)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object with 'text' and 'tokens' instead of streaming")
+    gen.add_argument("--hidden-dtype", choices=["float32", "float16"], default="float32",
+                     help="with --pipeline: hidden states on the wire; float16 halves the bytes "
+                     "on hops whose worker offers it (default: float32)")
+    gen.add_argument("--chunk-tokens", type=_positive_int, default=32,
+                     help="with --pipeline: prefill chunk size in tokens; shard k+1 computes "
+                     "chunk i while shard k computes chunk i+1 (default: 32)")
 
     caps = sub.add_parser("caps", help="show what a running worker serves")
     _add_target(caps)
@@ -289,9 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}",
-                   help=f"worker address HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
+def _add_target(p: argparse.ArgumentParser, *, pipeline: bool = False) -> None:
+    where = p.add_mutually_exclusive_group() if pipeline else p
+    where.add_argument("--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}",
+                       help=f"worker address HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
+    if pipeline:
+        where.add_argument("--pipeline", type=_targets, metavar="HOST:PORT,HOST:PORT[,...]",
+                           help="generate through a chain of workers, first shard first (the TLS "
+                           "options apply to every worker)")
     p.add_argument("--tls-ca", type=Path, metavar="PEM",
                    help="connect with TLS, trusting this CA bundle")
     p.add_argument("--tls-cert", type=Path, metavar="PEM",
@@ -549,6 +564,8 @@ async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.pipeline:
+        return _cmd_generate_pipeline(args)
     import trio
 
     try:
@@ -587,6 +604,108 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return trio.run(run)
     except ShardError as exc:
         return _fail(str(exc))
+
+
+# ---- generate --pipeline (docs/pipelines.md) -----------------------------------------------
+
+
+def _targets(text: str) -> list[str]:
+    """HOST:PORT,HOST:PORT[,...] for --pipeline: every entry checked like --target."""
+    entries = [entry.strip() for entry in text.split(",")]
+    if any(not entry for entry in entries):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT[,HOST:PORT...] without empty entries, got {text!r}")
+    for entry in entries:
+        try:
+            _target(entry)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {entry!r} in {text!r}") from None
+    return entries
+
+
+def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
+    """``generate --pipeline``: the same output as one worker's generate, from a chain."""
+    import codecs
+
+    import trio
+
+    try:
+        ssl_context = _client_ssl_context(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"TLS set-up failed: {exc}", 2)
+
+    from shard.client import ShardError
+    from shard.pipeline import Pipeline
+    from shard.v1 import shard_pb2 as pb
+
+    text: list[str] = []
+    tokens: list[int] = []
+    finish = pb.FINISH_REASON_UNSPECIFIED
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def emit(step: pb.StepResult) -> None:
+        """One token, printed as the single-worker generate prints it."""
+        nonlocal finish
+        finish = step.finish_reason or finish
+        piece = decoder.decode(step.logits.piece, final=step.finish_reason != pb.FINISH_REASON_UNSPECIFIED)
+        tokens.append(step.logits.token_id)
+        text.append(piece)
+        if not args.json and piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    async def run() -> bool:
+        """Generate; True when Ctrl-C interrupted it (after every session was released)."""
+        async with Pipeline.connect(
+            args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
+            ssl_context=ssl_context,
+        ) as pipe:
+            return await _until_sigint(functools.partial(
+                pipe.generate, args.prompt, max_tokens=args.max_tokens,
+                temperature=args.temperature, seed=args.seed,
+                chunk_tokens=args.chunk_tokens, on_token=emit,
+            ))
+
+    try:
+        if trio.run(run):
+            return 130
+    except ShardError as exc:
+        return _fail(str(exc))
+    if args.json:
+        reason = pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+        print(json.dumps({"text": "".join(text), "tokens": tokens, "finish_reason": reason}))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+async def _until_sigint(fn: Callable[[], Awaitable[object]]) -> bool:
+    """Run ``fn``; Ctrl-C (SIGINT) *cancels* it and returns True.
+
+    Why not Trio's KeyboardInterrupt: it can land in any task, e.g. a connection's reader, and
+    kill the connection before the cleanup (reset the streams, Release the sessions) can use it.
+    A cancellation inside the connection's block runs that cleanup in order.
+    """
+    import signal
+
+    import trio
+
+    from shard.rpc.errors import unwrap_single_exception
+
+    interrupted = False
+    with unwrap_single_exception(), trio.open_signal_receiver(signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def cancel_on_signal() -> None:
+                nonlocal interrupted
+                async for _ in signals:
+                    interrupted = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(cancel_on_signal)
+            await fn()
+            nursery.cancel_scope.cancel()
+    return interrupted
 
 
 def _cmd_caps(args: argparse.Namespace) -> int:

@@ -32,7 +32,10 @@ internals stay in one module; this module adds the calls, sessions and typed err
   stops reading pauses the worker instead of filling buffers.
 
 Resource handling: ``connect()`` owns a nursery with the connection's reader and writer tasks
-and closes the socket on exit; each call owns one HTTP/2 stream and frees it when it ends.
+and closes the socket on exit; each call owns one HTTP/2 stream and frees it when it ends. The
+connection tasks are shielded until the ``connect()`` block ends, so a caller cancelled from
+outside still resets its streams (and can release sessions) instead of dropping the connection,
+which would make the worker retain them.
 """
 
 from __future__ import annotations
@@ -154,8 +157,17 @@ class ShardClient:
                 conn = ClientConnection(
                     stream, f"{host}:{port}", "https" if ssl_context else "http", SERVICE
                 )
+                # Shielded: a cancellation of the caller's scope must not kill the connection
+                # before the caller's cleanup (and goodbye below) used it to reset its streams
+                # and release sessions. It stops when this block ends, not before.
+                conn_scope = trio.CancelScope(shield=True)
+
+                async def run_connection(task_status: trio.TaskStatus[None]) -> None:
+                    with conn_scope:
+                        await conn.run(task_status=task_status)
+
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(conn.run)
+                    await nursery.start(run_connection)
                     try:
                         yield cls(conn, timeout=timeout, metadata=metadata, version=version)
                     finally:
@@ -163,7 +175,7 @@ class ShardClient:
                         with trio.move_on_after(1.0) as scope:  # send RST/GOAWAY, bounded
                             scope.shield = True
                             await conn.drain()
-                        nursery.cancel_scope.cancel()
+                        conn_scope.cancel()
 
     # ---- unary calls ---------------------------------------------------------------------
 
@@ -241,6 +253,7 @@ class ShardClient:
         step_timeout: float | None = None,
         expected_model_fingerprint: str = "",
         expected_layer_range: tuple[int, int] | None = None,
+        hidden_wire_dtype: str = "",
         timeout: float | None = _DEFAULT,
     ) -> ClientSession:
         """Open a session stream and return it (prefer ``session()``, which also closes it).
@@ -254,6 +267,7 @@ class ShardClient:
             kv_budget=kv_budget,
             initial_credit=credit,
             step_timeout_ms=0 if step_timeout is None else max(1, round(step_timeout * 1000)),
+            hidden_wire_dtype=hidden_wire_dtype,
         )
         if cache is not None:
             open_msg.cache.CopyFrom(cache)
@@ -281,14 +295,16 @@ class ShardClient:
         step_timeout: float | None = None,
         expected_model_fingerprint: str = "",
         expected_layer_range: tuple[int, int] | None = None,
+        hidden_wire_dtype: str = "",
         timeout: float | None = _DEFAULT,
     ) -> AsyncIterator[ClientSession]:
         """Open a session stream for the block (``session_id`` defaults to a random id).
 
         ``cache``: resume a retained session (see ``cache_expectation``); the outcome is in
         ``session.cache``. ``credit``: results the worker may send ahead (0: its default).
-        ``step_timeout``: per-step deadline in seconds. ``timeout``: deadline of the whole
-        stream. Leaving the block normally closes the session (released, unless
+        ``step_timeout``: per-step deadline in seconds. ``hidden_wire_dtype``: ask for
+        "float16" hidden states (see ``session.hidden_dtype`` for what the worker agreed to).
+        ``timeout``: deadline of the whole stream. Leaving the block normally closes the session (released, unless
         ``close(retain=True)`` was called); leaving it with an exception or a cancellation
         resets the stream, which releases the session on the worker.
         """
@@ -300,6 +316,7 @@ class ShardClient:
             step_timeout=step_timeout,
             expected_model_fingerprint=expected_model_fingerprint,
             expected_layer_range=expected_layer_range,
+            hidden_wire_dtype=hidden_wire_dtype,
             timeout=timeout,
         )
         try:
@@ -385,6 +402,11 @@ class ClientSession:
         self._outstanding = 0  # credit granted and not yet used by a result
         self._serial = 0  # requests sent; a StepStream only reads its own request's results
         self._pending = False  # the last request's Usage has not been read (a generate left early)
+
+    @property
+    def hidden_dtype(self) -> str:
+        """Wire dtype of this session's hidden states (the worker's answer to the request)."""
+        return self.opened.hidden_wire_dtype or convert.HIDDEN_DTYPE
 
     @property
     def cache(self) -> pb.CacheResult:
@@ -500,6 +522,29 @@ class ClientSession:
 
     # ---- steps -----------------------------------------------------------------------------
 
+    def _prefill_msg(
+        self,
+        tokens: Sequence[int] | None,
+        text: str | None,
+        hidden_states: np.ndarray | None,
+        position: int | None,
+        sampling: pb.SamplingParams | None,
+        top_logprobs: int,
+        chunk_tokens: int = 0,
+    ) -> pb.SessionRequest:
+        p = pb.Prefill(top_logprobs=top_logprobs, chunk_tokens=chunk_tokens)
+        if tokens is not None:
+            p.tokens.ids.extend(tokens)
+        elif text is not None:
+            p.text = text
+        elif hidden_states is not None:
+            p.hidden_states.CopyFrom(convert.array_to_tensor(hidden_states, self.hidden_dtype))
+        if position is not None:
+            p.position.value = position
+        if sampling is not None:
+            p.sampling.CopyFrom(sampling)
+        return self._request(prefill=p)
+
     async def prefill(
         self,
         tokens: Sequence[int] | None = None,
@@ -510,20 +555,32 @@ class ClientSession:
         sampling: pb.SamplingParams | None = None,
         top_logprobs: int = 0,
     ) -> pb.StepResult:
-        """Write a prompt (token ids, text, or float32 [n, n_embd] hidden states) at
-        ``position`` (default: append at the session's end)."""
-        p = pb.Prefill(top_logprobs=top_logprobs)
-        if tokens is not None:
-            p.tokens.ids.extend(tokens)
-        elif text is not None:
-            p.text = text
-        elif hidden_states is not None:
-            p.hidden_states.CopyFrom(convert.array_to_tensor(hidden_states))
-        if position is not None:
-            p.position.value = position
-        if sampling is not None:
-            p.sampling.CopyFrom(sampling)
-        return await self._one_step(self._request(prefill=p))
+        """Write a prompt (token ids, text, or float32 [n, n_embd] hidden states, sent in
+        ``hidden_dtype``) at ``position`` (default: append at the session's end)."""
+        return await self._one_step(
+            self._prefill_msg(tokens, text, hidden_states, position, sampling, top_logprobs)
+        )
+
+    def prefill_chunks(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        chunk_tokens: int,
+        text: str | None = None,
+        hidden_states: np.ndarray | None = None,
+        position: int | None = None,
+        sampling: pb.SamplingParams | None = None,
+        top_logprobs: int = 0,
+    ) -> StepStream:
+        """Like ``prefill``, but the worker computes ``chunk_tokens`` positions at a time and
+        sends each chunk's result as soon as it is done: iterate for one ``StepResult`` per
+        chunk (``start_position`` says where it went)."""
+        if chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be >= 1")
+        return StepStream(
+            self,
+            self._prefill_msg(tokens, text, hidden_states, position, sampling, top_logprobs, chunk_tokens),
+        )
 
     async def decode(
         self,
@@ -538,7 +595,7 @@ class ClientSession:
         if token is not None:
             d.token = token
         elif hidden_state is not None:
-            d.hidden_state.CopyFrom(convert.array_to_tensor(hidden_state))
+            d.hidden_state.CopyFrom(convert.array_to_tensor(hidden_state, self.hidden_dtype))
         if sampling is not None:
             d.sampling.CopyFrom(sampling)
         return await self._one_step(self._request(decode=d))

@@ -26,7 +26,10 @@ from shard.v1 import shard_pb2 as pb
 from .errors import ErrorCode, ShardError
 from .versions import supported_proto
 
-HIDDEN_DTYPE = "float32"
+HIDDEN_DTYPE = "float32"  # what the engine computes in, and the default on the wire
+#: Hidden-state dtypes a worker accepts and sends (little-endian). float16 halves the bytes per
+#: token; the engine never sees it: conversion happens here, at the RPC edge.
+WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 
 
 def invalid(message: str, session_id: str = "") -> ShardError:
@@ -49,25 +52,74 @@ def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "") -> Samplin
         raise invalid(exc.message, session_id) from None
 
 
-def tensor_to_array(msg: pb.Tensor, n_embd: int, session_id: str = "") -> np.ndarray:
-    """A little-endian float32 [n, n_embd] tensor; shape, dtype and size are checked here."""
-    if msg.dtype != HIDDEN_DTYPE:
-        raise invalid(f"hidden states must have dtype {HIDDEN_DTYPE!r}, got {msg.dtype!r}", session_id)
+def wire_dtype(name: str, session_id: str = "") -> str:
+    """The session's hidden-state wire dtype from ``OpenSession.hidden_wire_dtype`` ("" =
+    float32); an unknown name is INVALID_ARGUMENT."""
+    if not name:
+        return HIDDEN_DTYPE
+    if name not in WIRE_DTYPES:
+        raise invalid(
+            f"hidden_wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {name!r}", session_id
+        )
+    return name
+
+
+def tensor_to_array(
+    msg: pb.Tensor,
+    n_embd: int,
+    session_id: str = "",
+    *,
+    dtype: str = HIDDEN_DTYPE,
+    rows: int | None = None,
+) -> np.ndarray:
+    """A float32 [n, n_embd] array from a tensor that must be in the session's wire ``dtype``.
+
+    Checked on receipt, before anything reaches the engine: dtype, shape, ``rows`` (when the
+    caller knows how many positions it needs), byte size, and finite values (a NaN or an
+    infinity would poison every later position of the session).
+    """
+    if msg.dtype != dtype:
+        raise invalid(f"hidden states on this session must have dtype {dtype!r}, got {msg.dtype!r}", session_id)
     shape = tuple(msg.shape)
     if len(shape) != 2 or shape[0] == 0 or shape[1] != n_embd:
         raise invalid(f"hidden states must have shape [n>0, {n_embd}], got {list(shape)}", session_id)
-    expected = shape[0] * shape[1] * 4
+    if rows is not None and shape[0] != rows:
+        raise invalid(f"expected {rows} hidden-state row(s), got {shape[0]}", session_id)
+    wire = WIRE_DTYPES[dtype]
+    expected = shape[0] * shape[1] * wire.itemsize
     if len(msg.data) != expected:
         raise invalid(
-            f"hidden-state data holds {len(msg.data)} bytes, shape {list(shape)} needs {expected}",
+            f"hidden-state data holds {len(msg.data)} bytes, shape {list(shape)} in {dtype} "
+            f"needs {expected}",
             session_id,
         )
-    return np.frombuffer(msg.data, dtype="<f4").astype(np.float32).reshape(shape)
+    arr = np.frombuffer(msg.data, dtype=wire).astype(np.float32).reshape(shape)
+    if not np.isfinite(arr).all():
+        raise invalid("hidden states contain NaN or infinite values", session_id)
+    return arr
 
 
-def array_to_tensor(arr: np.ndarray) -> pb.Tensor:
-    a = np.ascontiguousarray(arr, dtype="<f4")
-    return pb.Tensor(data=a.tobytes(), shape=list(a.shape), dtype=HIDDEN_DTYPE)
+def array_to_tensor(arr: np.ndarray, dtype: str = HIDDEN_DTYPE) -> pb.Tensor:
+    """Encode hidden states for the wire in ``dtype``.
+
+    Finite float32 values beyond float16's range (about 65504) would arrive as infinities and be
+    refused by the receiver; they are refused here instead (INVALID_ARGUMENT, reason
+    ``FLOAT16_OVERFLOW``: use float32 for this model). Non-finite input is sent as it is: the
+    receiver decides (tests rely on being able to send it).
+    """
+    wire = WIRE_DTYPES.get(dtype)
+    if wire is None:
+        raise invalid(f"unknown hidden-state wire dtype {dtype!r}")
+    src = np.asarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):  # overflow is detected below, with a clear error
+        a = np.ascontiguousarray(src, dtype=wire)
+    if dtype != HIDDEN_DTYPE and not np.array_equal(np.isfinite(a), np.isfinite(src)):
+        raise ShardError(
+            ErrorCode.INVALID_ARGUMENT,
+            f"hidden states exceed the {dtype} range; use float32 on the wire",
+            reason="FLOAT16_OVERFLOW",
+        )
+    return pb.Tensor(data=a.tobytes(), shape=list(a.shape), dtype=dtype)
 
 
 def prefix_sha256(tokens: Iterable[int]) -> bytes:
@@ -87,7 +139,9 @@ def cache_expectation(tokens: Iterable[int]) -> pb.CacheExpectation:
 # ---- results -------------------------------------------------------------------------------
 
 
-def step_to_proto(result: StepResult, step: int, start_position: int) -> pb.StepResult:
+def step_to_proto(
+    result: StepResult, step: int, start_position: int, hidden_dtype: str = HIDDEN_DTYPE
+) -> pb.StepResult:
     msg = pb.StepResult(
         step=step,
         n_past=result.n_past,
@@ -107,7 +161,7 @@ def step_to_proto(result: StepResult, step: int, start_position: int) -> pb.Step
             )
         )
     elif result.boundary is not None:
-        msg.hidden_states.CopyFrom(array_to_tensor(result.boundary.hidden_states))
+        msg.hidden_states.CopyFrom(array_to_tensor(result.boundary.hidden_states, hidden_dtype))
     return msg
 
 
@@ -135,6 +189,7 @@ def capabilities_to_proto(
         bos_token_id=-1 if caps.bos_token_id is None else caps.bos_token_id,
         eos_token_id=-1 if caps.eos_token_id is None else caps.eos_token_id,
         hidden_dtype=caps.hidden_dtype,
+        hidden_wire_dtypes=list(WIRE_DTYPES),
         mtp_enabled=caps.mtp.enabled,
         mtp_max_draft_tokens=caps.mtp.max_draft_tokens,
         aux_state_kinds=[k.value for k in caps.aux_state.kinds],
@@ -164,4 +219,6 @@ __all__ = [
     "sampling_from_proto",
     "step_to_proto",
     "tensor_to_array",
+    "wire_dtype",
+    "WIRE_DTYPES",
 ]

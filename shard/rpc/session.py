@@ -175,6 +175,7 @@ class SessionCall:
         self._step_active = AsyncBool(False)
         self._owns_engine_session = False  # the engine session exists and is ours to free
         self._caps: Capabilities | None = None
+        self._wire_dtype = convert.HIDDEN_DTYPE  # hidden states on the wire, both directions
         self._kv_capacity = 0
         self._step_timeout = math.inf
         self._end = 0  # logical end of the session (positions the client may build on)
@@ -333,6 +334,7 @@ class SessionCall:
         if self._registry.draining:
             raise ShardError(ErrorCode.DRAINING, session_id=sid)
         self._check_model(req, caps, sid)
+        wire_dtype = convert.wire_dtype(req.hidden_wire_dtype, sid)
         if req.kv_budget > caps.n_ctx_per_session:
             raise convert.invalid(
                 f"kv_budget {req.kv_budget} exceeds n_ctx_per_session {caps.n_ctx_per_session}", sid
@@ -341,6 +343,7 @@ class SessionCall:
         retained = self._registry.claim(sid, self, resuming=expectation is not None)
         self.session_id = sid  # claimed: from here on the cleanup frees or returns it
         self._caps = caps
+        self._wire_dtype = wire_dtype
         self._step_timeout = req.step_timeout_ms / 1000 if req.step_timeout_ms else math.inf
         cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
         credit = min(req.initial_credit or self._limits.default_credit, self._limits.max_credit)
@@ -355,6 +358,8 @@ class SessionCall:
                     n_past=self._end,
                     credit=credit,
                     version=current_proto(),
+                    # echoed only when asked, so that v1.0 clients see the same bytes as before
+                    hidden_wire_dtype=wire_dtype if req.hidden_wire_dtype else "",
                 )
             )
         )
@@ -543,6 +548,8 @@ class SessionCall:
         self._step_active.value = False
 
     async def _prefill(self, p: pb.Prefill, usage: pb.Usage) -> None:
+        """One StepResult for the whole input, or one per ``chunk_tokens`` positions, each sent
+        as soon as it is computed (a failed chunk leaves the earlier chunks in the session)."""
         caps, sid = self._require_caps(), self.session_id
         position = p.position.value if p.HasField("position") else self._end
         if position > self._end:
@@ -555,18 +562,23 @@ class SessionCall:
         elif which == "text":
             tokens = self._tokenize(p.text, add_bos=position == 0)
         elif which == "hidden_states":
-            hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid)
+            hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid, dtype=self._wire_dtype)
         else:
             raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
-        await self._take_credit()
-        result = await self._prefill_one(
-            PrefillRequest(
-                sid, tokens, hidden, position=position, sampling=sampling,
-                top_k_logprobs=p.top_logprobs,
-            ),
-            usage,
-        )
-        await self._send_step(result, position)
+        n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        chunk = p.chunk_tokens or max(n, 1)
+        for offset in range(0, max(n, 1), chunk):
+            await self._take_credit()
+            result = await self._prefill_one(
+                PrefillRequest(
+                    sid,
+                    None if tokens is None else tokens[offset : offset + chunk],
+                    None if hidden is None else hidden[offset : offset + chunk],
+                    position=position + offset, sampling=sampling, top_k_logprobs=p.top_logprobs,
+                ),
+                usage,
+            )
+            await self._send_step(result, position + offset)
 
     async def _prefill_one(self, request: PrefillRequest, usage: pb.Usage) -> StepResult:
         """One engine prefill, counted in ``usage`` (prompt and reused tokens)."""
@@ -582,9 +594,9 @@ class SessionCall:
         if which == "token":
             token, hidden = d.token, None
         elif which == "hidden_state":
-            token, hidden = None, convert.tensor_to_array(d.hidden_state, caps.n_embd, sid)
-            if hidden.shape[0] != 1:
-                raise convert.invalid("Decode takes exactly one hidden-state row", sid)
+            token, hidden = None, convert.tensor_to_array(
+                d.hidden_state, caps.n_embd, sid, dtype=self._wire_dtype, rows=1
+            )
         else:
             raise convert.invalid("Decode needs a token or a hidden_state", sid)
         await self._take_credit()
@@ -715,8 +727,8 @@ class SessionCall:
     async def _send_step(
         self, result: StepResult, start: int, finish: int = pb.FINISH_REASON_UNSPECIFIED
     ) -> None:
+        msg = convert.step_to_proto(result, self._step_no + 1, start, self._wire_dtype)
         self._step_no += 1
-        msg = convert.step_to_proto(result, self._step_no, start)
         msg.finish_reason = finish  # type: ignore[assignment]
         self._registry.count("steps_sent_total")
         await self._send(pb.SessionResponse(step=msg))

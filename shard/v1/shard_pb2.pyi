@@ -96,7 +96,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class GetCapabilitiesResponse(_message.Message):
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_WIRE_DTYPES_FIELD_NUMBER: _ClassVar[int]
     MTP_ENABLED_FIELD_NUMBER: _ClassVar[int]
     MTP_MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AUX_STATE_KINDS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +137,7 @@ class GetCapabilitiesResponse(_message.Message):
     bos_token_id: int
     eos_token_id: int
     hidden_dtype: str
+    hidden_wire_dtypes: _containers.RepeatedScalarFieldContainer[str]
     mtp_enabled: bool
     mtp_max_draft_tokens: int
     aux_state_kinds: _containers.RepeatedScalarFieldContainer[str]
@@ -143,7 +145,7 @@ class GetCapabilitiesResponse(_message.Message):
     max_credit: int
     resume_ttl_ms: int
     system_info: str
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ...) -> None: ...
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("version",)
@@ -262,7 +264,7 @@ class CacheExpectation(_message.Message):
     def __init__(self, n_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "expected_model_fingerprint", "expected_layer_range", "kv_budget", "cache", "initial_credit", "step_timeout_ms")
+    __slots__ = ("session_id", "expected_model_fingerprint", "expected_layer_range", "kv_budget", "cache", "initial_credit", "step_timeout_ms", "hidden_wire_dtype")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +272,7 @@ class OpenSession(_message.Message):
     CACHE_FIELD_NUMBER: _ClassVar[int]
     INITIAL_CREDIT_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     expected_model_fingerprint: str
     expected_layer_range: LayerRange
@@ -277,7 +280,8 @@ class OpenSession(_message.Message):
     cache: CacheExpectation
     initial_credit: int
     step_timeout_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ...) -> None: ...
+    hidden_wire_dtype: str
+    def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., hidden_wire_dtype: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -314,20 +318,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs")
+    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     hidden_states: Tensor
     text: str
     position: Position
     sampling: SamplingParams
     top_logprobs: int
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    chunk_tokens: int
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class Decode(_message.Message):
     __slots__ = ("token", "hidden_state", "sampling", "top_logprobs")
@@ -410,20 +416,22 @@ class CacheResult(_message.Message):
     def __init__(self, outcome: _Optional[_Union[CacheResult.Outcome, str]] = ..., tokens_held: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "cache", "kv_capacity", "n_past", "credit", "version")
+    __slots__ = ("session_id", "cache", "kv_capacity", "n_past", "credit", "version", "hidden_wire_dtype")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache: CacheResult
     kv_capacity: int
     n_past: int
     credit: int
     version: ProtocolVersion
-    def __init__(self, session_id: _Optional[str] = ..., cache: _Optional[_Union[CacheResult, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., n_past: _Optional[int] = ..., credit: _Optional[int] = ..., version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
+    hidden_wire_dtype: str
+    def __init__(self, session_id: _Optional[str] = ..., cache: _Optional[_Union[CacheResult, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., n_past: _Optional[int] = ..., credit: _Optional[int] = ..., version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., hidden_wire_dtype: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

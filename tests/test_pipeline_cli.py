@@ -1,0 +1,137 @@
+"""``trio-shard generate --pipeline`` as a real process against live FakeEngine workers.
+
+``trio-shard serve`` only serves llama.cpp models, so the workers here run in the test process
+(real sockets, ``serve()``), and the command line runs as a separate process, the way a user
+runs it. The llama version of the same check is in ``test_pipeline_llama.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
+from shard.cli import main
+from shard.client import ShardClient
+from shard.engine import LayerRange
+from test_pipeline import PROMPT, THREE, TIMEOUT, assert_all_free, shards
+
+CLI = [sys.executable, "-m", "shard.cli", "--log-level", "WARNING"]
+
+
+async def run_cli(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return await trio.run_process(
+        [*CLI, *args], capture_stdout=True, capture_stderr=True, check=False
+    )
+
+
+async def test_generate_pipeline_json_prints_the_single_workers_tokens() -> None:
+    async with shards([LayerRange(0, 4), *THREE]) as (whole, *chain):
+        pipeline = ",".join(w.target for w in chain)
+        common = ["--json", "--max-tokens", "40", PROMPT]
+        runs = {
+            "single": ["--target", whole.target, *common],
+            "piped": ["--pipeline", pipeline, "--chunk-tokens", "3", *common],
+            "text": ["--pipeline", pipeline, "--max-tokens", "40", PROMPT],
+        }
+        out: dict[str, subprocess.CompletedProcess[bytes]] = {}
+
+        async def run(name: str) -> None:
+            out[name] = await run_cli("generate", *runs[name])
+
+        async with trio.open_nursery() as nursery:  # three processes side by side
+            for name in runs:
+                nursery.start_soon(run, name)
+        assert all(p.returncode == 0 for p in out.values()), {k: p.stderr for k, p in out.items()}
+        want, got = json.loads(out["single"].stdout), json.loads(out["piped"].stdout)
+        assert len(want["tokens"]) >= 32 or want["finish_reason"] == "eog"
+        assert got == want  # tokens, text and finish reason
+        assert out["text"].stdout.decode() == want["text"] + "\n"
+        await assert_all_free([whole, *chain])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--pipeline", "127.0.0.1:1,,127.0.0.1:2"], "without empty entries"),
+        (["--pipeline", "127.0.0.1:1,localhost"], "expected HOST:PORT, got 'localhost'"),
+        (["--pipeline", "127.0.0.1:1,h:99999"], "expected HOST:PORT, got 'h:99999'"),
+        (["--pipeline", "127.0.0.1:1", "--target", "127.0.0.1:2"], "not allowed with argument"),
+    ],
+    ids=["empty-entry", "no-port", "bad-port", "with-target"],
+)
+def test_malformed_pipeline_lists_are_usage_errors(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", *args, "hello"])
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+async def test_a_refused_chain_is_a_clear_error() -> None:
+    async with shards([LayerRange(0, 2), LayerRange(3, 4)]) as chain:
+        out = await run_cli("generate", "--pipeline", ",".join(w.target for w in chain), "hi")
+    assert out.returncode == 1
+    err = out.stderr.decode()
+    assert "INCOMPATIBLE_MODEL: hop 1" in err and "gap" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+async def test_client_disconnect_frees_every_shard(how: str) -> None:
+    """The pipeline process goes away mid-generation. SIGINT: it cancels, resets its streams and
+    releases every session itself. SIGKILL: the connections just drop; each worker retains the
+    session for resume_ttl (here 0.5 s), then frees it."""
+    async with shards(THREE, latency=0.002, resume_ttl=0.5) as chain:
+        proc = await trio.lowlevel.open_process(
+            [*CLI, "generate", "--pipeline", ",".join(w.target for w in chain),
+             "--max-tokens", "5000", PROMPT],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            with trio.fail_after(TIMEOUT):
+                while chain[2].gate.steps < 30:  # decoding through every shard
+                    await trio.sleep(0.01)
+            proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
+            with trio.fail_after(TIMEOUT):
+                code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            assert proc.stderr is not None
+            await proc.stderr.aclose()
+        assert code == (130 if how == "sigint" else -signal.SIGKILL)
+        if how == "sigint":
+            await assert_all_free(chain)  # released by the client before it exited
+        else:
+            with trio.fail_after(10):
+                while True:
+                    busy = 0
+                    for w in chain:
+                        async with ShardClient.connect(w.target, timeout=TIMEOUT) as client:
+                            m = await client.metrics()
+                        busy += m.engine["sessions_active"] + m.engine["kv_cells_used"]
+                    if not busy:
+                        break
+                    await trio.sleep(0.1)
+            await assert_all_free(chain)
+
+
+async def test_a_hop_failing_mid_generation_is_a_clear_error() -> None:
+    async with shards(THREE, fail_at_step={2: 20}) as chain:
+        out = await run_cli(
+            "generate", "--pipeline", ",".join(w.target for w in chain), "--max-tokens", "50", PROMPT
+        )
+        await assert_all_free(chain[:2])
+    assert out.returncode == 1
+    err = out.stderr.decode()
+    assert f"ENGINE_FAILURE: hop 2 ({chain[2].target}, layers [3, 4))" in err, err
+    assert "Traceback" not in err
