@@ -629,7 +629,7 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
     import trio
 
     try:
-        ssl_context = _client_ssl_context(args)
+        options = _client_options(args)
     except (ValueError, OSError, ssl.SSLError) as exc:
         return _fail(f"TLS set-up failed: {exc}", 2)
 
@@ -656,8 +656,7 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
     async def run() -> bool:
         """Generate; True when Ctrl-C interrupted it (after every session was released)."""
         async with Pipeline.connect(
-            args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
-            ssl_context=ssl_context,
+            args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype, **options,
         ) as pipe:
             return await _until_sigint(functools.partial(
                 pipe.generate, args.prompt, max_tokens=args.max_tokens,
