@@ -39,7 +39,7 @@ class _ClientH2(BoundedH2):
         # h2 3.2 refuses every frame after a GOAWAY, but a graceful GOAWAY lets the streams up
         # to last_stream_id finish: keep the machine open; ClientConnection opens no new ones.
         if event.error_code == ErrorCodes.NO_ERROR:
-            self.h2_connection.state_machine.state = ConnectionState.OPEN
+            self.h2_connection.state_machine.state = ConnectionState.CLIENT_OPEN
         return super()._connection_terminated(event)
 
 

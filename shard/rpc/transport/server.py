@@ -581,6 +581,7 @@ class Server:
         self.draining = False
         self.refused_connections = 0  # accepted and closed at once: over max_connections
         self._changed = trio.Event()  # set whenever a call ends or an outbox drains
+        self._accepting = trio.CancelScope()  # the accept loop; cancelled by drain()
 
     def add_service(self, service: purerpc.Service) -> None:
         """Register a ``purerpc.Service`` (e.g. ``servicer.service``)."""
@@ -609,9 +610,10 @@ class Server:
         self._changed = trio.Event()
 
     def drain(self) -> None:
-        """Send GOAWAY on every connection now (and on any new one): running calls go on,
-        new streams are refused with REFUSED_STREAM."""
+        """Stop accepting connections and send GOAWAY on every open one now: running calls go
+        on, new streams are refused with REFUSED_STREAM (a client retries them elsewhere)."""
         self.draining = True
+        self._accepting.cancel()
         for conn in list(self._connections):
             conn.goaway()
 
@@ -621,6 +623,12 @@ class Server:
         self.drain()
         for conn in list(self._connections):
             conn.abort_calls(EndReason.SHUTDOWN)
+
+    async def wait_calls_ended(self, method: str) -> None:
+        """Wait until no call of ``method`` (e.g. ``"/shard.v1.Shard/Session"``) is open."""
+        while any(call.ctx.method == method
+                  for conn in self._connections for call in conn.calls.values()):
+            await self._changed.wait()
 
     async def wait_flushed(self) -> None:
         """Wait until no call runs and every connection has written out what it queued.
@@ -676,7 +684,13 @@ class Server:
 
     async def _accept(self, listener: trio.abc.Listener[Any], work: trio.CancelScope) -> None:
         with work:
-            await trio.serve_listeners(self._handle, [listener])
+            async with trio.open_nursery() as connections:
+                with self._accepting:
+                    await trio.serve_listeners(
+                        self._handle, [listener], handler_nursery=connections)
+                # Draining: new connections are refused by the OS, so a client fails over at
+                # once instead of connecting to be told GOAWAY; open ones keep running.
+                await listener.aclose()
 
     async def _handle(self, stream: trio.abc.Stream) -> None:
         if len(self._connections) >= self.limits.max_connections:
