@@ -7,6 +7,7 @@ still read exactly what the server answered (GOAWAY, RST_STREAM, statuses).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,7 @@ class RawConnection:
         self.encoder, self.decoder = hpack.Encoder(), hpack.Decoder()
         self.next_stream_id = 1
         self.eof = False
+        self.answer = True  # acknowledge SETTINGS and PINGs (False: a peer that went silent)
 
     @classmethod
     async def open(cls, host: str, port: int) -> RawConnection:
@@ -100,12 +102,16 @@ class RawConnection:
             self.buffer += data
 
     async def _answer(self, frame: Any) -> None:
+        reply = b""
         if isinstance(frame, HeadersFrame):
             frame.decoded = dict(self.decoder.decode(frame.data, raw=False))
         elif isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
-            await self.send(SettingsFrame(0, flags={"ACK"}).serialize())
+            reply = SettingsFrame(0, flags={"ACK"}).serialize()
         elif isinstance(frame, PingFrame) and "ACK" not in frame.flags:
-            await self.send(PingFrame(0, data=frame.opaque_data, flags={"ACK"}).serialize())
+            reply = PingFrame(0, opaque_data=frame.opaque_data, flags={"ACK"}).serialize()
+        if reply and self.answer:
+            with contextlib.suppress(trio.BrokenResourceError):  # the server may have closed
+                await self.send(reply)
 
     async def until(self, predicate: Callable[[Any], bool], timeout: float = 10) -> Any:
         """The first frame matching ``predicate`` (frames before it are dropped)."""

@@ -228,6 +228,8 @@ class ClientConnection:
                 if s is not None:
                     s.window.set()
             return
+        if isinstance(event, Signal) and event.kind == "settings":
+            return
         if isinstance(event, Signal) and event.kind == "goaway":
             self.going_away = True  # no new calls; calls up to last_stream_id may finish
             for sid, s in list(self.streams.items()):

@@ -43,7 +43,6 @@ import purerpc
 import trio
 from google.protobuf.message import DecodeError
 from h2.errors import ErrorCodes
-from h2.events import RemoteSettingsChanged
 from purerpc.grpclib.events import (
     MessageReceived,
     RequestEnded,
@@ -358,8 +357,6 @@ class _Connection:
         if isinstance(event, WindowUpdated):
             for call in self.calls.values() if sid == 0 else filter(None, [self.calls.get(sid)]):
                 call.window.set()
-        elif isinstance(event, RemoteSettingsChanged):
-            self._greeted.set()
         elif isinstance(event, RequestReceived):
             self._start(event)
         elif isinstance(event, Signal):
@@ -373,7 +370,9 @@ class _Connection:
 
     def _signal(self, signal: Signal) -> None:
         sid, kind = signal.stream_id, signal.kind
-        if kind == "malformed":
+        if kind == "settings":
+            self._greeted.set()
+        elif kind == "malformed":
             self.end_stream(sid, False, 13, "malformed request headers", ())
         elif kind == "goaway":
             self.close(EndReason.CONNECTION_LOST)

@@ -329,6 +329,10 @@ class BoundedH2(GRPCConnection):
         self._maybe_ack(sid, flow)
         return events + ([Signal(failure, sid)] if failure else [])
 
+    def _remote_settings_changed(self, event: Any) -> list[Any]:
+        super()._remote_settings_changed(event)
+        return [Signal("settings", 0)]  # the peer's SETTINGS: it speaks HTTP/2
+
     def _stream_reset(self, event: Any) -> list[Any]:
         return [Signal("reset", event.stream_id, int(event.error_code))]
 
