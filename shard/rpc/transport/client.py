@@ -20,6 +20,7 @@ import trio
 from google.protobuf.message import DecodeError, Message
 from h2.connection import ConnectionState
 from h2.errors import ErrorCodes
+from hyperframe.frame import GoAwayFrame
 from purerpc.grpclib.events import (
     MessageReceived,
     ResponseEnded,
@@ -35,12 +36,24 @@ M = TypeVar("M", bound=Message)
 
 
 class _ClientH2(BoundedH2):
-    def _connection_terminated(self, event: Any) -> list[Any]:
-        # h2 3.2 refuses every frame after a GOAWAY, but a graceful GOAWAY lets the streams up
-        # to last_stream_id finish: keep the machine open; ClientConnection opens no new ones.
-        if event.error_code == ErrorCodes.NO_ERROR:
-            self.h2_connection.state_machine.state = ConnectionState.CLIENT_OPEN
-        return super()._connection_terminated(event)
+    """A graceful GOAWAY lets the streams up to its last stream id finish, but h2 3.2 refuses
+    every frame after one, even DATA for those streams in the same read: reopen h2's state
+    right after it processed the GOAWAY frame (ClientConnection opens no new streams)."""
+
+    def __init__(self, limits: TransportLimits) -> None:
+        super().__init__(limits, client_side=True)
+        h2c = self.h2_connection
+        receive_goaway = h2c._receive_goaway_frame  # noqa: SLF001
+
+        def receive_graceful_goaway(frame: Any) -> Any:
+            pending = h2c.data_to_send()  # h2 drops queued output on GOAWAY (acks, resets)
+            result = receive_goaway(frame)
+            if frame.error_code == ErrorCodes.NO_ERROR:
+                h2c.state_machine.state = ConnectionState.CLIENT_OPEN
+                h2c._data_to_send = pending + h2c._data_to_send  # noqa: SLF001
+            return result
+
+        h2c._frame_dispatch_table[GoAwayFrame] = receive_graceful_goaway  # noqa: SLF001
 
 
 def _grpc_timeout(seconds: float) -> datetime.timedelta:
@@ -175,7 +188,7 @@ class ClientConnection:
     ) -> None:
         self.stream, self.authority, self.scheme = stream, authority, scheme
         self.service = service
-        self.h2 = _ClientH2(limits, client_side=True)
+        self.h2 = _ClientH2(limits)
         self.h2.on_acks = self.send_pending
         self.streams: dict[int, ClientStream] = {}
         self.dead: str | None = None  # why the connection can no longer be used
