@@ -18,6 +18,7 @@ import trio.testing
 from google.protobuf.wrappers_pb2 import StringValue
 from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame, PingFrame
 
+from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from raw_h2 import PREFACE, RawConnection, frame_header, grpc_message
 from shard.rpc.errors import GrpcStatus
 from shard.rpc.transport import ClientConnection, Server, TransportLimits
@@ -298,3 +299,45 @@ async def test_the_client_advertises_the_same_bounded_settings() -> None:
         assert update.delta + 65535 == BOUNDED.connection_window_bytes  # not 1 GiB
         conn.goodbye()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_router_can_cancel_over_its_own_connection_with_64_session_streams() -> None:
+    """The issue's case on the real worker: 64 Session streams on one connection, then Cancel
+    and GetMetrics on the same connection answer instead of waiting for their deadline."""
+    from rpc_harness import V, worker
+    from shard.v1 import shard_pb2 as pb
+
+    async with worker() as w:
+        host, port = w.target.rsplit(":", 1)
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            conn = ClientConnection(stream, w.target, "http", "shard.v1.Shard")
+            async with trio.open_nursery() as inner:
+                await inner.start(conn.run)
+                deadline = trio.current_time() + 30
+                limit = TransportLimits().max_concurrent_streams
+                sessions = [conn.open_stream("Session", deadline, ()) for _ in range(limit)]
+                await conn.flush()
+                with trio.fail_after(10):
+                    await w.server.registry.streams.wait_value(limit)
+                for method, request, reply_type in (
+                    ("Cancel", pb.CancelRequest(version=V, session_id="nope"), pb.CancelResponse),
+                    ("GetMetrics", pb.GetMetricsRequest(version=V), pb.GetMetricsResponse),
+                ):
+                    s = conn.open_stream(method, trio.current_time() + 10, ())
+                    await s.send(request)
+                    await s.half_close()
+                    reply = await s.receive(reply_type)
+                    assert reply is not None and s.error() is None, (method, s.status)
+                    s.close()
+                extra = conn.open_stream("Session", deadline, ())
+                with trio.fail_after(10):
+                    assert await extra.receive(pb.SessionResponse) is None
+                assert extra.status is not None
+                assert extra.status[0] == GrpcStatus.RESOURCE_EXHAUSTED
+                for s in sessions:
+                    s.abort()
+                conn.goodbye()
+                with trio.fail_after(10):
+                    await conn.drain()
+                inner.cancel_scope.cancel()
+        await w.idle()

@@ -710,5 +710,6 @@ class Server:
             log.exception("connection from %s failed", conn.peer)
         finally:
             self._connections.discard(conn)
+            self.notify()
 
 
