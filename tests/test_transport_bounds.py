@@ -8,7 +8,15 @@ connections keep working meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
 from typing import Any
 
 import h2.events
@@ -16,7 +24,7 @@ import pytest
 import trio
 import trio.testing
 from google.protobuf.wrappers_pb2 import StringValue
-from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame, PingFrame
+from hyperframe.frame import ContinuationFrame, GoAwayFrame, HeadersFrame, PingFrame, SettingsFrame
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from raw_h2 import PREFACE, RawConnection, frame_header, grpc_message
@@ -339,3 +347,117 @@ async def test_a_router_can_cancel_over_its_own_connection_with_64_session_strea
                     await conn.drain()
                 inner.cancel_scope.cancel()
         await w.idle()
+
+
+# ---- the issue's attacks against a real `trio-shard serve`, measured in RSS -----------------
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RSS is read from /proc")
+def test_worker_rss_stays_within_the_documented_cap_under_the_issues_attacks() -> None:
+    """8 connections declaring a 16 MiB DATA frame (once ~18 MB each, kept after close), then
+    one well-behaved connection with 16 unfinished 16 MiB messages (once acknowledged in full):
+    the worker's RSS grows by less than the documented per-connection cap, and it still
+    answers other clients."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    cap_mib = TransportLimits().per_connection_memory_bytes / 2**20
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shard.cli", "serve", "--port", "0", "--threads", "1",
+         "--max-sessions", "2", "--ctx", "1024"], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    reader = threading.Thread(target=proc.stderr.read, daemon=True)
+    try:
+        host = port = None
+        for line in proc.stderr:
+            if m := re.search(r"serving shard\.v1\.Shard on (\S+):(\d+)", line):
+                host, port = m.group(1), int(m.group(2))
+                break
+        assert host and port
+        reader.start()  # keeps the pipe from filling up
+        with grpc.insecure_channel(f"{host}:{port}") as channel:
+            check = channel.unary_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            check(health_pb2.HealthCheckRequest(), timeout=60, wait_for_ready=True)  # loaded
+            before = _rss_mib(proc.pid)
+
+            socks = []
+            for _ in range(8):
+                sock = socket.create_connection((host, port), timeout=10)
+                sock.sendall(PREFACE + SettingsFrame(0).serialize() + frame_header(2**24 - 1, 0, 0, 1))
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"\0" * (1024 * KiB))
+                socks.append(sock)
+            for sock in socks:  # every one is cut (EOF or reset) well within the timeout
+                with contextlib.suppress(ConnectionResetError):
+                    while sock.recv(65536):
+                        pass
+                sock.close()
+            grown = _rss_mib(proc.pid) - before
+            assert grown < 16, f"frame-size attack grew RSS by {grown:.0f} MiB"
+
+            sent = _fill_unfinished_messages(host, port, streams=16)
+            grown = _rss_mib(proc.pid) - before
+            # The peer got well past one message, but not past the cap (16 x 16 MiB once).
+            assert 16 * 2**20 < sent <= TransportLimits().per_connection_memory_bytes, sent
+            assert grown < cap_mib + 16, (
+                f"RSS grew {grown:.0f} MiB, documented cap {cap_mib:.0f} MiB per connection")
+            reply = check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        if reader.is_alive():
+            reader.join(timeout=10)
+        proc.stderr.close()
+
+
+def _fill_unfinished_messages(host: str, port: int, *, streams: int) -> int:
+    """One HTTP/2 connection that obeys flow control: each stream starts a message just under
+    16 MiB and sends as much of it as the windows allow, until the worker grants nothing more.
+    Returns the bytes sent; the connection is still open when it returns (and then closed)."""
+    import h2.config
+    import h2.connection
+
+    sock = socket.create_connection((host, port), timeout=10)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    sids = []
+    for _ in range(streams):
+        sid = conn.get_next_available_stream_id()
+        conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                                (":path", "/shard.v1.Shard/Session"), ("te", "trailers"),
+                                ("content-type", "application/grpc")])
+        conn.send_data(sid, b"\0" + (16 * 2**20 - 16).to_bytes(4, "big"))
+        sids.append(sid)
+    sock.sendall(conn.data_to_send())
+    sent, idle = 0, 0
+    try:
+        while idle < 5:
+            batch = 0
+            for sid in sids:
+                room = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
+                if room > 0:
+                    conn.send_data(sid, b"\0" * room)
+                    batch += room
+            conn.ping(b"barrier!")
+            sock.sendall(conn.data_to_send())
+            while not any(isinstance(e, h2.events.PingAckReceived)
+                          for e in conn.receive_data(sock.recv(1 << 20))):
+                pass
+            sent += batch
+            idle = idle + 1 if batch == 0 else 0
+        return sent
+    finally:
+        sock.close()

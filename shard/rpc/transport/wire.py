@@ -254,6 +254,7 @@ class BoundedH2(GRPCConnection):
         self.limits = limits
         self.flow: dict[int, _Flow] = {}
         self.held = 0  # message bytes this connection holds (queued + partial)
+        self.deferring: set[int] = set()  # streams with acknowledgements held back
         self.pool = pool if pool is not None else BufferPool(limits.connection_buffer_bytes)
         self.on_acks: Callable[[], None] = lambda: None  # deferred acks were sent: flush h2
         super().__init__(GRPCConfiguration(client_side, max_message_length=limits.max_message_bytes))
@@ -353,6 +354,7 @@ class BoundedH2(GRPCConnection):
                 and self.held <= self.limits.connection_buffer_bytes and not self.pool.full)
 
     def _ack(self, sid: int, flow: _Flow) -> None:
+        self.deferring.discard(sid)
         if flow.deferred:
             size, flow.deferred = flow.deferred, 0
             self.h2_connection.acknowledge_received_data(size, sid)
@@ -362,17 +364,22 @@ class BoundedH2(GRPCConnection):
             return
         if self._may_ack(flow):
             self._ack(sid, flow)
-        elif flow.queued <= self.limits.stream_window_bytes:
+            return
+        self.deferring.add(sid)
+        if flow.queued <= self.limits.stream_window_bytes:
             self.pool.wait_for_room(self, self.retry_acks)  # waits on memory, not the reader
 
     def retry_acks(self) -> None:
-        """Send the acknowledgements that waited for memory (other streams freed some)."""
+        """Send the acknowledgements that waited (for memory, or for the reader)."""
         sent = False
-        for sid, flow in list(self.flow.items()):
-            if flow.deferred and self._may_ack(flow):
+        for sid in list(self.deferring):
+            flow = self.flow.get(sid)
+            if flow is None or not flow.deferred:
+                self.deferring.discard(sid)
+            elif self._may_ack(flow):
                 self._ack(sid, flow)
                 sent = True
-            elif flow.deferred and flow.queued <= self.limits.stream_window_bytes:
+            elif flow.queued <= self.limits.stream_window_bytes:
                 self.pool.wait_for_room(self, self.retry_acks)
         if sent:
             self.on_acks()
@@ -393,6 +400,7 @@ class BoundedH2(GRPCConnection):
         """Drop per-stream state and give deferred bytes back to the connection window."""
         self.message_read_buffers.pop(sid, None)
         flow = self.flow.pop(sid, None)
+        self.deferring.discard(sid)
         if flow is not None:
             self._hold(-(flow.queued + flow.partial))
             if flow.deferred:
@@ -406,6 +414,7 @@ class BoundedH2(GRPCConnection):
         for flow in self.flow.values():
             self._hold(-(flow.queued + flow.partial))
         self.flow.clear()
+        self.deferring.clear()
 
     @property
     def buffered_frame_bytes(self) -> int:
