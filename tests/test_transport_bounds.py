@@ -461,3 +461,37 @@ def _fill_unfinished_messages(host: str, port: int, *, streams: int) -> int:
         return sent
     finally:
         sock.close()
+
+
+async def test_a_client_that_stops_reading_holds_at_most_a_window(nursery: trio.Nursery) -> None:
+    """The client's ledger acknowledges only what its caller reads (plus one window), so a
+    server streaming at a caller that stopped reading cannot grow the client's memory."""
+    _, _, port = await start(nursery)
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        conn = ClientConnection(stream, "test", "http", SERVICE, BOUNDED)
+        async with trio.open_nursery() as inner:
+            await inner.start(conn.run)
+            s = conn.open_stream("Bidi", trio.current_time() + 30, ())
+            sent = 0
+
+            async def send_forever() -> None:  # echoed back; the test never reads a reply
+                nonlocal sent
+                while s.status is None:
+                    await s.send(StringValue(value="z" * (16 * KiB)))
+                    sent += 1
+
+            inner.start_soon(send_forever)
+            with trio.fail_after(10):  # until flow control stops the sender
+                while True:
+                    before = sent
+                    await trio.sleep(0.2)
+                    if sent == before and sent > 0:
+                        break
+            assert s.status is None, s.status
+            assert sent < 200  # 200 x 16 KiB would have fitted an unbounded client
+            # Acknowledged: at most a window of unread messages; in flight: one more window.
+            held = conn.h2.held
+            assert 0 < held <= 2 * BOUNDED.stream_window_bytes + 16 * KiB + 64, held
+            s.abort()
+            conn.goodbye()
+            inner.cancel_scope.cancel()

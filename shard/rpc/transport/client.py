@@ -108,8 +108,9 @@ class ClientStream:
         view = memoryview(struct.pack(">?I", False, len(data)) + data)
         with self._deadline_scope():
             while view:
-                if self.status is not None:
-                    return  # the server already ended the call; receive() reports why
+                if self.status is not None:  # the server ended the call; receive() says why
+                    await trio.lowlevel.checkpoint()  # a caller looping on send still yields
+                    return
                 window = self.conn.h2.flow_control_window(self.sid)
                 if window > 0:
                     try:
