@@ -711,5 +711,3 @@ class Server:
         finally:
             self._connections.discard(conn)
             self.notify()
-
-
