@@ -557,6 +557,7 @@ async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace:
                 name = signal.Signals(signum).name
                 if nursery.child_tasks:
                     log.info("%s again: stopping now", name)
+                    await server.end_streams()  # every open stream gets a DRAINING status
                     scope.cancel()
                     return
                 log.info("%s: stopping (draining for up to %gs)", name, grace)

@@ -1,4 +1,4 @@
-"""One test per purerpc gap closed by shard.rpc.transport (DESIGN.md section 3).
+"""One test per purerpc 0.8.0 gap closed by shard.rpc.transport.
 
 Clients are the official grpcio client (blocking calls in worker threads) and, where the exact
 frames matter (deadline trailers, dropped connections, SETTINGS), a raw h2 client on Trio.
@@ -27,7 +27,7 @@ import trio.testing
 from google.protobuf.wrappers_pb2 import StringValue
 from h2.settings import SettingCodes
 
-from shard.rpc import transport
+from shard.rpc.transport import wire
 from shard.rpc.transport import (
     CallContext,
     EndReason,
@@ -379,7 +379,7 @@ async def test_client_cancel_reaches_handler_and_leaves_no_state(nursery: trio.N
         assert server.open_connections == 1
         assert server.open_calls == 0
         (conn,) = server._connections
-        assert not conn.h2.flow and not conn.h2.message_read_buffers  # no per-call leftovers
+        assert not conn.h2.flow and not conn.h2.message_read_buffers and conn.h2.held == 0  # no per-call leftovers
     finally:
         ch.close()
 
@@ -447,7 +447,8 @@ async def test_settings_advertise_bounded_windows_and_stream_limit(nursery: trio
     client = await RawClient.connect(port)
     settings = await client.until(lambda e: isinstance(e, h2.events.RemoteSettingsChanged))
     changed = {code: s.new_value for code, s in settings.changed_settings.items()}
-    assert changed[SettingCodes.MAX_CONCURRENT_STREAMS] == LIMITS.max_concurrent_streams
+    assert changed[SettingCodes.MAX_CONCURRENT_STREAMS] == (
+        LIMITS.max_concurrent_streams + LIMITS.unary_reserve)
     assert changed[SettingCodes.INITIAL_WINDOW_SIZE] == LIMITS.stream_window_bytes
     update = await client.until(lambda e: isinstance(e, h2.events.WindowUpdated))
     assert update.stream_id == 0
@@ -486,7 +487,7 @@ async def test_empty_messages_to_a_handler_that_does_not_read_stay_bounded(
         await client.until(lambda e: isinstance(e, h2.events.PingAckReceived))
     queued = call.inbox.statistics().current_buffer_used
     assert queued <= 2 * window // len(empty) + 1, queued
-    assert conn.h2.flow[sid][1] > 0  # acknowledgements are being withheld
+    assert conn.h2.flow[sid].deferred > 0  # acknowledgements are being withheld
     await client.stream.aclose()
 
 
@@ -509,7 +510,7 @@ async def test_a_peer_that_never_reads_cannot_grow_the_outbox(nursery: trio.Nurs
         inner.start_soon(flood)
         await trio.testing.wait_all_tasks_blocked()  # flood, reader and writer all stuck
         (conn,) = server._connections
-        assert len(conn._outbox) <= transport._OUTBOX_HIGH_WATER + transport._READ_SIZE + 17
+        assert len(conn._outbox) <= wire.OUTBOX_HIGH_WATER + wire.READ_SIZE + 17
         assert flooded < 150_000  # the server stopped reading, so the flood could not finish
         inner.cancel_scope.cancel()
     await client.stream.aclose()

@@ -40,6 +40,7 @@ from .transport import Server, TransportLimits
 log = logging.getLogger(__name__)
 
 SHARD_SERVICE = "shard.v1.Shard"
+SESSION_METHOD = f"/{SHARD_SERVICE}/Session"
 
 
 @dataclass
@@ -62,25 +63,40 @@ class RunningServer:
         return f"{self.host}:{self.port}"
 
     def drain(self) -> None:
-        """Refuse new sessions (DRAINING) while running ones finish; health turns DRAINING."""
+        """Refuse new sessions (DRAINING) while running ones finish; health turns DRAINING;
+        every connection gets GOAWAY at once (later streams are refused, clients go elsewhere)."""
         self.registry.draining = True
+        if self.transport is not None:
+            self.transport.drain()
         self._nudge.value += 1
 
     async def wait_idle(self) -> None:
-        """Wait until no Session stream is running (e.g. after ``drain()``)."""
+        """Wait until no Session stream is running (e.g. after ``drain()``): its session is
+        released and its final status handed to the transport."""
         await self.registry.streams.wait_value(0)
+        if self.transport is not None:
+            await self.transport.wait_calls_ended(SESSION_METHOD)
 
     async def drain_for(self, grace: float) -> bool:
-        """Graceful stop, first half: ``drain()``, then wait up to ``grace`` seconds for the
-        running streams to finish. Returns whether they all did; the caller then cancels
-        ``serve`` (streams still running are cancelled and their sessions released)."""
+        """Graceful stop, first half: ``drain()``, wait up to ``grace`` seconds for the Session
+        streams (only those: a health Watch does not hold the drain), then ``end_streams()``.
+        Returns whether the sessions all finished in time; the caller then cancels ``serve``."""
         self.drain()
+        finished = False
         with trio.move_on_after(grace):
             await self.wait_idle()
-            if self.transport is not None:
-                await self.transport.wait_flushed()  # final responses and trailers are out
-            return True
-        return False
+            finished = True
+        await self.end_streams()
+        return finished
+
+    async def end_streams(self) -> None:
+        """End every stream still open (Watch, sessions past the grace) with UNAVAILABLE and a
+        DRAINING ``shard-error-bin`` trailer, and wait until the statuses are written (at
+        most ``flush_timeout`` seconds): a router can tell a drain from a crash."""
+        if self.transport is not None:
+            self.transport.end_calls()
+            with trio.move_on_after(self.transport.limits.flush_timeout):
+                await self.transport.wait_flushed()
 
     def sync_health(self) -> None:
         """Push the current health to grpc.health.v1 now (also done periodically)."""
@@ -194,4 +210,4 @@ async def _sync_health(
             await nudge.wait_transition()
 
 
-__all__ = ["RunningServer", "SHARD_SERVICE", "serve"]
+__all__ = ["RunningServer", "SESSION_METHOD", "SHARD_SERVICE", "serve"]

@@ -49,7 +49,7 @@ _STREAM_END: dict[EndReason, StreamEnd] = {
 #: The Shard error that rides along when the transport itself ends a call with a status.
 _END_ERRORS: dict[EndReason, ShardError] = {
     EndReason.DEADLINE: ShardError(ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired"),
-    EndReason.SHUTDOWN: ShardError(ErrorCode.NOT_READY, "the worker is shutting down"),
+    EndReason.SHUTDOWN: ShardError(ErrorCode.DRAINING, "the worker is draining: stream ended"),
 }
 
 

@@ -1,0 +1,423 @@
+"""The HTTP/2 layer both sides share: limits, the bounded h2 machine, the flow ledger, the outbox.
+
+Server and client drive purerpc's gRPC-over-h2 codec (``GRPCConnection``) with their own reader
+and writer tasks; what they share lives here, so both sides get the same bounds.
+
+Inbound memory (the ledger).  Every stream keeps ``queued`` (complete messages the reader has
+not taken, each counting its 5-byte prefix, so empty messages are bounded too), ``partial``
+(bytes of an unfinished message) and ``deferred`` (bytes received but not yet acknowledged).
+Received bytes are acknowledged (WINDOW_UPDATE) at once only while the stream has at most one
+window of queued messages, its connection holds at most ``connection_buffer_bytes`` and all
+connections together hold at most ``total_buffer_bytes``; otherwise they are deferred until
+the reader consumes or the call ends.  A peer can only send what was acknowledged plus one
+window, so a connection holds at most ``connection_buffer_bytes + connection_window_bytes``
+of message bytes, and unfinished messages cannot escape the count.  A message larger than the
+stream window still flows (its bytes are acknowledged while the caps allow).
+
+Frames: h2 3.2 buffers a whole frame before checking its length against the advertised
+``MAX_FRAME_SIZE`` and lets a header block grow to 64 CONTINUATION frames; ``_FrameBuffer``
+refuses an oversized frame on its 9-byte header and a header block above the header-list
+limit, which h2 turns into a connection error with GOAWAY (FRAME_SIZE_ERROR /
+ENHANCE_YOUR_CALM).  The header list size is enforced from the first frame, not only after
+the peer acknowledged our SETTINGS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import h2.exceptions
+import trio
+from h2.exceptions import DenialOfServiceError
+from h2.frame_buffer import FrameBuffer
+from h2.settings import SettingCodes, Settings
+from hyperframe.frame import GoAwayFrame
+from purerpc.grpclib.config import GRPCConfiguration
+from purerpc.grpclib.connection import GRPCConnection
+from purerpc.grpclib.events import MessageReceived
+from purerpc.grpclib.exceptions import (
+    MessageTooLargeError,
+    ProtocolError,
+    UnsupportedMessageEncodingError,
+)
+
+OUTBOX_HIGH_WATER = 256 * 1024  # queued outbound bytes before a sending task waits
+READ_SIZE = 1024 * 1024  # 64 KiB reads halved 1 MiB-message throughput (measured)
+PREFIX = 5  # the gRPC message prefix (compressed flag + length)
+Outcome = tuple[int, str, Sequence[tuple[str, "str | bytes"]]]  # (code, message, trailers)
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TransportLimits:
+    """Bounds that keep any peer from exhausting the worker (or a client from its server).
+
+    Worst-case inbound memory of message bytes: per connection ``connection_buffer_bytes +
+    connection_window_bytes`` plus one read and one frame being reassembled (``max_frame_bytes``
+    each); over all connections ``total_buffer_bytes + max_connections x (connection_window_bytes
+    + 2 x max_frame_bytes)``.  With the defaults: 42 MiB per connection, 896 MiB in total.
+    """
+
+    max_message_bytes: int = 16 * MiB
+    stream_window_bytes: int = 1 * MiB
+    connection_window_bytes: int = 8 * MiB
+    #: Long-lived (streaming) calls per connection; a further one is refused RESOURCE_EXHAUSTED.
+    max_concurrent_streams: int = 64
+    #: Extra streams advertised for unary calls, so Cancel / GetMetrics still get through on a
+    #: connection whose streaming calls are all in use.
+    unary_reserve: int = 16
+    max_header_list_bytes: int = 8192
+    connection_buffer_bytes: int = 32 * MiB
+    total_buffer_bytes: int = 256 * MiB
+    max_connections: int = 64
+    #: Seconds a new connection has to send the HTTP/2 preface and its SETTINGS.
+    handshake_timeout: float = 10.0
+    #: After this many seconds without a byte from the peer, PING it ...
+    keepalive_interval: float = 60.0
+    #: ... and close the connection if nothing arrives within this many more seconds.
+    keepalive_timeout: float = 20.0
+    #: Seconds a stopping server waits for final statuses to be written before closing sockets.
+    flush_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        # HTTP/2 bounds (RFC 9113 6.5.2, 6.9.1): fail at construction, not on the first client.
+        if not 0 < self.max_message_bytes < 2**32:
+            raise ValueError("max_message_bytes must be in 1..2**32-1")
+        if not 65535 <= self.stream_window_bytes < 2**31:
+            raise ValueError("stream_window_bytes must be in 65535..2**31-1")
+        if not 65535 <= self.connection_window_bytes < 2**31:
+            raise ValueError("connection_window_bytes must be in 65535..2**31-1")
+        if self.max_concurrent_streams < 1 or self.unary_reserve < 0:
+            raise ValueError("max_concurrent_streams must be >= 1 and unary_reserve >= 0")
+        if self.max_concurrent_streams + self.unary_reserve >= 2**31:
+            raise ValueError("max_concurrent_streams + unary_reserve must be < 2**31")
+        if not 1024 <= self.max_header_list_bytes < 2**31:
+            raise ValueError("max_header_list_bytes must be in 1024..2**31-1")
+        if self.connection_buffer_bytes < self.max_message_bytes + PREFIX:
+            raise ValueError("connection_buffer_bytes must hold one message of max_message_bytes")
+        if self.total_buffer_bytes < self.connection_buffer_bytes:
+            raise ValueError("total_buffer_bytes must be >= connection_buffer_bytes")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be >= 1")
+        for name in ("handshake_timeout", "keepalive_interval", "keepalive_timeout",
+                     "flush_timeout"):
+            value = getattr(self, name)
+            if not (value > 0 and not math.isnan(value)):
+                raise ValueError(f"{name} must be > 0 seconds")
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """Advertised MAX_FRAME_SIZE: big frames cut h2's per-frame Python cost (1 MiB messages:
+        ~+25%); a DATA frame never needs to exceed the stream window."""
+        return max(16384, min(self.stream_window_bytes, 2**24 - 1))
+
+    @property
+    def per_connection_memory_bytes(self) -> int:
+        """The documented worst case of inbound bytes one connection can make us hold."""
+        return (self.connection_buffer_bytes + self.connection_window_bytes
+                + READ_SIZE + 2 * self.max_frame_bytes + 9)
+
+
+class Outbox:
+    """Bytes h2 produced for one connection, written to the socket by a single task.
+
+    Producers append without blocking (h2 has already committed the frames); ``wait_below``
+    lets a producer wait while the peer reads slowly, which bounds what can pile up here.
+    """
+
+    def __init__(self, on_drained: Callable[[], None] | None = None) -> None:
+        self._data = bytearray()
+        self._wake, self._drained = trio.Event(), trio.Event()
+        self._broken = False  # the writer stopped: nothing more will drain
+        self._on_drained = on_drained
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def push(self, data: bytes) -> None:
+        if data:
+            self._data += data
+            self._wake.set()
+
+    async def wait_below(self, limit: int) -> None:
+        """Return once at most ``limit`` bytes are unsent, or the writer has stopped."""
+        while len(self._data) > limit and not self._broken:
+            await self._drained.wait()
+
+    async def write_forever(self, stream: trio.abc.SendStream) -> None:
+        """The writer task; socket errors propagate to the caller, which owns the reaction."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                while self._data:
+                    data = bytes(self._data)
+                    await stream.send_all(data)
+                    del self._data[: len(data)]
+                    self._drained.set()
+                    self._drained = trio.Event()
+                if self._on_drained is not None:
+                    self._on_drained()
+        finally:
+            self._broken = True
+            self._drained.set()  # wake every waiter: nothing more will drain
+
+
+def goaway_frame(last_stream_id: int, error_code: int = 0) -> bytes:
+    """A GOAWAY frame built outside h2: h2 3.2 refuses every later frame once it sent GOAWAY
+    itself, but a graceful drain must keep serving the streams up to ``last_stream_id``."""
+    return bytes(GoAwayFrame(0, last_stream_id=last_stream_id, error_code=error_code).serialize())
+
+
+class _FrameBuffer(FrameBuffer):
+    """h2's frame reassembly, refusing oversized frames and header blocks early."""
+
+    def __init__(self, *, server: bool, header_block_limit: int) -> None:
+        super().__init__(server=server)
+        self.header_block_limit = header_block_limit
+
+    def next(self) -> Any:
+        if len(self.data) >= 9:  # h2 would first wait for the whole (maybe 16 MiB) frame
+            self._validate_frame_length(int.from_bytes(self.data[:3], "big"))
+        return super().next()
+
+    def _update_header_buffer(self, f: Any) -> Any:
+        f = super()._update_header_buffer(f)
+        pending = sum(len(x.data) for x in self._headers_buffer)
+        if f is not None and f.type == 0x01:  # a complete HEADERS block
+            pending = len(f.data)
+        if pending > self.header_block_limit:
+            raise DenialOfServiceError(f"header block of {pending} bytes is too large")
+        return f
+
+
+class BufferPool:
+    """Inbound message bytes held over many connections, with a cap; connections whose
+    acknowledgements wait for room register a retry callback."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._waiting: dict[object, Callable[[], None]] = {}
+
+    @property
+    def full(self) -> bool:
+        return self.held > self.limit
+
+    def wait_for_room(self, owner: object, retry: Callable[[], None]) -> None:
+        self._waiting[owner] = retry
+
+    def forget(self, owner: object) -> None:
+        self._waiting.pop(owner, None)
+
+    def release(self, size: int) -> None:
+        self.held -= size
+        if self._waiting and not self.full:
+            waiting, self._waiting = self._waiting, {}
+            for retry in waiting.values():
+                retry()  # may register again
+
+
+class _Flow:
+    __slots__ = ("queued", "partial", "deferred")
+
+    def __init__(self) -> None:
+        self.queued = 0  # complete message bytes (+ prefixes) the reader has not taken
+        self.partial = 0  # bytes of an unfinished message
+        self.deferred = 0  # received, not yet acknowledged
+
+
+class Signal(NamedTuple):
+    """Transport events purerpc drops or turns into connection errors."""
+
+    kind: str  # "reset", "oversized", "compressed", "malformed", "goaway"
+    stream_id: int
+    detail: int = 0  # the HTTP/2 error code (reset) or last stream id (goaway)
+
+
+def _refuse_compressed(data: bytes) -> bytes:
+    raise UnsupportedMessageEncodingError("compressed messages are not supported")
+
+
+class BoundedH2(GRPCConnection):
+    """purerpc's gRPC-over-h2 machine with bounded settings, the flow ledger and per-stream
+    failures (an oversized or compressed message fails its stream, not the connection)."""
+
+    def __init__(
+        self, limits: TransportLimits, *, client_side: bool, pool: BufferPool | None = None
+    ) -> None:
+        self.limits = limits
+        self.flow: dict[int, _Flow] = {}
+        self.held = 0  # message bytes this connection holds (queued + partial)
+        self.deferring: set[int] = set()  # streams with acknowledgements held back
+        self.pool = pool if pool is not None else BufferPool(limits.connection_buffer_bytes)
+        self.on_acks: Callable[[], None] = lambda: None  # deferred acks were sent: flush h2
+        super().__init__(GRPCConfiguration(client_side, max_message_length=limits.max_message_bytes))
+        self.h2_connection.incoming_buffer = _FrameBuffer(
+            server=not client_side, header_block_limit=limits.max_header_list_bytes)
+
+    def _set_h2_connection_local_settings(self) -> None:
+        limits, h2c = self.limits, self.h2_connection
+        # A client accepts no server-initiated streams (there is no server push in gRPC).
+        streams = 0 if self.config.client_side else (
+            limits.max_concurrent_streams + limits.unary_reserve)
+        h2c.local_settings = Settings(client=self.config.client_side, initial_values={
+            SettingCodes.MAX_CONCURRENT_STREAMS: streams,
+            SettingCodes.INITIAL_WINDOW_SIZE: limits.stream_window_bytes,
+            SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_bytes,
+            SettingCodes.MAX_FRAME_SIZE: limits.max_frame_bytes,
+        })
+        h2c.max_inbound_frame_size = limits.max_frame_bytes
+        h2c.decoder.max_header_list_size = limits.max_header_list_bytes  # before the ACK too
+
+    def initiate_connection(self) -> None:
+        self.h2_connection.initiate_connection()
+        extra = self.limits.connection_window_bytes - self.h2_connection.inbound_flow_control_window
+        if extra > 0:
+            self.h2_connection.increment_flow_control_window(extra)
+
+    def _request_received(self, event: Any) -> list[Any]:
+        try:
+            events = super()._request_received(event)
+        except (ProtocolError, ValueError, KeyError, AttributeError):
+            return [Signal("malformed", event.stream_id)]
+        # purerpc would inflate compressed messages with no size limit (a zip bomb walks past
+        # max_message_bytes) and a bad one raised out of the connection loop: refuse them.
+        self.message_read_buffers[event.stream_id].decompress = _refuse_compressed
+        return events
+
+    def _response_received(self, event: Any) -> list[Any]:
+        events = super()._response_received(event)
+        buffer = self.message_read_buffers.get(event.stream_id)
+        if buffer is not None:
+            buffer.decompress = _refuse_compressed
+        return events
+
+    def _data_received(self, event: Any) -> list[Any]:
+        sid, size = event.stream_id, event.flow_controlled_length
+        buffer = self.message_read_buffers.get(sid)
+        if buffer is None:  # a stream we no longer read: give its bytes back at once
+            if size:
+                self.h2_connection.acknowledge_received_data(size, sid)
+            return []
+        flow = self.flow.setdefault(sid, _Flow())
+        flow.deferred += size
+        events: list[Any] = []
+        failure = None
+        try:
+            buffer.data_received(event.data, size)
+        except MessageTooLargeError:  # fail this stream only; purerpc failed the connection
+            failure = "oversized"
+        except UnsupportedMessageEncodingError:
+            failure = "compressed"
+        added = 0
+        for data, _ in buffer.read_all_complete_messages_flowcontrol():
+            added += len(data) + PREFIX
+            events.append(MessageReceived(sid, data, len(data)))
+        flow.queued += added
+        if failure is not None:
+            del self.message_read_buffers[sid]
+            partial = 0
+        else:
+            partial = len(buffer._buffer)  # noqa: SLF001 - the unfinished message's bytes
+        self._hold(added + partial - flow.partial)
+        flow.partial = partial
+        self._maybe_ack(sid, flow)
+        return events + ([Signal(failure, sid)] if failure else [])
+
+    def _remote_settings_changed(self, event: Any) -> list[Any]:
+        super()._remote_settings_changed(event)
+        return [Signal("settings", 0)]  # the peer's SETTINGS: it speaks HTTP/2
+
+    def _stream_reset(self, event: Any) -> list[Any]:
+        return [Signal("reset", event.stream_id, int(event.error_code))]
+
+    def _connection_terminated(self, event: Any) -> list[Any]:
+        return [Signal("goaway", 0, event.last_stream_id or 0)]
+
+    # ---- the ledger ----------------------------------------------------------------------
+
+    def _hold(self, delta: int) -> None:
+        self.held += delta
+        if delta >= 0:
+            self.pool.held += delta
+        else:
+            self.pool.release(-delta)
+
+    def _may_ack(self, flow: _Flow) -> bool:
+        return (flow.queued <= self.limits.stream_window_bytes
+                and self.held <= self.limits.connection_buffer_bytes and not self.pool.full)
+
+    def _ack(self, sid: int, flow: _Flow) -> None:
+        self.deferring.discard(sid)
+        if flow.deferred:
+            size, flow.deferred = flow.deferred, 0
+            self.h2_connection.acknowledge_received_data(size, sid)
+
+    def _maybe_ack(self, sid: int, flow: _Flow) -> None:
+        if not flow.deferred:
+            return
+        if self._may_ack(flow):
+            self._ack(sid, flow)
+            return
+        self.deferring.add(sid)
+        if flow.queued <= self.limits.stream_window_bytes:
+            self.pool.wait_for_room(self, self.retry_acks)  # waits on memory, not the reader
+
+    def retry_acks(self) -> None:
+        """Send the acknowledgements that waited (for memory, or for the reader)."""
+        sent = False
+        for sid in list(self.deferring):
+            flow = self.flow.get(sid)
+            if flow is None or not flow.deferred:
+                self.deferring.discard(sid)
+            elif self._may_ack(flow):
+                self._ack(sid, flow)
+                sent = True
+            elif flow.queued <= self.limits.stream_window_bytes:
+                self.pool.wait_for_room(self, self.retry_acks)
+        if sent:
+            self.on_acks()
+
+    def consumed(self, sid: int, size: int) -> None:
+        """The reader took a message of ``size`` bytes (``size`` counts the prefix)."""
+        flow = self.flow.get(sid)
+        if flow is None:
+            return
+        flow.queued -= size
+        self._hold(-size)
+        if self.held <= self.limits.connection_buffer_bytes:
+            self.retry_acks()
+        else:
+            self._maybe_ack(sid, flow)
+
+    def forget(self, sid: int) -> None:
+        """Drop per-stream state and give deferred bytes back to the connection window."""
+        self.message_read_buffers.pop(sid, None)
+        flow = self.flow.pop(sid, None)
+        self.deferring.discard(sid)
+        if flow is not None:
+            self._hold(-(flow.queued + flow.partial))
+            if flow.deferred:
+                with contextlib.suppress(h2.exceptions.ProtocolError):  # connection closed
+                    self.h2_connection.acknowledge_received_data(flow.deferred, sid)
+            self.retry_acks()
+
+    def close_ledger(self) -> None:
+        """The connection is gone: return what it held to the pool."""
+        self.pool.forget(self)
+        for flow in self.flow.values():
+            self._hold(-(flow.queued + flow.partial))
+        self.flow.clear()
+        self.deferring.clear()
+
+    @property
+    def buffered_frame_bytes(self) -> int:
+        """Bytes h2 holds for frames not complete yet (the reassembly buffer)."""
+        buffer = self.h2_connection.incoming_buffer
+        return len(buffer.data) + sum(len(f.data) for f in buffer._headers_buffer)  # noqa: SLF001
