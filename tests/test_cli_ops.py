@@ -124,10 +124,12 @@ async def test_health_exits_0_when_serving_and_1_when_draining(capsys: pytest.Ca
     async with worker() as w:
         assert await run_cli("health", "--target", w.target) == 0
         assert capsys.readouterr().out.startswith("SERVING  sessions: 0 active, 0 retained, max 4")
+        # A draining worker closes its listener and sends GOAWAY at once (docs/protocol.md,
+        # "Drain"), so a probe can no longer reach it: non-zero, as a load balancer needs.
         w.server.drain()
         assert await run_cli("health", "--target", w.target, "--json") == 1
         report = json.loads(capsys.readouterr().out)
-        assert report["status"] == "DRAINING" and "draining" in report["detail"]
+        assert report["status"] == "UNREACHABLE"
     assert await run_cli("health", "--target", "127.0.0.1:1", "--timeout", "5") == 1
     assert capsys.readouterr().out.startswith("UNREACHABLE")
 
@@ -147,10 +149,9 @@ async def test_health_watch_prints_each_change_until_interrupted() -> None:
 
         try:
             assert await next_status() == "SERVING"
-            w.server.drain()
-            assert await next_status() == "DRAINING"  # printed once, when it changed
+            w.server.drain()  # listener closed, GOAWAY: the next probe cannot connect
+            assert await next_status() == "UNREACHABLE"  # printed once, when it changed
             w.stop()
-            assert await next_status() == "UNREACHABLE"
         finally:
             watch.send_signal(signal.SIGINT)
             _, err = await trio.to_thread.run_sync(watch.communicate)
