@@ -539,6 +539,11 @@ class ShardEngine(abc.ABC):
                 raise EngineFailure(f"engine failed: {self._detail}") from None
             self._counters["cancelled_total"] += 1
             raise
+        except trio.Cancelled:
+            # The caller's scope stopped the operation (an RPC Cancel, a client reset, a
+            # deadline): a cancellation too, though it reaches the caller as trio.Cancelled.
+            self._counters["cancelled_total"] += 1
+            raise
         except EngineFailure as exc:
             self._fail(exc.message)
             self._counters["errors_total"] += 1

@@ -74,7 +74,8 @@ class _Requests:
                 if exc.code == GrpcStatus.INTERNAL
                 else STATUS_ERROR_CODES.get(GrpcStatus(exc.code), ErrorCode.INTERNAL)
             )
-            raise ShardError(code, exc.message) from None
+            # The same message can never fit or parse: not retryable, whatever the status.
+            raise ShardError(code, exc.message, retryable=False) from None
 
 
 class ShardServicer(_ShardServicerBase):
@@ -196,7 +197,11 @@ class ShardServicer(_ShardServicerBase):
         try:
             if self._authorize is not None:
                 await self._authorize(ctx)
-            call = await self.registry.start_call(_Requests(input_messages), deadline=ctx.deadline)
+            call = await self.registry.start_call(
+                _Requests(input_messages),
+                deadline=ctx.deadline,
+                max_message_bytes=self._transport_limits.max_message_bytes,
+            )
         except ShardError as err:
             raise self._refuse(err) from None
         finished = False
