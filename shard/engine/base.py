@@ -539,10 +539,12 @@ class ShardEngine(abc.ABC):
                 raise EngineFailure(f"engine failed: {self._detail}") from None
             self._counters["cancelled_total"] += 1
             raise
-        except trio.Cancelled:
+        except BaseException as exc:
             # The caller's scope stopped the operation (an RPC Cancel, a client reset, a
-            # deadline): a cancellation too, though it reaches the caller as trio.Cancelled.
-            self._counters["cancelled_total"] += 1
+            # deadline): a cancellation too, though it reaches us as trio.Cancelled (possibly
+            # inside the exception group of _run_guarded's nursery).
+            if _is_cancellation(exc):
+                self._counters["cancelled_total"] += 1
             raise
         except EngineFailure as exc:
             self._fail(exc.message)
@@ -645,6 +647,14 @@ class ShardEngine(abc.ABC):
             logits=logits_result,
             boundary=boundary,
         )
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """``trio.Cancelled``, alone or as the only kind of exception in a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(trio.Cancelled)
+        return rest is None
+    return isinstance(exc, trio.Cancelled)
 
 
 _ids = itertools.count()
