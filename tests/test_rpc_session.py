@@ -796,3 +796,23 @@ async def test_a_row_that_can_never_fit_is_refused_before_compute() -> None:
             send.close()
             call.end(StreamEnd.CLIENT_CANCELLED)
             await call.done.wait()
+
+
+async def test_a_step_without_a_result_gives_its_credit_back(autojump_clock: trio.testing.MockClock) -> None:
+    """Found by the RPC fuzzer: a timed-out, cancelled or refused step took its credit and
+    never sent a result, so a client with a window of 1 waited forever on its next step."""
+    async with loaded(make_engine(latency=1.0)) as engine, running_registry(engine) as reg, driver(reg) as d:
+        await d.open(initial_credit=1, step_timeout_ms=500)
+        await d.send(prefill=pb.Prefill(tokens=pb.TokenIds(ids=[3, 4])))  # times out
+        steps, err, _ = await d.until_usage()
+        assert steps == [] and err is not None and err.reason == "STEP_TIMEOUT"
+        assert d.call.credit.value == 1
+        await d.send(generate=pb.Generate(tokens=pb.TokenIds(ids=[1]), max_tokens=3))
+        await d.call.parked.wait_value(False)
+        assert reg.cancel("s1") == (True, True)  # cancelled in the engine: no result either
+        steps, err, _ = await d.until_usage()
+        assert steps == [] and err is not None and err.code == pb.ERROR_CODE_CANCELLED
+        assert d.call.credit.value == 1
+        await d.send(prefill=pb.Prefill(tokens=pb.TokenIds(ids=[999])))  # refused: bad token id
+        steps, err, _ = await d.until_usage()
+        assert steps == [] and err is not None and d.call.credit.value == 1

@@ -213,6 +213,7 @@ class SessionCall:
         self._step_active = AsyncBool(False)  # from dispatch until the step's Usage is queued
         self._cancel_requested = False  # a Cancel for the current step (survives region gaps)
         self._step_finishing = False  # the step's work is over; only its Error/Usage remain
+        self._credit_unspent = False  # a credit was taken for a result not sent (yet)
         self._owns_engine_session = False  # the engine session exists and is ours to free
         self._caps: Capabilities | None = None
         self._kv_capacity = 0
@@ -586,6 +587,9 @@ class SessionCall:
             self.parked.value = False
             self._step_scope = None
             self._step_finishing = True  # nothing left to stop: a Cancel now finds no step
+            if self._credit_unspent:  # the step failed before its result: give the credit back
+                self._credit_unspent = False
+                self._grant(1)
         if err is not None:
             if not err.session_id:
                 err.session_id = self.session_id
@@ -805,6 +809,7 @@ class SessionCall:
                 self.parked.value = False
         if self.credit.value != UNLIMITED_CREDIT:
             self.credit.value -= 1
+        self._credit_unspent = True
 
     async def _send_step(
         self, result: StepResult, start: int, finish: int = pb.FINISH_REASON_UNSPECIFIED
@@ -813,6 +818,7 @@ class SessionCall:
         self._step_no += 1
         msg = convert.step_to_proto(result, self._step_no, start)
         msg.finish_reason = finish  # type: ignore[assignment]
+        self._credit_unspent = False  # spent now, even if the stream ends during the send
         for chunk in _chunks(msg, self._max_message_bytes - _CHUNK_OVERHEAD):
             await self._send(pb.SessionResponse(step=chunk))
         self._registry.count("steps_sent_total")
