@@ -23,10 +23,17 @@ Resource handling: the task owns the engine session from OpenSession until it ei
 it or hands it to the registry as *retained* (kept for ``resume_ttl`` so a new stream can resume
 it). The cleanup runs shielded, so a cancelled or failed stream never leaks KV cells.
 
+Cancellation: an out-of-band Cancel is remembered from the moment a step is dispatched and stops
+it at its next credit wait or engine call (``_cancellable``); handing a computed result to the
+transport is never cancelled by it, so ``Usage`` counts exactly the results sent and the session
+holds what they say. If the stream itself ends first, a retained session resumes from what was
+handed to the transport (``_delivered_end``).
+
 Flow control: responses leave through a bounded memory channel (capacity ``max_credit`` + a few
-control messages). Each ``StepResult`` needs one credit, taken *before* the engine computes it,
-so a client that stops granting credit parks generation at once and at most ``credit`` results
-are ever buffered. After the client half-closes or sends CloseSession it can no longer grant
+control messages). Each result needs one credit, taken *before* the engine computes it (and
+given back if the step ends without a result), so a client that stops granting credit parks
+generation at once and at most ``credit`` results are ever buffered. A boundary result larger
+than one message is sent as several ``StepResult`` chunks (``more_chunks``) for one credit. After the client half-closes or sends CloseSession it can no longer grant
 credit; from then on only HTTP/2 flow control (through the same bounded channel) paces the
 stream.
 
