@@ -790,7 +790,7 @@ class RpcFuzz(RuleBasedStateMachine):
             held, n = list(info.tokens or []), len(slot.tokens)
             assert held[:n] == slot.tokens, f"{sid}: the engine holds other tokens than the client saw"
             if slot.exact and slot.state == "open":
-                assert info.n_past == n, f"{sid}: the engine holds {info.n_past} positions, the client saw {n}"
+                assert info.n_past == n, f"{sid}: the engine holds {info.n_past} positions, not {n}"
         metrics = engine.metrics()
         kv = metrics.kv_cells_used
         if metrics.operations_running == 0:  # a running step may hold cells it has not committed
@@ -872,7 +872,11 @@ class NeverFreesKv(FakeEngine):
 
 
 class LeakyFuzz(RpcFuzz):
-    engine_kind = EngineKind("leaky-fake", lambda lat: NeverFreesKv(model=MODEL, script=FakeScript(on_step=lat)), lambda: FAKE_SPEC)
+    engine_kind = EngineKind(
+        "leaky-fake",
+        lambda latency: NeverFreesKv(model=MODEL, script=FakeScript(on_step=latency)),
+        lambda: FAKE_SPEC,
+    )
 
 
 def _ignore_cancel(self: SessionCall) -> bool:

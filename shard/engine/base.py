@@ -539,19 +539,19 @@ class ShardEngine(abc.ABC):
                 raise EngineFailure(f"engine failed: {self._detail}") from None
             self._counters["cancelled_total"] += 1
             raise
-        except BaseException as exc:
-            # The caller's scope stopped the operation (an RPC Cancel, a client reset, a
-            # deadline): a cancellation too, though it reaches us as trio.Cancelled (possibly
-            # inside the exception group of _run_guarded's nursery).
-            if _is_cancellation(exc):
-                self._counters["cancelled_total"] += 1
-            raise
         except EngineFailure as exc:
             self._fail(exc.message)
             self._counters["errors_total"] += 1
             raise
         except EngineError:
             self._counters["errors_total"] += 1
+            raise
+        except BaseException as exc:
+            # The caller's scope stopped the operation (an RPC Cancel, a client reset, a
+            # deadline): a cancellation too, though it reaches us as trio.Cancelled (possibly
+            # inside the exception group of _run_guarded's nursery).
+            if _is_cancellation(exc):
+                self._counters["cancelled_total"] += 1
             raise
         finally:
             try:

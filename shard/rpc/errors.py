@@ -10,9 +10,10 @@ client understands), as ``grpc-status-details-bin`` (a ``google.rpc.Status`` wit
 ``ErrorInfo`` detail: gRPC's richer error model, read by standard clients) and as the trailer
 ``shard-error-bin`` holding a serialized ``shard.v1.Error`` (code, retryable flag, session id,
 engine reason, supported versions). ``retryable`` always agrees with the status
-(``STATUS_RETRYABLE``), so a standard retry policy and a Shard-aware router decide alike. Step-level errors inside a
-healthy session travel in-stream as ``SessionResponse.error`` instead, and the session stays
-usable. ``ShardError`` is the single exception type both the server and the client raise.
+(``STATUS_RETRYABLE``), so a standard retry policy and a Shard-aware router decide alike.
+Step-level errors inside a healthy session travel in-stream as ``SessionResponse.error``
+instead, and the session stays usable. ``ShardError`` is the single exception type both the
+server and the client raise.
 """
 
 from __future__ import annotations

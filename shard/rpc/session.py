@@ -33,9 +33,9 @@ Flow control: responses leave through a bounded memory channel (capacity ``max_c
 control messages). Each result needs one credit, taken *before* the engine computes it (and
 given back if the step ends without a result), so a client that stops granting credit parks
 generation at once and at most ``credit`` results are ever buffered. A boundary result larger
-than one message is sent as several ``StepResult`` chunks (``more_chunks``) for one credit. After the client half-closes or sends CloseSession it can no longer grant
-credit; from then on only HTTP/2 flow control (through the same bounded channel) paces the
-stream.
+than one message is sent as several ``StepResult`` chunks (``more_chunks``) for one credit.
+After the client half-closes or sends CloseSession it can no longer grant credit; from then on
+only HTTP/2 flow control (through the same bounded channel) paces the stream.
 
 Deadlines: the task's cancel scope carries the call deadline (``grpc-timeout``); expiry releases
 the session and ends the stream with DEADLINE_EXCEEDED. ``OpenSession.step_timeout_ms`` bounds
