@@ -9,9 +9,9 @@ of the run.
 Each example starts a worker (fake engine with random per-step latencies; a smaller run uses
 the llama engine and the tiny model) and two session slots, each on its own connection. Rules
 interleave open (fresh, resume with the right, a count-only or a wrong expectation), prefill,
-decode, generate (awaited, or left running in the background), credit (tiny windows), the
-out-of-band Cancel RPC, a Cancel that lands right after a step is dispatched (the race of
-issue 8 item 3), Release, close (retain or not), half-close, RST_STREAM (client cancel), an
+decode, generate (awaited, or left running in the background), credit (tiny windows and extra
+grants at random points), the out-of-band Cancel RPC, a Cancel that lands right after a step
+is dispatched (the race of issue 8 item 3), Release, close (retain or not), half-close, RST_STREAM (client cancel), an
 abrupt TCP close, call deadlines and step timeouts firing at random points, and plain waits.
 
 Checked after every rule: every call ended with a documented status for its cause; the
@@ -749,6 +749,28 @@ class RpcFuzz(RuleBasedStateMachine):
         await self._connect(slot)
         RpcFuzz.stats["tcp_close"] += 1
 
+    @rule(sid=st.sampled_from(SLOTS), messages=st.sampled_from([0, 1, 5, 1000]))
+    def grant_credit(self, sid: str, messages: int) -> None:
+        """An extra Credit message at a random point (also while a step runs or is parked).
+
+        The client's own accounting is left alone: the worker caps the balance at max_credit,
+        so the client only ever under-counts what it granted and keeps topping up."""
+        slot = self._pick(sid, "open", "stepping")
+        if slot is None:
+            return
+        self.loop.run(self._grant, slot, messages)
+
+    async def _grant(self, slot: SlotModel, messages: int) -> None:
+        session = slot.session
+        assert session is not None
+        if session._dead is not None or session.closed is not None:  # noqa: SLF001
+            return  # ended meanwhile: the next rule or check sees how
+        try:
+            await session._send(session._request(credit=pb.Credit(messages=messages)))  # noqa: SLF001
+        except ShardError as err:
+            assert err.code is ErrorCode.DEADLINE_EXCEEDED and slot.near_deadline(), err
+        RpcFuzz.stats["credit"] += 1
+
     @rule(ms=st.sampled_from([1, 5, 20, 60]))
     def wait(self, ms: int) -> None:
         """Let time pass: deadlines and step timeouts fire at random points of background work."""
@@ -850,7 +872,7 @@ class LlamaFuzz(RpcFuzz):
 
 
 def test_rpc_state_machine_fake_engine(capsys: pytest.CaptureFixture[str]) -> None:
-    _fuzz(FakeFuzz, examples=100, steps=40, capsys=capsys)
+    _fuzz(FakeFuzz, examples=60, steps=40, capsys=capsys)
 
 
 @pytest.mark.slow
