@@ -11,8 +11,9 @@ the llama engine and the tiny model) and two session slots, each on its own conn
 interleave open (fresh, resume with the right, a count-only or a wrong expectation), prefill,
 decode, generate (awaited, or left running in the background), credit (tiny windows and extra
 grants at random points), the out-of-band Cancel RPC, a Cancel that lands right after a step
-is dispatched (the race of issue 8 item 3), Release, close (retain or not), half-close, RST_STREAM (client cancel), an
-abrupt TCP close, call deadlines and step timeouts firing at random points, and plain waits.
+is dispatched (the race of issue 8 item 3), Release, close (retain or not), half-close,
+RST_STREAM (client cancel), an abrupt TCP close, call deadlines and step timeouts firing at
+random points, and plain waits.
 
 Checked after every rule: every call ended with a documented status for its cause; the
 engine's sessions and KV cells match the model of what is live or retained (and the engine's
