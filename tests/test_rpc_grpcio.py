@@ -619,3 +619,14 @@ async def test_oversized_session_request_is_not_retryable() -> None:
         assert info.reason == "RESOURCE_EXHAUSTED" and info.metadata["retryable"] == "false"
         assert not shard_error(exc).retryable
         await w.idle()
+
+
+async def test_oversized_unary_request_carries_a_non_retryable_error() -> None:
+    async with live(transport_limits=TransportLimits(max_message_bytes=1024)) as w:
+        request = pb.CancelRequest(version=V, session_id="x" * 4000)
+        exc = await in_thread(expect_rpc_error(lambda: w.stub.Cancel(request, timeout=10)))
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        err = shard_error(exc)
+        assert err.code is ErrorCode.RESOURCE_EXHAUSTED and not err.retryable
+        assert err.reason == "MESSAGE_TOO_LARGE"
+        assert error_info(exc)[1].metadata["retryable"] == "false"

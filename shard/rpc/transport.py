@@ -361,7 +361,7 @@ class _Call:
                     return message
                 except DecodeError:
                     self.error = StatusError(13, "cannot parse request message")
-        raise StatusError(self.error.code, self.error.message)
+        raise StatusError(self.error.code, self.error.message, self.error.trailers)
 
     async def receive_one(self) -> Any:
         message = await self.receive()
@@ -486,7 +486,7 @@ class _Connection:
         elif isinstance(event, RequestEnded):
             call.inbox_send.close()
         elif event == ("oversized", sid):
-            call.inbox_send.send_nowait(StatusError(8, "request message larger than the limit"))
+            call.inbox_send.send_nowait(_too_large("request message larger than the limit"))
             call.inbox_send.close()
         elif event == ("compressed", sid):
             call.inbox_send.send_nowait(StatusError(12, "compressed messages are not supported"))
@@ -610,6 +610,14 @@ class _Connection:
             log.debug("cannot end stream %d: %r", sid, exc)
         self.h2.forget(sid)
         self.send_pending()
+
+
+def _too_large(message: str) -> StatusError:
+    """RESOURCE_EXHAUSTED with the Shard trailers: the same message never fits (not retryable)."""
+    err = ShardError(
+        ErrorCode.RESOURCE_EXHAUSTED, message, retryable=False, reason="MESSAGE_TOO_LARGE"
+    )
+    return StatusError(8, message, err.trailers())
 
 
 def _find_status_error(exc: BaseException) -> StatusError | None:
