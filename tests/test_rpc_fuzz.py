@@ -52,7 +52,7 @@ from hypothesis.stateful import (
 
 from conftest import LONG_EXAMPLES
 from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation
-from shard.engine import LoadSpec, PrefillRequest, ShardEngine
+from shard.engine import LoadSpec, PrefillRequest, SessionState, ShardEngine
 from shard.engine.base import Slot as EngineSlot
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
 from shard.rpc.server import serve
@@ -640,6 +640,28 @@ class RpcFuzz(RuleBasedStateMachine):
         RpcFuzz.stats["cancel_after_dispatch"] += 1
         await self._finish(slot)
 
+    @rule(sid=st.sampled_from(SLOTS), max_tokens=st.integers(6, 12), first=st.integers(3, 258))
+    def cancel_rpc_mid_step(self, sid: str, max_tokens: int, first: int) -> None:
+        """A generate, and a Cancel RPC while the engine computes one of its tokens."""
+        slot = self._pick(sid, "open")
+        if slot is None:
+            return
+        run = StepRun("generate", max_tokens, None if slot.choice is not None else [first])
+        self.loop.run(self._cancel_mid_step, slot, run)
+
+    async def _cancel_mid_step(self, slot: SlotModel, run: StepRun) -> None:
+        engine = self.engine
+        assert engine is not None
+        await self._start_generate(slot, run)
+        with trio.move_on_after(1.0):
+            while not run.done.is_set() and not (
+                slot.sid in self._engine_sids()
+                and engine.session_info(slot.sid).state is SessionState.RUNNING
+            ):
+                await trio.sleep(0)
+        await self._cancel(slot)
+        await self._finish(slot)
+
     @rule(sid=st.sampled_from(SLOTS))
     def cancel_rpc(self, sid: str) -> None:
         slot = self._pick(sid, "stepping")
@@ -649,7 +671,9 @@ class RpcFuzz(RuleBasedStateMachine):
 
     async def _cancel(self, slot: SlotModel) -> None:
         run, control, engine = slot.run, self._control(), self.engine
-        assert run is not None and engine is not None and control is not None
+        assert engine is not None and control is not None
+        if run is None:  # the step ended with the stream (deadline) before we got here
+            return
         reply = await control.cancel(slot.sid)
         assert reply.found or run.done.is_set() or slot.near_deadline(), "Cancel found no session"
         if reply.was_running and run.cancel_answer is None and slot.sid in self._engine_sids():
