@@ -433,7 +433,11 @@ class ClientSession:
             raise ShardError(
                 ErrorCode.ILLEGAL_TRANSITION, "the session is closed", session_id=self.session_id
             )
-        await self._stream.send(req)
+        try:
+            await self._stream.send(req)
+        except ShardError as err:  # the stream failed (deadline, reset, lost connection)
+            self._dead = err
+            raise
 
     async def _next(self) -> pb.SessionResponse:
         """The next response; a stream that ended becomes this session's fatal error."""
