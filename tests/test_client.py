@@ -384,4 +384,3 @@ async def test_a_second_task_cannot_step_into_a_busy_session() -> None:
             step = await s.decode(got[-1])  # the owner (or anyone, once it is done) goes on
             assert step.n_past == len(TOKENS) + 12 + 1  # 12 decodes of the generate, then ours
         await w.idle()
-
