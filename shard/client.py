@@ -14,7 +14,7 @@ Quick start::
                 ...
             await s.close(retain=True)                          # keep the KV cache for resume
 
-Why not purerpc's client as is (DESIGN.md section 3): it never sends ``grpc-timeout``; a server
+Why not purerpc's client as is: it never sends ``grpc-timeout``; a server
 RST_STREAM or a dropped connection leaves a call waiting forever; breaking out of a bidi
 iterator crashes Trio; errors of streaming calls arrive wrapped in exception groups; its task
 groups span the caller's code. The wire side (purerpc's gRPC-over-h2 codec with
@@ -29,7 +29,9 @@ internals stay in one module; this module adds the calls, sessions and typed err
 * every failure is a ``ShardError`` (``.code``, ``.retryable``, ``.grpc_status``) rebuilt from
   the status and the ``shard-error-bin`` trailer, never a raw exception group;
 * session streams grant credit automatically as the caller consumes results, so a caller that
-  stops reading pauses the worker instead of filling buffers.
+  stops reading pauses the worker instead of filling buffers;
+* a result the worker split into chunks (a boundary result over ``max_message_bytes``) is
+  reassembled, so callers always see one ``StepResult`` per step.
 
 Resource handling: ``connect()`` owns a nursery with the connection's reader and writer tasks
 and closes the socket on exit; each call owns one HTTP/2 stream and frees it when it ends. The
@@ -44,8 +46,8 @@ import codecs
 import math
 import secrets
 import ssl
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -388,6 +390,11 @@ class ClientSession:
     Step-level errors (bad input, a full KV budget, a step deadline, an out-of-band Cancel)
     raise ``ShardError`` and leave the session usable; errors that end the stream raise
     ``ShardError`` and every later call raises it again.
+
+    One task at a time: a call from a second task while another task is inside a call, or
+    while another task's ``generate()`` is still being iterated (neither finished nor
+    ``aclose()``d), raises ``ShardError(ILLEGAL_TRANSITION)`` and leaves the first one alone.
+    ``abort()`` works from any task.
     """
 
     def __init__(self, client: ShardClient, stream: ClientStream, session_id: str) -> None:
@@ -402,6 +409,10 @@ class ClientSession:
         self._outstanding = 0  # credit granted and not yet used by a result
         self._serial = 0  # requests sent; a StepStream only reads its own request's results
         self._pending = False  # the last request's Usage has not been read (a generate left early)
+        self._user: trio.lowlevel.Task | None = None  # the task inside a call right now
+        self._pending_owner: trio.lowlevel.Task | None = None  # who sent the pending request
+        self._pending_stream: StepStream | None = None  # the pending request's generate, if any
+        self._chunks: list[pb.StepResult] = []  # chunks of a split result, not yet complete
 
     @property
     def hidden_dtype(self) -> str:
@@ -415,6 +426,25 @@ class ClientSession:
 
     # ---- plumbing --------------------------------------------------------------------------
 
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The conflict guard: one task uses the session at a time (see the class docstring)."""
+        task = trio.lowlevel.current_task()
+        if self._user is not None and self._user is not task:
+            raise ShardError(
+                ErrorCode.ILLEGAL_TRANSITION,
+                "this session is in use by another task (steps never overlap; use one "
+                "session per task)",
+                session_id=self.session_id,
+            )
+        outer = self._user is None
+        self._user = task
+        try:
+            yield
+        finally:
+            if outer:
+                self._user = None
+
     def _request(self, **kind: Message) -> pb.SessionRequest:
         return pb.SessionRequest(version=self._client.version, **kind)
 
@@ -425,7 +455,11 @@ class ClientSession:
             raise ShardError(
                 ErrorCode.ILLEGAL_TRANSITION, "the session is closed", session_id=self.session_id
             )
-        await self._stream.send(req)
+        try:
+            await self._stream.send(req)
+        except ShardError as err:  # the stream failed (deadline, reset, lost connection)
+            self._dead = err
+            raise
 
     async def _next(self) -> pb.SessionResponse:
         """The next response; a stream that ended becomes this session's fatal error."""
@@ -462,19 +496,33 @@ class ClientSession:
             await self._send(self._request(credit=pb.Credit(messages=grant)))
             self._outstanding += grant
 
-    async def _begin(self, req: pb.SessionRequest) -> int:
+    async def _begin(self, req: pb.SessionRequest, stream: StepStream | None = None) -> int:
         """Send a step request after finishing any abandoned one; return its serial."""
         await self._skip_abandoned()
         await self._top_up()
         await self._send(req)
         self._serial += 1
         self._pending = True
+        self._pending_owner = trio.lowlevel.current_task()
+        self._pending_stream = stream
         return self._serial
 
     async def _skip_abandoned(self) -> None:
         """A generate was left early: tell the worker to stop it and skip its results."""
         if not self._pending:
             return
+        stream = self._pending_stream
+        if (
+            self._pending_owner is not trio.lowlevel.current_task()
+            and stream is not None
+            and not stream._done
+        ):
+            raise ShardError(
+                ErrorCode.ILLEGAL_TRANSITION,
+                "another task is still iterating this session's generate(); finish or "
+                "aclose() it first",
+                session_id=self.session_id,
+            )
         await self._client.cancel(self.session_id)
         while self._pending:
             try:
@@ -494,8 +542,12 @@ class ClientSession:
             msg = await self._next()
             kind = msg.WhichOneof("kind")
             if kind == "step":
+                if msg.step.more_chunks:
+                    self._chunks.append(msg.step)
+                    continue
                 self._outstanding -= 1
-                return msg.step
+                return self._join_chunks(msg.step)
+            self._chunks.clear()  # a step that ended mid-result (the stream fails next)
             if kind == "error":
                 error = ShardError.from_proto(msg.error)
             elif kind == "usage":
@@ -509,16 +561,30 @@ class ClientSession:
                 raise ShardError(ErrorCode.SESSION_NOT_FOUND, "the session was released",
                                  session_id=self.session_id)
 
+    def _join_chunks(self, last: pb.StepResult) -> pb.StepResult:
+        """Reassemble a result the worker split into chunks (rows in order)."""
+        if not self._chunks:
+            return last
+        parts, self._chunks = [*self._chunks, last], []
+        whole = pb.StepResult()
+        whole.CopyFrom(last)
+        whole.hidden_states.data = b"".join(p.hidden_states.data for p in parts)
+        whole.hidden_states.shape[0] = sum(p.hidden_states.shape[0] for p in parts)
+        return whole
+
     async def _one_step(self, req: pb.SessionRequest) -> pb.StepResult:
-        serial = await self._begin(req)
-        step = await self._read_result(serial)
-        if step is None:
-            raise ShardError(ErrorCode.INTERNAL, "the step produced no result", session_id=self.session_id)
-        if await self._read_result(serial) is not None:
-            raise ShardError(
-                ErrorCode.INTERNAL, "the step produced several results", session_id=self.session_id
-            )
-        return step
+        with self._exclusive():
+            serial = await self._begin(req)
+            step = await self._read_result(serial)
+            if step is None:
+                raise ShardError(
+                    ErrorCode.INTERNAL, "the step produced no result", session_id=self.session_id
+                )
+            if await self._read_result(serial) is not None:
+                raise ShardError(
+                    ErrorCode.INTERNAL, "the step produced several results", session_id=self.session_id
+                )
+            return step
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -632,20 +698,23 @@ class ClientSession:
         stream (``retain=True``; resume with ``cache=cache_expectation(tokens)``)."""
         if self.closed is not None:
             return self.closed
-        await self._skip_abandoned()
-        await self._send(self._request(close=pb.CloseSession(retain=retain)))
-        await self._stream.half_close()
-        while self.closed is None:
-            msg = await self._next()
-            if msg.WhichOneof("kind") == "step":
-                self._outstanding -= 1
-        end = await self._stream.receive(pb.SessionResponse)  # the status follows
-        err = self._stream.error()
-        if end is not None or err is not None:
-            self._dead = err or ShardError(ErrorCode.INTERNAL, "unexpected message after SessionClosed")
-            raise self._dead
-        self._stream.close()
-        return self.closed
+        with self._exclusive():
+            await self._skip_abandoned()
+            await self._send(self._request(close=pb.CloseSession(retain=retain)))
+            await self._stream.half_close()
+            while self.closed is None:
+                msg = await self._next()
+                if msg.WhichOneof("kind") == "step" and not msg.step.more_chunks:
+                    self._outstanding -= 1
+            end = await self._stream.receive(pb.SessionResponse)  # the status follows
+            err = self._stream.error()
+            if end is not None or err is not None:
+                self._dead = err or ShardError(
+                    ErrorCode.INTERNAL, "unexpected message after SessionClosed"
+                )
+                raise self._dead
+            self._stream.close()
+            return self.closed
 
     def abort(self) -> None:
         """Reset the stream now (sync): the worker releases the session."""
@@ -672,20 +741,21 @@ class StepStream:
         s = self._session
         if self._done:
             raise StopAsyncIteration
-        if self._serial is None:
-            self._serial = await s._begin(self._request)
-        elif self._consumed:
-            await s._top_up()  # the caller came back for more: grant credit
-        try:
-            step = await s._read_result(self._serial)
-        except BaseException:
-            self._done = True
-            raise
-        if step is None:
-            self._done = True
-            raise StopAsyncIteration
-        self._consumed = True
-        return step
+        with s._exclusive():
+            if self._serial is None:
+                self._serial = await s._begin(self._request, self)
+            elif self._consumed:
+                await s._top_up()  # the caller came back for more: grant credit
+            try:
+                step = await s._read_result(self._serial)
+            except BaseException:
+                self._done = True
+                raise
+            if step is None:
+                self._done = True
+                raise StopAsyncIteration
+            self._consumed = True
+            return step
 
     async def aclose(self) -> None:
         """Stop reading; the session skips the rest before its next request."""

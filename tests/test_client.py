@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from rpc_harness import MODEL, worker
+from rpc_harness import MODEL, loaded, worker
 from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling
 from shard.rpc.transport import CallContext
 from shard.v1 import shard_pb2 as pb
@@ -312,4 +312,75 @@ async def test_tls_end_to_end(tls_files: tuple[Path, Path]) -> None:
             async with ShardClient.connect(w.target, timeout=10, ssl_context=ssl.create_default_context()):
                 pass
         assert info.value.reason == "CONNECT_FAILED"
+        await w.idle()
+
+
+def loaded_reference(model: object, spec: object) -> object:
+    """A second engine of the same model, computing the expected results directly."""
+    from shard.engine.fake import FakeEngine
+
+    return loaded(FakeEngine(model=model), spec=spec)  # type: ignore[arg-type]
+
+
+async def test_chunked_boundary_results_are_reassembled() -> None:
+    from shard.engine import LayerRange, LoadSpec, PrefillRequest
+    from shard.engine.fake import FakeEngine, FakeModel
+    from shard.rpc.convert import tensor_to_array
+    from shard.rpc.transport import TransportLimits
+
+    wide = FakeModel(n_layers_total=4, n_embd=256, seed=3)
+    spec = LoadSpec(n_ctx=512, max_sessions=2, layer_range=LayerRange(0, 2))
+    limits = TransportLimits(max_message_bytes=16 * 1024)  # 40 rows of 1 KiB: 4 chunks
+    tokens = list(range(3, 43))
+    async with (
+        worker(engine=FakeEngine(model=wide), load=spec, transport_limits=limits) as w,
+        ShardClient.connect(w.target, timeout=10) as c,
+    ):
+        async with c.session(credit=2) as s:
+            first = await s.prefill(tokens)
+            assert not first.more_chunks and list(first.hidden_states.shape) == [40, 256]
+            again = await s.prefill(list(range(50, 80)))  # 30 new rows: 3 chunks
+            assert list(again.hidden_states.shape) == [30, 256] and again.start_position == 40
+            decoded = await s.decode(70)  # credit 2 went exactly twice: one per chunked result
+            assert decoded.n_past == 71 and list(decoded.hidden_states.shape) == [1, 256]
+        await w.idle()
+    async with loaded_reference(wide, spec) as reference:
+        await reference.open_session("r")
+        want = await reference.prefill(PrefillRequest("r", tuple(tokens)))
+        assert want.boundary is not None
+        assert tensor_to_array(first.hidden_states, 256).tobytes() == want.boundary.hidden_states.tobytes()
+        await reference.release("r")
+
+
+async def test_a_second_task_cannot_step_into_a_busy_session() -> None:
+    async with worker(latency=0.01) as w, ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session(credit=4) as s:
+            await s.prefill(TOKENS)
+            got: list[int] = []
+            refused: list[ShardError] = []
+            started = trio.Event()
+
+            async def generating() -> None:
+                async for step in s.generate(max_tokens=12):
+                    got.append(step.logits.token_id)
+                    started.set()
+                    await trio.sleep(0.02)  # between items the generate is still pending
+
+            async def intruder() -> None:
+                await started.wait()
+                for attempt in (lambda: s.decode(5), lambda: s.prefill([3]), lambda: s.close()):
+                    try:
+                        await attempt()
+                    except ShardError as err:
+                        refused.append(err)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(generating)
+                nursery.start_soon(intruder)
+            assert len(got) == 12  # the first task's generate was never cancelled
+            assert [e.code for e in refused] == [ErrorCode.ILLEGAL_TRANSITION] * 3
+            assert "another task" in refused[0].message
+            assert s.closed is None
+            step = await s.decode(got[-1])  # the owner (or anyone, once it is done) goes on
+            assert step.n_past == len(TOKENS) + 12 + 1  # 12 decodes of the generate, then ours
         await w.idle()

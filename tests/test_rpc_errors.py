@@ -9,13 +9,19 @@ from pathlib import Path
 import pytest
 
 import shard.engine.errors as engine_errors
+from google.rpc import error_details_pb2, status_pb2
+
 from shard.rpc.errors import (
     ENGINE_ERROR_CODES,
+    ERROR_DOMAIN,
     ERROR_TABLE,
     ERROR_TRAILER,
+    STATUS_DETAILS_TRAILER,
+    STATUS_RETRYABLE,
     ErrorCode,
     GrpcStatus,
     ShardError,
+    agreeing_retryable,
 )
 from shard.rpc.versions import SUPPORTED_VERSIONS, check_version, is_supported
 from shard.v1 import shard_pb2 as pb
@@ -43,7 +49,8 @@ def test_every_engine_error_maps_to_a_code(name: str) -> None:
     err = ShardError.from_engine(cls("boom", session_id="s9"))
     assert err.code in ErrorCode and err.code is not ErrorCode.UNSPECIFIED
     assert err.reason == cls.code and err.session_id == "s9" and err.message == "boom"
-    assert err.retryable == cls.retryable  # the engine knows best whether to retry
+    # The engine knows best whether to retry, where the status leaves it open.
+    assert err.retryable == agreeing_retryable(err.grpc_status, cls.retryable)
     assert any(issubclass(cls, k) for k in ENGINE_ERROR_CODES)
 
 
@@ -51,7 +58,7 @@ def test_every_engine_error_maps_to_a_code(name: str) -> None:
     "cls, code",
     [
         (engine_errors.SessionExists, ErrorCode.SESSION_EXISTS),
-        (engine_errors.SessionBusy, ErrorCode.ILLEGAL_TRANSITION),
+        (engine_errors.SessionBusy, ErrorCode.SESSION_BUSY),
         (engine_errors.KvCacheFull, ErrorCode.RESOURCE_EXHAUSTED),
         (engine_errors.TooManySessions, ErrorCode.RESOURCE_EXHAUSTED),
         (engine_errors.UnknownSession, ErrorCode.SESSION_NOT_FOUND),
@@ -63,13 +70,43 @@ def test_specific_engine_mappings(cls: type[engine_errors.EngineError], code: Er
     assert ShardError.from_engine(cls("x")).code is code
 
 
+def test_retryable_always_agrees_with_the_status() -> None:
+    assert set(STATUS_RETRYABLE) == set(GrpcStatus)
+    for code, spec in ERROR_TABLE.items():
+        fixed = STATUS_RETRYABLE[spec.status]
+        assert fixed is None or spec.retryable is fixed, code
+        for wish in (True, False):  # an explicit flag cannot contradict the status either
+            err = ShardError(code, retryable=wish)
+            assert err.retryable is (wish if fixed is None else fixed), code
+    # The cases the table alone does not settle:
+    assert ERROR_TABLE[ErrorCode.SESSION_BUSY].status is GrpcStatus.ABORTED
+    assert ShardError(ErrorCode.ENGINE_FAILURE, retryable=False).retryable  # UNAVAILABLE
+    assert not ShardError(ErrorCode.RESOURCE_EXHAUSTED, retryable=False).retryable  # too large
+
+
+def test_status_details_carry_an_error_info() -> None:
+    err = ShardError(ErrorCode.SESSION_BUSY, "busy", session_id="s1", reason="SESSION_BUSY")
+    trailers = dict(err.trailers())
+    status = status_pb2.Status.FromString(trailers[STATUS_DETAILS_TRAILER])
+    assert (status.code, status.message) == (GrpcStatus.ABORTED, "busy")
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    assert (info.reason, info.domain) == ("SESSION_BUSY", ERROR_DOMAIN)
+    assert dict(info.metadata) == {"retryable": "true", "session_id": "s1", "engine_reason": "SESSION_BUSY"}
+    # A client that only got the standard details rebuilds the same error.
+    back = ShardError.from_status(10, "busy", [(STATUS_DETAILS_TRAILER, trailers[STATUS_DETAILS_TRAILER])])
+    assert (back.code, back.retryable, back.session_id, back.reason) == (
+        ErrorCode.SESSION_BUSY, True, "s1", "SESSION_BUSY"
+    )
+
+
 def test_error_round_trips_through_the_trailer() -> None:
     err = ShardError(
         ErrorCode.UNSUPPORTED_VERSION, "nope", session_id="s1", reason="R",
         supported_versions=[(1, 0)],
     )
-    ((key, value),) = err.trailers()
-    assert key == ERROR_TRAILER and isinstance(value, bytes)
+    (key, value), (details_key, _) = err.trailers()
+    assert key == ERROR_TRAILER and isinstance(value, bytes) and details_key == STATUS_DETAILS_TRAILER
     back = ShardError.from_status(9, "nope", [("other", "x"), (key, value)])
     assert (back.code, back.message, back.session_id, back.reason) == (err.code, "nope", "s1", "R")
     assert back.supported_versions == ((1, 0),) and back.grpc_status is GrpcStatus.FAILED_PRECONDITION

@@ -14,6 +14,7 @@ import grpc
 import pytest
 import trio
 import trio.testing
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
@@ -568,3 +569,63 @@ async def test_graceful_stop_gives_up_after_the_grace_period() -> None:
 
 async def _append(box: list[Any], awaitable: Any) -> None:
     box.append(await awaitable)
+
+
+def error_info(exc: grpc.RpcError) -> tuple[int, error_details_pb2.ErrorInfo]:
+    """gRPC's richer error model, read as any grpcio client would: the google.rpc.Status in
+    ``grpc-status-details-bin`` and its ErrorInfo detail."""
+    for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == "grpc-status-details-bin":
+            status = status_pb2.Status.FromString(value)
+            info = error_details_pb2.ErrorInfo()
+            assert len(status.details) == 1 and status.details[0].Unpack(info)
+            assert status.code == exc.code().value[0] and status.message == exc.details()
+            return status.code, info
+    raise AssertionError(f"no grpc-status-details-bin trailer in {exc!r}")
+
+
+async def test_grpcio_reads_the_error_info_from_grpc_status_details_bin() -> None:
+    async with live() as w:
+        request = pb.GetCapabilitiesRequest(version=pb.ProtocolVersion(major=2))
+        exc = await in_thread(expect_rpc_error(lambda: w.stub.GetCapabilities(request, timeout=10)))
+        code, info = error_info(exc)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert (info.reason, info.domain) == ("UNSUPPORTED_VERSION", "shard.v1")
+        assert info.metadata["retryable"] == "false"
+        assert shard_error(exc).code is ErrorCode.UNSUPPORTED_VERSION  # the old trailer stays
+
+        # On a session stream too, with the session id.
+        first = Requests(req(open=pb.OpenSession(session_id="dup")))
+        held = Responses(w.stub.Session(iter(first), timeout=10))
+        await held.kind("opened")
+        dup = [req(open=pb.OpenSession(session_id="dup"))]
+        exc = await in_thread(expect_rpc_error(lambda: list(w.stub.Session(iter(dup), timeout=10))))
+        code, info = error_info(exc)
+        assert code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+        assert info.reason == "SESSION_EXISTS" and info.metadata["session_id"] == "dup"
+        first.put(req(close=pb.CloseSession()))
+        first.end()
+        await held.rest()
+        await w.idle()
+
+
+async def test_oversized_session_request_is_not_retryable() -> None:
+    async with live(transport_limits=TransportLimits(max_message_bytes=1024)) as w:
+        big = [req(open=pb.OpenSession(session_id="big")), req(prefill=pb.Prefill(tokens=pb.TokenIds(ids=[5] * 2000)))]
+        exc = await in_thread(expect_rpc_error(lambda: list(w.stub.Session(iter(big), timeout=10))))
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        _, info = error_info(exc)
+        assert info.reason == "RESOURCE_EXHAUSTED" and info.metadata["retryable"] == "false"
+        assert not shard_error(exc).retryable
+        await w.idle()
+
+
+async def test_oversized_unary_request_carries_a_non_retryable_error() -> None:
+    async with live(transport_limits=TransportLimits(max_message_bytes=1024)) as w:
+        request = pb.CancelRequest(version=V, session_id="x" * 4000)
+        exc = await in_thread(expect_rpc_error(lambda: w.stub.Cancel(request, timeout=10)))
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        err = shard_error(exc)
+        assert err.code is ErrorCode.RESOURCE_EXHAUSTED and not err.retryable
+        assert err.reason == "MESSAGE_TOO_LARGE"
+        assert error_info(exc)[1].metadata["retryable"] == "false"

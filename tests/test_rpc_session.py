@@ -10,9 +10,19 @@ import trio
 import trio.testing
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from rpc_harness import V, StepGate, assert_no_leaks, driver, loaded, make_engine, running_registry
-from shard.engine import EngineFailure, LayerRange
-from shard.rpc.convert import array_to_tensor, cache_expectation
+from rpc_harness import (
+    V,
+    Driver,
+    StepGate,
+    assert_no_leaks,
+    driver,
+    loaded,
+    make_engine,
+    running_registry,
+)
+from shard.engine import EngineFailure, LayerRange, PrefillRequest
+from shard.engine.fake import FakeEngine, FakeModel
+from shard.rpc.convert import array_to_tensor, cache_expectation, tensor_to_array
 from shard.rpc.errors import ErrorCode
 from shard.rpc.session import Phase, SessionLimits, StreamEnd
 from shard.v1 import shard_pb2 as pb
@@ -642,5 +652,167 @@ async def test_engine_failure_ends_the_stream() -> None:
         await d.send(generate=pb.Generate(tokens=pb.TokenIds(ids=[1]), max_tokens=5))
         await d.drain()
         assert d.call.error is not None and d.call.error.code is ErrorCode.ENGINE_FAILURE
-        assert not d.call.error.retryable  # this worker needs a restart
+        assert d.call.error.retryable  # UNAVAILABLE: on another worker (this one needs a restart)
     assert_no_leaks(engine)
+
+
+# ---- no lost cancel, no lost step (issue 8 item 3) -------------------------------------------
+
+
+class _CancelRightAfterDispatch:
+    """Stands in for a call's nursery: right after a step task is scheduled (before it runs),
+    an out-of-band Cancel lands, as a Cancel RPC racing the step's start would."""
+
+    def __init__(self, nursery: trio.Nursery, reg: object, session_id: str) -> None:
+        self._nursery, self._reg, self._sid = nursery, reg, session_id
+        self.answers: list[tuple[bool, bool]] = []
+
+    def start_soon(self, fn: object, *args: object) -> None:
+        self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
+        self.answers.append(self._reg.cancel(self._sid))  # type: ignore[attr-defined]
+
+
+async def test_cancel_between_dispatch_and_task_start_is_not_lost() -> None:
+    async with loaded(make_engine()) as engine, running_registry(engine) as reg, driver(reg) as d:
+        await d.open(initial_credit=64)
+        race = _CancelRightAfterDispatch(d.call._nursery, reg, "s1")  # noqa: SLF001
+        d.call._nursery = race  # type: ignore[assignment]  # noqa: SLF001
+        await d.send(generate=pb.Generate(tokens=pb.TokenIds(ids=[1]), max_tokens=50))
+        steps, err, usage = await d.until_usage()
+        assert race.answers == [(True, True)]  # found, and was_running: the step was dispatched
+        assert err is not None and err.code == pb.ERROR_CODE_CANCELLED
+        assert steps == [] and usage == pb.Usage()  # stopped before any compute
+        assert engine.session_info("s1").n_past == 0 and engine.metrics().steps_total == 0
+
+
+async def test_cancel_while_a_result_waits_for_room_never_drops_it() -> None:
+    """After half-close, results pile up in the bounded channel; a Cancel landing while the
+    step waits for room must stop the step, not the send of a token already computed."""
+    async with loaded(make_engine()) as engine, running_registry(engine) as reg, driver(reg) as d:
+        await d.open(initial_credit=64)
+        await d.send(generate=pb.Generate(tokens=pb.TokenIds(ids=[1]), max_tokens=200))
+        await d.half_close()  # credit no longer applies: only the channel's bound paces us
+        await trio.testing.wait_all_tasks_blocked()
+        assert d.call.buffered() == SessionLimits().max_credit + 4  # full, a result is waiting
+        assert reg.cancel("s1") == (True, True)
+        rest = await d.drain()
+        kinds = [m.WhichOneof("kind") for m in rest]
+        n_steps = kinds.count("step")
+        assert kinds == [*["step"] * n_steps, "error", "usage", "closed"], kinds
+        steps = [m.step for m in rest[:n_steps]]
+        error, usage, closed = rest[n_steps].error, rest[n_steps + 1].usage, rest[n_steps + 2].closed
+        assert error.code == pb.ERROR_CODE_CANCELLED
+        assert n_steps > SessionLimits().max_credit + 4 - 3  # the waiting result was delivered
+        assert usage.generated_tokens == n_steps  # Usage counts exactly what was sent
+        assert usage.prompt_tokens == 1 and closed.kv_retained
+        # The session holds exactly what the last delivered result says, nothing more.
+        retained = reg.retained("s1")
+        assert retained is not None and retained.end == steps[-1].n_past
+        assert engine.session_info("s1").n_past == steps[-1].n_past
+        await reg.release("s1")
+
+
+async def _engine_busy(engine: FakeEngine) -> None:
+    while engine.metrics().operations_running == 0:
+        await trio.sleep(0.01)
+
+
+async def test_cancel_counts_in_the_engine_metrics(autojump_clock: trio.testing.MockClock) -> None:
+    async with loaded(make_engine(latency=1.0)) as engine, running_registry(engine) as reg:
+        async with driver(reg) as d:
+            await d.open(initial_credit=64)
+            await d.send(generate=pb.Generate(tokens=pb.TokenIds(ids=[1]), max_tokens=100))
+            await d.recv_kind("step")
+            await _engine_busy(engine)
+            assert reg.cancel("s1") == (True, True)
+            await d.until_usage()
+            assert engine.metrics().cancelled_total == 1
+            await d.send(generate=pb.Generate(max_tokens=100))
+            await d.recv_kind("step")
+            await _engine_busy(engine)
+            d.call.end(StreamEnd.CLIENT_CANCELLED)  # RST_STREAM mid-step
+            await d.finished()
+        assert engine.metrics().cancelled_total == 2
+
+
+# ---- results larger than one message (issue 8 item 4) ---------------------------------------
+
+WIDE = FakeModel(n_layers_total=4, n_embd=256, seed=7)
+
+
+async def test_large_boundary_results_are_chunked_in_order() -> None:
+    limit = 16 * 1024  # 12 rows of 1 KiB per message (4 KiB are kept for the other fields)
+    first = LayerRange(0, 2)
+    async with (
+        loaded(FakeEngine(model=WIDE), layer_range=first) as engine,
+        loaded(FakeEngine(model=WIDE), layer_range=first) as reference,
+        running_registry(engine) as reg,
+    ):
+        send, recv = trio.open_memory_channel[pb.SessionRequest](4)
+        call = await reg.start_call(recv, max_message_bytes=limit)
+        d = Driver(call, send)
+        try:
+            await d.open("w")
+            tokens = list(range(3, 43))  # 40 rows: 40 KiB of float32
+            await d.send(prefill=pb.Prefill(tokens=pb.TokenIds(ids=tokens)))
+            chunks, err, usage = await d.until_usage()
+            assert err is None and usage.prompt_tokens == 40
+            assert len(chunks) == 4 and all(c.ByteSize() <= limit for c in chunks)
+            assert [c.more_chunks for c in chunks] == [True] * (len(chunks) - 1) + [False]
+            assert {(c.step, c.n_past, c.start_position) for c in chunks} == {(1, 40, 0)}
+            rows = np.concatenate([tensor_to_array(c.hidden_states, 256, "w") for c in chunks])
+            await reference.open_session("r")
+            want = await reference.prefill(PrefillRequest("r", tuple(tokens)))
+            assert want.boundary is not None
+            np.testing.assert_array_equal(rows, want.boundary.hidden_states)
+            await reference.release("r")
+            # A second small step is one message again.
+            await d.send(decode=pb.Decode(token=5))
+            (step,), err, _ = await d.until_usage()
+            assert err is None and not step.more_chunks and step.n_past == 41
+        finally:
+            send.close()
+            call.end(StreamEnd.CLIENT_CANCELLED)
+            await call.done.wait()
+
+
+async def test_a_row_that_can_never_fit_is_refused_before_compute() -> None:
+    async with (
+        loaded(FakeEngine(model=WIDE), layer_range=LayerRange(0, 2)) as engine,
+        running_registry(engine) as reg,
+    ):
+        send, recv = trio.open_memory_channel[pb.SessionRequest](4)
+        call = await reg.start_call(recv, max_message_bytes=4096 + 1023)  # < one row + overhead
+        d = Driver(call, send)
+        try:
+            await d.open("w")
+            await d.send(prefill=pb.Prefill(tokens=pb.TokenIds(ids=[3, 4])))
+            steps, err, _ = await d.until_usage()
+            assert steps == [] and err is not None
+            assert err.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and not err.retryable
+            assert err.reason == "MESSAGE_TOO_LARGE"
+            assert engine.metrics().steps_total == 0 and engine.session_info("w").n_past == 0
+        finally:
+            send.close()
+            call.end(StreamEnd.CLIENT_CANCELLED)
+            await call.done.wait()
+
+
+async def test_a_step_without_a_result_gives_its_credit_back(autojump_clock: trio.testing.MockClock) -> None:
+    """Found by the RPC fuzzer: a timed-out, cancelled or refused step took its credit and
+    never sent a result, so a client with a window of 1 waited forever on its next step."""
+    async with loaded(make_engine(latency=1.0)) as engine, running_registry(engine) as reg, driver(reg) as d:
+        await d.open(initial_credit=1, step_timeout_ms=500)
+        await d.send(prefill=pb.Prefill(tokens=pb.TokenIds(ids=[3, 4])))  # times out
+        steps, err, _ = await d.until_usage()
+        assert steps == [] and err is not None and err.reason == "STEP_TIMEOUT"
+        assert d.call.credit.value == 1
+        await d.send(generate=pb.Generate(tokens=pb.TokenIds(ids=[1]), max_tokens=3))
+        await d.call.parked.wait_value(False)
+        assert reg.cancel("s1") == (True, True)  # cancelled in the engine: no result either
+        steps, err, _ = await d.until_usage()
+        assert steps == [] and err is not None and err.code == pb.ERROR_CODE_CANCELLED
+        assert d.call.credit.value == 1
+        await d.send(prefill=pb.Prefill(tokens=pb.TokenIds(ids=[999])))  # refused: bad token id
+        steps, err, _ = await d.until_usage()
+        assert steps == [] and err is not None and d.call.credit.value == 1

@@ -546,6 +546,13 @@ class ShardEngine(abc.ABC):
         except EngineError:
             self._counters["errors_total"] += 1
             raise
+        except BaseException as exc:
+            # The caller's scope stopped the operation (an RPC Cancel, a client reset, a
+            # deadline): a cancellation too, though it reaches us as trio.Cancelled (possibly
+            # inside the exception group of _run_guarded's nursery).
+            if _is_cancellation(exc):
+                self._counters["cancelled_total"] += 1
+            raise
         finally:
             try:
                 if not committed:
@@ -640,6 +647,14 @@ class ShardEngine(abc.ABC):
             logits=logits_result,
             boundary=boundary,
         )
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """``trio.Cancelled``, alone or as the only kind of exception in a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(trio.Cancelled)
+        return rest is None
+    return isinstance(exc, trio.Cancelled)
 
 
 _ids = itertools.count()

@@ -5,11 +5,15 @@ alone, so every place that produces an error (version checks, the session state 
 failures, the client library) must agree on what a code means. Engine errors are translated
 here, at the boundary, with one mapping (``ENGINE_ERROR_CODES``) instead of message parsing.
 
-On the wire an error travels twice: as the gRPC status (code + message, what any gRPC client
-understands) and as the trailer ``shard-error-bin`` holding a serialized ``shard.v1.Error``
-(code, retryable flag, session id, engine reason, supported versions). Step-level errors inside a
-healthy session travel in-stream as ``SessionResponse.error`` instead, and the session stays
-usable. ``ShardError`` is the single exception type both the server and the client raise.
+On the wire an error travels three times: as the gRPC status (code + message, what any gRPC
+client understands), as ``grpc-status-details-bin`` (a ``google.rpc.Status`` with an
+``ErrorInfo`` detail: gRPC's richer error model, read by standard clients) and as the trailer
+``shard-error-bin`` holding a serialized ``shard.v1.Error`` (code, retryable flag, session id,
+engine reason, supported versions). ``retryable`` always agrees with the status
+(``STATUS_RETRYABLE``), so a standard retry policy and a Shard-aware router decide alike.
+Step-level errors inside a healthy session travel in-stream as ``SessionResponse.error``
+instead, and the session stays usable. ``ShardError`` is the single exception type both the
+server and the client raise.
 """
 
 from __future__ import annotations
@@ -19,12 +23,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from google.protobuf.any_pb2 import Any as AnyProto
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 
 from shard.engine import errors as engine_errors
 from shard.v1 import shard_pb2 as pb
 
 ERROR_TRAILER = "shard-error-bin"
+STATUS_DETAILS_TRAILER = "grpc-status-details-bin"
+ERROR_DOMAIN = "shard.v1"  # google.rpc.ErrorInfo.domain of every Shard error
 
 
 class GrpcStatus(enum.IntEnum):
@@ -69,6 +77,37 @@ class ErrorCode(enum.IntEnum):
     DRAINING = pb.ERROR_CODE_DRAINING
     INTERNAL = pb.ERROR_CODE_INTERNAL
     UNSUPPORTED_FEATURE = pb.ERROR_CODE_UNSUPPORTED_FEATURE
+    SESSION_BUSY = pb.ERROR_CODE_SESSION_BUSY
+
+
+#: Which retry flag each gRPC status allows: True (always retryable: UNAVAILABLE, ABORTED, as
+#: standard retry policies assume), False (never), None (depends on the error: a capacity limit
+#: may clear, an oversized message never fits). ``ShardError`` enforces it.
+STATUS_RETRYABLE: dict[GrpcStatus, bool | None] = {
+    GrpcStatus.OK: False,
+    GrpcStatus.CANCELLED: None,
+    GrpcStatus.UNKNOWN: False,
+    GrpcStatus.INVALID_ARGUMENT: False,
+    GrpcStatus.DEADLINE_EXCEEDED: None,
+    GrpcStatus.NOT_FOUND: False,
+    GrpcStatus.ALREADY_EXISTS: False,
+    GrpcStatus.PERMISSION_DENIED: False,
+    GrpcStatus.RESOURCE_EXHAUSTED: None,
+    GrpcStatus.FAILED_PRECONDITION: False,
+    GrpcStatus.ABORTED: True,
+    GrpcStatus.OUT_OF_RANGE: False,
+    GrpcStatus.UNIMPLEMENTED: False,
+    GrpcStatus.INTERNAL: False,
+    GrpcStatus.UNAVAILABLE: True,
+    GrpcStatus.DATA_LOSS: False,
+    GrpcStatus.UNAUTHENTICATED: False,
+}
+
+
+def agreeing_retryable(status: GrpcStatus, retryable: bool) -> bool:
+    """``retryable`` as the status allows it (the status wins where it is unambiguous)."""
+    fixed = STATUS_RETRYABLE.get(status)
+    return retryable if fixed is None else fixed
 
 
 @dataclass(frozen=True)
@@ -81,7 +120,9 @@ class ErrorSpec:
 
 
 #: The taxonomy. ``retryable``: the *same* request may succeed later without change (after a
-#: back-off, or on another worker for NOT_READY/DRAINING/ENGINE_FAILURE).
+#: back-off, or on another worker for NOT_READY/DRAINING/ENGINE_FAILURE: a failed engine's
+#: sessions are gone, but the request may be replayed elsewhere). Each row agrees with
+#: ``STATUS_RETRYABLE``.
 ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.UNSPECIFIED: ErrorSpec(GrpcStatus.UNKNOWN, False, "unknown error"),
     ErrorCode.INVALID_ARGUMENT: ErrorSpec(GrpcStatus.INVALID_ARGUMENT, False, "invalid argument"),
@@ -112,7 +153,7 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
         GrpcStatus.PERMISSION_DENIED, False, "not allowed for this caller"
     ),
     ErrorCode.ENGINE_FAILURE: ErrorSpec(
-        GrpcStatus.UNAVAILABLE, False, "the engine failed; the worker needs a restart"
+        GrpcStatus.UNAVAILABLE, True, "the engine failed; the worker needs a restart"
     ),
     ErrorCode.NOT_READY: ErrorSpec(GrpcStatus.UNAVAILABLE, True, "the worker is not ready"),
     ErrorCode.DRAINING: ErrorSpec(
@@ -121,6 +162,9 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
     ErrorCode.INTERNAL: ErrorSpec(GrpcStatus.INTERNAL, False, "internal error"),
     ErrorCode.UNSUPPORTED_FEATURE: ErrorSpec(
         GrpcStatus.UNIMPLEMENTED, False, "not supported by this worker"
+    ),
+    ErrorCode.SESSION_BUSY: ErrorSpec(
+        GrpcStatus.ABORTED, True, "the session is busy with another operation"
     ),
 }
 
@@ -131,7 +175,7 @@ ENGINE_ERROR_CODES: dict[type[engine_errors.EngineError], ErrorCode] = {
     engine_errors.InvalidInput: ErrorCode.INVALID_ARGUMENT,
     engine_errors.UnknownSession: ErrorCode.SESSION_NOT_FOUND,
     engine_errors.SessionExists: ErrorCode.SESSION_EXISTS,
-    engine_errors.SessionBusy: ErrorCode.ILLEGAL_TRANSITION,
+    engine_errors.SessionBusy: ErrorCode.SESSION_BUSY,
     engine_errors.IllegalTransition: ErrorCode.ILLEGAL_TRANSITION,
     engine_errors.ResourcesExhausted: ErrorCode.RESOURCE_EXHAUSTED,
     engine_errors.EngineCancelled: ErrorCode.CANCELLED,
@@ -152,6 +196,7 @@ STATUS_ERROR_CODES: dict[GrpcStatus, ErrorCode] = {
     GrpcStatus.PERMISSION_DENIED: ErrorCode.PERMISSION_DENIED,
     GrpcStatus.RESOURCE_EXHAUSTED: ErrorCode.RESOURCE_EXHAUSTED,
     GrpcStatus.FAILED_PRECONDITION: ErrorCode.ILLEGAL_TRANSITION,
+    GrpcStatus.ABORTED: ErrorCode.SESSION_BUSY,
     GrpcStatus.UNIMPLEMENTED: ErrorCode.UNSUPPORTED_FEATURE,
     GrpcStatus.UNAVAILABLE: ErrorCode.NOT_READY,
     GrpcStatus.UNAUTHENTICATED: ErrorCode.UNAUTHENTICATED,
@@ -168,7 +213,8 @@ class ShardError(Exception):
     """An error of the Shard protocol, raised by the server internals and by the client.
 
     ``code`` decides everything else: ``grpc_status`` and the default ``retryable`` come from
-    ``ERROR_TABLE``. ``reason`` carries the finer engine reason (e.g. ``"KV_CACHE_FULL"``).
+    ``ERROR_TABLE``; an explicit ``retryable`` counts only where the status leaves it open
+    (``STATUS_RETRYABLE``). ``reason`` carries the finer engine reason (e.g. ``"KV_CACHE_FULL"``).
     """
 
     def __init__(
@@ -185,11 +231,13 @@ class ShardError(Exception):
         spec = ERROR_TABLE[code]
         self.code = code
         self.message = message if message else spec.message
-        self.retryable = spec.retryable if retryable is None else retryable
         self.session_id = session_id
         self.reason = reason
         self.supported_versions = tuple(supported_versions)
         self.grpc_status = spec.status if grpc_status is None else grpc_status
+        self.retryable = agreeing_retryable(
+            self.grpc_status, spec.retryable if retryable is None else retryable
+        )
         super().__init__(self.message)
 
     def __repr__(self) -> str:
@@ -212,9 +260,31 @@ class ShardError(Exception):
             reason=self.reason,
         )
 
+    def error_info(self) -> error_details_pb2.ErrorInfo:
+        """The ``google.rpc.ErrorInfo`` of this error: ``reason`` is the ErrorCode name."""
+        metadata = {"retryable": "true" if self.retryable else "false"}
+        if self.session_id:
+            metadata["session_id"] = self.session_id
+        if self.reason:
+            metadata["engine_reason"] = self.reason
+        return error_details_pb2.ErrorInfo(
+            reason=self.code.name, domain=ERROR_DOMAIN, metadata=metadata
+        )
+
+    def status_details(self) -> status_pb2.Status:
+        """This error as ``google.rpc.Status`` (what ``grpc-status-details-bin`` carries)."""
+        detail = AnyProto()
+        detail.Pack(self.error_info())
+        return status_pb2.Status(
+            code=int(self.grpc_status), message=self.message, details=[detail]
+        )
+
     def trailers(self) -> list[tuple[str, bytes]]:
         """Trailing metadata that carries this error next to the gRPC status."""
-        return [(ERROR_TRAILER, self.to_proto().SerializeToString())]
+        return [
+            (ERROR_TRAILER, self.to_proto().SerializeToString()),
+            (STATUS_DETAILS_TRAILER, self.status_details().SerializeToString()),
+        ]
 
     @classmethod
     def from_proto(cls, err: pb.Error, *, grpc_status: GrpcStatus | None = None) -> ShardError:
@@ -241,14 +311,27 @@ class ShardError(Exception):
             grpc_status = GrpcStatus(status)
         except ValueError:
             grpc_status = GrpcStatus.UNKNOWN
-        for key, value in trailers:
-            if key == ERROR_TRAILER and isinstance(value, bytes):
+        pairs = [(k, v) for k, v in trailers if isinstance(v, bytes)]
+        for key, value in pairs:
+            if key == ERROR_TRAILER:
                 err = pb.Error()
                 try:
                     err.ParseFromString(value)
                 except DecodeError:  # a corrupt trailer: fall back to the status
                     break
                 return cls.from_proto(err, grpc_status=grpc_status)
+        for key, value in pairs:  # no Shard trailer: maybe gRPC's richer error model
+            if key == STATUS_DETAILS_TRAILER:
+                info = _error_info(value)
+                if info is not None and info.domain == ERROR_DOMAIN and info.reason in ErrorCode.__members__:
+                    return cls(
+                        ErrorCode[info.reason],
+                        message or None,
+                        retryable=info.metadata.get("retryable") == "true",
+                        session_id=info.metadata.get("session_id", ""),
+                        reason=info.metadata.get("engine_reason", ""),
+                        grpc_status=grpc_status,
+                    )
         code = STATUS_ERROR_CODES.get(grpc_status, ErrorCode.UNSPECIFIED)
         return cls(code, message or None, grpc_status=grpc_status)
 
@@ -288,6 +371,20 @@ def unwrap_single_exception() -> Iterator[None]:
         raise exc from exc.__cause__
 
 
+def _error_info(status_bytes: bytes) -> error_details_pb2.ErrorInfo | None:
+    """The first ``ErrorInfo`` in a serialized ``google.rpc.Status``; None if there is none."""
+    status = status_pb2.Status()
+    try:
+        status.ParseFromString(status_bytes)
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info):
+                return info
+    except DecodeError:
+        pass
+    return None
+
+
 def internal_error(session_id: str = "") -> ShardError:
     """The error an unexpected exception becomes: generic, so no internals leak to clients."""
     return ShardError(ErrorCode.INTERNAL, session_id=session_id)
@@ -296,9 +393,13 @@ def internal_error(session_id: str = "") -> ShardError:
 __all__ = [
     "ENGINE_ERROR_CODES",
     "ERROR_TABLE",
+    "ERROR_DOMAIN",
     "ERROR_TRAILER",
     "FATAL_IN_SESSION",
+    "STATUS_DETAILS_TRAILER",
     "STATUS_ERROR_CODES",
+    "STATUS_RETRYABLE",
+    "agreeing_retryable",
     "ErrorCode",
     "ErrorSpec",
     "GrpcStatus",

@@ -4,6 +4,9 @@ Why one registry: session ids are chosen by the router, so the worker needs one 
 decides whether an id is free, attached to a live stream, or retained for resume; the
 out-of-band Cancel and Release RPCs, the TTL reaper and shutdown all look sessions up here.
 
+Dependencies run one way: the registry creates ``SessionCall``s; a call sees its registry only
+through the small ``SessionHost`` protocol defined next to it.
+
 Ownership: a session id is *claimed* by exactly one ``SessionCall`` while its stream runs. When
 the stream ends without a release (CloseSession{retain}, half-close, lost connection), the
 call hands the engine session to the registry as *retained* until ``resume_ttl`` expires; the
@@ -21,7 +24,6 @@ import collections
 import logging
 import math
 from collections.abc import AsyncIterable
-from dataclasses import dataclass
 
 import trio
 from trio_util import AsyncValue
@@ -30,20 +32,9 @@ from shard.engine import EngineError, ShardEngine
 from shard.v1 import shard_pb2 as pb
 
 from .errors import ErrorCode, ShardError
-from .session import SessionCall, SessionLimits, StreamEnd
+from .session import Retained, SessionCall, SessionLimits, StreamEnd
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Retained:
-    """A session whose stream ended but whose KV cache is kept for resume."""
-
-    session_id: str
-    expires_at: float  # trio.current_time() based
-    end: int  # positions the client may resume from
-    engine_len: int  # positions the engine holds (>= end)
-    kv_capacity: int
 
 
 class Registry:
@@ -76,14 +67,26 @@ class Registry:
                 await self.release_all_retained()
 
     async def start_call(
-        self, requests: AsyncIterable[pb.SessionRequest], *, deadline: float = math.inf
+        self,
+        requests: AsyncIterable[pb.SessionRequest],
+        *,
+        deadline: float = math.inf,
+        max_message_bytes: int = 16 * 1024 * 1024,
     ) -> SessionCall:
-        """Start a ``SessionCall`` task in the registry's nursery and return it."""
+        """Start a ``SessionCall`` task in the registry's nursery and return it.
+
+        ``max_message_bytes``: the transport's message limit; larger results are chunked.
+        """
         nursery = self._nursery
         if nursery is None:
             raise ShardError(ErrorCode.NOT_READY, "the worker is not serving sessions")
         call = SessionCall(
-            engine=self.engine, registry=self, limits=self.limits, requests=requests, deadline=deadline
+            engine=self.engine,
+            registry=self,
+            limits=self.limits,
+            requests=requests,
+            deadline=deadline,
+            max_message_bytes=max_message_bytes,
         )
         self.counters["rpc_session_total"] += 1
         try:

@@ -81,7 +81,8 @@ class _Requests:
                 if exc.code == GrpcStatus.INTERNAL
                 else STATUS_ERROR_CODES.get(GrpcStatus(exc.code), ErrorCode.INTERNAL)
             )
-            raise ShardError(code, exc.message) from None
+            # The same message can never fit or parse: not retryable, whatever the status.
+            raise ShardError(code, exc.message, retryable=False) from None
         if self._observe is not None:
             self._observe(request)
         return request
@@ -221,7 +222,9 @@ class ShardServicer(_ShardServicerBase):
         try:
             await self._authenticate(ctx)
             call = await self.registry.start_call(
-                _Requests(input_messages, watch.request), deadline=ctx.deadline
+                _Requests(input_messages, watch.request),
+                deadline=ctx.deadline,
+                max_message_bytes=self._transport_limits.max_message_bytes,
             )
         except ShardError as err:
             raise self._refuse(err) from None

@@ -23,12 +23,19 @@ Resource handling: the task owns the engine session from OpenSession until it ei
 it or hands it to the registry as *retained* (kept for ``resume_ttl`` so a new stream can resume
 it). The cleanup runs shielded, so a cancelled or failed stream never leaks KV cells.
 
+Cancellation: an out-of-band Cancel is remembered from the moment a step is dispatched and stops
+it at its next credit wait or engine call (``_cancellable``); handing a computed result to the
+transport is never cancelled by it, so ``Usage`` counts exactly the results sent and the session
+holds what they say. If the stream itself ends first, a retained session resumes from what was
+handed to the transport (``_delivered_end``).
+
 Flow control: responses leave through a bounded memory channel (capacity ``max_credit`` + a few
-control messages). Each ``StepResult`` needs one credit, taken *before* the engine computes it,
-so a client that stops granting credit parks generation at once and at most ``credit`` results
-are ever buffered. After the client half-closes or sends CloseSession it can no longer grant
-credit; from then on only HTTP/2 flow control (through the same bounded channel) paces the
-stream.
+control messages). Each result needs one credit, taken *before* the engine computes it (and
+given back if the step ends without a result), so a client that stops granting credit parks
+generation at once and at most ``credit`` results are ever buffered. A boundary result larger
+than one message is sent as several ``StepResult`` chunks (``more_chunks``) for one credit.
+After the client half-closes or sends CloseSession it can no longer grant credit; from then on
+only HTTP/2 flow control (through the same bounded channel) paces the stream.
 
 Deadlines: the task's cancel scope carries the call deadline (``grpc-timeout``); expiry releases
 the session and ends the stream with DEADLINE_EXCEEDED. ``OpenSession.step_timeout_ms`` bounds
@@ -41,9 +48,10 @@ import enum
 import logging
 import math
 import sys
-from collections.abc import AsyncIterable, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import trio
@@ -67,15 +75,15 @@ from . import convert
 from .errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
 from .versions import check_version, current_proto
 
-if TYPE_CHECKING:
-    from .registry import Registry, Retained
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 UNLIMITED_CREDIT = sys.maxsize
 MAX_SESSION_ID_BYTES = 128
 _CONTROL_SLOTS = 4  # opened + error + usage + closed never need credit
+# Room left in each message for everything but the hidden-state rows (step fields, framing).
+_CHUNK_OVERHEAD = 4096
+_FLOAT32_BYTES = 4  # the widest wire dtype: a row never takes more than 4 * n_embd bytes
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,41 @@ class SessionLimits:
     @property
     def resume_ttl_ms(self) -> int:
         return int(self.resume_ttl * 1000)
+
+
+@dataclass(frozen=True)
+class Retained:
+    """A session whose stream ended but whose KV cache is kept for resume."""
+
+    session_id: str
+    expires_at: float  # trio.current_time() based
+    end: int  # positions the client may resume from (what it was sent)
+    engine_len: int  # positions the engine holds (>= end)
+    kv_capacity: int
+
+
+class SessionHost(Protocol):
+    """What a ``SessionCall`` needs from the table of sessions it lives in (the ``Registry``).
+
+    Why a protocol: the registry creates and owns calls, so the call must not import it back;
+    tests can also host a call in something smaller.
+    """
+
+    draining: bool
+
+    def claim(self, session_id: str, call: SessionCall, *, resuming: bool) -> Retained | None: ...
+
+    def unclaim(self, session_id: str, call: SessionCall) -> None: ...
+
+    def retain(self, session_id: str, *, end: int, engine_len: int, kv_capacity: int) -> bool: ...
+
+    async def release_owned(self, session_id: str) -> None: ...
+
+    async def evict_one(self) -> bool: ...
+
+    def count(self, name: str, n: int = 1) -> None: ...
+
+    def count_error(self, code: ErrorCode) -> None: ...
 
 
 class Phase(enum.Enum):
@@ -145,14 +188,16 @@ class SessionCall:
         self,
         *,
         engine: ShardEngine,
-        registry: Registry,
+        registry: SessionHost,
         limits: SessionLimits,
         requests: AsyncIterable[pb.SessionRequest],
         deadline: float = math.inf,
+        max_message_bytes: int = 16 * 1024 * 1024,
     ) -> None:
         self._engine = engine
         self._registry = registry
         self._limits = limits
+        self._max_message_bytes = max_message_bytes
         self._requests = requests
         self._deadline = deadline
         send, recv = trio.open_memory_channel[pb.SessionResponse](limits.max_credit + _CONTROL_SLOTS)
@@ -171,8 +216,11 @@ class SessionCall:
         self.ended_at: float | None = None  # trio time the stream was told to stop (observers)
         self._nursery: trio.Nursery | None = None
         self._reader_scope = trio.CancelScope()
-        self._step_scope: trio.CancelScope | None = None
-        self._step_active = AsyncBool(False)
+        self._step_scope: trio.CancelScope | None = None  # the running cancellable region
+        self._step_active = AsyncBool(False)  # from dispatch until the step's Usage is queued
+        self._cancel_requested = False  # a Cancel for the current step (survives region gaps)
+        self._step_finishing = False  # the step's work is over; only its Error/Usage remain
+        self._credit_unspent = False  # a credit was taken for a result not sent (yet)
         self._owns_engine_session = False  # the engine session exists and is ours to free
         self._caps: Capabilities | None = None
         self._wire_dtype = convert.HIDDEN_DTYPE  # hidden states on the wire, both directions
@@ -180,6 +228,7 @@ class SessionCall:
         self._step_timeout = math.inf
         self._end = 0  # logical end of the session (positions the client may build on)
         self._engine_len = 0  # positions the engine holds (>= _end after a partial resume)
+        self._delivered_end = 0  # positions whose results were handed to the transport
         self._next_token: int | None = None  # token chosen by the last logits step
         self._step_no = 0
         self._totals = pb.Usage()
@@ -194,10 +243,18 @@ class SessionCall:
         self._scope.cancel()
 
     def cancel_step(self) -> bool:
-        """Out-of-band Cancel: stop the running step (the engine stops within one step)."""
-        if self._step_scope is None or not self._step_active.value:
+        """Out-of-band Cancel: stop the running step (the engine stops within one step).
+
+        The request is remembered from the moment the step is dispatched, so a Cancel that
+        lands before the step's task starts, or while a committed result waits for room in
+        the response channel, still stops the step at its next credit wait or engine call.
+        Results already computed are delivered, never dropped.
+        """
+        if not self._step_active.value or self._step_finishing:
             return False
-        self._step_scope.cancel()
+        self._cancel_requested = True
+        if self._step_scope is not None:
+            self._step_scope.cancel()
         return True
 
     def buffered(self) -> int:
@@ -309,7 +366,8 @@ class SessionCall:
         else:
             assert self._nursery is not None
             self.phase.value = Phase.RUNNING
-            self._step_active.value = True
+            self._cancel_requested = self._step_finishing = False
+            self._step_active.value = True  # from here on a Cancel is never lost
             self._nursery.start_soon(self._guarded, lambda: self._run_step(req))
 
     async def _on_half_close(self) -> None:
@@ -346,6 +404,7 @@ class SessionCall:
         self._wire_dtype = wire_dtype
         self._step_timeout = req.step_timeout_ms / 1000 if req.step_timeout_ms else math.inf
         cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
+        self._delivered_end = self._end
         credit = min(req.initial_credit or self._limits.default_credit, self._limits.max_credit)
         self.credit.value = credit
         self.phase.value = Phase.IDLE
@@ -473,8 +532,13 @@ class SessionCall:
         if self._owns_engine_session:
             self._owns_engine_session = False
             if retain and healthy:
+                # Resume from what the client was sent: a result computed but never handed to the
+                # transport (the stream ended first) is not part of the session it knows.
                 retained = self._registry.retain(
-                    sid, end=self._end, engine_len=self._engine_len, kv_capacity=self._kv_capacity
+                    sid,
+                    end=min(self._end, self._delivered_end),
+                    engine_len=self._engine_len,
+                    kv_capacity=self._kv_capacity,
                 )
             if not retained:
                 await self._registry.release_owned(sid)
@@ -511,23 +575,22 @@ class SessionCall:
     # ---- steps ----------------------------------------------------------------------------
 
     async def _run_step(self, req: pb.SessionRequest) -> None:
-        """One Prefill/Decode/Generate: StepResult*, optional Error, then Usage."""
+        """One Prefill/Decode/Generate: StepResult*, optional Error, then Usage.
+
+        Only credit waits and engine calls are cancellable by an out-of-band Cancel
+        (``_cancellable``); handing a computed result to the transport is not, so a Cancel can
+        never drop a committed result, and ``Usage`` counts exactly the results sent.
+        """
         usage = pb.Usage()
         err: ShardError | None = None
         try:
-            with trio.CancelScope() as scope:
-                self._step_scope = scope
-                kind = req.WhichOneof("kind")
-                if kind == "prefill":
-                    await self._prefill(req.prefill, usage)
-                elif kind == "decode":
-                    await self._decode(req.decode, usage)
-                else:
-                    await self._generate(req.generate, usage)
-            if scope.cancelled_caught:
-                err = ShardError(
-                    ErrorCode.CANCELLED, "the step was cancelled (Cancel RPC)", session_id=self.session_id
-                )
+            kind = req.WhichOneof("kind")
+            if kind == "prefill":
+                await self._prefill(req.prefill, usage)
+            elif kind == "decode":
+                await self._decode(req.decode, usage)
+            else:
+                await self._generate(req.generate, usage)
         except ShardError as exc:
             if exc.code in FATAL_IN_SESSION:
                 raise
@@ -535,6 +598,10 @@ class SessionCall:
         finally:
             self.parked.value = False
             self._step_scope = None
+            self._step_finishing = True  # nothing left to stop: a Cancel now finds no step
+            if self._credit_unspent:  # the step failed before its result: give the credit back
+                self._credit_unspent = False
+                self._grant(1)
         if err is not None:
             if not err.session_id:
                 err.session_id = self.session_id
@@ -546,6 +613,23 @@ class SessionCall:
         if self.phase.value is Phase.RUNNING:
             self.phase.value = Phase.IDLE
         self._step_active.value = False
+
+    @contextmanager
+    def _cancellable(self) -> Iterator[None]:
+        """A region an out-of-band Cancel stops (also one requested before it was entered)."""
+        scope = trio.CancelScope()
+        if self._cancel_requested:
+            scope.cancel()
+        self._step_scope = scope
+        try:
+            with scope:
+                yield
+        finally:
+            self._step_scope = None
+        if scope.cancelled_caught:
+            raise ShardError(
+                ErrorCode.CANCELLED, "the step was cancelled (Cancel RPC)", session_id=self.session_id
+            )
 
     async def _prefill(self, p: pb.Prefill, usage: pb.Usage) -> None:
         """One StepResult for the whole input, or one per ``chunk_tokens`` positions, each sent
@@ -565,27 +649,26 @@ class SessionCall:
             hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid, dtype=self._wire_dtype)
         else:
             raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
+        self._check_row_fits(caps)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
         chunk = p.chunk_tokens or max(n, 1)
         for offset in range(0, max(n, 1), chunk):
-            await self._take_credit()
-            result = await self._prefill_one(
-                PrefillRequest(
-                    sid,
-                    None if tokens is None else tokens[offset : offset + chunk],
-                    None if hidden is None else hidden[offset : offset + chunk],
-                    position=position + offset, sampling=sampling, top_k_logprobs=p.top_logprobs,
-                ),
-                usage,
-            )
+            with self._cancellable():
+                await self._take_credit()
+                result = await self._engine_call(
+                    self._engine.prefill,
+                    PrefillRequest(
+                        sid,
+                        None if tokens is None else tokens[offset : offset + chunk],
+                        None if hidden is None else hidden[offset : offset + chunk],
+                        position=position + offset, sampling=sampling,
+                        top_k_logprobs=p.top_logprobs,
+                    ),
+                )
             await self._send_step(result, position + offset)
-
-    async def _prefill_one(self, request: PrefillRequest, usage: pb.Usage) -> StepResult:
-        """One engine prefill, counted in ``usage`` (prompt and reused tokens)."""
-        result = await self._engine_call(self._engine.prefill, request)
-        usage.prompt_tokens += result.tokens_processed
-        usage.reused_tokens += result.reused_tokens
-        return result
+            # Counted once delivered: Usage reports only what the client received.
+            usage.prompt_tokens += result.tokens_processed
+            usage.reused_tokens += result.reused_tokens
 
     async def _decode(self, d: pb.Decode, usage: pb.Usage) -> None:
         caps, sid = self._require_caps(), self.session_id
@@ -599,11 +682,13 @@ class SessionCall:
             )
         else:
             raise convert.invalid("Decode needs a token or a hidden_state", sid)
-        await self._take_credit()
-        start = self._end
-        result = await self._decode_one(token, hidden, sampling, d.top_logprobs)
-        usage.generated_tokens += 1
+        self._check_row_fits(caps)
+        with self._cancellable():
+            await self._take_credit()
+            start = self._end
+            result = await self._decode_one(token, hidden, sampling, d.top_logprobs)
         await self._send_step(result, start)
+        usage.generated_tokens += 1
 
     async def _generate(self, g: pb.Generate, usage: pb.Usage) -> None:
         caps, sid = self._require_caps(), self.session_id
@@ -627,19 +712,19 @@ class SessionCall:
         stop = frozenset(g.stop_tokens)
         emitted = 0
         while True:
-            await self._take_credit()
-            start = self._end
-            if emitted == 0 and prompt is not None:
-                request = PrefillRequest(
-                    sid, prompt, position=start, sampling=sampling, top_k_logprobs=g.top_logprobs
-                )
-                result = await self._prefill_one(request, usage)
-            else:
-                assert self._next_token is not None
-                result = await self._decode_one(self._next_token, None, sampling, g.top_logprobs)
-            emitted += 1
-            usage.generated_tokens += 1
+            with self._cancellable():
+                await self._take_credit()
+                start = self._end
+                if emitted == 0 and prompt is not None:
+                    request = PrefillRequest(
+                        sid, prompt, position=start, sampling=sampling, top_k_logprobs=g.top_logprobs
+                    )
+                    result = await self._engine_call(self._engine.prefill, request)
+                else:
+                    assert self._next_token is not None
+                    result = await self._decode_one(self._next_token, None, sampling, g.top_logprobs)
             assert result.logits is not None
+            emitted += 1
             token = result.logits.token_id
             if result.logits.is_eog and not g.ignore_eos:
                 finish = pb.FINISH_REASON_EOG
@@ -652,6 +737,10 @@ class SessionCall:
             else:
                 finish = pb.FINISH_REASON_UNSPECIFIED
             await self._send_step(result, start, finish)
+            if emitted == 1 and prompt is not None:
+                usage.prompt_tokens += result.tokens_processed
+                usage.reused_tokens += result.reused_tokens
+            usage.generated_tokens += 1
             if finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
 
@@ -687,12 +776,16 @@ class SessionCall:
 
     async def _engine_call(self, fn: Callable[[T], Awaitable[StepResult]], request: T) -> StepResult:
         """One engine step under the per-step deadline; engine errors become ShardErrors."""
+        position = getattr(request, "position", None)
+        start = self._engine_len if position is None else position
         with trio.move_on_after(self._step_timeout):
             try:
                 result = await fn(request)
             except EngineError as exc:
                 raise ShardError.from_engine(exc) from None
             self._end = self._engine_len = result.n_past
+            # Positions from ``start`` on now differ from what the client was sent.
+            self._delivered_end = min(self._delivered_end, start)
             if result.logits is not None:
                 self._next_token = result.logits.token_id
             return result
@@ -713,6 +806,20 @@ class SessionCall:
         assert self._caps is not None
         return self._caps
 
+    def _check_row_fits(self, caps: Capabilities) -> None:
+        """Refuse, before any compute, a boundary result that no chunking could send."""
+        if caps.is_last:
+            return
+        if _FLOAT32_BYTES * caps.n_embd + _CHUNK_OVERHEAD > self._max_message_bytes:
+            raise ShardError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"one hidden-state row ({caps.n_embd} values) does not fit in max_message_bytes="
+                f"{self._max_message_bytes}",
+                retryable=False,
+                session_id=self.session_id,
+                reason="MESSAGE_TOO_LARGE",
+            )
+
     async def _take_credit(self) -> None:
         """Wait for one credit: a client that grants none parks the step before it computes."""
         if self.credit.value <= 0:
@@ -723,15 +830,20 @@ class SessionCall:
                 self.parked.value = False
         if self.credit.value != UNLIMITED_CREDIT:
             self.credit.value -= 1
+        self._credit_unspent = True
 
     async def _send_step(
         self, result: StepResult, start: int, finish: int = pb.FINISH_REASON_UNSPECIFIED
     ) -> None:
+        """Send one result (one credit), split into chunks when it exceeds one message."""
         msg = convert.step_to_proto(result, self._step_no + 1, start, self._wire_dtype)
         self._step_no += 1
         msg.finish_reason = finish  # type: ignore[assignment]
+        self._credit_unspent = False  # spent now, even if the stream ends during the send
+        for chunk in _chunks(msg, self._max_message_bytes - _CHUNK_OVERHEAD):
+            await self._send(pb.SessionResponse(step=chunk))
         self._registry.count("steps_sent_total")
-        await self._send(pb.SessionResponse(step=msg))
+        self._delivered_end = result.n_past
 
     async def _send(self, msg: pb.SessionResponse) -> None:
         """Hand a response to the transport; blocks while the bounded channel is full."""
@@ -743,4 +855,39 @@ class SessionCall:
             await trio.lowlevel.checkpoint()  # raises Cancelled: our scope was just cancelled
 
 
-__all__ = ["Phase", "SessionCall", "SessionLimits", "StreamEnd", "UNLIMITED_CREDIT"]
+def _chunks(msg: pb.StepResult, budget: int) -> Iterator[pb.StepResult]:
+    """Split a boundary result over several messages of at most ``budget`` bytes each.
+
+    Every chunk repeats the step's fields and carries consecutive rows of ``hidden_states``;
+    ``more_chunks`` is set on all but the last, so an unsplit result looks exactly as before.
+    """
+    if msg.WhichOneof("output") != "hidden_states" or msg.ByteSize() <= budget:
+        yield msg
+        return
+    tensor = msg.hidden_states
+    n_rows = tensor.shape[0]
+    row_bytes = len(tensor.data) // max(n_rows, 1)
+    per_chunk = max(1, budget // max(row_bytes, 1))
+    head = pb.StepResult()
+    head.CopyFrom(msg)
+    head.ClearField("hidden_states")
+    for first in range(0, n_rows, per_chunk):
+        rows = min(per_chunk, n_rows - first)
+        chunk = pb.StepResult()
+        chunk.CopyFrom(head)
+        chunk.hidden_states.dtype = tensor.dtype
+        chunk.hidden_states.shape.extend([rows, *tensor.shape[1:]])
+        chunk.hidden_states.data = tensor.data[first * row_bytes : (first + rows) * row_bytes]
+        chunk.more_chunks = first + rows < n_rows
+        yield chunk
+
+
+__all__ = [
+    "Phase",
+    "Retained",
+    "SessionCall",
+    "SessionHost",
+    "SessionLimits",
+    "StreamEnd",
+    "UNLIMITED_CREDIT",
+]

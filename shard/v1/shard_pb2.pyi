@@ -26,6 +26,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_DRAINING: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
     ERROR_CODE_UNSUPPORTED_FEATURE: _ClassVar[ErrorCode]
+    ERROR_CODE_SESSION_BUSY: _ClassVar[ErrorCode]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -51,6 +52,7 @@ ERROR_CODE_NOT_READY: ErrorCode
 ERROR_CODE_DRAINING: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_UNSUPPORTED_FEATURE: ErrorCode
+ERROR_CODE_SESSION_BUSY: ErrorCode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
@@ -456,7 +458,7 @@ class Logits(_message.Message):
     def __init__(self, top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., piece: _Optional[bytes] = ..., is_eog: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "n_past", "tokens_processed", "reused_tokens", "logits", "hidden_states", "start_position", "finish_reason")
+    __slots__ = ("step", "n_past", "tokens_processed", "reused_tokens", "logits", "hidden_states", "start_position", "finish_reason", "more_chunks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +467,7 @@ class StepResult(_message.Message):
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MORE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     n_past: int
     tokens_processed: int
@@ -473,7 +476,8 @@ class StepResult(_message.Message):
     hidden_states: Tensor
     start_position: int
     finish_reason: FinishReason
-    def __init__(self, step: _Optional[int] = ..., n_past: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+    more_chunks: bool
+    def __init__(self, step: _Optional[int] = ..., n_past: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., more_chunks: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "reused_tokens")

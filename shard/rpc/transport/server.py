@@ -33,6 +33,7 @@ import math
 import socket
 import ssl
 import struct
+import urllib.parse
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -50,11 +51,10 @@ from purerpc.grpclib.events import (
     WindowUpdated,
 )
 from purerpc.grpclib.exceptions import ProtocolError
-from purerpc.grpclib.headers import sanitize_headers
-from purerpc.grpclib.status import Status
+from purerpc.grpclib.headers import b64encode, sanitize_headers
 from purerpc.rpc import Cardinality
 
-from ..errors import ERROR_TRAILER, ErrorCode, GrpcStatus, ShardError
+from ..errors import ERROR_TRAILER, STATUS_DETAILS_TRAILER, ErrorCode, GrpcStatus, ShardError
 from .wire import (
     OUTBOX_HIGH_WATER,
     PREFIX,
@@ -196,7 +196,7 @@ class _Call:
                     return message
                 except DecodeError:
                     self.error = StatusError(13, "cannot parse request message")
-        raise StatusError(self.error.code, self.error.message)
+        raise StatusError(self.error.code, self.error.message, self.error.trailers)
 
     async def receive_one(self) -> Any:
         message = await self.receive()
@@ -379,7 +379,7 @@ class _Connection:
         elif (call := self.calls.get(sid)) is None:
             self.h2.forget(sid)
         elif kind == "oversized":
-            call.inbox_send.send_nowait(StatusError(8, "request message larger than the limit"))
+            call.inbox_send.send_nowait(_too_large("request message larger than the limit"))
             call.inbox_send.close()
         elif kind == "compressed":
             call.inbox_send.send_nowait(StatusError(12, "compressed messages are not supported"))
@@ -504,19 +504,29 @@ class _Connection:
     def end_stream(
         self, sid: int, headers_sent: bool, code: int, message: str, trailers: Sequence[Any]
     ) -> None:
-        """Send the status and trailers; reset the stream if the client is still sending."""
+        """Send the status and trailers; reset the stream if the client is still sending.
+
+        ``grpc-status-details-bin`` (a serialized google.rpc.Status) is the one ``grpc-``
+        trailer a handler may set; purerpc refuses ``grpc-`` keys, so it is added after them.
+        """
+        details: list[tuple[str, str]] = []
         try:
             pairs = [(key.lower(), value) for key, value in trailers]
+            details = [(k, b64encode(v)) for k, v in pairs if k == STATUS_DETAILS_TRAILER]
+            pairs = [(k, v) for k, v in pairs if k != STATUS_DETAILS_TRAILER]
             list(sanitize_headers(pairs))  # validate: -bin keys take bytes, no grpc- keys
         except (ValueError, TypeError, AttributeError):
             log.error("invalid trailing metadata on stream %d: %r", sid, trailers)
-            code, message, pairs = 13, "internal error", []
-        status = Status(code, message)
+            code, message, pairs, details = 13, "internal error", [], []
+        head = [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
+        head.append(("grpc-status", str(code)))
+        if message:
+            head.append(("grpc-message", urllib.parse.quote(message, safe="")))
         try:
-            if headers_sent:
-                self.h2.end_response(sid, status, pairs)
-            else:
-                self.h2.respond_status(sid, status, "", pairs)
+            # As purerpc's end_response/respond_status do, plus the status details.
+            self.h2.h2_connection.send_headers(
+                sid, [*head, *sanitize_headers(pairs), *details], end_stream=True
+            )
             stream = self.h2.h2_connection.streams.get(sid)
             if stream is not None and not stream.closed:
                 self.h2.reset_stream(sid, ErrorCodes.NO_ERROR)
@@ -524,6 +534,14 @@ class _Connection:
             log.debug("cannot end stream %d: %r", sid, exc)
         self.h2.forget(sid)
         self.send_pending()
+
+
+def _too_large(message: str) -> StatusError:
+    """RESOURCE_EXHAUSTED with the Shard trailers: the same message never fits (not retryable)."""
+    err = ShardError(
+        ErrorCode.RESOURCE_EXHAUSTED, message, retryable=False, reason="MESSAGE_TOO_LARGE"
+    )
+    return StatusError(8, message, err.trailers())
 
 
 def _find_status_error(exc: BaseException) -> StatusError | None:

@@ -1,0 +1,15 @@
+"""Hypothesis profiles for the whole suite.
+
+The default profile is hypothesis' own (CI). ``--hypothesis-profile=long`` raises every
+property test's example budget; the RPC fuzzer (tests/test_rpc_fuzz.py) then runs until
+``SHARD_FUZZ_SECONDS`` (default 600) have passed::
+
+    SHARD_FUZZ_SECONDS=3600 python -m pytest tests/test_rpc_fuzz.py --hypothesis-profile=long -s
+"""
+
+from hypothesis import settings
+
+#: Example budget of the long profile; also how the fuzzer recognises it.
+LONG_EXAMPLES = 1_000_000
+
+settings.register_profile("long", max_examples=LONG_EXAMPLES, deadline=None)
