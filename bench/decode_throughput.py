@@ -265,7 +265,8 @@ class Bench:
         assert port is not None
         if path == "/completion":  # llama.cpp's native API
             body: dict[str, Any] = {"prompt": PROMPT, "n_predict": n_tokens + 1, "temperature": 0,
-                                    "top_k": 1, "stream": True, "ignore_eos": True, "cache_prompt": False}
+                                    "top_k": 1, "stream": True, "ignore_eos": True, "cache_prompt": False,
+                                    "return_tokens": True}
         else:  # OpenAI-compatible completions of llama-cpp-python; EOS banned by logit bias
             eos = self.eos
             body = {"prompt": PROMPT, "max_tokens": n_tokens + 1, "temperature": 0, "top_k": 1,
@@ -279,20 +280,30 @@ class Bench:
             for i in range(c):
                 nursery.start_soon(one, i)
         sent = [r[0] for r in results]
-        arrivals = []
-        for _, events in results:
-            # One event per token, except that llama-cpp-python holds back the pieces of an
-            # incomplete UTF-8 character: count tokens from the final report when present.
-            times = [t for t, ev in events if _has_token(ev)]
-            arrivals.append(times)
+        arrivals = [_token_times(events, n_tokens + 1) for _, events in results]
         return stream_stats(variant, c, rnd, sent, arrivals)
 
 
-def _has_token(ev: dict[str, Any]) -> bool:
-    if "content" in ev:  # llama-server
-        return not ev.get("stop") or bool(ev.get("content"))
-    choices = ev.get("choices") or []
-    return bool(choices) and choices[0].get("finish_reason") is None
+def _token_times(events: list[tuple[float, dict[str, Any]]], expected: int) -> list[float]:
+    """One arrival time per generated token from a server-sent event stream.
+
+    Both HTTP servers hold back the pieces of an incomplete UTF-8 character (random weights
+    emit arbitrary bytes), so events and tokens do not match one to one. llama-server says how
+    many tokens each event carries (``return_tokens``). llama-cpp-python does not (it may also
+    send empty or split chunks), so its stream must end with ``finish_reason == "length"``
+    (exactly ``expected`` tokens) and its tokens are placed at the first chunk and at the final
+    one: a single stream's rate depends only on the count and those two times.
+    """
+    if events and "content" in events[0][1]:  # llama-server
+        times: list[float] = []
+        for t, ev in events:
+            times.extend([t] * (len(ev.get("tokens") or ()) or (1 if ev.get("content") else 0)))
+        if len(times) != expected:
+            raise RuntimeError(f"llama-server streamed {len(times)} tokens, expected {expected}")
+        return times
+    if not events or (events[-1][1].get("choices") or [{}])[0].get("finish_reason") != "length":
+        raise RuntimeError("llama-cpp-python's stream did not end with finish_reason 'length'")
+    return [events[0][0]] + [events[-1][0]] * (expected - 1)
 
 
 class _Skip(Exception):
@@ -364,10 +375,11 @@ def write_chart(summary: dict[str, dict[int, dict[str, float]]], path: Path, tit
     for v, rows in summary.items():
         cs = sorted(rows)
         ys = [rows[c]["tok_s"] for c in cs]
+        color = plt.get_cmap("tab10")(VARIANTS.index(v))
         if len(cs) > 1:
-            ax.plot(cs, ys, marker="o", label=v)
+            ax.plot(cs, ys, marker="o", label=v, color=color)
         else:
-            ax.scatter(cs, ys, marker="s", label=v, zorder=3)
+            ax.scatter(cs, ys, marker="s", label=v, zorder=3, color=color)
     ax.set_xscale("log", base=2)
     levels = sorted({c for rows in summary.values() for c in rows})
     ax.set_xticks(levels, [str(c) for c in levels])
