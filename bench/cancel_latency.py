@@ -95,7 +95,7 @@ class Trials:
             k = self.rng.randint(2, 10)  # cancel after this many tokens
             delay = self.ttft_s + k * self.step_s
         else:
-            delay = self.rng.uniform(0.15, 0.75) * self.prefill_s
+            delay = self.rng.uniform(0.05, 0.35) * self.prefill_s  # early on: bounded run time
         first_token = [float("inf")]
         stopped = [float("nan")]
         cancel_at = [0.0]
