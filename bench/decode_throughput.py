@@ -362,6 +362,16 @@ def ratios(summary: dict[str, dict[int, dict[str, float]]]) -> dict[str, float]:
     return {k: round(val, 3) for k, val in out.items()}
 
 
+def paired_ratios(ms: Sequence[Measurement]) -> dict[str, float]:
+    """The median over rounds of each round's own ratios: a round's variants ran minutes apart
+    at most, so slow drift of a shared machine cancels out of every pair."""
+    per_key: dict[str, list[float]] = {}
+    for rnd in sorted({m.round for m in ms}):
+        for k, v in ratios(summarize([m for m in ms if m.round == rnd])).items():
+            per_key.setdefault(k, []).append(v)
+    return {k: round(statistics.median(v), 3) for k, v in per_key.items()}
+
+
 def write_chart(summary: dict[str, dict[int, dict[str, float]]], path: Path, title: str) -> str | None:
     """PNG of aggregate tokens/s against concurrency; returns why not if it cannot."""
     try:
@@ -500,7 +510,8 @@ async def run(args: argparse.Namespace, model: Path, progress: Callable[[str], N
             "ctx_per_session": bench.per_session_ctx,
         },
         "summary": {v: {str(c): r for c, r in rows.items()} for v, rows in summary.items()},
-        "ratios": ratios(summary),
+        "ratios": paired_ratios(measurements),
+        "ratios_of_medians": ratios(summary),
         "not_run": bench.skipped,
         "measurements": [asdict(m) for m in measurements],
     }
@@ -525,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         [Path(sys.executable).name, "-m", "bench.decode_throughput", *(sys.argv[1:] if argv is None else argv)])
     path = args.out_dir / "decode_throughput.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
-    print("\nratios:")
+    print("\nratios (median over rounds of each round's own ratio):")
     for k, v in report["ratios"].items():
         print(f"  {k:<42} {v:.3f}")
     print(f"\nwrote {path}" + (f" and {report['chart']}" if report["chart"] else f" (no chart: {report['chart_not_written']})"))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.decode_throughput import Measurement, ratios, stream_stats, summarize
+from bench.decode_throughput import Measurement, paired_ratios, ratios, stream_stats, summarize
 from bench.raw_loops import LlamaBaseline, RawDecoder, buggy_llama_baseline
 from shard.models import ensure_model
 
@@ -102,6 +102,14 @@ def test_summary_takes_medians_and_ratios_compare_like_with_like() -> None:
     assert r["server_generate_c4_vs_raw_batched_4"] == 0.5
     assert r["server_generate_c1_vs_raw_batched_1"] == 0.9
     assert "llama_server_vs_raw" not in r  # not measured, not invented
+
+
+def test_paired_ratios_compare_within_each_round() -> None:
+    # The machine got twice as slow in round 2: every variant of that round slowed alike.
+    ms = [_m("raw", 1, 100, 1), _m("server_generate", 1, 90, 1),
+          _m("raw", 1, 50, 2), _m("server_generate", 1, 45, 2),
+          _m("raw", 1, 100, 3), _m("server_generate", 1, 90, 3)]
+    assert paired_ratios(ms)["server_generate_vs_raw"] == 0.9
 
 
 def test_quick_run_writes_report_with_environment_and_ratios(tiny: Path, tmp_path: Path) -> None:
