@@ -1,7 +1,7 @@
 """Where a decode step's time goes inside ``trio-shard serve`` (py-spy, sampling, no code change).
 
-Starts a worker on the model, attaches ``py-spy record --threads --idle --nonblocking`` to it
-while one session runs a server-driven generate, and splits the samples per thread and per
+Starts a worker on the model, attaches ``py-spy record --threads --idle --nonblocking --duration`` to it
+in the middle of a server-driven generate (so every sample falls on a decode step), and splits the samples per thread and per
 category: the llama.cpp call itself (``llama_decode`` and its ctypes wrapper), the rest of the
 worker thread's step (logits copy, KV bookkeeping), the thread hand-off, sampling, protobuf,
 socket syscalls, the transport (HTTP/2 and gRPC framing), the session/servicer logic and
@@ -21,7 +21,6 @@ import argparse
 import collections
 import json
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -91,6 +90,34 @@ async def drive(target: str, prompt: list[int], n_tokens: int) -> list[float]:
     return times
 
 
+async def drive_profiled(target: str, prompt: list[int], n_tokens: int, spy_cmd: list[str],
+                         duration: float) -> tuple[list[float], float, float]:
+    """Generate while ``py-spy record --duration`` runs entirely inside the generation, so
+    every sample falls on a decode step; returns token times and the recording window."""
+    window = [0.0, 0.0]
+    times: list[float] = []
+    async with ShardClient.connect(target, timeout=600) as client:
+        async with trio.open_nursery() as nursery:
+            started = trio.Event()
+
+            async def generate() -> None:
+                async for _ in client.generate(prompt, max_tokens=n_tokens, ignore_eos=True):
+                    times.append(time.perf_counter())
+                    if len(times) == 8:
+                        started.set()
+
+            nursery.start_soon(generate)
+            await started.wait()
+            window[0] = time.perf_counter()
+            await trio.run_process([*spy_cmd, "--duration", str(max(1, round(duration)))],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            window[1] = time.perf_counter()
+            if len(times) >= n_tokens:
+                raise RuntimeError("the generation ended before py-spy did: raise --tokens")
+            nursery.cancel_scope.cancel()
+    return times, window[0], window[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.profile_server", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, help="GGUF file (default: the bench preset)")
@@ -113,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out_dir / "profile"
     out.mkdir(parents=True, exist_ok=True)
     env = environment(model, args.threads)
-    per_session = 256 * ((args.tokens + 64 + 255) // 256)
+    per_session = 256 * ((args.tokens + 64 + 255) // 256)  # prompt + tokens fit one session
 
     with RawDecoder(model, n_ctx=per_session, n_seq_max=1, threads=args.threads) as raw:
         prompt = raw.tokenize("The quick brown fox jumps over the lazy dog while the cat sleeps.")
@@ -125,20 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         trio.run(drive, server.target, prompt, 16)  # warm-up
         unprofiled = trio.run(drive, server.target, prompt, args.tokens)
         collapsed = out / "server_generate.collapsed.txt"
-        spy = subprocess.Popen(
-            [pyspy, "record", "--pid", str(server.proc.pid), "--rate", str(args.rate), "--threads",
-             "--idle", "--nonblocking", "--format", "raw", "-o", str(collapsed)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
-        t_spy = time.perf_counter()
-        time.sleep(1.0)  # py-spy attaches
-        profiled = trio.run(drive, server.target, prompt, args.tokens)
-        spy.send_signal(signal.SIGINT)
-        record_s = time.perf_counter() - t_spy
-        _, err = spy.communicate(timeout=60)
+        collapsed.unlink(missing_ok=True)
+        spy_cmd = [pyspy, "record", "--pid", str(server.proc.pid), "--rate", str(args.rate),
+                   "--threads", "--idle", "--nonblocking", "--format", "raw", "-o", str(collapsed)]
+        duration = 0.6 * (unprofiled[-1] - unprofiled[0])  # well inside a generation as long
+        profiled, t0, t1 = trio.run(drive_profiled, server.target, prompt, args.tokens, spy_cmd, duration)
         if not collapsed.exists():
-            print(f"py-spy wrote nothing:\n{err.decode(errors='replace')}", file=sys.stderr)
+            print("py-spy wrote nothing (ptrace not allowed?)", file=sys.stderr)
             return 1
+    record_s = t1 - t0
+    in_window = [t for t in profiled if t0 <= t <= t1]
 
     with RawDecoder(model, n_ctx=per_session, n_seq_max=1, threads=args.threads) as raw:
         raw_after = raw.run(prompt, 1, min(args.tokens, 128))
@@ -150,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     per_thread = parse_collapsed(collapsed)
     threads_out: dict[str, Any] = {}
     print(f"\nraw step {raw_ms:.2f} ms | served step {step_ms(unprofiled):.2f} ms unprofiled, "
-          f"{step_ms(profiled):.2f} ms while profiled")
-    n_steps = len(profiled) - 1
+          f"{step_ms(in_window):.2f} ms while profiled (median; mean {mean_ms:.2f} ms)")
+    n_steps = len(in_window)
+    mean_ms = record_s / max(1, n_steps) * 1e3
     print(f"per decode step, by thread and category (ms/step; idle excluded; {n_steps} steps "
           f"in {record_s:.1f} s of recording):")
     for thread, counts in sorted(per_thread.items(), key=lambda kv: -sum(kv[1].values())):
@@ -170,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                               "command": " ".join(["python", "-m", "bench.profile_server", *(sys.argv[1:] if argv is None else argv)])},
         "raw_step_ms": raw_ms,
         "served_step_ms_unprofiled": step_ms(unprofiled),
-        "served_step_ms_profiled": step_ms(profiled),
+        "served_step_ms_profiled": step_ms(in_window),
+        "served_step_ms_profiled_mean": mean_ms,
         "record_seconds": record_s,
         "profiled_steps": n_steps,
         "threads": threads_out,
