@@ -169,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     def step_ms(times: list[float]) -> float:
         return statistics.median(b - a for a, b in zip(times[1:], times[2:])) * 1e3
 
+    n_steps = len(in_window)
+    mean_ms = record_s / max(1, n_steps) * 1e3
     raw_ms = statistics.median([raw_before.seconds / raw_before.tokens, raw_after.seconds / raw_after.tokens]) * 1e3
     per_thread = parse_collapsed(collapsed)
     threads_out: dict[str, Any] = {}
     print(f"\nraw step {raw_ms:.2f} ms | served step {step_ms(unprofiled):.2f} ms unprofiled, "
           f"{step_ms(in_window):.2f} ms while profiled (median; mean {mean_ms:.2f} ms)")
-    n_steps = len(in_window)
-    mean_ms = record_s / max(1, n_steps) * 1e3
     print(f"per decode step, by thread and category (ms/step; idle excluded; {n_steps} steps "
           f"in {record_s:.1f} s of recording):")
     for thread, counts in sorted(per_thread.items(), key=lambda kv: -sum(kv[1].values())):
