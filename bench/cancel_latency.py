@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import socket
 import statistics
@@ -33,7 +34,7 @@ from typing import Any
 
 import trio
 
-from bench.environment import environment, load_average
+from bench.environment import default_threads, environment, load_average
 from bench.processes import shard_server, wait_serving
 from shard.client import ErrorCode, ShardClient, ShardError
 
@@ -132,7 +133,7 @@ class Trials:
                     _shutdown_socket(client)
                 if mode == "out_of_band":
                     with trio.fail_after(60):
-                        while stopped[0] != stopped[0]:  # NaN until the stream reports
+                        while math.isnan(stopped[0]):  # until the stream reports the error
                             await trio.sleep(0)
                     latency = stopped[0] - t
                 else:
@@ -218,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.trials = args.trials or (5 if args.quick else 30)
     if args.threads is None:
-        from bench.decode_throughput import resolve
-
-        args.threads = resolve(argparse.Namespace(quick=True, preset=None, tokens=16, rounds=1, threads=None)).threads
+        args.threads = default_threads()
     from shard.models import ensure_model
 
     model = args.model or ensure_model("tiny" if args.quick else "bench")

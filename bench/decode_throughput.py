@@ -29,11 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack, ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 
 import trio
 
-from bench.environment import environment, load_average
+from bench.environment import default_threads, environment, load_average
 from bench.processes import free_port, http_server, shard_server, stream_sse, wait_serving
 from bench.raw_loops import LlamaBaseline, RawDecoder
 from shard.client import ShardClient
@@ -470,11 +469,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.tokens = args.tokens or (16 if args.quick else 128)
     args.rounds = args.rounds or (1 if args.quick else 3)
     if args.threads is None:
-        try:
-            usable = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover
-            usable = os.cpu_count() or 1
-        args.threads = max(1, min(usable // 2, 8))
+        args.threads = default_threads()
     if args.tokens < 2 or args.rounds < 1 or args.threads < 1:
         raise SystemExit("--tokens must be >= 2, --rounds and --threads >= 1")
     return args

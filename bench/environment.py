@@ -63,6 +63,15 @@ def llama_build() -> dict[str, Any] | None:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def default_threads() -> int:
+    """What ``trio-shard serve`` uses without ``--threads``: half the usable cores, at most 8."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        usable = os.cpu_count() or 1
+    return max(1, min(usable // 2, 8))
+
+
 def environment(model: Path, threads: int, *, argv: list[str] | None = None) -> dict[str, Any]:
     """The environment record written into every result file."""
     import llama_cpp

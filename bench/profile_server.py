@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from bench.environment import environment, load_average
+from bench.environment import default_threads, environment, load_average
 from bench.processes import shard_server, wait_serving
 from bench.raw_loops import RawDecoder
 from shard.client import ShardClient
@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print("py-spy is not installed: pip install -e '.[bench]'", file=sys.stderr)
         return 2
     if args.threads is None:
-        from bench.decode_throughput import resolve
-
-        args.threads = resolve(argparse.Namespace(quick=True, preset=None, tokens=16, rounds=1, threads=None)).threads
+        args.threads = default_threads()
     from shard.models import ensure_model
 
     model = args.model or ensure_model("bench")
