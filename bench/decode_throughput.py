@@ -279,11 +279,11 @@ class Bench:
             for i in range(c):
                 nursery.start_soon(one, i)
         sent = [r[0] for r in results]
-        arrivals = [_token_times(events, n_tokens + 1) for _, events in results]
+        arrivals = [token_times(events, n_tokens + 1) for _, events in results]
         return stream_stats(variant, c, rnd, sent, arrivals)
 
 
-def _token_times(events: list[tuple[float, dict[str, Any]]], expected: int) -> list[float]:
+def token_times(events: list[tuple[float, dict[str, Any]]], expected: int) -> list[float]:
     """One arrival time per generated token from a server-sent event stream.
 
     Both HTTP servers hold back the pieces of an incomplete UTF-8 character (random weights

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.decode_throughput import Measurement, paired_ratios, ratios, stream_stats, summarize
+from bench.decode_throughput import (
+    Measurement,
+    token_times,
+    paired_ratios,
+    ratios,
+    stream_stats,
+    summarize,
+)
 from bench.raw_loops import LlamaBaseline, RawDecoder, buggy_llama_baseline
 from shard.models import ensure_model
 
@@ -80,6 +87,22 @@ def test_stream_stats_counts_only_while_every_stream_decodes() -> None:
     assert m.ttft_s == [pytest.approx(0.0), pytest.approx(0.1)]
     with pytest.raises(RuntimeError):
         stream_stats("v", 1, 1, [0.0], [[1.0]])  # one event: no decode rate
+
+
+def test_http_streams_are_counted_in_tokens_not_events() -> None:
+    # llama-server: an event may carry several tokens (held-back UTF-8 pieces); the last one none.
+    events = [(1.0, {"content": "a", "tokens": [5]}), (2.0, {"content": "bc", "tokens": [6, 7]}),
+              (3.0, {"content": "", "tokens": [], "stop": True})]
+    assert token_times(events, 3) == [1.0, 2.0, 2.0]
+    with pytest.raises(RuntimeError):
+        token_times(events, 4)  # fewer tokens than requested: refuse, never pad
+    # llama-cpp-python: only the count and the first and final chunk are trusted.
+    chunks = [(1.0, {"choices": [{"text": "a", "finish_reason": None}]}),
+              (1.5, {"choices": [{"text": "", "finish_reason": None}]}),
+              (2.0, {"choices": [{"text": "", "finish_reason": "length"}]})]
+    assert token_times(chunks, 4) == [1.0, 2.0, 2.0, 2.0]
+    with pytest.raises(RuntimeError):
+        token_times(chunks[:2], 4)  # did not end with finish_reason "length"
 
 
 def _m(variant: str, c: int, tok_s: float, rnd: int = 1) -> Measurement:
