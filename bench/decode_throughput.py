@@ -264,8 +264,7 @@ class Bench:
         assert port is not None
         if path == "/completion":  # llama.cpp's native API
             body: dict[str, Any] = {"prompt": PROMPT, "n_predict": n_tokens + 1, "temperature": 0,
-                                    "top_k": 1, "stream": True, "ignore_eos": True, "cache_prompt": False,
-                                    "return_tokens": True}
+                                    "top_k": 1, "stream": True, "ignore_eos": True, "cache_prompt": False}
         else:  # OpenAI-compatible completions of llama-cpp-python; EOS banned by logit bias
             eos = self.eos
             body = {"prompt": PROMPT, "max_tokens": n_tokens + 1, "temperature": 0, "top_k": 1,
@@ -287,16 +286,17 @@ def token_times(events: list[tuple[float, dict[str, Any]]], expected: int) -> li
     """One arrival time per generated token from a server-sent event stream.
 
     Both HTTP servers hold back the pieces of an incomplete UTF-8 character (random weights
-    emit arbitrary bytes), so events and tokens do not match one to one. llama-server says how
-    many tokens each event carries (``return_tokens``). llama-cpp-python does not (it may also
+    emit arbitrary bytes), so events and tokens do not match one to one. llama-server keeps a
+    running count in every event (``tokens_predicted``; its ``tokens`` list may miss held-back
+    tokens). llama-cpp-python does not (it may also
     send empty or split chunks), so its stream must end with ``finish_reason == "length"``
     (exactly ``expected`` tokens) and its tokens are placed at the first chunk and at the final
     one: a single stream's rate depends only on the count and those two times.
     """
-    if events and "content" in events[0][1]:  # llama-server
+    if events and "content" in events[0][1]:  # llama-server: a running count per event
         times: list[float] = []
         for t, ev in events:
-            times.extend([t] * (len(ev.get("tokens") or ()) or (1 if ev.get("content") else 0)))
+            times.extend([t] * (int(ev.get("tokens_predicted", 0)) - len(times)))
         if len(times) != expected:
             raise RuntimeError(f"llama-server streamed {len(times)} tokens, expected {expected}")
         return times

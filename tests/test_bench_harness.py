@@ -91,8 +91,8 @@ def test_stream_stats_counts_only_while_every_stream_decodes() -> None:
 
 def test_http_streams_are_counted_in_tokens_not_events() -> None:
     # llama-server: an event may carry several tokens (held-back UTF-8 pieces); the last one none.
-    events = [(1.0, {"content": "a", "tokens": [5]}), (2.0, {"content": "bc", "tokens": [6, 7]}),
-              (3.0, {"content": "", "tokens": [], "stop": True})]
+    events = [(1.0, {"content": "a", "tokens_predicted": 1}), (2.0, {"content": "bc", "tokens_predicted": 3}),
+              (3.0, {"content": "", "tokens_predicted": 3, "stop": True})]
     assert token_times(events, 3) == [1.0, 2.0, 2.0]
     with pytest.raises(RuntimeError):
         token_times(events, 4)  # fewer tokens than requested: refuse, never pad
