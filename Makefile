@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PORT   ?= 50051
 
-.PHONY: serve test bench proto llama
+.PHONY: serve test bench bench-quick proto llama
 
 # Create the virtualenv, install llama-cpp-python built with the llama.cpp CPU flags chosen by
 # shard/llama_build.py (portable by default; TRIO_SHARD_LLAMA_BUILD=native opts into
@@ -29,8 +29,17 @@ test: llama
 	$(BIN)/python -m compileall -q shard tests bench
 	$(BIN)/python -m pytest
 
+# Benchmarks (docs/benchmarks.md); BENCH_ARGS passes options, e.g. BENCH_ARGS="--threads 2".
+BENCH_DEPS := $(BIN)/python -c "import matplotlib, fastapi, uvicorn, sse_starlette" 2>/dev/null || \
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+
 bench: llama
-	$(BIN)/python -m bench.bench_engine
+	$(BENCH_DEPS)
+	$(BIN)/python -m bench.decode_throughput $(BENCH_ARGS)
+
+bench-quick: llama
+	$(BENCH_DEPS)
+	$(BIN)/python -m bench.decode_throughput --quick $(BENCH_ARGS)
 
 proto: $(STAMP)
 	$(BIN)/python -m shard.rpc.codegen

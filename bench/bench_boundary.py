@@ -37,7 +37,7 @@ import gguf
 import numpy as np
 import trio
 
-from bench.bench_engine import environment
+from bench.environment import environment
 from shard.engine import DecodeRequest, LayerRange, LoadSpec, PrefillRequest
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model, ensure_slice, get_preset
@@ -176,7 +176,7 @@ def main() -> None:
     n_layer = get_preset(args.preset).n_layer
     cut = args.cut if args.cut is not None else n_layer // 2
     print("environment:")
-    for key, value in environment(args.threads).items():
+    for key, value in environment(model, args.threads).items():
         print(f"  {key}: {value}")
     print(f"model: {model.name} ({model.stat().st_size / 1e6:.0f} MB), steps/measurement: {args.steps}")
     trio.run(run, model, n_layer, cut, args.steps, args.rounds, args.threads, args.busy)

@@ -1,0 +1,167 @@
+"""Servers under test as real subprocesses on loopback, and the clients that drive them.
+
+* ``shard_server``: ``python -m shard.cli serve --port 0 ...``; the bound port is read from its
+  log line (as tests/test_cli.py does), then ``Health`` is polled until the model is loaded.
+* ``http_server``: any HTTP server (llama-cpp-python's ``python -m llama_cpp.server``,
+  llama.cpp's ``llama-server``) on a free port, polled on a readiness path.
+* ``stream_sse``: one streamed HTTP completion, returning the arrival time of every
+  server-sent event (blocking; run it in a thread, one per concurrent stream).
+
+Every process is stopped (SIGTERM, then SIGKILL after a bound) when its block ends, and its log
+file is kept for inspection.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from shard.client import ShardClient, ShardError
+from shard.v1 import shard_pb2 as pb
+
+_SERVING = re.compile(r"serving shard\.v1\.Shard on (\S+:\d+)")
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for servers that cannot report a port-0 binding)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+@dataclass
+class ShardServer:
+    target: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@contextmanager
+def shard_server(
+    model: Path, *, threads: int, ctx: int, max_sessions: int, log: Path,
+    extra: Sequence[str] = (), startup_timeout: float = 120.0, wrap: Sequence[str] = (),
+) -> Iterator[ShardServer]:
+    """A running ``trio-shard serve`` on 127.0.0.1 port 0 (``wrap``: a command prefix such as
+    ``py-spy record ... --``). Yields once the port is bound; call ``wait_serving`` next."""
+    cmd = [*wrap, sys.executable, "-m", "shard.cli", "--log-level", "INFO", "serve",
+           "--model", str(model), "--host", "127.0.0.1", "--port", "0", "--threads", str(threads),
+           "--ctx", str(ctx), "--max-sessions", str(max_sessions), *extra]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + startup_timeout
+        target = None
+        while target is None:
+            m = _SERVING.search(log.read_text(errors="replace"))
+            if m:
+                target = m.group(1)
+            elif proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"trio-shard serve did not start:\n{log.read_text(errors='replace')[-3000:]}")
+            else:
+                time.sleep(0.05)
+        yield ShardServer(target, proc, log)
+    finally:
+        _stop(proc)
+
+
+async def wait_serving(target: str, timeout: float = 120.0) -> None:
+    """Poll ``Health`` until the worker has loaded its model."""
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                async with ShardClient.connect(target, timeout=10) as client:
+                    if (await client.health()).status == pb.HealthResponse.STATUS_SERVING:
+                        return
+            except ShardError:
+                pass
+            await trio.sleep(0.1)
+
+
+@dataclass
+class HttpServer:
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+def _http_ok(port: int, path: str) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+@contextmanager
+def http_server(
+    cmd: Sequence[str], *, port: int, ready_path: str, log: Path, startup_timeout: float = 120.0
+) -> Iterator[HttpServer]:
+    """Run ``cmd`` (already told to listen on ``port``) until ``GET ready_path`` answers 200."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(list(cmd), stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not _http_ok(port, ready_path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[0]} did not start:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.1)
+        yield HttpServer(port, proc, log)
+    finally:
+        _stop(proc)
+
+
+def stream_sse(port: int, path: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[float, list[tuple[float, dict[str, Any]]]]:
+    """POST ``body`` and read the server-sent events; returns (request time, [(arrival time,
+    event)]) with ``time.perf_counter`` stamps. ``[DONE]`` ends the stream."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    events: list[tuple[float, dict[str, Any]]] = []
+    try:
+        payload = json.dumps(body).encode()
+        sent = time.perf_counter()
+        conn.request("POST", path, body=payload, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"POST {path}: HTTP {resp.status}: {resp.read()[:500]!r}")
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            events.append((time.perf_counter(), json.loads(data)))
+        return sent, events
+    finally:
+        conn.close()

@@ -1,0 +1,174 @@
+"""The benchmark harness measures what it says it measures (work counted, never time).
+
+* The ``Llama`` baseline's timed loop evaluates exactly the requested tokens, counted by
+  llama.cpp itself; the old loop (``eval(prompt)`` + ``generate(prompt, reset=False)``) is shown
+  to evaluate the prompt again, so the counter can tell them apart.
+* The raw ceilings evaluate ``n_seq * n_tokens`` tokens and generate what ``Llama`` generates.
+* Rates from token arrival times, the summary and the ratios are checked on fixed inputs.
+* A ``--quick`` run on the tiny model (a subset of variants, a real ``trio-shard serve``)
+  writes the JSON with its environment, ratios and the not-run pipeline hook, and the chart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.decode_throughput import (
+    Measurement,
+    token_times,
+    paired_ratios,
+    ratios,
+    stream_stats,
+    summarize,
+)
+from bench.raw_loops import LlamaBaseline, RawDecoder, buggy_llama_baseline
+from shard.models import ensure_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return ensure_model("tiny")
+
+
+def test_llama_baseline_times_exactly_the_requested_tokens(tiny: Path) -> None:
+    with RawDecoder(tiny, n_ctx=256, n_seq_max=1, threads=1) as raw:
+        prompt = raw.tokenize(PROMPT)
+    assert len(prompt) > 5
+    with LlamaBaseline(tiny, n_ctx=256, threads=1) as baseline:
+        for n in (1, 7):
+            result = baseline.run(prompt, n)
+            assert (result.tokens, result.evaluated) == (n, n)
+            assert len(result.first_tokens) == n + 1  # the first token came before the clock
+        # The old bench loop re-evaluated the whole prompt inside its timed part.
+        assert buggy_llama_baseline(baseline, prompt, 7) == len(prompt) + 6
+
+
+def test_raw_ceilings_evaluate_every_sequence_and_match_llama(tiny: Path) -> None:
+    with RawDecoder(tiny, n_ctx=4 * 256, n_seq_max=4, threads=1) as raw:
+        prompt = raw.tokenize(PROMPT)
+        single = raw.run(prompt, 1, 6)
+        batched = raw.run(prompt, 3, 6)
+        with pytest.raises(ValueError):
+            raw.run(prompt, 5, 6)  # more sequences than the context holds
+    assert (single.tokens, single.evaluated) == (6, 6)
+    assert (batched.tokens, batched.evaluated) == (18, 18)
+    with LlamaBaseline(tiny, n_ctx=256, threads=1) as baseline:
+        reference = baseline.run(prompt, 6).first_tokens
+    assert single.first_tokens == reference  # the same greedy tokens: the same work
+    assert batched.first_tokens == reference
+
+
+def test_stream_stats_single_stream() -> None:
+    m = stream_stats("v", 1, 1, [10.0], [[10.5, 10.6, 10.7, 10.8, 10.9]])
+    assert m.tokens == 4
+    assert m.seconds == pytest.approx(0.4)
+    assert m.tok_s == pytest.approx(10.0)
+    assert m.per_session_tok_s == [pytest.approx(10.0)]
+    assert m.ttft_s == [pytest.approx(0.5)]
+
+
+def test_stream_stats_counts_only_while_every_stream_decodes() -> None:
+    # Stream 0 decodes alone for a while (fast), then both share the time (slower each).
+    a = [0.0, 0.1, 0.2, 1.2, 2.2, 3.2, 4.2, 5.2, 6.2]
+    b = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    m = stream_stats("v", 2, 1, [0.0, 0.9], [a, b])
+    # window (1.0, 6.2]: a's 1.2..6.2 (6 tokens) and b's 2.0..6.0 (5 tokens)
+    assert (m.tokens, m.seconds) == (11, pytest.approx(5.2))
+    assert m.ttft_s == [pytest.approx(0.0), pytest.approx(0.1)]
+    with pytest.raises(RuntimeError):
+        stream_stats("v", 1, 1, [0.0], [[1.0]])  # one event: no decode rate
+
+
+def test_http_streams_are_counted_in_tokens_not_events() -> None:
+    # llama-server: an event may carry several tokens (held-back UTF-8 pieces); the last one none.
+    events = [(1.0, {"content": "a", "tokens_predicted": 1}), (2.0, {"content": "bc", "tokens_predicted": 3}),
+              (3.0, {"content": "", "tokens_predicted": 3, "stop": True})]
+    assert token_times(events, 3) == [1.0, 2.0, 2.0]
+    with pytest.raises(RuntimeError):
+        token_times(events, 4)  # fewer tokens than requested: refuse, never pad
+    # llama-cpp-python: only the count and the first and final chunk are trusted.
+    chunks = [(1.0, {"choices": [{"text": "a", "finish_reason": None}]}),
+              (1.5, {"choices": [{"text": "", "finish_reason": None}]}),
+              (2.0, {"choices": [{"text": "", "finish_reason": "length"}]})]
+    assert token_times(chunks, 4) == [1.0, 2.0, 2.0, 2.0]
+    with pytest.raises(RuntimeError):
+        token_times(chunks[:2], 4)  # did not end with finish_reason "length"
+
+
+def _m(variant: str, c: int, tok_s: float, rnd: int = 1) -> Measurement:
+    return Measurement(variant, c, rnd, 10, 10 / tok_s, tok_s, [tok_s / c] * c)
+
+
+def test_summary_takes_medians_and_ratios_compare_like_with_like() -> None:
+    ms = [
+        _m("raw", 1, 100), _m("raw", 1, 120, 2), _m("raw", 1, 80, 3),
+        _m("raw", 4, 300), _m("server_generate", 1, 90), _m("server_generate", 4, 150),
+        _m("client_step", 1, 80), _m("engine", 1, 95),
+    ]
+    summary = summarize(ms)
+    assert summary["raw"][1]["tok_s"] == 100
+    assert (summary["raw"][1]["tok_s_min"], summary["raw"][1]["tok_s_max"]) == (80, 120)
+    r = ratios(summary)
+    assert r["server_generate_vs_raw"] == 0.9
+    assert r["client_step_vs_raw"] == 0.8
+    assert r["engine_vs_raw"] == 0.95
+    assert r["server_generate_c4_vs_raw_batched_4"] == 0.5
+    assert r["server_generate_c1_vs_raw_batched_1"] == 0.9
+    assert "llama_server_vs_raw" not in r  # not measured, not invented
+
+
+def test_paired_ratios_compare_within_each_round() -> None:
+    # The machine got twice as slow in round 2: every variant of that round slowed alike.
+    ms = [_m("raw", 1, 100, 1), _m("server_generate", 1, 90, 1),
+          _m("raw", 1, 50, 2), _m("server_generate", 1, 45, 2),
+          _m("raw", 1, 100, 3), _m("server_generate", 1, 90, 3)]
+    assert paired_ratios(ms)["server_generate_vs_raw"] == 0.9
+
+
+def test_quick_run_writes_report_with_environment_and_ratios(tiny: Path, tmp_path: Path) -> None:
+    variants = "raw,llama_cpp.Llama,engine,server_generate,client_step,pipeline_2shard"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.decode_throughput", "--quick", "--model", str(tiny),
+         "--variants", variants, "--concurrency", "1,2", "--tokens", "4", "--threads", "1",
+         "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "server_generate_vs_raw" in proc.stdout  # the ratios are printed
+    report = json.loads((tmp_path / "decode_throughput.json").read_text())
+
+    env = report["environment"]
+    assert env["model_sha256"] == hashlib.sha256(tiny.read_bytes()).hexdigest()
+    assert "AVX" in env["llama_cpp_system_info"] or "CPU" in env["llama_cpp_system_info"]
+    assert env["threads"] == 1 and env["cores"] >= 1 and env["llama_cpp_python"]
+    assert len(env["load_average_before"]) == 3 and len(env["load_average_after"]) == 3
+    assert "--quick" in env["command"] and "llama_cpp_build" in env
+
+    assert set(report["ratios"]) >= {
+        "server_generate_vs_raw", "client_step_vs_raw", "engine_vs_raw", "llama_vs_raw",
+        "server_generate_c1_vs_raw_batched_1", "server_generate_c2_vs_raw_batched_2",
+    }
+    assert all(v > 0 for v in report["ratios"].values())
+    assert set(report["summary"]["server_generate"]) == {"1", "2"}
+    assert set(report["summary"]["raw"]) == {"1", "2"}
+    assert "ttft_ms_median" in report["summary"]["server_generate"]["2"]
+    assert "TODO" in report["not_run"]["pipeline_2shard"]
+    for m in report["measurements"]:  # every stream timed exactly --tokens decode steps
+        if m["variant"] in ("raw", "llama_cpp.Llama", "engine", "client_step"):
+            assert m["tokens"] == 4 * m["concurrency"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert report["chart"] is None and "matplotlib" in report["chart_not_written"]
+    else:
+        assert (tmp_path / "decode_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
