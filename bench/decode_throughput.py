@@ -13,8 +13,10 @@ Variants (all greedy, same model, prompt, thread count and token count; EOS neve
   llama_cpp_server    llama-cpp-python's OpenAI server (``python -m llama_cpp.server``),
                       one streamed completion (a second concurrent one cuts the first)
   llama_server        llama.cpp's ``llama-server`` with N parallel slots (``--llama-server``)
-  pipeline_2shard     TODO: two workers each serving half the layers; needs layer ranges in
-                      LlamaCppEngine (refused today), so it is reported as not run
+  pipeline_2shard     two ``trio-shard serve --layers`` workers, each serving half the blocks,
+                      driven by ``shard.pipeline.Pipeline`` (hidden states relayed by the client);
+                      the report also gives each worker process's RSS beside the whole-model
+                      worker's (``rss_mib``)
 
 Every variant times ``--tokens`` single-token decode steps after the prompt. Rounds interleave
 the variants (the order rotates each round) so that drift on a shared machine hits all alike;
@@ -112,6 +114,8 @@ class Bench:
         self.shard_target: str | None = None
         self.lcp_port: int | None = None
         self.llama_server_port: int | None = None
+        self.pipeline_targets: list[str] = []
+        self.processes: dict[str, Any] = {}  # worker name -> Popen, for the RSS report
         self.skipped: dict[str, str] = {}
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -149,6 +153,7 @@ class Bench:
                             max_sessions=self.max_c, log=self.out_dir / "logs" / "trio-shard.log"))
                         await wait_serving(server.target)
                         self.shard_target = server.target
+                        self.processes["whole"] = server.proc
                 elif v == "llama_cpp_server":
                     port = free_port()
                     try:
@@ -176,7 +181,20 @@ class Bench:
                         port=port, ready_path="/health", log=self.out_dir / "logs" / "llama-server.log"))
                     self.llama_server_port = port
                 elif v == "pipeline_2shard":
-                    raise _Skip(pipeline_todo())
+                    from shard.models import read_model_info
+
+                    n_layer = read_model_info(self.model).block_count
+                    if n_layer < 2:
+                        raise _Skip(f"the model has {n_layer} block(s): nothing to split")
+                    cut = n_layer // 2
+                    for i, (a, b) in enumerate(((0, cut), (cut, n_layer))):
+                        server = sync.enter_context(shard_server(
+                            self.model, threads=self.threads, ctx=self.per_session_ctx, max_sessions=1,
+                            log=self.out_dir / "logs" / f"trio-shard-layers-{a}-{b}.log",
+                            extra=["--layers", f"{a}:{b}"]))
+                        await wait_serving(server.target)
+                        self.pipeline_targets.append(server.target)
+                        self.processes[f"layers_{a}_{b}"] = server.proc
                 else:
                     raise ValueError(f"unknown variant {v!r}")
                 ready.append(v)
@@ -212,7 +230,31 @@ class Bench:
             return await self._http(variant, self.lcp_port, "/v1/completions", 1, rnd, n_tokens)
         if variant == "llama_server":
             return await self._http(variant, self.llama_server_port, "/completion", c, rnd, n_tokens)
+        if variant == "pipeline_2shard":
+            return await self._pipeline(rnd, n_tokens)
         raise ValueError(variant)
+
+    async def _pipeline(self, rnd: int, n_tokens: int) -> Measurement:
+        from shard.pipeline import Pipeline
+
+        arrivals: list[float] = []
+        async with Pipeline.connect(self.pipeline_targets, timeout=600) as pipe:
+            sent = time.perf_counter()
+            await pipe.generate(self.prompt, max_tokens=n_tokens + 1, ignore_eos=True,
+                                on_token=lambda _step: arrivals.append(time.perf_counter()))
+        return stream_stats("pipeline_2shard", 1, rnd, [sent], [arrivals])
+
+    def rss_mib(self) -> dict[str, float]:
+        """Resident memory of each worker process now (after the runs), in MiB."""
+        out: dict[str, float] = {}
+        for name, proc in self.processes.items():
+            try:
+                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        out[name] = round(int(line.split()[1]) / 1024, 1)
+            except OSError:
+                pass
+        return out
 
     async def _engine(self, rnd: int, n_tokens: int) -> Measurement:
         from shard.engine import DecodeRequest, PrefillRequest
@@ -309,12 +351,6 @@ class _Skip(Exception):
     """A variant that cannot run here (missing optional dependency or binary)."""
 
 
-def pipeline_todo() -> str:
-    return ("TODO: a 2-shard pipeline needs layer ranges in LlamaCppEngine (it refuses a "
-            "layer_range today); this hook will start two workers on halves of the model and "
-            "relay hidden states once they land")
-
-
 # ---- summary, ratios, chart ----------------------------------------------------------------------
 
 
@@ -348,7 +384,8 @@ def ratios(summary: dict[str, dict[int, dict[str, float]]]) -> dict[str, float]:
     if raw1:
         for name, v in (("server_generate_vs_raw", "server_generate"), ("client_step_vs_raw", "client_step"),
                         ("engine_vs_raw", "engine"), ("llama_vs_raw", "llama_cpp.Llama"),
-                        ("llama_cpp_server_vs_raw", "llama_cpp_server"), ("llama_server_vs_raw", "llama_server")):
+                        ("llama_cpp_server_vs_raw", "llama_cpp_server"), ("llama_server_vs_raw", "llama_server"),
+                        ("pipeline_2shard_vs_raw", "pipeline_2shard")):
             x = tok(v)
             if x is not None:
                 out[name] = x / raw1
@@ -495,6 +532,7 @@ async def run(args: argparse.Namespace, model: Path, progress: Callable[[str], N
                     m = await bench.measure(v, c, rnd, args.tokens)
                     measurements.append(m)
                     progress(f"round {rnd}: {v:<17} c={c}: {m.tok_s:8.1f} tok/s")
+            rss = bench.rss_mib()
     env["load_average_after"] = load_average()
     summary = summarize(measurements)
     report: dict[str, Any] = {
@@ -507,6 +545,7 @@ async def run(args: argparse.Namespace, model: Path, progress: Callable[[str], N
         "summary": {v: {str(c): r for c, r in rows.items()} for v, rows in summary.items()},
         "ratios": paired_ratios(measurements),
         "ratios_of_medians": ratios(summary),
+        "rss_mib": rss,
         "not_run": bench.skipped,
         "measurements": [asdict(m) for m in measurements],
     }
@@ -517,6 +556,8 @@ async def run(args: argparse.Namespace, model: Path, progress: Callable[[str], N
     if why is not None:
         report["chart_not_written"] = why
     print_table(summary, bench.skipped)
+    if rss:
+        print("worker RSS after the runs (MiB): " + ", ".join(f"{k} {v}" for k, v in rss.items()))
     return report
 
 

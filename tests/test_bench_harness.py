@@ -6,7 +6,8 @@
 * The raw ceilings evaluate ``n_seq * n_tokens`` tokens and generate what ``Llama`` generates.
 * Rates from token arrival times, the summary and the ratios are checked on fixed inputs.
 * A ``--quick`` run on the tiny model (a subset of variants, a real ``trio-shard serve``)
-  writes the JSON with its environment, ratios and the not-run pipeline hook, and the chart.
+  writes the JSON with its environment, ratios, the workers' RSS (a 2-shard pipeline included)
+  and the chart.
 """
 
 from __future__ import annotations
@@ -157,14 +158,17 @@ def test_quick_run_writes_report_with_environment_and_ratios(tiny: Path, tmp_pat
     assert set(report["ratios"]) >= {
         "server_generate_vs_raw", "client_step_vs_raw", "engine_vs_raw", "llama_vs_raw",
         "server_generate_c1_vs_raw_batched_1", "server_generate_c2_vs_raw_batched_2",
+        "pipeline_2shard_vs_raw",
     }
     assert all(v > 0 for v in report["ratios"].values())
     assert set(report["summary"]["server_generate"]) == {"1", "2"}
     assert set(report["summary"]["raw"]) == {"1", "2"}
     assert "ttft_ms_median" in report["summary"]["server_generate"]["2"]
-    assert "TODO" in report["not_run"]["pipeline_2shard"]
+    assert report["not_run"] == {}
+    assert set(report["rss_mib"]) == {"whole", "layers_0_2", "layers_2_4"}
+    assert all(v > 0 for v in report["rss_mib"].values())
     for m in report["measurements"]:  # every stream timed exactly --tokens decode steps
-        if m["variant"] in ("raw", "llama_cpp.Llama", "engine", "client_step"):
+        if m["variant"] in ("raw", "llama_cpp.Llama", "engine", "client_step", "pipeline_2shard"):
             assert m["tokens"] == 4 * m["concurrency"]
     try:
         import matplotlib  # noqa: F401
