@@ -120,6 +120,16 @@ def test_sigterm_drains_a_running_generate_before_stopping() -> None:
     assert (first + rest).decode() == full["text"] + "\n"
 
 
+def test_serve_without_extra_bufts_says_so_in_caps() -> None:
+    with running_worker("--no-extra-bufts") as (target, _):
+        out = _run("caps", "--target", target, "--json")
+        assert out.returncode == 0, out.stderr
+        assert "extra bufts off" in json.loads(out.stdout)["system_info"]
+        gen = _run("generate", "--target", target, "--json", "--max-tokens", "4", "hello")
+        assert gen.returncode == 0, gen.stderr
+        assert len(json.loads(gen.stdout)["tokens"]) == 4
+
+
 def _run_json_against_fresh_worker() -> dict[str, object]:
     with running_worker() as (target, _):
         out = _run("generate", "--target", target, "--json", "--max-tokens", "1000", "hello")
@@ -135,6 +145,9 @@ def test_caps_reports_the_llama_engine(worker: str) -> None:
     assert caps["is_first"] and caps["is_last"]
     assert caps["max_sessions"] == 2
     assert "1.0" in caps["supported_versions"]
+    # Which native code runs: llama.cpp's system info line and the recorded build profile.
+    assert "CPU :" in caps["system_info"] and "extra bufts on" in caps["system_info"]
+    assert "build not recorded" not in caps["system_info"]
 
 
 def test_seeded_sampling_is_reproducible_from_the_cli(worker: str) -> None:
