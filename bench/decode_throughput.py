@@ -115,6 +115,7 @@ class Bench:
         self.lcp_port: int | None = None
         self.llama_server_port: int | None = None
         self.pipeline_targets: list[str] = []
+        self.tokens: dict[str, list[int]] = {}  # greedy tokens of the last single-stream run
         self.processes: dict[str, Any] = {}  # worker name -> Popen, for the RSS report
         self.skipped: dict[str, str] = {}
 
@@ -238,10 +239,16 @@ class Bench:
         from shard.pipeline import Pipeline
 
         arrivals: list[float] = []
+        tokens: list[int] = []
+
+        def on_token(step: Any) -> None:
+            arrivals.append(time.perf_counter())
+            tokens.append(step.logits.token_id)
+
         async with Pipeline.connect(self.pipeline_targets, timeout=600) as pipe:
             sent = time.perf_counter()
-            await pipe.generate(self.prompt, max_tokens=n_tokens + 1, ignore_eos=True,
-                                on_token=lambda _step: arrivals.append(time.perf_counter()))
+            await pipe.generate(self.prompt, max_tokens=n_tokens + 1, ignore_eos=True, on_token=on_token)
+        self.tokens["pipeline_2shard"] = tokens
         return stream_stats("pipeline_2shard", 1, rnd, [sent], [arrivals])
 
     def rss_mib(self) -> dict[str, float]:
@@ -279,15 +286,20 @@ class Bench:
         arrivals: list[list[float]] = [[] for _ in range(c)]
         async with ShardClient.connect(self.shard_target, timeout=600) as client:
 
+            tokens: list[int] = []
+
             async def one(i: int) -> None:
                 sent[i] = time.perf_counter()
                 async for step in client.generate(self.prompt, max_tokens=n_tokens + 1, ignore_eos=True):
                     arrivals[i].append(time.perf_counter())
-                    del step
+                    if i == 0:
+                        tokens.append(step.logits.token_id)
 
             async with trio.open_nursery() as nursery:
                 for i in range(c):
                     nursery.start_soon(one, i)
+        if c == 1:
+            self.tokens["server_generate"] = tokens
         return stream_stats("server_generate", c, rnd, sent, arrivals)
 
     async def _client_step(self, rnd: int, n_tokens: int) -> Measurement:
@@ -546,6 +558,11 @@ async def run(args: argparse.Namespace, model: Path, progress: Callable[[str], N
         "ratios": paired_ratios(measurements),
         "ratios_of_medians": ratios(summary),
         "rss_mib": rss,
+        # The pipeline must equal the whole model: greedy tokens of the same prompt, same length.
+        "pipeline_tokens_equal_whole": (
+            bench.tokens["pipeline_2shard"] == bench.tokens["server_generate"]
+            if {"pipeline_2shard", "server_generate"} <= bench.tokens.keys() else None
+        ),
         "not_run": bench.skipped,
         "measurements": [asdict(m) for m in measurements],
     }
@@ -558,6 +575,8 @@ async def run(args: argparse.Namespace, model: Path, progress: Callable[[str], N
     print_table(summary, bench.skipped)
     if rss:
         print("worker RSS after the runs (MiB): " + ", ".join(f"{k} {v}" for k, v in rss.items()))
+    if report["pipeline_tokens_equal_whole"] is not None:
+        print(f"pipeline tokens equal the whole-model worker's: {report['pipeline_tokens_equal_whole']}")
     return report
 
 

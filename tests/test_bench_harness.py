@@ -165,6 +165,7 @@ def test_quick_run_writes_report_with_environment_and_ratios(tiny: Path, tmp_pat
     assert set(report["summary"]["raw"]) == {"1", "2"}
     assert "ttft_ms_median" in report["summary"]["server_generate"]["2"]
     assert report["not_run"] == {}
+    assert report["pipeline_tokens_equal_whole"] is True
     assert set(report["rss_mib"]) == {"whole", "layers_0_2", "layers_2_4"}
     assert all(v > 0 for v in report["rss_mib"].values())
     for m in report["measurements"]:  # every stream timed exactly --tokens decode steps
