@@ -88,7 +88,7 @@ from .errors import (
     KvCacheFull,
     UnsupportedFeature,
 )
-from .types import Capabilities, LayerRange, LoadSpec
+from .types import Capabilities, LayerRange, LoadSpec, SessionState
 
 log = logging.getLogger(__name__)
 native_log = logging.getLogger(__name__ + ".native")
@@ -97,6 +97,8 @@ native_log = logging.getLogger(__name__ + ".native")
 LLAMA_MAX_SEQ = 256
 _GGUF_MAGIC = b"GGUF"
 _LLAMA_TOKEN_NULL = -1
+#: Scheduling rounds a batching leader yields before a tick so woken sessions can resubmit.
+_MAX_GATHER_ROUNDS = 16
 
 
 class _AbortedInStep(EngineCancelled):
@@ -353,6 +355,7 @@ class LlamaCppEngine(ShardEngine):
         # and whether a task is leading (running ticks) right now.
         self._pending: list[_Work] = []
         self._leading = False
+        self._returning: list[Slot] = []  # sessions the last tick finished (see _let_submitters_in)
         self._planner = TickPlanner(1, 1)
         self._arrivals = 0
         self._tick_hidden: np.ndarray | None = None  # non-last: captured rows of one tick
@@ -408,6 +411,7 @@ class LlamaCppEngine(ShardEngine):
         self._leading = True
         try:
             while not mine.finished:
+                await self._let_submitters_in()
                 tick = self._form_tick()
                 if tick:
                     await trio.to_thread.run_sync(self._tick_sync, tick, limiter=self._limiter)
@@ -417,10 +421,33 @@ class LlamaCppEngine(ShardEngine):
                 for work in [w for w in self._pending if w.finished]:
                     self._pending.remove(work)
                     work.wake.set()
+                    self._returning.append(work.slot)
         finally:
             self._leading = False
             if self._pending:
                 self._pending[0].wake.set()
+
+    async def _let_submitters_in(self) -> None:
+        """Yield until every session served by the last tick has submitted its next step or
+        stopped running (at most ``_MAX_GATHER_ROUNDS`` scheduling rounds).
+
+        A woken session needs a few scheduling rounds to build its result and submit its next
+        step; ticking before it does would run it one tick later in a smaller batch (measured:
+        6 concurrent generators split into ticks of 1 and 5 sessions every other step). A
+        session driven from the network goes IDLE instead and is not waited for; alone, the
+        leader's own session is the one that resubmits, so the tick starts at once.
+        """
+        returning, self._returning = self._returning, []
+        for _ in range(_MAX_GATHER_ROUNDS):
+            if not returning:
+                return
+            submitted = {id(w.slot) for w in self._pending}
+            returning = [
+                s for s in returning
+                if id(s) not in submitted and s.state is SessionState.RUNNING and not s.releasing
+            ]
+            if returning:
+                await trio.lowlevel.checkpoint()
 
     def _form_tick(self) -> list[tuple[_Work, Piece]]:
         """Drop cancelled computes (they fail with EngineCancelled), then plan the next tick."""
