@@ -41,18 +41,24 @@ Threading: a llama context is not thread-safe. Every call that touches the conte
 class shields the work and turns a caller's cancellation into the slot's cancel flag).
 Tokenization and token pieces only read the immutable vocabulary and run inline.
 
-Cancellation: the cancel flag is checked between ``n_batch`` chunks, and inside a running
-``llama_decode`` by llama.cpp's abort callback, which ggml polls after every graph node (about
-210 polls per ubatch on the bench model); ``llama_decode`` then returns 2 and drops the
-unfinished ubatch, and the base class rolls the session back to its ``keep`` position.
+Batching: concurrent sessions share native steps. A compute is submitted to a pending list; the
+caller that finds no leader runs *ticks* (one ``llama_decode`` each, rows chosen by
+``shard.engine.batching.TickPlanner``) until its own compute is done, then hands the lead to the
+oldest waiter. No background task exists; see docs/engine.md, "Batching".
+
+Cancellation: the cancel flag is checked before every tick (a cancelled session leaves the
+batch), and inside a running ``llama_decode`` by llama.cpp's abort callback, which ggml polls
+after every graph node (about 210 polls per ubatch on the bench model) and which aborts only when
+every session of the tick is cancelled; ``llama_decode`` then returns 2 and drops the unfinished
+ubatch, and the base class rolls each session back to its ``keep`` position.
 
 The abort callback is a Python function, so every poll takes the GIL. Measured on the bench
 model (1 thread, 2 cores): single-token decode runs at ~60 tokens/s with or without it while
 the GIL is free, but falls from ~35 to 3-10 tokens/s while another Python thread is busy (each
-poll waits for the GIL). So the callback is *armed only for evaluations of at least
-``abort_min_tokens`` tokens* (default 2: every multi-token prefill chunk, where a step is long
-and in-step abort matters). A one-token decode step is short and stops at the next step
-boundary; pass ``abort_min_tokens=1`` for models where even one token takes long.
+poll waits for the GIL). So the callback is *armed only for ticks holding a piece of at least
+``abort_min_tokens`` rows of one session* (default 2: every prompt chunk, where a step is long
+and in-step abort matters). A tick of one-row decodes is short and stops at the next tick;
+pass ``abort_min_tokens=1`` for models where even one token takes long.
 """
 
 from __future__ import annotations
@@ -315,8 +321,8 @@ class LlamaCppEngine(ShardEngine):
     - ``n_ubatch``: physical batch size, capped at ``n_batch``. Larger values need a compute
       buffer proportional to ``n_ubatch * n_ctx_seq`` and buy little prefill speed on CPU.
     - ``flash_attn``: ``None`` lets llama.cpp decide, ``True``/``False`` force it.
-    - ``abort_min_tokens``: arm the in-step abort callback for evaluations of at least this many
-      tokens (see the module docs for why single-token steps skip it by default).
+    - ``abort_min_tokens``: arm the in-step abort callback for ticks in which one session
+      evaluates at least this many rows (see the module docs for why decode ticks skip it).
     """
 
     def __init__(
