@@ -195,3 +195,20 @@ async def test_a_cancelled_session_leaves_a_shared_step_and_the_others_go_on() -
         assert whole.session_info("long").n_past == 0
         assert whole.metrics().kv_cells_used == 3 * 31
         assert count_tasks() == tasks_before
+
+
+# ---- knobs ---------------------------------------------------------------------------------
+
+
+def test_batch_knobs_are_validated_and_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shard.cli import build_parser
+    from shard.engine import InvalidInput, LoadSpec
+
+    for bad in ({"batch_tokens": 0}, {"max_batch_sessions": -1}):
+        with pytest.raises(InvalidInput):
+            LoadSpec(**bad)
+    monkeypatch.setenv("TRIO_SHARD_MAX_BATCH_SESSIONS", "3")
+    args = build_parser().parse_args(["serve", "--batch-tokens", "128"])
+    assert (args.batch_tokens, args.max_batch_sessions) == (128, 3)
+    args = build_parser().parse_args(["serve"])
+    assert args.batch_tokens is None  # default: the engine uses --batch
