@@ -389,7 +389,7 @@ class EngineMetrics:
     operations_running: int = 0
     # Continuous batching (engines that batch; others report 0). Per tick averages are ratios:
     # occupancy = batch_sessions_total / batch_ticks_total, tokens per tick = batch_rows_total /
-    # batch_ticks_total, mean queue wait = batch_queue_wait_us_total / computes started.
+    # batch_ticks_total, mean queue wait ~ batch_queue_wait_us_total / steps_total.
     batch_ticks_total: int = 0  # batched native steps (one llama_decode each)
     batch_rows_total: int = 0  # rows (tokens or hidden rows) evaluated in them
     batch_sessions_total: int = 0  # sessions served in them (one per session and tick)
