@@ -187,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most concurrently open sessions (default: 4)")
     serve.add_argument("--batch", type=_positive_int, default=512,
                        help="prefill batch size in tokens (default: 512)")
+    serve.add_argument("--batch-tokens", type=_positive_int,
+                       help="most rows (tokens) in one batched step across sessions: a long "
+                       "prompt delays running decodes by at most one such chunk (default: --batch)")
+    serve.add_argument("--max-batch-sessions", type=_positive_int,
+                       help="most sessions in one batched step (default: --max-sessions)")
     serve.add_argument("--no-extra-bufts", dest="extra_bufts", action="store_false",
                        help="load weights without llama.cpp's extra buffer types (repacked and "
                        "AMX layouts): a safe fallback when a native build's AMX kernels trap; "
@@ -460,6 +465,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         n_batch=args.batch,
         use_extra_bufts=args.extra_bufts,
+        batch_tokens=args.batch_tokens,
+        max_batch_sessions=args.max_batch_sessions,
     )
     log.info("model: %s", model)
 

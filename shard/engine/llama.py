@@ -41,18 +41,24 @@ Threading: a llama context is not thread-safe. Every call that touches the conte
 class shields the work and turns a caller's cancellation into the slot's cancel flag).
 Tokenization and token pieces only read the immutable vocabulary and run inline.
 
-Cancellation: the cancel flag is checked between ``n_batch`` chunks, and inside a running
-``llama_decode`` by llama.cpp's abort callback, which ggml polls after every graph node (about
-210 polls per ubatch on the bench model); ``llama_decode`` then returns 2 and drops the
-unfinished ubatch, and the base class rolls the session back to its ``keep`` position.
+Batching: concurrent sessions share native steps. A compute is submitted to a pending list; the
+caller that finds no leader runs *ticks* (one ``llama_decode`` each, rows chosen by
+``shard.engine.batching.TickPlanner``) until its own compute is done, then hands the lead to the
+oldest waiter. No background task exists; see docs/engine.md, "Batching".
+
+Cancellation: the cancel flag is checked before every tick (a cancelled session leaves the
+batch), and inside a running ``llama_decode`` by llama.cpp's abort callback, which ggml polls
+after every graph node (about 210 polls per ubatch on the bench model) and which aborts only when
+every session of the tick is cancelled; ``llama_decode`` then returns 2 and drops the unfinished
+ubatch, and the base class rolls each session back to its ``keep`` position.
 
 The abort callback is a Python function, so every poll takes the GIL. Measured on the bench
 model (1 thread, 2 cores): single-token decode runs at ~60 tokens/s with or without it while
 the GIL is free, but falls from ~35 to 3-10 tokens/s while another Python thread is busy (each
-poll waits for the GIL). So the callback is *armed only for evaluations of at least
-``abort_min_tokens`` tokens* (default 2: every multi-token prefill chunk, where a step is long
-and in-step abort matters). A one-token decode step is short and stops at the next step
-boundary; pass ``abort_min_tokens=1`` for models where even one token takes long.
+poll waits for the GIL). So the callback is *armed only for ticks holding a piece of at least
+``abort_min_tokens`` rows of one session* (default 2: every prompt chunk, where a step is long
+and in-step abort matters). A tick of one-row decodes is short and stops at the next tick;
+pass ``abort_min_tokens=1`` for models where even one token takes long.
 """
 
 from __future__ import annotations
@@ -63,7 +69,8 @@ import ctypes
 import logging
 import os
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +84,17 @@ from shard.models.fingerprint import file_fingerprint
 from shard.models.slice import RANGE_ARCHITECTURES, ModelInfo, SliceError, read_model_info
 
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot
+from .batching import Piece, Step, TickPlanner
 from .errors import (
     EngineCancelled,
+    EngineError,
     EngineFailure,
     IllegalTransition,
     InvalidInput,
     KvCacheFull,
     UnsupportedFeature,
 )
-from .types import Capabilities, LayerRange, LoadSpec
+from .types import Capabilities, LayerRange, LoadSpec, SessionState
 
 log = logging.getLogger(__name__)
 native_log = logging.getLogger(__name__ + ".native")
@@ -94,6 +103,8 @@ native_log = logging.getLogger(__name__ + ".native")
 LLAMA_MAX_SEQ = 256
 _GGUF_MAGIC = b"GGUF"
 _LLAMA_TOKEN_NULL = -1
+#: Scheduling rounds a batching leader yields before a tick so woken sessions can resubmit.
+_MAX_GATHER_ROUNDS = 16
 
 
 class _AbortedInStep(EngineCancelled):
@@ -200,6 +211,29 @@ class _Capture:
         self.error: str | None = None
 
 
+@dataclass(eq=False)
+class _Work:
+    """One session's compute waiting for (or inside) the batching scheduler's ticks.
+
+    Written by the tick's worker thread only while the leader awaits that thread; read by the
+    waiting task after the leader woke it, so no lock is needed.
+    """
+
+    slot: Slot
+    plan: ComputePlan
+    step: Step
+    submitted: float
+    hidden_out: np.ndarray | None  # non-last shards: every evaluated row, filled tick by tick
+    wake: trio.Event = field(default_factory=trio.Event)
+    started: bool = False  # the first piece ran: the KV cache was truncated to ``keep``
+    finished: bool = False
+    result: np.ndarray | None = None
+    error: BaseException | None = None
+
+    def finish(self, *, result: np.ndarray | None = None, error: BaseException | None = None) -> None:
+        self.result, self.error, self.finished = result, error, True
+
+
 def native_system_info(*, use_extra_bufts: bool = True) -> str:
     """One line naming the native code that runs: the llama-cpp-python version, the build profile
     it was installed with (``shard.llama_build``), whether extra buffer types (repacked / AMX
@@ -287,8 +321,8 @@ class LlamaCppEngine(ShardEngine):
     - ``n_ubatch``: physical batch size, capped at ``n_batch``. Larger values need a compute
       buffer proportional to ``n_ubatch * n_ctx_seq`` and buy little prefill speed on CPU.
     - ``flash_attn``: ``None`` lets llama.cpp decide, ``True``/``False`` force it.
-    - ``abort_min_tokens``: arm the in-step abort callback for evaluations of at least this many
-      tokens (see the module docs for why single-token steps skip it by default).
+    - ``abort_min_tokens``: arm the in-step abort callback for ticks in which one session
+      evaluates at least this many rows (see the module docs for why decode ticks skip it).
     """
 
     def __init__(
@@ -320,8 +354,17 @@ class LlamaCppEngine(ShardEngine):
         self._n_vocab = 0
         self._n_seq = 0
         self._kv_used = 0
-        # The abort callback: ggml polls it after every graph node of a running llama_decode.
-        self._decoding: CancelFlag | None = None
+        # The abort callback: ggml polls it after every graph node of a running llama_decode;
+        # it aborts only when every session of the running tick is cancelled.
+        self._decoding: tuple[CancelFlag, ...] = ()
+        # Continuous batching (see "Batching" in docs/engine.md): pending computes, the planner,
+        # and whether a task is leading (running ticks) right now.
+        self._pending: list[_Work] = []
+        self._leading = False
+        self._returning: list[Slot] = []  # sessions the last tick finished (see _let_submitters_in)
+        self._planner = TickPlanner(1, 1)
+        self._arrivals = 0
+        self._tick_hidden: np.ndarray | None = None  # non-last: captured rows of one tick
         #: Number of abort-callback polls so far; it grows only while a native decode runs.
         self.abort_polls = 0
         self._abort_callback = lc.ggml_abort_callback(self._poll_abort)
@@ -341,14 +384,93 @@ class LlamaCppEngine(ShardEngine):
         return await trio.to_thread.run_sync(self._load_sync, spec, limiter=self._limiter)
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
+        """Submit the plan to the batching scheduler and wait for its result.
+
+        No background task: the first caller that finds no leader becomes the leader and runs
+        ticks (one ``llama_decode`` each, in a worker thread under the limiter) for every pending
+        compute until its own is done, then wakes the oldest waiter to take over. The base class
+        runs this shielded, so a leader is never abandoned mid-tick; a cancelled caller's flag
+        makes its compute leave the next tick.
+        """
         if (plan.tokens is not None) != self._first:  # the base class checks this per request
             wanted = "token ids, not hidden states" if self._first else "hidden states, not token ids"
             raise EngineFailure(f"this shard takes {wanted}")
+        hidden_out = None if self._last else np.empty((plan.n_new, self._n_embd), dtype=np.float32)
+        self._arrivals += 1
+        work = _Work(slot, plan, Step(slot.seq_id, plan.n_new, self._arrivals), time.perf_counter(), hidden_out)
+        self._pending.append(work)
+        while not work.finished:
+            if not self._leading:
+                await self._lead(work)
+            else:
+                await work.wake.wait()
+                work.wake = trio.Event()
+        if work.error is not None:
+            if isinstance(work.error, _AbortedInStep):
+                self._counters["aborted_in_step_total"] += 1
+            raise work.error
+        assert work.result is not None
+        return work.result
+
+    async def _lead(self, mine: _Work) -> None:
+        """Run ticks until ``mine`` is finished, then hand the lead to the oldest waiter."""
+        self._leading = True
         try:
-            return await trio.to_thread.run_sync(self._compute_sync, slot, plan, limiter=self._limiter)
-        except _AbortedInStep:
-            self._counters["aborted_in_step_total"] += 1
-            raise
+            while not mine.finished:
+                await self._let_submitters_in()
+                tick = self._form_tick()
+                if tick:
+                    await trio.to_thread.run_sync(self._tick_sync, tick, limiter=self._limiter)
+                    self._counters["batch_ticks_total"] += 1
+                    self._counters["batch_rows_total"] += sum(p.count for _, p in tick)
+                    self._counters["batch_sessions_total"] += len(tick)
+                for work in [w for w in self._pending if w.finished]:
+                    self._pending.remove(work)
+                    work.wake.set()
+                    self._returning.append(work.slot)
+        finally:
+            self._leading = False
+            if self._pending:
+                self._pending[0].wake.set()
+
+    async def _let_submitters_in(self) -> None:
+        """Yield until every session served by the last tick has submitted its next step or
+        stopped running (at most ``_MAX_GATHER_ROUNDS`` scheduling rounds).
+
+        A woken session needs a few scheduling rounds to build its result and submit its next
+        step; ticking before it does would run it one tick later in a smaller batch (measured:
+        6 concurrent generators split into ticks of 1 and 5 sessions every other step). A
+        session driven from the network goes IDLE instead and is not waited for; alone, the
+        leader's own session is the one that resubmits, so the tick starts at once.
+        """
+        returning, self._returning = self._returning, []
+        for _ in range(_MAX_GATHER_ROUNDS):
+            if not returning:
+                return
+            submitted = {id(w.slot) for w in self._pending}
+            returning = [
+                s for s in returning
+                if id(s) not in submitted and s.state is SessionState.RUNNING and not s.releasing
+            ]
+            if returning:
+                await trio.lowlevel.checkpoint()
+
+    def _form_tick(self) -> list[tuple[_Work, Piece]]:
+        """Drop cancelled computes (they fail with EngineCancelled), then plan the next tick."""
+        by_step: dict[Step, _Work] = {}
+        for work in self._pending:
+            if work.finished:
+                continue
+            if work.slot.cancel.is_set():
+                work.finish(error=EngineCancelled("operation cancelled", session_id=work.slot.session_id))
+            else:
+                by_step[work.step] = work
+        tick = [(by_step[p.step], p) for p in self._planner.plan(by_step)]
+        now = time.perf_counter()
+        for work, _ in tick:
+            if not work.started:
+                self._counters["batch_queue_wait_us_total"] += int((now - work.submitted) * 1e6)
+        return tick
 
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         await trio.to_thread.run_sync(self._truncate_sync, slot.seq_id, keep, limiter=self._limiter)
@@ -498,6 +620,15 @@ class LlamaCppEngine(ShardEngine):
             self._batch_out = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
             self._batch_rows = [batch.seq_id[i] for i in range(n_batch)]
             self._batch_row_seq = np.full(n_batch, -1, dtype=np.int64)
+            if not last:
+                self._tick_hidden = np.empty((n_batch, n_embd), dtype=np.float32)
+            # Non-last shards never mix a prompt chunk with other sessions' rows: llama.cpp
+            # would reorder them into ubatches, and captured rows must come back in batch order.
+            self._planner = TickPlanner(
+                min(spec.batch_tokens or n_batch, n_batch),
+                min(spec.max_batch_sessions or spec.max_sessions, spec.max_sessions),
+                mix=last,
+            )
             self._natives = natives.pop_all()
         log.debug(
             "loaded %s: arch=%s layers=[%d, %d) of %d n_ctx=%d n_ctx_seq=%d n_batch=%d threads=%d",
@@ -521,73 +652,110 @@ class LlamaCppEngine(ShardEngine):
             system_info=native_system_info(use_extra_bufts=spec.use_extra_bufts),
         )
 
-    def _compute_sync(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
+    def _tick_sync(self, tick: list[tuple[_Work, Piece]]) -> None:
+        """One ``llama_decode`` holding every piece of ``tick``; results and errors go to the
+        works (never raised: one session's failure must not hide the others' outcome)."""
         assert self._ctx is not None
         try:
-            if not lc.llama_memory_seq_rm(self._mem, slot.seq_id, plan.keep, -1):
-                raise EngineFailure(f"llama.cpp could not truncate the KV cache of {slot.session_id!r}")
-            # llama_decode itself rejects a gap only when the sequence still holds cells; an
-            # emptied sequence would silently compute from position ``keep`` without history.
-            held = int(lc.llama_memory_seq_pos_max(self._mem, slot.seq_id)) + 1
-            if held != plan.keep:
-                raise EngineFailure(
-                    f"the KV cache of {slot.session_id!r} holds {held} positions, the session {plan.keep}"
-                )
-            n = plan.n_new
-            hidden_out = None if self._last else np.empty((n, self._n_embd), dtype=np.float32)
-            last_rows = 0
-            for start in range(0, n, self._n_batch):
-                slot.cancel.raise_if_set(slot.session_id)
-                m = min(self._n_batch, n - start)
-                last_rows = m
-                if plan.tokens is not None:
-                    self._batch_tokens[:m] = plan.tokens[start : start + m]
+            live: list[tuple[_Work, Piece]] = []
+            for work, piece in tick:
+                if not work.started:
+                    try:
+                        self._start_sync(work)
+                    except EngineError as exc:
+                        work.finish(error=exc)
+                        continue
+                live.append((work, piece))
+            if not live:
+                return
+            n = self._fill_batch(live)
+            # Armed for prompt chunks only: a tick of one-row decodes is short, and every poll
+            # takes the GIL (see the module docs).
+            self._arm_abort(max(p.count for _, p in live) >= self._abort_min_tokens)
+            capture = None if self._last else _Capture(self._tick_hidden[:n])
+            self._capture = capture
+            self._decoding = tuple(w.slot.cancel for w, _ in live)
+            try:
+                rc = lc.llama_decode(self._ctx, self._batch)
+            finally:
+                self._decoding = ()
+                self._capture = None
+            if rc != 0:
+                for work, _ in live:
+                    work.finish(error=self._decode_error(rc, work.slot, len(live)))
+                return
+            if capture is not None and (capture.error is not None or capture.rows != n):
+                error = EngineFailure(capture.error or f"captured {capture.rows} of {n} boundary rows")
+                for work, _ in live:
+                    work.finish(error=error)
+                return
+            row = 0
+            for work, piece in live:
+                step = work.step
+                step.done_rows += piece.count
+                if work.hidden_out is not None:
+                    assert self._tick_hidden is not None
+                    work.hidden_out[piece.start : piece.start + piece.count] = self._tick_hidden[row : row + piece.count]
+                row += piece.count
+                if not piece.completes:
+                    continue
+                if work.hidden_out is not None:
+                    work.finish(result=work.hidden_out)
+                    continue
+                ptr = lc.llama_get_logits_ith(self._ctx, row - 1)
+                if not ptr:
+                    work.finish(error=EngineFailure("llama.cpp returned no logits for the last position"))
                 else:
-                    self._batch_embd[:m] = plan.hidden[start : start + m]
-                self._fill_batch(m, plan.keep + start, slot.seq_id, last=start + m == n)
-                self._arm_abort(m >= self._abort_min_tokens)
-                capture = None if hidden_out is None else _Capture(hidden_out[start : start + m])
-                self._capture = capture
-                self._decoding = slot.cancel
-                try:
-                    rc = lc.llama_decode(self._ctx, self._batch)
-                finally:
-                    self._decoding = None
-                    self._capture = None
-                if rc != 0:
-                    self._raise_decode_error(rc, slot)
-                if capture is not None:
-                    if capture.error is not None or capture.rows != m:
-                        raise EngineFailure(
-                            capture.error or f"captured {capture.rows} of {m} boundary rows"
-                        )
-            if hidden_out is not None:
-                return hidden_out
-            ptr = lc.llama_get_logits_ith(self._ctx, last_rows - 1)
-            if not ptr:
-                raise EngineFailure("llama.cpp returned no logits for the last position")
-            return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+                    work.finish(result=np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy())
+        except Exception as exc:  # noqa: BLE001 - handed to every waiting work; the base class fails the engine
+            for work, _ in tick:
+                if not work.finished:
+                    work.finish(error=exc)
         finally:
             self._kv_used = self._count_kv_cells()
 
-    def _fill_batch(self, m: int, pos0: int, seq: int, *, last: bool) -> None:
-        """Positions, sequence and output flags of the ``m`` rows already written."""
+    def _start_sync(self, work: _Work) -> None:
+        """Before a compute's first rows: drop its sequence's cells from ``keep`` on and check."""
+        slot, keep = work.slot, work.plan.keep
+        work.started = True
+        if not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
+            raise EngineFailure(f"llama.cpp could not truncate the KV cache of {slot.session_id!r}")
+        # llama_decode itself rejects a gap only when the sequence still holds cells; an emptied
+        # sequence would silently compute from position ``keep`` without history.
+        held = int(lc.llama_memory_seq_pos_max(self._mem, slot.seq_id)) + 1
+        if held != keep:
+            raise EngineFailure(f"the KV cache of {slot.session_id!r} holds {held} positions, the session {keep}")
+
+    def _fill_batch(self, live: list[tuple[_Work, Piece]]) -> int:
+        """Write the tick's rows (pieces in sequence order) into the batch; returns the count."""
         assert self._batch is not None and self._batch_row_seq is not None
-        self._batch.n_tokens = m
-        self._batch_pos[:m] = np.arange(pos0, pos0 + m, dtype=np.int32)
-        self._batch_nseq[:m] = 1
-        if self._last:
-            self._batch_out[:m] = 0
-            if last:
-                self._batch_out[m - 1] = 1
-        else:
-            # Every row is an output: the last block keeps only output rows (get_rows pruning),
-            # and the next shard needs all of them.
-            self._batch_out[:m] = 1
-        # seq_id is an array of per-row pointers: only rewrite rows that hold another sequence.
-        for i in np.flatnonzero(self._batch_row_seq[:m] != seq):
-            self._batch_rows[i][0] = seq
-        self._batch_row_seq[:m] = seq
+        row = 0
+        for work, piece in live:
+            plan, m, seq = work.plan, piece.count, work.slot.seq_id
+            a, b = piece.start, piece.start + m
+            if plan.tokens is not None:
+                self._batch_tokens[row : row + m] = plan.tokens[a:b]
+            else:
+                self._batch_embd[row : row + m] = plan.hidden[a:b]
+            pos0 = plan.keep + a
+            self._batch_pos[row : row + m] = np.arange(pos0, pos0 + m, dtype=np.int32)
+            if self._last:
+                # Logits only for the row whose token the session samples.
+                self._batch_out[row : row + m] = 0
+                if piece.completes:
+                    self._batch_out[row + m - 1] = 1
+            else:
+                # Every row is an output: the last block keeps only output rows (get_rows
+                # pruning), and the next shard needs all of them.
+                self._batch_out[row : row + m] = 1
+            # seq_id is an array of per-row pointers: only rewrite rows that held another sequence.
+            for i in np.flatnonzero(self._batch_row_seq[row : row + m] != seq):
+                self._batch_rows[row + i][0] = seq
+            self._batch_row_seq[row : row + m] = seq
+            row += m
+        self._batch_nseq[:row] = 1
+        self._batch.n_tokens = row
+        return row
 
     def _arm_abort(self, armed: bool) -> None:
         if armed != self._abort_armed:
@@ -596,14 +764,19 @@ class LlamaCppEngine(ShardEngine):
             self._abort_armed = armed
 
     def _raise_decode_error(self, rc: int, slot: Slot) -> None:
+        raise self._decode_error(rc, slot, 1)
+
+    def _decode_error(self, rc: int, slot: Slot, n_sessions: int) -> EngineError:
+        """The error a session of a failed tick gets for ``llama_decode``'s status ``rc``."""
         sid = slot.session_id
         if rc == 2:
             if slot.cancel.is_set():
-                raise _AbortedInStep("operation cancelled inside a llama.cpp step", session_id=sid)
-            raise EngineFailure("llama_decode aborted without a cancel request")
+                return _AbortedInStep("operation cancelled inside a llama.cpp step", session_id=sid)
+            return EngineFailure("llama_decode aborted without a cancel request")
         if rc == 1:
-            raise KvCacheFull(f"llama.cpp found no KV slot for session {sid!r}", session_id=sid)
-        raise EngineFailure(f"llama_decode failed with status {rc}{_native_reason()}")
+            shared = f" (in a step shared by {n_sessions} sessions)" if n_sessions > 1 else ""
+            return KvCacheFull(f"llama.cpp found no KV slot for session {sid!r}{shared}", session_id=sid)
+        return EngineFailure(f"llama_decode failed with status {rc}{_native_reason()}")
 
     def _truncate_sync(self, seq: int, keep: int) -> None:
         if self._ctx is None:
@@ -628,7 +801,7 @@ class LlamaCppEngine(ShardEngine):
 
     def _close_sync(self) -> None:
         self._batch_tokens = self._batch_pos = self._batch_nseq = self._batch_out = None
-        self._batch_embd = None
+        self._batch_embd = self._tick_hidden = None
         self._capture = None
         self._batch_rows = []
         self._batch_row_seq = None
@@ -642,8 +815,8 @@ class LlamaCppEngine(ShardEngine):
     def _poll_abort(self, _data: int | None) -> bool:
         # Runs on ggml's compute thread inside llama_decode; must be cheap and must not raise.
         self.abort_polls += 1
-        flag = self._decoding
-        return flag is not None and flag.is_set()
+        flags = self._decoding
+        return bool(flags) and all(flag.is_set() for flag in flags)
 
     def _on_eval(self, tensor: int | None, ask: bool, _data: int | None) -> bool:
         """ggml's scheduler eval callback (non-last shards), on its compute thread.

@@ -72,6 +72,9 @@ class LoadSpec:
     ``use_extra_bufts`` False loads weights without the engine's extra buffer types (llama.cpp's
     repacked and AMX weight layouts): slower on some quantizations, but it keeps a build that
     includes AMX kernels off them (see docs/engine.md, "Native builds").
+    ``batch_tokens`` caps the rows of one batched step across sessions (None: ``n_batch``), so a
+    long prompt delays running decodes by at most one such chunk; ``max_batch_sessions`` caps the
+    sessions in one step (None: ``max_sessions``). Engines that do not batch ignore both.
     """
 
     model_path: Path | None = None
@@ -81,6 +84,8 @@ class LoadSpec:
     max_sessions: int = 4
     n_batch: int = 512
     use_extra_bufts: bool = True
+    batch_tokens: int | None = None
+    max_batch_sessions: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0:
@@ -91,6 +96,10 @@ class LoadSpec:
             raise InvalidInput("n_batch must be positive")
         if self.n_threads is not None and self.n_threads <= 0:
             raise InvalidInput("n_threads must be positive")
+        if self.batch_tokens is not None and self.batch_tokens <= 0:
+            raise InvalidInput("batch_tokens must be positive")
+        if self.max_batch_sessions is not None and self.max_batch_sessions <= 0:
+            raise InvalidInput("max_batch_sessions must be positive")
         if not isinstance(self.use_extra_bufts, bool):
             raise InvalidInput("use_extra_bufts must be a boolean")
 
@@ -378,6 +387,13 @@ class EngineMetrics:
     aborted_in_step_total: int = 0  # ops stopped inside a native step (abort callback)
     errors_total: int = 0
     operations_running: int = 0
+    # Continuous batching (engines that batch; others report 0). Per tick averages are ratios:
+    # occupancy = batch_sessions_total / batch_ticks_total, tokens per tick = batch_rows_total /
+    # batch_ticks_total, mean queue wait ~ batch_queue_wait_us_total / steps_total.
+    batch_ticks_total: int = 0  # batched native steps (one llama_decode each)
+    batch_rows_total: int = 0  # rows (tokens or hidden rows) evaluated in them
+    batch_sessions_total: int = 0  # sessions served in them (one per session and tick)
+    batch_queue_wait_us_total: int = 0  # microseconds from submit to a compute's first tick
 
 
 # --- Helpers shared by every implementation --------------------------------------------------

@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import math
 import os
+import random
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -1033,6 +1034,153 @@ class EngineContractSuite:
             assert [e.metrics().kv_cells_used for e in (*chain, whole)] == [17] * 4
             assert middle.session_info("s").tokens is None and middle.session_info("s").n_past == 17
 
+    # -- many sessions at once (continuous batching must be invisible) ------------------------
+
+    @pytest.mark.parametrize("seed", [3, 4, 12])  # each mixes runs, cancels and releases
+    async def test_many_sessions_at_once_match_each_session_alone(
+        self, engine_factory: EngineFactory, seed: int
+    ) -> None:
+        """Random arrivals, cancels and releases: every session that survives chooses exactly
+        the greedy tokens it chooses alone (logprobs within 1e-3: a batch's shape may change
+        floating-point sums), and nothing is left behind."""
+        async with engine_factory.open(_whole(n_ctx=1024, max_sessions=8)) as engine:
+            rng = random.Random(seed)
+            plans = [
+                (prompt_tokens(engine, rng.randint(1, 40), salt=i), rng.randint(0, 10),
+                 rng.choice(["run", "run", "cancel", "release"]), rng.randint(0, 12))
+                for i in range(8)
+            ]
+            alone: list[list[StepResult]] = []
+            for tokens, n_decode, _, _ in plans:
+                await engine.open_session("alone")
+                alone.append(await _greedy_steps(engine, "alone", tokens, n_decode))
+                await engine.release("alone")
+            tasks_before = count_tasks()
+            threads_before, native_before = threading.active_count(), count_native_threads()
+            kept: dict[str, int] = {}
+
+            async def one(i: int) -> None:
+                tokens, n_decode, fate, delay = plans[i]
+                for _ in range(delay):  # random arrival, in scheduler rounds
+                    await trio.lowlevel.checkpoint()
+                sid = f"many-{i}"
+                await engine.open_session(sid)
+                stop_at = rng.randint(0, n_decode) if fate != "run" else -1
+                steps: list[StepResult] = []
+                for j in range(n_decode + 1):
+                    if j == stop_at:
+                        n_past = engine.session_info(sid).n_past
+                        async with trio.open_nursery() as nursery:
+                            op = start_op(nursery, _step, engine, sid, tokens, steps)
+                            await wait_running(engine, sid)
+                            if fate == "cancel":
+                                assert engine.cancel(sid) is True
+                            else:
+                                assert await engine.release(sid) is True
+                        assert isinstance(op.error, EngineCancelled), op.error
+                        if fate == "release":
+                            return
+                        assert engine.session_info(sid).n_past == n_past  # rolled back
+                    steps.append(await _step(engine, sid, tokens, steps))
+                for got, want in zip(steps, alone[i], strict=True):
+                    assert got.n_past == want.n_past
+                    assert_same_logits(got, want)
+                kept[sid] = steps[-1].n_past
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(plans)):
+                    nursery.start_soon(one, i)
+            m = engine.metrics()
+            assert m.operations_running == 0 and m.sessions_active == len(kept)
+            assert m.kv_cells_used == sum(kept.values())
+            for sid in kept:
+                assert await engine.release(sid) is True
+            assert engine.metrics().kv_cells_used == 0
+            assert count_tasks() == tasks_before
+            # Steps of all sessions share one engine thread at a time: no thread is left behind
+            # (Trio may keep an idle worker cached, which the warm-up above already created).
+            assert threading.active_count() <= threads_before
+            assert count_native_threads() <= native_before
+
+    async def test_many_sessions_through_a_layer_range_chain_match_the_whole_model(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """Several sessions stepping concurrently through first/middle/last shards (hidden rows
+        of many sessions share the later shards) match each session on the whole model alone;
+        one session is cancelled on the middle shard mid-prompt and released everywhere."""
+        if not engine_factory.layer_ranges:
+            await assert_layer_range_refused(engine_factory, ShardPart.MIDDLE)
+            return
+        parts = (ShardPart.FIRST, ShardPart.MIDDLE, ShardPart.LAST)
+        async with (
+            engine_factory.open(EngineOptions(part=parts[0], pieces=3, n_ctx=1536, max_sessions=6)) as first,
+            engine_factory.open(EngineOptions(part=parts[1], pieces=3, n_ctx=1536, max_sessions=6)) as middle,
+            engine_factory.open(EngineOptions(part=parts[2], pieces=3, n_ctx=1536, max_sessions=6)) as last,
+            engine_factory.open(_whole(n_ctx=1536, max_sessions=6)) as whole,
+        ):
+            chain = (first, middle, last)
+            rng = random.Random(5)
+            plans = [(prompt_tokens(first, rng.randint(2, 30), salt=20 + i), rng.randint(1, 6),
+                      rng.randint(0, 8)) for i in range(5)]
+            alone: list[list[StepResult]] = []
+            for tokens, n_decode, _ in plans:
+                await whole.open_session("alone")
+                alone.append(await _greedy_steps(whole, "alone", tokens, n_decode))
+                await whole.release("alone")
+            tasks_before = count_tasks()
+
+            async def through(sid: str, step: StepResult, *, is_decode: bool) -> StepResult:
+                for engine in chain[1:]:
+                    assert step.boundary is not None
+                    h = step.boundary.hidden_states
+                    k = 3 if engine is last else 0
+                    step = await (
+                        engine.decode(DecodeRequest(sid, hidden_state=h, top_k_logprobs=k)) if is_decode
+                        else engine.prefill(PrefillRequest(sid, hidden_states=h, top_k_logprobs=k,
+                                                           position=step.boundary.start_position))
+                    )
+                return step
+
+            async def one(i: int) -> None:
+                tokens, n_decode, delay = plans[i]
+                for _ in range(delay):
+                    await trio.lowlevel.checkpoint()
+                sid = f"chain-{i}"
+                for engine in chain:
+                    await engine.open_session(sid)
+                steps = [await through(sid, await prefill(first, sid, tokens), is_decode=False)]
+                for _ in range(n_decode):
+                    assert steps[-1].logits is not None
+                    b = await decode(first, sid, steps[-1].logits.token_id)
+                    steps.append(await through(sid, b, is_decode=True))
+                for got, want in zip(steps, alone[i], strict=True):
+                    assert_same_logits(got, want)
+
+            async def cancelled_mid_prompt() -> None:
+                sid = "chain-cancelled"
+                for engine in chain:
+                    await engine.open_session(sid)
+                b = await prefill(first, sid, prompt_tokens(first, LONG_PROMPT, salt=9))
+                assert b.boundary is not None
+                async with trio.open_nursery() as nursery:
+                    op = start_op(nursery, middle.prefill,
+                                  PrefillRequest(sid, hidden_states=b.boundary.hidden_states))
+                    await wait_running(middle, sid)
+                    middle.cancel(sid)
+                assert isinstance(op.error, EngineCancelled), op.error
+                assert middle.session_info(sid).n_past == 0
+                for engine in chain:
+                    assert await engine.release(sid) is True
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancelled_mid_prompt)
+                for i in range(len(plans)):
+                    nursery.start_soon(one, i)
+            expected = sum(len(t) + n for t, n, _ in plans)
+            assert [e.metrics().kv_cells_used for e in chain] == [expected] * 3
+            assert all(e.metrics().operations_running == 0 for e in chain)
+            assert count_tasks() == tasks_before
+
     # -- one reference trace ------------------------------------------------------------------
 
     async def test_reference_trace(self, engine_factory: EngineFactory) -> None:
@@ -1086,6 +1234,22 @@ class EngineContractSuite:
             # or shrink.
             assert threading.active_count() <= threads_before
             assert count_native_threads() <= native_before
+
+
+async def _greedy_steps(engine: ShardEngine, sid: str, tokens: Sequence[int], n_decode: int) -> list[StepResult]:
+    """Prefill ``tokens`` then ``n_decode`` greedy decodes; every step's result (top-3 logprobs)."""
+    steps: list[StepResult] = []
+    for _ in range(n_decode + 1):
+        steps.append(await _step(engine, sid, tokens, steps))
+    return steps
+
+
+async def _step(engine: ShardEngine, sid: str, tokens: Sequence[int], steps: list[StepResult]) -> StepResult:
+    """The next step of a greedy generation: the prefill first, then decodes of the last choice."""
+    if not steps:
+        return await prefill(engine, sid, tokens, top_k_logprobs=3)
+    assert steps[-1].logits is not None
+    return await decode(engine, sid, steps[-1].logits.token_id, top_k_logprobs=3)
 
 
 # ---- the reference trace -------------------------------------------------------------------

@@ -1,0 +1,214 @@
+"""Continuous batching: the tick policy on plain data (shard.engine.batching) and the llama.cpp
+engine's use of it (sessions really share native steps, metrics, cancellation inside a shared
+step). That batching does not change answers is checked by the contract suite
+(``test_many_sessions_*``) on every engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shard.engine import DecodeRequest, EngineCancelled, PrefillRequest
+from shard.engine.batching import Step, TickPlanner
+from shard.testing import EngineOptions, llama_factory
+from shard.testing.contract import count_tasks, prompt_tokens, start_op, wait_running
+
+# ---- the planner ---------------------------------------------------------------------------
+
+_steps = st.lists(st.tuples(st.integers(0, 63), st.integers(1, 300)), min_size=1, max_size=12,
+                  unique_by=lambda t: t[0])
+
+
+def _run_to_completion(planner: TickPlanner, steps: list[Step]) -> list[list[tuple[Step, int, int]]]:
+    """Plan ticks until every step is done (marking rows done as an engine would)."""
+    ticks = []
+    for _ in range(10_000):
+        pieces = planner.plan(steps)
+        if not pieces:
+            break
+        ticks.append([(p.step, p.start, p.count) for p in pieces])
+        for p in pieces:
+            assert p.start == p.step.done_rows and p.count >= 1
+            p.step.done_rows += p.count
+    return ticks
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=_steps, budget=st.integers(1, 64), max_sessions=st.integers(1, 8), mix=st.booleans())
+def test_every_tick_respects_the_limits_and_every_step_completes(
+    spec: list[tuple[int, int]], budget: int, max_sessions: int, mix: bool
+) -> None:
+    steps = [Step(seq, n, arrival=i) for i, (seq, n) in enumerate(spec)]
+    ticks = _run_to_completion(TickPlanner(budget, max_sessions, mix=mix), steps)
+    assert all(s.remaining == 0 for s in steps)
+    for tick in ticks:
+        seqs = [s.seq for s, _, _ in tick]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)  # ascending, one piece each
+        assert len(tick) <= max_sessions
+        assert sum(c for _, _, c in tick) <= budget
+        if not mix:  # a chunk never shares a tick
+            multi = [c for _, _, c in tick if c > 1]
+            assert not multi or len(tick) == 1
+    # Nothing starves: a step finishes within a bounded number of ticks of its arrival.
+    total_rows = sum(n for _, n in spec)
+    assert len(ticks) <= 2 * (total_rows + len(spec))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_decoding=st.integers(1, 8), prompt=st.integers(2, 3000), budget=st.integers(9, 600))
+def test_a_long_prompt_delays_running_decodes_by_at_most_one_chunk_per_tick(
+    n_decoding: int, prompt: int, budget: int
+) -> None:
+    planner = TickPlanner(budget, 16)
+    decoders = [Step(seq, 1, arrival=seq) for seq in range(n_decoding)]
+    long = Step(n_decoding, prompt, arrival=100)
+    ticks = 0
+    while long.remaining:
+        for d in decoders:  # each running decode submits its next row every tick
+            d.n_rows, d.done_rows = d.done_rows + 1, d.done_rows
+        pieces = planner.plan([*decoders, long])
+        ticks += 1
+        served = {p.step.seq for p in pieces}
+        assert served >= {d.seq for d in decoders}  # no decode waits for the prompt
+        chunk = sum(p.count for p in pieces if p.step is long)
+        assert chunk <= budget - n_decoding  # at most one chunk's rows share the decodes' tick
+        for p in pieces:
+            p.step.done_rows += p.count
+    assert ticks == math.ceil(prompt / (budget - n_decoding))  # the prompt gets the rest, every tick
+
+
+def test_without_mixing_row_ticks_and_chunk_ticks_alternate() -> None:
+    planner = TickPlanner(8, 8, mix=False)
+    rows = [Step(1, 1, 0), Step(2, 1, 1)]
+    chunk = Step(0, 20, 2)
+    kinds = []
+    for _ in range(4):
+        pieces = planner.plan([*rows, chunk])
+        kinds.append("chunk" if pieces[0].step is chunk else "rows")
+        for p in pieces:
+            p.step.done_rows += p.count
+        for r in rows:
+            if r.remaining == 0:  # served: the session submits its next row
+                r.n_rows += 1
+    assert kinds == ["rows", "chunk", "rows", "chunk"]
+
+
+def test_oldest_rows_go_first_when_the_tick_is_full() -> None:
+    planner = TickPlanner(2, 8)
+    steps = [Step(seq, 1, arrival=10 - seq) for seq in range(4)]  # seq 3 arrived first
+    assert [p.step.seq for p in planner.plan(steps)] == [2, 3]
+
+
+def test_planner_refuses_empty_limits() -> None:
+    with pytest.raises(ValueError):
+        TickPlanner(0, 1)
+
+
+# ---- the llama.cpp engine ------------------------------------------------------------------
+
+FACTORY = llama_factory("tiny", n_threads=1)
+
+
+async def _generate(engine, sid: str, tokens: tuple[int, ...], n: int) -> list[int]:  # noqa: ANN001
+    r = await engine.prefill(PrefillRequest(sid, tokens=tokens))
+    out = [r.logits.token_id]
+    for _ in range(n):
+        r = await engine.decode(DecodeRequest(sid, token=out[-1]))
+        out.append(r.logits.token_id)
+    return out
+
+
+async def test_concurrent_sessions_share_native_steps() -> None:
+    async with FACTORY.open(EngineOptions(n_ctx=1536, max_sessions=6, n_batch=64)) as engine:
+        for i in range(6):
+            await engine.open_session(f"s{i}")
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(_generate, engine, f"s{i}", prompt_tokens(engine, 9, salt=i), 30)
+        m = engine.metrics()
+        assert m.steps_total == 6 * 31
+        # Every decode tick holds all six sessions (the prefills may share fewer ticks).
+        assert m.batch_ticks_total <= 30 + 6
+        assert m.batch_sessions_total == 6 * 31
+        assert m.batch_rows_total == 6 * (9 + 30)
+        assert m.batch_queue_wait_us_total > 0
+
+
+async def test_alone_a_session_gets_one_tick_per_step() -> None:
+    async with FACTORY.open() as engine:
+        await engine.open_session("s")
+        await _generate(engine, "s", prompt_tokens(engine, 5), 10)
+        m = engine.metrics()
+        assert (m.batch_ticks_total, m.batch_sessions_total, m.batch_rows_total) == (11, 11, 15)
+
+
+async def test_batch_limits_from_the_load_spec() -> None:
+    engine = FACTORY.create()
+    async with engine:
+        spec = FACTORY.load_spec(EngineOptions(n_ctx=1536, max_sessions=6, n_batch=64))
+        await engine.load(replace(spec, batch_tokens=16, max_batch_sessions=2))
+        for i in range(4):
+            await engine.open_session(f"s{i}")
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(_generate, engine, f"s{i}", prompt_tokens(engine, 40, salt=i), 3)
+        m = engine.metrics()
+        assert m.batch_sessions_total <= 2 * m.batch_ticks_total
+        assert m.batch_rows_total <= 16 * m.batch_ticks_total
+        assert m.batch_rows_total == 4 * 43
+
+
+async def test_a_cancelled_session_leaves_a_shared_step_and_the_others_go_on() -> None:
+    """A long prompt shares ticks with running decodes; cancelling it mid-prompt rolls it back
+    and frees its cells while the decodes finish with the tokens they get alone."""
+    async with FACTORY.open(EngineOptions(n_ctx=2048, max_sessions=4, n_batch=8)) as whole:
+        alone = {}
+        for i in range(3):
+            await whole.open_session("ref")
+            alone[i] = await _generate(whole, "ref", prompt_tokens(whole, 6, salt=i), 25)
+            await whole.release("ref")
+        tasks_before = count_tasks()
+        got = {}
+
+        async def run(i: int) -> None:
+            got[i] = await _generate(whole, f"d{i}", prompt_tokens(whole, 6, salt=i), 25)
+
+        for i in range(3):
+            await whole.open_session(f"d{i}")
+        await whole.open_session("long")
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(run, i)
+            op = start_op(nursery, whole.prefill,
+                          PrefillRequest("long", tokens=prompt_tokens(whole, 400, salt=7)))
+            await wait_running(whole, "long")
+            for _ in range(20):
+                await trio.lowlevel.checkpoint()
+            whole.cancel("long")
+        assert isinstance(op.error, EngineCancelled)
+        assert got == alone
+        assert whole.session_info("long").n_past == 0
+        assert whole.metrics().kv_cells_used == 3 * 31
+        assert count_tasks() == tasks_before
+
+
+# ---- knobs ---------------------------------------------------------------------------------
+
+
+def test_batch_knobs_are_validated_and_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shard.cli import build_parser
+    from shard.engine import InvalidInput, LoadSpec
+
+    for bad in ({"batch_tokens": 0}, {"max_batch_sessions": -1}):
+        with pytest.raises(InvalidInput):
+            LoadSpec(**bad)
+    monkeypatch.setenv("TRIO_SHARD_MAX_BATCH_SESSIONS", "3")
+    args = build_parser().parse_args(["serve", "--batch-tokens", "128"])
+    assert (args.batch_tokens, args.max_batch_sessions) == (128, 3)
+    args = build_parser().parse_args(["serve"])
+    assert args.batch_tokens is None  # default: the engine uses --batch
