@@ -23,17 +23,20 @@ import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
     from collections.abc import Awaitable
 
     import trio
 
+    from shard.client import ShardClient
+
     from shard.rpc.auth import TokenAuthenticator
     from shard.rpc.server import RunningServer
 
 DEFAULT_PORT = 50051
+T = TypeVar("T")
 ENV_PREFIX = "TRIO_SHARD_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -715,7 +718,9 @@ async def _until_sigint(fn: Callable[[], Awaitable[object]]) -> bool:
     return interrupted
 
 
-def _cmd_caps(args: argparse.Namespace) -> int:
+def _ask_worker(args: argparse.Namespace, ask: Callable[[ShardClient], Awaitable[T]]) -> T | int:
+    """One request to ``--target`` with the client options (TLS, token); an int is the exit
+    status of a failure, already reported on stderr."""
     import trio
 
     try:
@@ -725,14 +730,20 @@ def _cmd_caps(args: argparse.Namespace) -> int:
 
     from shard.client import ShardClient, ShardError
 
-    async def run() -> dict[str, object]:
+    async def run() -> T:
         async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
-            return await client.capabilities_dict()
+            return await ask(client)
 
     try:
-        caps = trio.run(run)
+        return trio.run(run)
     except ShardError as exc:
         return _fail(str(exc))
+
+
+def _cmd_caps(args: argparse.Namespace) -> int:
+    caps = _ask_worker(args, lambda client: client.capabilities_dict())
+    if isinstance(caps, int):
+        return caps
     if args.json:
         print(json.dumps(caps, indent=2, sort_keys=True))
     else:
@@ -795,24 +806,14 @@ def _cmd_health(args: argparse.Namespace) -> int:
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:
-    import trio
-
-    try:
-        options = _client_options(args)
-    except (ValueError, OSError, ssl.SSLError) as exc:
-        return _fail(f"client set-up failed: {exc}", 2)
-
-    from shard.client import ShardClient, ShardError
     from shard.rpc.metrics import snapshot_values
 
-    async def run() -> dict[str, int]:
-        async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
-            return snapshot_values(await client.metrics())
+    async def ask(client: ShardClient) -> dict[str, int]:
+        return snapshot_values(await client.metrics())
 
-    try:
-        values = trio.run(run)
-    except ShardError as exc:
-        return _fail(str(exc))
+    values = _ask_worker(args, ask)
+    if isinstance(values, int):
+        return values
     if args.json:
         nested: dict[str, dict[str, int]] = {"engine": {}, "worker": {}}
         for key, value in values.items():
