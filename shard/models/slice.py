@@ -35,13 +35,11 @@ place with ``os.replace``, so readers never see a partial slice.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import re
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +50,7 @@ import numpy as np
 from shard.engine.types import LayerRange
 
 from .fingerprint import file_fingerprint
-from .write import cache_dir
+from .write import atomic_output, cache_dir
 
 #: Bump when the slicer's output changes; it is part of the cached slice's file name.
 SLICER_VERSION = 2
@@ -135,18 +133,8 @@ def slice_model(source: Path, layers: LayerRange, out: Path, *, progress: bool =
         )
     sha = file_fingerprint(source)
     reader = _open(source)  # every tensor and key, memory-mapped (seconds on a large vocabulary)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with atomic_output(out) as tmp:
         _write_slice(reader, info, sha, layers, tmp, progress)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a cached slice is meant to be shared
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
     return out
 
 

@@ -278,19 +278,27 @@ def write_model(preset: str, out: Path, *, progress: bool = False) -> Path:
     """
     p = get_preset(preset)
     out = Path(out)
+    with atomic_output(out) as tmp:
+        _write(p, tmp, progress)
+    return out
+
+
+@contextlib.contextmanager
+def atomic_output(out: Path) -> Iterator[Path]:
+    """A temporary file next to ``out`` that becomes ``out`` (mode 0644, ``os.replace``) when the
+    block succeeds and disappears when it fails: readers never see a partial file."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        _write(p, tmp, progress)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a cached model is meant to be shared
+        yield tmp
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a cached file is meant to be shared
         os.replace(tmp, out)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    return out
 
 
 # ---- cache -------------------------------------------------------------------------------------
