@@ -297,7 +297,7 @@ async def test_the_client_advertises_the_same_bounded_settings() -> None:
                 events += server.receive_data(await right.receive_some(65536))
         (settings,) = [e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)]
         values = {int(k): v.new_value for k, v in settings.changed_settings.items()}
-        assert values[0x3] == 0  # MAX_CONCURRENT_STREAMS: no server-initiated streams
+        assert values[0x3] == 1  # MAX_CONCURRENT_STREAMS: see the late-trailers test below
         assert values[0x4] == BOUNDED.stream_window_bytes  # not purerpc's 2 x 4 MiB
         assert values[0x5] == BOUNDED.max_frame_bytes
         assert values[0x6] == BOUNDED.max_header_list_bytes
@@ -495,3 +495,52 @@ async def test_a_client_that_stops_reading_holds_at_most_a_window(nursery: trio.
             s.abort()
             conn.goodbye()
             inner.cancel_scope.cancel()
+
+
+async def test_trailers_racing_a_client_reset_leave_the_connection_usable() -> None:
+    """The server's trailers for a call can cross the client's RST_STREAM on the wire. The
+    client must drop them and keep the connection: with MAX_CONCURRENT_STREAMS 0, h2 took them
+    for a new server-initiated stream over the limit and killed every call on the connection
+    (found by the RPC fuzzer)."""
+    import h2.config
+    import h2.connection
+
+    left, right = trio.testing.memory_stream_pair()
+    conn = ClientConnection(left, "test", "http", SERVICE, BOUNDED)
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    await right.send_all(server.data_to_send())
+
+    async def server_reads() -> list[Any]:
+        events: list[Any] = []
+        with trio.move_on_after(0.2):
+            while True:
+                events += server.receive_data(await right.receive_some(65536))
+                await right.send_all(server.data_to_send())
+        return events
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(conn.run)
+        first = conn.open_stream("Unary", trio.current_time() + 30, ())
+        await first.send(StringValue(value="x"))
+        events = await server_reads()
+        assert any(isinstance(e, h2.events.RequestReceived) for e in events)
+        first.abort()  # RST_STREAM(CANCEL) is on its way; the server has not read it yet
+        # A new call makes h2 prune the closed stream from its table: the late frames below
+        # then look like a stream the server opened.
+        second = conn.open_stream("Unary", trio.current_time() + 30, ())
+        server.send_headers(first.sid, [(":status", "200"), ("content-type", "application/grpc")])
+        server.send_headers(first.sid, [("grpc-status", "0")], end_stream=True)
+        await right.send_all(server.data_to_send())
+        await second.send(StringValue(value="y"))
+        events = await server_reads()  # the server reads the reset and the second call
+        assert conn.dead is None
+        assert [e.stream_id for e in events if isinstance(e, h2.events.RequestReceived)] == [second.sid]
+        third = conn.open_stream("Unary", trio.current_time() + 30, ())  # still usable
+        await third.send(StringValue(value="z"))
+        events = await server_reads()
+        assert [e.stream_id for e in events if isinstance(e, h2.events.RequestReceived)] == [third.sid]
+        third.abort()
+        second.abort()
+        conn.goodbye()
+        nursery.cancel_scope.cancel()

@@ -263,8 +263,11 @@ class BoundedH2(GRPCConnection):
 
     def _set_h2_connection_local_settings(self) -> None:
         limits, h2c = self.limits, self.h2_connection
-        # A client accepts no server-initiated streams (there is no server push in gRPC).
-        streams = 0 if self.config.client_side else (
+        # gRPC servers never open streams (and push is off), but a client advertises 1, not 0:
+        # h2 applies this limit before it recognises a late frame on a stream the client has
+        # already reset (trailers racing an RST_STREAM), and with 0 it calls that frame a new
+        # stream over the limit and kills the whole connection (found by tests/test_rpc_fuzz.py).
+        streams = 1 if self.config.client_side else (
             limits.max_concurrent_streams + limits.unary_reserve)
         h2c.local_settings = Settings(client=self.config.client_side, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: streams,
