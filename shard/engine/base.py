@@ -24,6 +24,7 @@ before the operation's new positions (see docs/engine.md).
 from __future__ import annotations
 
 import abc
+import heapq
 import itertools
 import logging
 import threading
@@ -156,6 +157,8 @@ class ShardEngine(abc.ABC):
         self._detail = "not loaded"
         self._caps: Capabilities | None = None
         self._slots: dict[str, Slot] = {}
+        # A min-heap: a new session takes the lowest free sequence id, so sessions open at the
+        # same time hold neighbouring ids (llama.cpp batches runs of consecutive ids together).
         self._free_seq_ids: list[int] = []
         self._closed = trio.Event()  # set once aclose() has freed everything
         self._counters: dict[str, int] = {
@@ -221,7 +224,7 @@ class ShardEngine(abc.ABC):
                 await self._impl_close()
             raise NotReady("engine was closed while loading")
         self._caps = caps
-        self._free_seq_ids = list(range(caps.max_sessions - 1, -1, -1))
+        self._free_seq_ids = list(range(caps.max_sessions))  # sorted: already a heap
         self._state, self._detail = EngineState.READY, ""
         return caps
 
@@ -325,7 +328,7 @@ class ShardEngine(abc.ABC):
             )
         if not self._free_seq_ids:
             raise TooManySessions(f"all {caps.max_sessions} sessions are in use")
-        slot = Slot(session_id=session_id, seq_id=self._free_seq_ids.pop(), kv_budget=kv_budget)
+        slot = Slot(session_id=session_id, seq_id=heapq.heappop(self._free_seq_ids), kv_budget=kv_budget)
         slot.idle.set()
         self._slots[session_id] = slot
         self._counters["sessions_opened_total"] += 1
@@ -365,7 +368,7 @@ class ShardEngine(abc.ABC):
                 if self._state is EngineState.READY:
                     await self._guard_impl(self._impl_truncate(slot, 0))
             finally:
-                self._free_seq_ids.append(slot.seq_id)
+                heapq.heappush(self._free_seq_ids, slot.seq_id)
                 self._counters["sessions_released_total"] += 1
         return True
 
