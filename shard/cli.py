@@ -604,11 +604,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 if not args.json and chunk.text:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-        if args.json:
-            reason = pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
-            print(json.dumps({"text": "".join(text), "tokens": tokens, "finish_reason": reason}))
-        else:
-            sys.stdout.write("\n")
+        _print_generated(args, text, tokens, finish)
         return 0
 
     try:
@@ -680,12 +676,20 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
             return 130
     except ShardError as exc:
         return _fail(str(exc))
+    _print_generated(args, text, tokens, finish)
+    return 0
+
+
+def _print_generated(args: argparse.Namespace, text: list[str], tokens: list[int], finish: int) -> None:
+    """The end of ``generate`` (one worker or a pipeline): the JSON object with ``--json``,
+    else the newline after the streamed text."""
+    from shard.v1 import shard_pb2 as pb
+
     if args.json:
         reason = pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
         print(json.dumps({"text": "".join(text), "tokens": tokens, "finish_reason": reason}))
     else:
         sys.stdout.write("\n")
-    return 0
 
 
 async def _until_sigint(fn: Callable[[], Awaitable[object]]) -> bool:

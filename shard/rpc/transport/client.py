@@ -30,7 +30,7 @@ from purerpc.grpclib.events import (
 from purerpc.grpclib.exceptions import StreamClosedError
 
 from ..errors import ErrorCode, GrpcStatus, ShardError
-from .wire import OUTBOX_HIGH_WATER, PREFIX, BoundedH2, Outbox, Signal, TransportLimits
+from .wire import PREFIX, BoundedH2, Outbox, Signal, TransportLimits
 
 M = TypeVar("M", bound=Message)
 
@@ -286,9 +286,7 @@ class ClientConnection:
 
     async def flush(self) -> None:
         """Queue h2's output; wait while more than 256 KiB are unsent (a slow network)."""
-        self.send_pending()
-        await trio.lowlevel.checkpoint()
-        await self._outbox.wait_below(OUTBOX_HIGH_WATER)
+        await self._outbox.flush(self.h2)
 
     async def drain(self) -> None:
         """Wait until everything queued was written (so resets reach the server before the

@@ -289,9 +289,7 @@ class _Connection:
 
     async def flush(self) -> None:
         """Queue h2's output; a handler waits here while the peer reads slowly."""
-        self.send_pending()
-        await trio.lowlevel.checkpoint()
-        await self._outbox.wait_below(OUTBOX_HIGH_WATER)
+        await self._outbox.flush(self.h2)
 
     async def _write_loop(self) -> None:
         try:

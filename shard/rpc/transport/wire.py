@@ -144,6 +144,13 @@ class Outbox:
             self._data += data
             self._wake.set()
 
+    async def flush(self, h2: Any) -> None:
+        """Queue what ``h2`` produced, then wait while more than ``OUTBOX_HIGH_WATER`` bytes
+        are unsent (the peer reads slowly): the back-pressure of both connection kinds."""
+        self.push(h2.data_to_send())
+        await trio.lowlevel.checkpoint()
+        await self.wait_below(OUTBOX_HIGH_WATER)
+
     async def wait_below(self, limit: int) -> None:
         """Return once at most ``limit`` bytes are unsent, or the writer has stopped."""
         while len(self._data) > limit and not self._broken:
