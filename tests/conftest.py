@@ -7,9 +7,19 @@ property test's example budget; the RPC fuzzer (tests/test_rpc_fuzz.py) then run
     SHARD_FUZZ_SECONDS=3600 python -m pytest tests/test_rpc_fuzz.py --hypothesis-profile=long -s
 """
 
+import signal
+
 from hypothesis import settings
 
 #: Example budget of the long profile; also how the fuzzer recognises it.
 LONG_EXAMPLES = 1_000_000
 
 settings.register_profile("long", max_examples=LONG_EXAMPLES, deadline=None)
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` for a child process a test interrupts with SIGINT.
+
+    A test run started in the background by a non-interactive shell inherits SIGINT ignored;
+    Python then installs no KeyboardInterrupt handler in the child, which would never stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
+from conftest import sigint_default
 from rpc_harness import worker
 from shard.cli import _subparser, build_parser, env_name, main
 from shard.client import ShardClient, ShardError
@@ -138,13 +139,14 @@ async def test_health_watch_prints_each_change_until_interrupted() -> None:
     async with worker() as w:
         watch = subprocess.Popen(
             [*CLI, "health", "--target", w.target, "--watch", "--interval", "0.05", "--json"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default,
         )
         assert watch.stdout is not None
 
         async def next_status() -> str:
             with trio.fail_after(60):
-                line = await trio.to_thread.run_sync(watch.stdout.readline)
+                # Abandoned on timeout (the thread ends when the process does, below).
+                line = await trio.to_thread.run_sync(watch.stdout.readline, abandon_on_cancel=True)
             return str(json.loads(line)["status"])
 
         try:
@@ -154,7 +156,11 @@ async def test_health_watch_prints_each_change_until_interrupted() -> None:
             w.stop()
         finally:
             watch.send_signal(signal.SIGINT)
-            _, err = await trio.to_thread.run_sync(watch.communicate)
+            try:
+                _, err = await trio.to_thread.run_sync(watch.communicate, None, 60)
+            except subprocess.TimeoutExpired:
+                watch.kill()
+                _, err = await trio.to_thread.run_sync(watch.communicate)
         assert watch.returncode == 130, err
 
 

@@ -16,6 +16,7 @@ import sys
 import pytest
 import trio
 
+from conftest import sigint_default
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from shard.cli import main
 from shard.client import ShardClient
@@ -93,7 +94,7 @@ async def test_client_disconnect_frees_every_shard(how: str) -> None:
             [*CLI, "generate", "--pipeline", ",".join(w.target for w in chain),
              "--max-tokens", "5000", PROMPT],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=sigint_default,
         )
         try:
             with trio.fail_after(TIMEOUT):
