@@ -587,30 +587,38 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from shard.client import ShardClient, ShardError
     from shard.v1 import shard_pb2 as pb
 
-    async def run() -> int:
-        text: list[str] = []
-        tokens: list[int] = []
-        finish = pb.FINISH_REASON_UNSPECIFIED
+    text: list[str] = []
+    tokens: list[int] = []
+    finish = pb.FINISH_REASON_UNSPECIFIED
+
+    async def run() -> bool:
+        """Generate; True when Ctrl-C interrupted it (after the session was released)."""
         async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
-            async for chunk in client.generate_text(
-                args.prompt,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                seed=args.seed,
-            ):
-                tokens.append(chunk.token_id)
-                text.append(chunk.text)
-                finish = chunk.finish_reason or finish
-                if not args.json and chunk.text:
-                    sys.stdout.write(chunk.text)
-                    sys.stdout.flush()
-        _print_generated(args, text, tokens, finish)
-        return 0
+
+            async def stream() -> None:
+                nonlocal finish
+                async for chunk in client.generate_text(
+                    args.prompt,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    seed=args.seed,
+                ):
+                    tokens.append(chunk.token_id)
+                    text.append(chunk.text)
+                    finish = chunk.finish_reason or finish
+                    if not args.json and chunk.text:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+
+            return await _until_sigint(stream)
 
     try:
-        return trio.run(run)
+        if trio.run(run):
+            return 130
     except ShardError as exc:
         return _fail(str(exc))
+    _print_generated(args, text, tokens, finish)
+    return 0
 
 
 # ---- generate --pipeline (docs/pipelines.md) -----------------------------------------------

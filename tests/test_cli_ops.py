@@ -164,6 +164,37 @@ async def test_health_watch_prints_each_change_until_interrupted() -> None:
         assert watch.returncode == 130, err
 
 
+async def test_generate_ctrl_c_releases_the_session_before_exiting() -> None:
+    """Ctrl-C during ``generate`` cancels the stream: the session is released at once, not
+    left to the worker's resume TTL (an hour here), and the command exits 130."""
+    async with worker(latency=0.005, resume_ttl=3600) as w:
+        proc = await trio.lowlevel.open_process(
+            [*CLI, "generate", "--target", w.target, "--max-tokens", "5000", "hello"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=sigint_default,
+        )
+        try:
+            with trio.fail_after(60):
+                while w.gate.steps < 20:  # generating
+                    await trio.sleep(0.01)
+            proc.send_signal(signal.SIGINT)
+            with trio.fail_after(60):
+                code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            assert proc.stderr is not None
+            err = (await proc.stderr.receive_some()) or b""
+            await proc.stderr.aclose()
+        assert code == 130, err
+        assert "Traceback" not in err.decode(), err
+        # Released by the client before it exited: nothing running, nothing retained.
+        with trio.fail_after(10):
+            while w.engine.sessions():
+                await trio.sleep(0.01)
+        assert w.server.registry.n_retained == 0 and w.server.registry.n_live == 0
+
+
 async def test_metrics_command_prints_get_metrics(capsys: pytest.CaptureFixture[str]) -> None:
     async with worker() as w:
         async with ShardClient.connect(w.target, timeout=30) as client:
