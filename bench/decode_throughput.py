@@ -66,6 +66,9 @@ class Measurement:
     tok_s: float  # aggregate tokens/s
     per_session_tok_s: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
+    # One served session: the worker's own time inside llama_decode per decode step (from its
+    # GetMetrics), so the step's wall time splits into native compute and everything else.
+    native_ms_per_step: float | None = None
 
 
 def stream_stats(variant: str, c: int, rnd: int, sent: Sequence[float],
@@ -287,6 +290,11 @@ class Bench:
         async with ShardClient.connect(self.shard_target, timeout=600) as client:
 
             tokens: list[int] = []
+            native: list[tuple[int, int]] = []  # (native_step_us_total, batch_ticks_total)
+
+            async def snapshot() -> None:
+                m = await client.metrics()
+                native.append((m.engine["native_step_us_total"], m.engine["batch_ticks_total"]))
 
             async def one(i: int) -> None:
                 sent[i] = time.perf_counter()
@@ -294,13 +302,21 @@ class Bench:
                     arrivals[i].append(time.perf_counter())
                     if i == 0:
                         tokens.append(step.logits.token_id)
+                        if c == 1 and len(tokens) == 1:
+                            await snapshot()  # after the prompt's tick: decode ticks only from here
 
             async with trio.open_nursery() as nursery:
                 for i in range(c):
                     nursery.start_soon(one, i)
+            if c == 1:
+                await snapshot()
+        m = stream_stats("server_generate", c, rnd, sent, arrivals)
         if c == 1:
             self.tokens["server_generate"] = tokens
-        return stream_stats("server_generate", c, rnd, sent, arrivals)
+            (us0, ticks0), (us1, ticks1) = native
+            if ticks1 > ticks0:
+                m.native_ms_per_step = (us1 - us0) / (ticks1 - ticks0) / 1e3
+        return m
 
     async def _client_step(self, rnd: int, n_tokens: int) -> Measurement:
         assert self.shard_target is not None
@@ -383,6 +399,13 @@ def summarize(ms: Sequence[Measurement]) -> dict[str, dict[int, dict[str, float]
         if ttft:
             row["ttft_ms_median"] = statistics.median(ttft) * 1e3
             row["ttft_ms_max"] = max(ttft) * 1e3
+        native = [m.native_ms_per_step for m in sel if m.native_ms_per_step is not None]
+        if native:
+            row["native_ms_per_step"] = statistics.median(native)
+            row["outside_native_ms_per_step"] = statistics.median(
+                1e3 / m.per_session_tok_s[0] - m.native_ms_per_step
+                for m in sel if m.native_ms_per_step is not None
+            )
         out.setdefault(v, {})[c] = row
     return out
 
@@ -462,6 +485,11 @@ def print_table(summary: dict[str, dict[int, dict[str, float]]], skipped: dict[s
                   f"{r['per_session_tok_s']:9.1f} {ttft}")
     for v, why in skipped.items():
         print(f"{v:<18}  not run: {why}")
+    one = summary.get("server_generate", {}).get(1, {})
+    if "native_ms_per_step" in one:
+        print(f"server_generate c=1: {1e3 / one['per_session_tok_s']:.2f} ms per token, of which "
+              f"{one['native_ms_per_step']:.2f} ms inside llama_decode and "
+              f"{one['outside_native_ms_per_step']:.2f} ms outside it (median over rounds)")
 
 
 # ---- main ------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ step). That batching does not change answers is checked by the contract suite
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -142,9 +143,13 @@ async def test_concurrent_sessions_share_native_steps() -> None:
 async def test_alone_a_session_gets_one_tick_per_step() -> None:
     async with FACTORY.open() as engine:
         await engine.open_session("s")
+        started = time.perf_counter()
         await _generate(engine, "s", prompt_tokens(engine, 5), 10)
+        elapsed_us = (time.perf_counter() - started) * 1e6
         m = engine.metrics()
         assert (m.batch_ticks_total, m.batch_sessions_total, m.batch_rows_total) == (11, 11, 15)
+        # The time inside llama_decode is accounted for every tick, and is part of the steps.
+        assert 0 < m.native_step_us_total <= elapsed_us
 
 
 async def test_batch_limits_from_the_load_spec() -> None:

@@ -364,6 +364,7 @@ class LlamaCppEngine(ShardEngine):
         # Sessions seen in recent ticks, and when (see _let_submitters_in).
         self._recent: dict[int, tuple[Slot, float]] = {}
         self._tick_seconds = 0.0  # duration of the last tick
+        self._tick_native_seconds = 0.0  # of which inside llama_decode (written by the tick's thread)
         self._planner = TickPlanner(1, 1)
         self._arrivals = 0
         self._tick_hidden: np.ndarray | None = None  # non-last: captured rows of one tick
@@ -423,9 +424,11 @@ class LlamaCppEngine(ShardEngine):
                 tick = self._form_tick()
                 if tick:
                     started = time.perf_counter()
+                    self._tick_native_seconds = 0.0
                     await trio.to_thread.run_sync(self._tick_sync, tick, limiter=self._limiter)
                     ended = time.perf_counter()
                     self._tick_seconds = ended - started
+                    self._counters["native_step_us_total"] += int(self._tick_native_seconds * 1e6)
                     for work, _ in tick:
                         self._recent[id(work.slot)] = (work.slot, ended)
                     self._counters["batch_ticks_total"] += 1
@@ -688,9 +691,11 @@ class LlamaCppEngine(ShardEngine):
             capture = None if self._last else _Capture(self._tick_hidden[:n])
             self._capture = capture
             self._decoding = tuple(w.slot.cancel for w, _ in live)
+            started = time.perf_counter()
             try:
                 rc = lc.llama_decode(self._ctx, self._batch)
             finally:
+                self._tick_native_seconds = time.perf_counter() - started
                 self._decoding = ()
                 self._capture = None
             if rc != 0:

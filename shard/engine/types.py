@@ -394,6 +394,9 @@ class EngineMetrics:
     batch_rows_total: int = 0  # rows (tokens or hidden rows) evaluated in them
     batch_sessions_total: int = 0  # sessions served in them (one per session and tick)
     batch_queue_wait_us_total: int = 0  # microseconds from submit to a compute's first tick
+    # Microseconds inside the native step call (llama_decode) of those ticks: a session's step
+    # time minus its share of this is what the worker itself costs per step.
+    native_step_us_total: int = 0
 
 
 # --- Helpers shared by every implementation --------------------------------------------------
