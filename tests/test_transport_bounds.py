@@ -544,3 +544,30 @@ async def test_trailers_racing_a_client_reset_leave_the_connection_usable() -> N
         second.abort()
         conn.goodbye()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_long_lived_connection_remembers_a_bounded_number_of_closed_streams(
+    nursery: trio.Nursery,
+) -> None:
+    """h2 remembers closed streams (to answer late frames of a reset one); by default 65,536 per
+    connection, about 6 MiB on a router's long-lived connection. Both ends keep the limit."""
+    limits = dataclasses.replace(BOUNDED, closed_streams_remembered=16)
+    server, _, port = await start(nursery, limits)
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        conn = ClientConnection(stream, "test", "http", SERVICE, limits)
+        async with trio.open_nursery() as inner:
+            await inner.start(conn.run)
+            for i in range(100):
+                s = conn.open_stream("Unary", trio.current_time() + 30, ())
+                await s.send(StringValue(value=f"call {i}"))
+                await s.half_close()
+                with trio.fail_after(10):
+                    reply = await s.receive(StringValue)
+                assert reply is not None and reply.value == f"call {i}"
+                assert await s.receive(StringValue) is None and s.status == (0, "")
+                s.close()
+            (served,) = server._connections  # noqa: SLF001 - the bookkeeping under test
+            for h2c in (served.h2.h2_connection, conn.h2.h2_connection):
+                assert 0 < len(h2c._closed_streams) <= 16  # noqa: SLF001
+            conn.goodbye()
+            inner.cancel_scope.cancel()
