@@ -468,8 +468,13 @@ class _Connection:
                     return error.code, error.message, [*ctx.trailers, *error.trailers]
                 log.error("handler %s failed", ctx.method, exc_info=exc)
                 return 13, "internal error", ctx.trailers
-            log.warning("handler %s raised while ending (%s)", ctx.method, ctx.end_reason,
-                        exc_info=exc)
+            refusal = _find_status_error(exc)
+            if refusal is None:
+                log.warning("handler %s raised while ending (%s)", ctx.method, ctx.end_reason,
+                            exc_info=exc)
+            else:  # a structured refusal the peer no longer waits for: nothing went wrong here
+                log.debug("handler %s refused (%s: %s) while ending (%s)", ctx.method,
+                          refusal.code, refusal.message, ctx.end_reason)
         assert ctx.end_reason is not None  # only abort() cancels call.scope
         status = _END_STATUS[ctx.end_reason]
         if status is None:
