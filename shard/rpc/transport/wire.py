@@ -62,6 +62,8 @@ class TransportLimits:
     connection_window_bytes`` plus one read and one frame being reassembled (``max_frame_bytes``
     each); over all connections ``total_buffer_bytes + max_connections x (connection_window_bytes
     + 2 x max_frame_bytes)``.  With the defaults: 42 MiB per connection, 896 MiB in total.
+    Bookkeeping comes on top: about 100 bytes per remembered closed stream, at most
+    ``closed_streams_remembered`` per connection (100 KiB with the default).
     """
 
     max_message_bytes: int = 16 * MiB
