@@ -131,6 +131,8 @@ def check_chain(hops: Sequence[Hop]) -> None:
         if (caps.n_layers_total, caps.n_embd) != (first.n_layers_total, first.n_embd):
             raise _incompatible(hop, "n_layers_total / n_embd differ from hop 0's")
         start, stop = caps.layer_range.start, caps.layer_range.end
+        if stop <= start:
+            raise _incompatible(hop, f"reports the empty layer range [{start}, {stop})")
         if start != end:
             what = "a gap" if start > end else "an overlap"
             raise _incompatible(

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, StepGate, Worker, worker
@@ -478,6 +478,7 @@ def test_docs_state_the_bytes_per_step_measured_on_real_messages() -> None:
 # ---- properties ------------------------------------------------------------------------------
 
 
+@example(n_layers=1, ranges=[(0, 1), (1, 1)])  # an empty range after a full one
 @given(
     n_layers=st.integers(1, 8),
     ranges=st.lists(st.tuples(st.integers(0, 8), st.integers(1, 8)), min_size=1, max_size=5),
