@@ -99,6 +99,53 @@ def test_without_mixing_row_ticks_and_chunk_ticks_alternate() -> None:
     assert kinds == ["rows", "chunk", "rows", "chunk"]
 
 
+def _ticks_until_done(planner: TickPlanner, steps: list[Step], target: Step) -> int:
+    for tick in range(1, 10_000):
+        for p in planner.plan(steps):
+            p.step.done_rows += p.count
+        if target.remaining == 0:
+            return tick
+    raise AssertionError("never finished")
+
+
+def test_a_short_prompt_behind_a_long_one_is_not_kept_waiting() -> None:
+    """Chunk steps share the budget: a 40-row prompt arriving behind a 1,000-row one finishes in
+    two ticks of 64 rows (half the budget, then what it still needs), not after the long one's
+    16 ticks."""
+    long, short = Step(0, 1000, arrival=0), Step(1, 40, arrival=1)
+    assert _ticks_until_done(TickPlanner(64, 8), [long, short], short) == 2
+    assert long.done_rows == 64 + 64 - 40  # the long prompt got every row the short one left
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=_steps, budget=st.integers(1, 64), max_sessions=st.integers(1, 8))
+def test_the_oldest_chunk_steps_that_fit_all_progress_every_tick(
+    spec: list[tuple[int, int]], budget: int, max_sessions: int
+) -> None:
+    steps = [Step(seq, n + 1, arrival=i) for i, (seq, n) in enumerate(spec)]
+    planner = TickPlanner(budget, max_sessions)
+    while any(s.remaining for s in steps):
+        waiting = sorted((s for s in steps if s.remaining > 1), key=lambda s: s.arrival)
+        rows = min(sum(1 for s in steps if s.remaining == 1), budget, max_sessions)  # go first
+        pieces = planner.plan(steps)
+        served = {id(p.step) for p in pieces}
+        assert {id(s) for s in waiting[: min(budget - rows, max_sessions - rows)]} <= served
+        assert sum(p.count for p in pieces) <= budget
+        for p in pieces:
+            p.step.done_rows += p.count
+
+
+def test_without_mixing_chunk_ticks_take_the_waiting_prompts_in_turn() -> None:
+    planner = TickPlanner(8, 8, mix=False)
+    a, b = Step(0, 40, arrival=0), Step(1, 40, arrival=1)
+    order = []
+    for _ in range(4):
+        (piece,) = planner.plan([a, b])
+        order.append(piece.step.seq)
+        piece.step.done_rows += piece.count
+    assert order == [0, 1, 0, 1]
+
+
 def test_oldest_rows_go_first_when_the_tick_is_full() -> None:
     planner = TickPlanner(2, 8)
     steps = [Step(seq, 1, arrival=10 - seq) for seq in range(4)]  # seq 3 arrived first

@@ -11,13 +11,17 @@ Policy (one call of ``TickPlanner.plan`` per native step):
    left (a decode, or the last row of a prompt); *chunk steps* have more.
 2. Every ready row step gets its row, oldest first, up to ``budget`` rows and ``max_sessions``
    sessions per tick (the rest wait for the next tick, still oldest first, so none starves).
-3. The rest of the budget goes to chunk steps, oldest first, each taking as many rows as it has
-   left or as fit. A prompt of ``P`` rows therefore delays the running decodes by at most one
-   chunk per tick, and its own first token comes after ``ceil(P / budget)`` ticks.
+3. The rest of the budget is shared by the chunk steps: the oldest ones that fit (one row each
+   at least, ``max_sessions`` in all) split it equally, and a step needing less than its share
+   gives the rest to the others. A prompt of ``P`` rows therefore delays the running decodes by
+   at most one chunk per tick; alone, its first token comes after ``ceil(P / budget)`` ticks,
+   and a short prompt arriving behind a long one is not kept waiting for all of it (first come,
+   first served would hold it for the long prompt's every chunk).
 4. With ``mix=False`` (used by non-last layer-range shards, whose captured hidden rows must
    come back in batch order, see ``shard.engine.llama``) a tick holds either row steps of many
    sessions or one chunk of a single step, never both; ticks then alternate between the two
-   kinds while both wait, so neither starves.
+   kinds while both wait, so neither starves, and chunk ticks take the waiting chunk steps in
+   turn (least recently served first, then oldest).
 
 The pieces of a tick are returned sorted by sequence id: llama.cpp splits a multi-sequence batch
 of a per-sequence KV cache into ubatches of consecutive, ascending sequence ids.
@@ -37,6 +41,7 @@ class Step:
     n_rows: int
     arrival: int
     done_rows: int = 0  # rows already evaluated by earlier ticks
+    last_chunk_tick: int = -1  # the planner's tick number when it last gave this step a chunk
 
     @property
     def remaining(self) -> int:
@@ -67,6 +72,7 @@ class TickPlanner:
         self.max_sessions = max_sessions
         self.mix = mix
         self._last_was_rows = False  # mix=False: alternate between row ticks and chunk ticks
+        self._ticks = 0
 
     def plan(self, pending: Iterable[Step]) -> list[Piece]:
         """The pieces of the next tick (empty only when nothing is pending)."""
@@ -78,19 +84,32 @@ class TickPlanner:
         if take_rows:
             for s in rows[: min(self.budget, self.max_sessions)]:
                 pieces.append(Piece(s, s.done_rows, 1))
-        if self.mix or not take_rows:
-            left = self.budget - len(pieces)
-            for s in chunks:
-                if left <= 0 or len(pieces) >= self.max_sessions:
-                    break
-                count = min(s.remaining, left)
-                pieces.append(Piece(s, s.done_rows, count))
-                left -= count
-                if not self.mix:
-                    break  # one chunk per tick: its captured rows are the whole batch, in order
+        if chunks and self.mix:
+            pieces += _fair_shares(chunks, self.budget - len(pieces), self.max_sessions - len(pieces))
+        elif chunks and not take_rows:
+            # One chunk per tick: its captured rows are the whole batch, in order.
+            s = min(chunks, key=lambda c: (c.last_chunk_tick, c.arrival))
+            pieces.append(Piece(s, s.done_rows, min(s.remaining, self.budget)))
+        for p in pieces:
+            if p.step.remaining > 1:  # a chunk step (row steps have one row left)
+                p.step.last_chunk_tick = self._ticks
+        self._ticks += 1
         self._last_was_rows = take_rows
         pieces.sort(key=lambda p: p.step.seq)
         return pieces
+
+
+def _fair_shares(chunks: list[Step], rows: int, sessions: int) -> list[Piece]:
+    """Split ``rows`` among the oldest chunk steps that fit (at least one row each, at most
+    ``sessions`` of them): equal shares, a step that needs less leaving the rest to the others."""
+    takers = chunks[: max(0, min(rows, sessions))]  # chunks are oldest first
+    pieces = []
+    left = rows
+    for i, s in enumerate(sorted(takers, key=lambda c: (c.remaining, c.arrival))):
+        count = min(s.remaining, left // (len(takers) - i))  # >= 1: left >= takers still to serve
+        pieces.append(Piece(s, s.done_rows, count))
+        left -= count
+    return pieces
 
 
 __all__ = ["Piece", "Step", "TickPlanner"]

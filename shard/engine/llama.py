@@ -105,6 +105,10 @@ _GGUF_MAGIC = b"GGUF"
 _LLAMA_TOKEN_NULL = -1
 #: Scheduling rounds a batching leader yields before a tick so woken sessions can resubmit.
 _MAX_GATHER_ROUNDS = 16
+#: ... and the longest it waits for them in seconds, however long the last tick took: a session
+#: resubmits within milliseconds or not soon (its prompt is done and its client is elsewhere),
+#: and after a prompt chunk of seconds, a quarter of that tick would hold everyone else.
+_MAX_GATHER_SECONDS = 0.02
 
 
 class _AbortedInStep(EngineCancelled):
@@ -444,8 +448,8 @@ class LlamaCppEngine(ShardEngine):
 
     async def _let_submitters_in(self) -> None:
         """Yield until every session seen in the last two ticks has submitted its next step, for
-        at most ``_MAX_GATHER_ROUNDS`` scheduling rounds or a quarter of the last tick's time,
-        whichever is longer.
+        at most ``_MAX_GATHER_ROUNDS`` scheduling rounds or a quarter of the last tick's time
+        (capped at ``_MAX_GATHER_SECONDS``), whichever is longer.
 
         A woken session needs a few scheduling rounds (and, served over the network, a trip
         through the transport and sometimes a credit grant) to submit its next step; ticking
@@ -460,7 +464,7 @@ class LlamaCppEngine(ShardEngine):
         for key, (slot, seen) in list(self._recent.items()):
             if seen < horizon or slot.releasing or self._slots.get(slot.session_id) is not slot:
                 del self._recent[key]
-        deadline = now + self._tick_seconds / 4
+        deadline = now + min(self._tick_seconds / 4, _MAX_GATHER_SECONDS)
         rounds = 0
         while True:
             submitted = {id(w.slot) for w in self._pending if not w.finished}
