@@ -13,6 +13,9 @@ ratio would mix in). Timing lives here, never in tests.
 3. ``arrival``: 4 sessions decode while a 2,048-token prompt arrives on a fifth; reports the
    largest gap between two tokens of a running decode during the prompt, against the median
    step before it and the time of one prompt chunk (``--batch-tokens`` rows).
+4. ``sharing``: the ``--prompt``-token prompt alone, then again with a ``--short-prompt``-token
+   prompt arriving 0.2 s after it (during its first chunk); reports the short prompt's time to
+   first token and the long one's time, both against the long one alone in the same run.
 
     python -m bench.bench_batching [--preset bench|tiny] [--tokens 64] [--rounds 3] [--threads 2]
 """
@@ -29,7 +32,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 import trio
 
-from bench.bench_engine import environment
+from bench.environment import environment
 from shard.engine import DecodeRequest, LoadSpec, PrefillRequest
 from shard.engine.llama import LlamaCppEngine, _ensure_native_init
 from shard.models import ensure_model
@@ -180,6 +183,32 @@ async def bench_arrival(model: Path, threads: int, prompt: int, batch_tokens: in
     }
 
 
+async def bench_sharing(model: Path, threads: int, prompt: int, short: int,
+                        batch_tokens: int) -> dict[str, float]:
+    """Prefill times of a long prompt alone, then of it and a short one arriving 0.2 s later."""
+    async with LlamaCppEngine() as engine:
+        await engine.load(LoadSpec(model_path=model, n_ctx=2 * (prompt + short + 64),
+                                   max_sessions=2, n_threads=threads, batch_tokens=batch_tokens))
+        span = engine.capabilities().n_vocab - 10  # ids 10.. skip the special tokens
+        long_tokens = tuple((i * 7919) % span + 10 for i in range(prompt))
+        short_tokens = tuple((i * 104729) % span + 10 for i in range(short))
+        took: dict[str, float] = {}
+
+        async def prefill(sid: str, tokens: tuple[int, ...], delay: float, key: str) -> None:
+            await trio.sleep(delay)
+            await engine.open_session(sid)
+            started = time.perf_counter()
+            await engine.prefill(PrefillRequest(sid, tokens=tokens))
+            took[key] = time.perf_counter() - started
+            await engine.release(sid)
+
+        await prefill("long", long_tokens, 0, "long_alone_s")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(prefill, "long", long_tokens, 0, "long_shared_s")
+            nursery.start_soon(prefill, "short", short_tokens, 0.2, "short_ttft_s")
+    return took
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="bench")
@@ -189,9 +218,11 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, nargs="*", default=[1, 4, 8])
     ap.add_argument("--prompt", type=int, default=2048, help="0 skips the arrival run")
     ap.add_argument("--batch-tokens", type=int, default=512)
+    ap.add_argument("--short-prompt", type=int, default=20,
+                    help="short prompt arriving behind the long one (0 skips the sharing run)")
     args = ap.parse_args()
     model = ensure_model(args.preset)
-    for k, v in environment(args.threads).items():
+    for k, v in environment(model, args.threads).items():
         print(f"{k}: {v}")
     print(f"model: {model.name}  tokens per session: {args.tokens}  rounds: {args.rounds}")
     bench_raw(model, 1, 4, args.threads)  # warm-up (page cache, thread pool): not reported
@@ -217,6 +248,16 @@ def main() -> None:
         f"during the prompt {a['max_gap_during_s'] * 1e3:.0f} ms (bound: step + slowest chunk tick "
         f"{a['bound_s'] * 1e3:.0f} ms: {'within' if a['max_gap_during_s'] <= a['bound_s'] else 'MISSED'}); "
         f"most native steps ending inside one decode gap: {a['max_ticks_in_gap']}"
+    )
+    if args.short_prompt <= 0:
+        return
+    t = trio.run(bench_sharing, model, args.threads, args.prompt, args.short_prompt, args.batch_tokens)
+    print(
+        f"sharing: {args.prompt}-token prompt alone {t['long_alone_s']:.2f} s; with a "
+        f"{args.short_prompt}-token prompt arriving 0.2 s later: that one's first token after "
+        f"{t['short_ttft_s']:.2f} s ({t['short_ttft_s'] / t['long_alone_s']:.2f} of the long prompt "
+        f"alone), the long one {t['long_shared_s']:.2f} s "
+        f"({t['long_shared_s'] / t['long_alone_s']:.2f} of alone)"
     )
 
 

@@ -431,7 +431,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         ssl_context = _server_ssl_context(args)
     except (ValueError, OSError, ssl.SSLError) as exc:
-        return _fail(f"TLS set-up failed: {exc}", 2)
+        return _fail(f"client set-up failed: {exc}", 2)
     authenticator = None
     if args.auth_token_file is not None:
         try:
@@ -577,48 +577,31 @@ async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.pipeline:
         return _cmd_generate_pipeline(args)
-    import trio
-
     try:
         options = _client_options(args)
     except (ValueError, OSError, ssl.SSLError) as exc:
         return _fail(f"client set-up failed: {exc}", 2)
 
-    from shard.client import ShardClient, ShardError
-    from shard.v1 import shard_pb2 as pb
+    from shard.client import ShardClient
 
-    text: list[str] = []
-    tokens: list[int] = []
-    finish = pb.FINISH_REASON_UNSPECIFIED
+    out = _GenerateOutput(as_json=args.json)
 
     async def run() -> bool:
         """Generate; True when Ctrl-C interrupted it (after the session was released)."""
         async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
 
             async def stream() -> None:
-                nonlocal finish
                 async for chunk in client.generate_text(
                     args.prompt,
                     max_tokens=args.max_tokens,
                     temperature=args.temperature,
                     seed=args.seed,
                 ):
-                    tokens.append(chunk.token_id)
-                    text.append(chunk.text)
-                    finish = chunk.finish_reason or finish
-                    if not args.json and chunk.text:
-                        sys.stdout.write(chunk.text)
-                        sys.stdout.flush()
+                    out.add(chunk.token_id, chunk.text, chunk.finish_reason)
 
             return await _until_sigint(stream)
 
-    try:
-        if trio.run(run):
-            return 130
-    except ShardError as exc:
-        return _fail(str(exc))
-    _print_generated(args, text, tokens, finish)
-    return 0
+    return _finish_generate(run, out)
 
 
 # ---- generate --pipeline (docs/pipelines.md) -----------------------------------------------
@@ -641,32 +624,21 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
     """``generate --pipeline``: the same output as one worker's generate, from a chain."""
     import codecs
 
-    import trio
-
     try:
         options = _client_options(args)
     except (ValueError, OSError, ssl.SSLError) as exc:
-        return _fail(f"TLS set-up failed: {exc}", 2)
+        return _fail(f"client set-up failed: {exc}", 2)
 
-    from shard.client import ShardError
     from shard.pipeline import Pipeline
     from shard.v1 import shard_pb2 as pb
 
-    text: list[str] = []
-    tokens: list[int] = []
-    finish = pb.FINISH_REASON_UNSPECIFIED
+    out = _GenerateOutput(as_json=args.json)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def emit(step: pb.StepResult) -> None:
         """One token, printed as the single-worker generate prints it."""
-        nonlocal finish
-        finish = step.finish_reason or finish
-        piece = decoder.decode(step.logits.piece, final=step.finish_reason != pb.FINISH_REASON_UNSPECIFIED)
-        tokens.append(step.logits.token_id)
-        text.append(piece)
-        if not args.json and piece:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        last = step.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        out.add(step.logits.token_id, decoder.decode(step.logits.piece, final=last), step.finish_reason)
 
     async def run() -> bool:
         """Generate; True when Ctrl-C interrupted it (after every session was released)."""
@@ -679,25 +651,51 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
                 chunk_tokens=args.chunk_tokens, on_token=emit,
             ))
 
+    return _finish_generate(run, out)
+
+
+class _GenerateOutput:
+    """What ``generate`` prints (one worker or a pipeline): each token's text as it arrives,
+    then the JSON object with ``--json``, else a newline after the streamed text."""
+
+    def __init__(self, *, as_json: bool) -> None:
+        self.as_json = as_json
+        self.text: list[str] = []
+        self.tokens: list[int] = []
+        self.finish = 0  # FINISH_REASON_UNSPECIFIED until the last token
+
+    def add(self, token_id: int, text: str, finish_reason: int) -> None:
+        self.tokens.append(token_id)
+        self.text.append(text)
+        self.finish = finish_reason or self.finish
+        if not self.as_json and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        from shard.v1 import shard_pb2 as pb
+
+        if self.as_json:
+            reason = pb.FinishReason.Name(self.finish).removeprefix("FINISH_REASON_").lower()
+            print(json.dumps({"text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason}))
+        else:
+            sys.stdout.write("\n")
+
+
+def _finish_generate(run: Callable[[], Awaitable[bool]], out: _GenerateOutput) -> int:
+    """Run ``generate``'s Trio part: 130 after Ctrl-C, 1 with the error on a ShardError, else
+    print the end of the output and 0."""
+    import trio
+
+    from shard.client import ShardError
+
     try:
         if trio.run(run):
             return 130
     except ShardError as exc:
         return _fail(str(exc))
-    _print_generated(args, text, tokens, finish)
+    out.close()
     return 0
-
-
-def _print_generated(args: argparse.Namespace, text: list[str], tokens: list[int], finish: int) -> None:
-    """The end of ``generate`` (one worker or a pipeline): the JSON object with ``--json``,
-    else the newline after the streamed text."""
-    from shard.v1 import shard_pb2 as pb
-
-    if args.json:
-        reason = pb.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
-        print(json.dumps({"text": "".join(text), "tokens": tokens, "finish_reason": reason}))
-    else:
-        sys.stdout.write("\n")
 
 
 async def _until_sigint(fn: Callable[[], Awaitable[object]]) -> bool:

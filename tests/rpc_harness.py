@@ -8,7 +8,10 @@ KV cells may remain once the server (or registry) that used it has stopped.
 from __future__ import annotations
 
 import math
+import os
 import queue
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -17,6 +20,7 @@ from typing import Any, TypeVar
 import pytest
 import trio
 
+from conftest import sigint_default
 from shard.engine import LayerRange, LoadSpec, ShardEngine
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
 from shard.rpc.registry import Registry
@@ -325,3 +329,34 @@ def req(**kind: Any) -> pb.SessionRequest:
 
 async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await trio.to_thread.run_sync(fn, *args)
+
+
+CLI = [sys.executable, "-m", "shard.cli"]
+
+
+async def signal_cli(
+    args: list[str], ready: Callable[[], bool], sig: int, *, timeout: float = 60
+) -> tuple[int, str]:
+    """Run ``trio-shard ARGS``, send it ``sig`` once ``ready()`` holds (polled), and return its
+    exit status and stderr. The child gets the default SIGINT handler (``sigint_default``)."""
+    proc = await trio.lowlevel.open_process(
+        [*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=sigint_default,
+    )
+    assert proc.stderr is not None
+    err = bytearray()
+    try:
+        with trio.fail_after(timeout):
+            while not ready():
+                await trio.sleep(0.01)
+        proc.send_signal(sig)
+        with trio.fail_after(timeout):
+            while chunk := await proc.stderr.receive_some():
+                err += chunk
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await proc.stderr.aclose()
+    return code, err.decode(errors="replace")

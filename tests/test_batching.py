@@ -99,22 +99,15 @@ def test_without_mixing_row_ticks_and_chunk_ticks_alternate() -> None:
     assert kinds == ["rows", "chunk", "rows", "chunk"]
 
 
-def _ticks_until_done(planner: TickPlanner, steps: list[Step], target: Step) -> int:
-    for tick in range(1, 10_000):
-        for p in planner.plan(steps):
-            p.step.done_rows += p.count
-        if target.remaining == 0:
-            return tick
-    raise AssertionError("never finished")
-
-
 def test_a_short_prompt_behind_a_long_one_is_not_kept_waiting() -> None:
     """Chunk steps share the budget: a 40-row prompt arriving behind a 1,000-row one finishes in
     two ticks of 64 rows (half the budget, then what it still needs), not after the long one's
     16 ticks."""
     long, short = Step(0, 1000, arrival=0), Step(1, 40, arrival=1)
-    assert _ticks_until_done(TickPlanner(64, 8), [long, short], short) == 2
-    assert long.done_rows == 64 + 64 - 40  # the long prompt got every row the short one left
+    ticks = _run_to_completion(TickPlanner(64, 8), [long, short])
+    assert [i for i, tick in enumerate(ticks, 1) if any(s is short for s, _, _ in tick)] == [1, 2]
+    # The long prompt got every row the short one left.
+    assert sum(c for tick in ticks[:2] for s, _, c in tick if s is long) == 64 + 64 - 40
 
 
 @settings(max_examples=200, deadline=None)
@@ -171,13 +164,18 @@ async def _generate(engine, sid: str, tokens: tuple[int, ...], n: int) -> list[i
     return out
 
 
+async def _generate_together(engine, n: int, prompt_len: int, n_decode: int) -> None:  # noqa: ANN001
+    """Sessions s0..s{n-1}, each a different prompt of ``prompt_len`` tokens, generating at once."""
+    for i in range(n):
+        await engine.open_session(f"s{i}")
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(_generate, engine, f"s{i}", prompt_tokens(engine, prompt_len, salt=i), n_decode)
+
+
 async def test_concurrent_sessions_share_native_steps() -> None:
     async with FACTORY.open(EngineOptions(n_ctx=1536, max_sessions=6, n_batch=64)) as engine:
-        for i in range(6):
-            await engine.open_session(f"s{i}")
-        async with trio.open_nursery() as nursery:
-            for i in range(6):
-                nursery.start_soon(_generate, engine, f"s{i}", prompt_tokens(engine, 9, salt=i), 30)
+        await _generate_together(engine, 6, 9, 30)
         m = engine.metrics()
         assert m.steps_total == 6 * 31
         # Every decode tick holds all six sessions (the prefills may share fewer ticks).
@@ -204,11 +202,7 @@ async def test_batch_limits_from_the_load_spec() -> None:
     async with engine:
         spec = FACTORY.load_spec(EngineOptions(n_ctx=1536, max_sessions=6, n_batch=64))
         await engine.load(replace(spec, batch_tokens=16, max_batch_sessions=2))
-        for i in range(4):
-            await engine.open_session(f"s{i}")
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(_generate, engine, f"s{i}", prompt_tokens(engine, 40, salt=i), 3)
+        await _generate_together(engine, 4, 40, 3)
         m = engine.metrics()
         assert m.batch_sessions_total <= 2 * m.batch_ticks_total
         assert m.batch_rows_total <= 16 * m.batch_ticks_total

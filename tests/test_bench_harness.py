@@ -177,3 +177,19 @@ def test_quick_run_writes_report_with_environment_and_ratios(tiny: Path, tmp_pat
         assert report["chart"] is None and "matplotlib" in report["chart_not_written"]
     else:
         assert (tmp_path / "decode_throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_batching_bench_runs_every_part(tmp_path: Path) -> None:
+    """A smoke run of bench/bench_batching.py on the tiny model: it imports, runs every part and
+    prints each line (the numbers are the benchmark's business, not the test's)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.bench_batching", "--preset", "tiny", "--tokens", "4",
+         "--rounds", "1", "--threads", "1", "--sessions", "2", "--prompt", "96",
+         "--batch-tokens", "32", "--short-prompt", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "llama_cpp_system_info" in out and "N=2: median ratio engine/raw" in out
+    assert "arrival: 96-token prompt during 4 decodes" in out
+    assert "sharing: 96-token prompt alone" in out

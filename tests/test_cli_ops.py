@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -19,14 +18,13 @@ import trio
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from conftest import sigint_default
-from rpc_harness import worker
+from rpc_harness import CLI, signal_cli, worker
 from shard.cli import _subparser, build_parser, env_name, main
 from shard.client import ShardClient, ShardError
 from shard.rpc.auth import bearer_metadata
 from shard.rpc.errors import ErrorCode
 from shard.rpc.metrics import snapshot_values
 
-CLI = [sys.executable, "-m", "shard.cli"]
 
 
 def serve_options() -> list[argparse.Action]:
@@ -168,26 +166,12 @@ async def test_generate_ctrl_c_releases_the_session_before_exiting() -> None:
     """Ctrl-C during ``generate`` cancels the stream: the session is released at once, not
     left to the worker's resume TTL (an hour here), and the command exits 130."""
     async with worker(latency=0.005, resume_ttl=3600) as w:
-        proc = await trio.lowlevel.open_process(
-            [*CLI, "generate", "--target", w.target, "--max-tokens", "5000", "hello"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=sigint_default,
+        code, err = await signal_cli(
+            ["generate", "--target", w.target, "--max-tokens", "5000", "hello"],
+            lambda: w.gate.steps >= 20, signal.SIGINT,  # once generating
         )
-        try:
-            with trio.fail_after(60):
-                while w.gate.steps < 20:  # generating
-                    await trio.sleep(0.01)
-            proc.send_signal(signal.SIGINT)
-            with trio.fail_after(60):
-                code = await proc.wait()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            assert proc.stderr is not None
-            err = (await proc.stderr.receive_some()) or b""
-            await proc.stderr.aclose()
         assert code == 130, err
-        assert "Traceback" not in err.decode(), err
+        assert "Traceback" not in err, err
         # Released by the client before it exited: nothing running, nothing retained.
         with trio.fail_after(10):
             while w.engine.sessions():

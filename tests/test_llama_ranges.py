@@ -14,7 +14,6 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import trio
@@ -35,6 +34,7 @@ from shard.engine import (
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model, ensure_slice, file_fingerprint
 from shard.testing import start_op, wait_running
+from test_slice import header_only_model
 
 N_THREADS = 1
 N_DECODE = 32
@@ -223,15 +223,7 @@ async def test_shards_describe_the_source_model(tiny: Path) -> None:
 
 async def test_bad_ranges_are_refused_at_load(tiny: Path, tmp_path: Path) -> None:
     middle = await trio.to_thread.run_sync(ensure_slice, tiny, LayerRange(1, 3))
-    gemma = tmp_path / "gemma.gguf"
-    writer = gguf.GGUFWriter(gemma, "gemma2")
-    writer.add_block_count(4)
-    writer.add_embedding_length(8)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gemma = header_only_model(tmp_path / "gemma.gguf", "gemma2")
     cases = [
         (middle, LayerRange(0, 2), InvalidInput, r"is a slice of layers \[1, 3\); it cannot serve \[0, 2\)"),
         (tiny, LayerRange(2, 5), InvalidInput, r"\[2, 5\) is outside the model's 4 blocks"),

@@ -8,7 +8,6 @@ runs it. The llama version of the same check is in ``test_pipeline_llama.py``.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,8 +15,8 @@ import sys
 import pytest
 import trio
 
-from conftest import sigint_default
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
+from rpc_harness import signal_cli
 from shard.cli import main
 from shard.client import ShardClient
 from shard.engine import LayerRange
@@ -90,25 +89,11 @@ async def test_client_disconnect_frees_every_shard(how: str) -> None:
     releases every session itself. SIGKILL: the connections just drop; each worker retains the
     session for resume_ttl (here 0.5 s), then frees it."""
     async with shards(THREE, latency=0.002, resume_ttl=0.5) as chain:
-        proc = await trio.lowlevel.open_process(
-            [*CLI, "generate", "--pipeline", ",".join(w.target for w in chain),
-             "--max-tokens", "5000", PROMPT],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=sigint_default,
+        code, _ = await signal_cli(
+            ["generate", "--pipeline", ",".join(w.target for w in chain), "--max-tokens", "5000", PROMPT],
+            lambda: chain[2].gate.steps >= 30,  # decoding through every shard
+            signal.SIGINT if how == "sigint" else signal.SIGKILL, timeout=TIMEOUT,
         )
-        try:
-            with trio.fail_after(TIMEOUT):
-                while chain[2].gate.steps < 30:  # decoding through every shard
-                    await trio.sleep(0.01)
-            proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
-            with trio.fail_after(TIMEOUT):
-                code = await proc.wait()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            assert proc.stderr is not None
-            await proc.stderr.aclose()
         assert code == (130 if how == "sigint" else -signal.SIGKILL)
         if how == "sigint":
             await assert_all_free(chain)  # released by the client before it exited

@@ -126,7 +126,7 @@ def test_every_range_of_the_tiny_model_has_the_expected_tensor_set(tiny: Path, t
             assert read_model_info(out).layer_range == LayerRange(a, b)
 
 
-def _header_only_model(path: Path, arch: str, block_count: int = 4) -> Path:
+def header_only_model(path: Path, arch: str, block_count: int = 4) -> Path:
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(block_count)
     writer.add_embedding_length(8)
@@ -139,7 +139,7 @@ def _header_only_model(path: Path, arch: str, block_count: int = 4) -> Path:
 
 
 def test_refusals(tiny: Path, tmp_path: Path) -> None:
-    gemma = _header_only_model(tmp_path / "gemma.gguf", "gemma2")
+    gemma = header_only_model(tmp_path / "gemma.gguf", "gemma2")
     assert "gemma2" not in RANGE_ARCHITECTURES
     with pytest.raises(SliceError, match="architecture 'gemma2' cannot be sliced"):
         slice_model(gemma, LayerRange(0, 2), tmp_path / "g.gguf")

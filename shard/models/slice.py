@@ -36,7 +36,6 @@ place with ``os.replace``, so readers never see a partial slice.
 from __future__ import annotations
 
 import mmap
-import os
 import re
 import struct
 import sys
@@ -50,7 +49,7 @@ import numpy as np
 from shard.engine.types import LayerRange
 
 from .fingerprint import file_fingerprint
-from .write import atomic_output, cache_dir
+from .write import atomic_output, cache_dir, gguf_writer
 
 #: Bump when the slicer's output changes; it is part of the cached slice's file name.
 SLICER_VERSION = 2
@@ -310,8 +309,7 @@ def _write_slice(
     block_count_key = gguf.Keys.LLM.BLOCK_COUNT.format(arch=arch)
     vocab_size_key = gguf.Keys.LLM.VOCAB_SIZE.format(arch=arch)
 
-    writer = gguf.GGUFWriter(out, arch)
-    try:
+    with gguf_writer(out, arch) as writer:
         for field in reader.fields.values():
             name = field.name
             # GGUF.* are the reader's virtual fields; the writer adds the architecture itself and
@@ -378,12 +376,6 @@ def _write_slice(
         finally:
             if bar is not None:
                 bar.close()
-        writer.flush()
-        assert writer.fout is not None
-        for fout in writer.fout:
-            os.fsync(fout.fileno())
-    finally:
-        writer.close()
 
 
 __all__ = [

@@ -217,8 +217,7 @@ def _write(p: ModelPreset, path: Path, progress: bool) -> None:
     tokens, scores, types = build_vocab(p.n_vocab)
     n_vocab = len(tokens)
     arch = "llama"
-    writer = gguf.GGUFWriter(path, arch)
-    try:
+    with gguf_writer(path, arch) as writer:
         writer.add_name(f"trio-shard-{p.name}")
         writer.add_description(f"random-weight test model, preset {p.name!r}, generator v{GENERATOR_VERSION}")
         writer.add_file_type(_file_type(p.weight_type))
@@ -263,12 +262,6 @@ def _write(p: ModelPreset, path: Path, progress: bool) -> None:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file(progress=progress)
-        writer.flush()
-        assert writer.fout is not None
-        for fout in writer.fout:
-            os.fsync(fout.fileno())
-    finally:
-        writer.close()
 
 
 def write_model(preset: str, out: Path, *, progress: bool = False) -> Path:
@@ -281,6 +274,21 @@ def write_model(preset: str, out: Path, *, progress: bool = False) -> Path:
     with atomic_output(out) as tmp:
         _write(p, tmp, progress)
     return out
+
+
+@contextlib.contextmanager
+def gguf_writer(path: Path, arch: str) -> Iterator[gguf.GGUFWriter]:
+    """A GGUF writer for ``path``: flushed and fsynced when the block succeeds (the file is then
+    renamed into a cache others read), closed either way."""
+    writer = gguf.GGUFWriter(path, arch)
+    try:
+        yield writer
+        writer.flush()
+        assert writer.fout is not None
+        for fout in writer.fout:
+            os.fsync(fout.fileno())
+    finally:
+        writer.close()
 
 
 @contextlib.contextmanager
