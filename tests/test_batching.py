@@ -5,6 +5,7 @@ step). That batching does not change answers is checked by the contract suite
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import replace
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shard.engine import DecodeRequest, EngineCancelled, PrefillRequest
-from shard.engine.batching import Step, TickPlanner
+from shard.engine.batching import DEADLINE_SHARE, Step, TickPlanner
 from shard.testing import EngineOptions, llama_factory
 from shard.testing.contract import count_tasks, prompt_tokens, start_op, wait_running
 
@@ -110,22 +111,137 @@ def test_a_short_prompt_behind_a_long_one_is_not_kept_waiting() -> None:
     assert sum(c for tick in ticks[:2] for s, _, c in tick if s is long) == 64 + 64 - 40
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    n_decoders=st.integers(0, 6),
+    prompts=st.lists(st.tuples(st.integers(0, 20), st.integers(2, 300)), min_size=1, max_size=4),
+    budget=st.integers(1, 64),
+    max_sessions=st.integers(1, 8),
+    mix=st.booleans(),
+)
+def test_no_step_starves_while_decodes_resubmit(
+    n_decoders: int, prompts: list[tuple[int, int]], budget: int, max_sessions: int, mix: bool
+) -> None:
+    """Decoding sessions submit their next row as soon as the last one is done (as served
+    sessions do) and prompts arrive at random ticks. Every waiting step gets rows within
+    ``ceil(sessions / min(budget, max_sessions))`` ticks (twice the sessions without mixing,
+    where row and chunk ticks alternate), so every prompt finishes; rows-first admission kept a
+    prompt out for as long as enough decodes resubmitted (found with --max-batch-sessions 1)."""
+    planner = TickPlanner(budget, max_sessions, mix=mix)
+    arrivals, seqs = itertools.count(), itertools.count()
+    n_sessions = n_decoders + len(prompts)
+    bound = math.ceil(n_sessions / min(budget, max_sessions)) if mix else 2 * n_sessions + 1
+    decoders = [Step(next(seqs), 1, next(arrivals)) for _ in range(n_decoders)]
+    to_arrive = sorted(prompts)
+    live: list[Step] = []
+    waiting_from: dict[Step, int] = {}  # the tick since which a step waits for rows
+    tick = 0
+    while to_arrive or live:
+        while to_arrive and to_arrive[0][0] <= tick:
+            live.append(Step(next(seqs), to_arrive.pop(0)[1], next(arrivals)))
+        pending = [*decoders, *live]
+        for s in pending:
+            waiting_from.setdefault(s, tick)
+        pieces = planner.plan(pending)
+        served = {p.step for p in pieces}
+        for s in pending:
+            if s in served:
+                waiting_from[s] = tick + 1
+            else:
+                assert tick - waiting_from[s] < bound - 1, f"a step waited {bound} ticks"
+        for p in pieces:
+            p.step.done_rows += p.count
+        # A decode that got its row submits the next one at once; finished prompts leave.
+        decoders = [Step(d.seq, 1, next(arrivals)) if d.remaining == 0 else d for d in decoders]
+        live = [s for s in live if s.remaining]
+        tick += 1
+        assert tick < 100_000, "the prompts never finished"
+
+
 @settings(max_examples=200, deadline=None)
 @given(spec=_steps, budget=st.integers(1, 64), max_sessions=st.integers(1, 8))
-def test_the_oldest_chunk_steps_that_fit_all_progress_every_tick(
+def test_the_first_steps_in_waiting_order_get_rows(
     spec: list[tuple[int, int]], budget: int, max_sessions: int
 ) -> None:
-    steps = [Step(seq, n + 1, arrival=i) for i, (seq, n) in enumerate(spec)]
+    """Rows go to the steps that have waited longest (first tick waited, then arrival), as many
+    as fit (``min(budget, max_sessions)``), whatever their kind."""
+    steps = [Step(seq, n, arrival=i) for i, (seq, n) in enumerate(spec)]
     planner = TickPlanner(budget, max_sessions)
     while any(s.remaining for s in steps):
-        waiting = sorted((s for s in steps if s.remaining > 1), key=lambda s: s.arrival)
-        rows = min(sum(1 for s in steps if s.remaining == 1), budget, max_sessions)  # go first
+        for s in steps:  # the planner sets waiting_since of new steps to the current tick
+            if s.remaining and s.waiting_since is None:
+                s.waiting_since = planner._ticks  # noqa: SLF001 - the order under test
+        waiting = sorted((s for s in steps if s.remaining), key=lambda s: (s.waiting_since, s.arrival))
         pieces = planner.plan(steps)
-        served = {id(p.step) for p in pieces}
-        assert {id(s) for s in waiting[: min(budget - rows, max_sessions - rows)]} <= served
+        assert {id(p.step) for p in pieces} == {id(s) for s in waiting[: min(budget, max_sessions)]}
         assert sum(p.count for p in pieces) <= budget
         for p in pieces:
             p.step.done_rows += p.count
+
+
+class _LinearCost:
+    def __init__(self, fixed: float, per_row: float) -> None:
+        self.fixed, self.per_row = fixed, per_row
+
+    def estimate(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows
+
+
+def test_a_decode_deadline_cuts_the_prompt_rows_of_its_tick() -> None:
+    """A decode due in 100 ms shares a tick with a 2,000-row prompt: with ticks costing 10.5 ms
+    plus 1 ms a row, the prompt gets 48 rows (the tick is estimated at 59.5 ms, within
+    DEADLINE_SHARE of the time left), not the 511 the budget would allow."""
+    assert DEADLINE_SHARE == 0.6
+    decode, prompt = Step(0, 1, arrival=1, deadline=10.1), Step(1, 2000, arrival=0)
+    pieces = TickPlanner(512, 8).plan([decode, prompt], now=10.0, cost=_LinearCost(0.0105, 0.001))
+    assert {p.step.seq: p.count for p in pieces} == {0: 1, 1: 48}
+    # Without a deadline, or without an estimate yet, or past its deadline: the whole budget.
+    for step, now, cost in (
+        (Step(0, 1, arrival=1), 10.0, _LinearCost(0.01, 0.001)),
+        (Step(0, 1, arrival=1, deadline=10.1), 10.0, None),
+        (Step(0, 1, arrival=1, deadline=9.9), 10.0, _LinearCost(0.01, 0.001)),
+    ):
+        pieces = TickPlanner(512, 8).plan([step, Step(1, 2000, arrival=0)], now=now, cost=cost)
+        assert {p.step.seq: p.count for p in pieces} == {0: 1, 1: 511}
+
+
+def test_a_deadline_that_no_tick_can_meet_still_lets_prompts_progress() -> None:
+    decode, a, b = Step(0, 1, 2, deadline=10.001), Step(1, 500, 0), Step(2, 500, 1)
+    pieces = TickPlanner(64, 8).plan([decode, a, b], now=10.0, cost=_LinearCost(0.01, 0.001))
+    assert {p.step.seq: p.count for p in pieces} == {0: 1, 1: 1, 2: 1}
+
+
+def test_without_mixing_a_chunk_tick_leaves_time_for_the_waiting_decodes() -> None:
+    """A non-last shard runs a chunk tick, then the decodes' row tick: the chunk is cut so that
+    both fit the decode's deadline (60 ms minus the 11.2 ms row tick: 38 rows of 1 ms on top of
+    10.2 ms)."""
+    planner = TickPlanner(512, 8, mix=False)
+    planner._last_was_rows = True  # noqa: SLF001 - the chunk's turn
+    decode, prompt = Step(0, 1, arrival=1, deadline=10.1), Step(1, 2000, arrival=0)
+    (piece,) = planner.plan([decode, prompt], now=10.0, cost=_LinearCost(0.0102, 0.001))
+    assert (piece.step, piece.count) == (prompt, 38)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fixed=st.floats(0.0005, 0.05),
+    per_row=st.floats(1e-5, 0.01),
+    slack=st.floats(0.001, 2.0),
+    n_decodes=st.integers(1, 6),
+    n_prompts=st.integers(1, 3),
+    budget=st.integers(8, 1024),
+)
+def test_a_tick_with_a_due_decode_is_estimated_to_end_in_time(
+    fixed: float, per_row: float, slack: float, n_decodes: int, n_prompts: int, budget: int
+) -> None:
+    cost = _LinearCost(fixed, per_row)
+    steps = [Step(i, 1, arrival=i, deadline=5.0 + slack * (i + 1)) for i in range(n_decodes)]
+    steps += [Step(100 + i, 5000, arrival=10 + i) for i in range(n_prompts)]
+    pieces = TickPlanner(budget, 16).plan(steps, now=5.0, cost=cost)
+    rows = sum(p.count for p in pieces)
+    prompt_rows = sum(p.count for p in pieces if p.step.seq >= 100)
+    assert rows <= budget
+    assert cost.estimate(rows) <= DEADLINE_SHARE * slack + 1e-12 or prompt_rows == n_prompts
 
 
 def test_without_mixing_chunk_ticks_take_the_waiting_prompts_in_turn() -> None:

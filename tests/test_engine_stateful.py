@@ -303,7 +303,8 @@ class SessionLifecycle(RuleBasedStateMachine):
           share=st.integers(0, 4), via=st.sampled_from(["engine.cancel", "cancel_scope", "release"]))
     def cancel_in_flight(self, name: str, n: int, where: str, share: int, via: str) -> None:
         """Start a prefill, cancel it while RUNNING: the session keeps exactly what it held
-        before ``position + reused`` (nothing of the new input, nothing after it)."""
+        before ``position + reused`` (nothing of the new input, nothing after it), or, if the
+        cancel came before the engine changed any KV cell, exactly what it held."""
         ref = self.refs.get(name)
         position = self._position(name, where)
         held = ref.tokens[position:] if ref else ()
@@ -343,7 +344,11 @@ class SessionLifecycle(RuleBasedStateMachine):
         reused = 0
         while reused < min(len(held), len(tokens) - 1) and held[reused] == tokens[reused]:
             reused += 1
-        ref.tokens = ref.tokens[: position + reused]
+        # Stopped before it changed the KV cells: as it was; after: truncated at ``keep``.
+        info = self.loop.run_sync(self.engine.session_info, name)
+        untouched, rolled_back = ref.tokens, ref.tokens[: position + reused]
+        assert info.tokens in (untouched, rolled_back), (info.tokens, untouched, rolled_back)
+        ref.tokens = info.tokens
         ref.n_past = len(ref.tokens)
 
     @rule(name=session_names, n=st.integers(12, 24))

@@ -16,6 +16,7 @@ from .errors import (
     ResourcesExhausted,
     SessionBusy,
     SessionExists,
+    StepTimeout,
     TooManySessions,
     UnknownSession,
     UnsupportedFeature,

@@ -24,9 +24,11 @@ before the operation's new positions (see docs/engine.md).
 from __future__ import annotations
 
 import abc
+import enum
 import heapq
 import itertools
 import logging
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -48,6 +50,7 @@ from .errors import (
     NotReady,
     SessionBusy,
     SessionExists,
+    StepTimeout,
     TooManySessions,
     UnknownSession,
 )
@@ -82,24 +85,65 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class CancelReason(enum.Enum):
+    """Why a cancel flag is set: a caller stopped the step, or its own step timeout passed."""
+
+    CANCEL = "cancel"
+    TIMEOUT = "timeout"
+
+
 class CancelFlag:
-    """A thread-safe flag an engine thread polls to stop between (or inside) steps."""
+    """A thread-safe flag an engine thread polls to stop between (or inside) steps.
+
+    It remembers why it was set: a step stopped by its timeout fails with ``StepTimeout`` and,
+    unlike a cancelled one, keeps a result that was already computed. A cancel wins over a
+    timeout (a step that is both never returns a result).
+    """
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._reason = CancelReason.CANCEL
+        self._watchers: set[trio.Event] = set()
 
-    def set(self) -> None:
+    def set(self, reason: CancelReason = CancelReason.CANCEL) -> None:
+        """Set the flag (from the Trio thread) and wake the tasks watching it."""
+        if reason is CancelReason.CANCEL or not self._event.is_set():
+            self._reason = reason
         self._event.set()
+        for event in self._watchers:
+            event.set()
+
+    def set_timeout(self) -> None:
+        self.set(CancelReason.TIMEOUT)
+
+    def add_watcher(self, event: trio.Event) -> None:
+        """``event`` is set when the flag is (a waiting task can leave a queue at once)."""
+        self._watchers.add(event)
+
+    def remove_watcher(self, event: trio.Event) -> None:
+        self._watchers.discard(event)
 
     def clear(self) -> None:
         self._event.clear()
+        self._reason = CancelReason.CANCEL
 
     def is_set(self) -> bool:
         return self._event.is_set()
 
+    @property
+    def timed_out(self) -> bool:
+        """Set only by the step's timeout (no cancel)."""
+        return self._event.is_set() and self._reason is CancelReason.TIMEOUT
+
+    def error(self, session_id: str) -> EngineCancelled:
+        """The error a step stopped by this flag fails with."""
+        if self.timed_out:
+            return StepTimeout("the step timeout passed before its result was computed", session_id=session_id)
+        return EngineCancelled("operation cancelled", session_id=session_id)
+
     def raise_if_set(self, session_id: str) -> None:
         if self._event.is_set():
-            raise EngineCancelled("operation cancelled", session_id=session_id)
+            raise self.error(session_id)
 
 
 @dataclass
@@ -119,6 +163,14 @@ class Slot:
     cancel: CancelFlag = field(default_factory=CancelFlag)
     idle: trio.Event = field(default_factory=trio.Event)
     releasing: bool = False  # release() has started: the session is already unknown to callers
+    # The running operation's implementation began changing the KV cells (see ``touch``).
+    touched: bool = False
+
+    def touch(self) -> None:
+        """Called by an implementation right before it first changes the session's KV cells for
+        the running operation. An operation stopped before that (cancelled while it waited for
+        a batched step, say) leaves the session exactly as it was, even a rewinding prefill."""
+        self.touched = True
 
     def info(self) -> SessionInfo:
         return SessionInfo(
@@ -137,11 +189,16 @@ class ComputePlan:
     Keep positions ``[0, keep)`` of the slot, drop the rest, then evaluate ``tokens`` (or
     ``hidden`` rows) at positions ``keep, keep+1, ...``. Return the logits of the last position
     (last shard) or the hidden states of every evaluated position (non-last shard).
+
+    ``deadline`` (``trio.current_time()`` clock; ``inf``: none) is when the result is due; the
+    base class sets the slot's cancel flag (reason TIMEOUT) then. A batching implementation
+    uses it to size the steps it shares with this one.
     """
 
     keep: int
     tokens: tuple[int, ...] | None
     hidden: np.ndarray | None
+    deadline: float = math.inf
 
     @property
     def n_new(self) -> int:
@@ -161,6 +218,11 @@ class ShardEngine(abc.ABC):
         # same time hold neighbouring ids (llama.cpp batches runs of consecutive ids together).
         self._free_seq_ids: list[int] = []
         self._closed = trio.Event()  # set once aclose() has freed everything
+        # Tokenizations running in worker threads (tokenize_async); aclose waits for them
+        # before it frees the vocabulary they read.
+        self._readers = 0
+        self._readers_done = trio.Event()
+        self._readers_done.set()
         self._counters: dict[str, int] = {
             name: 0 for name in EngineMetrics.__dataclass_fields__ if name.endswith("_total")
         }
@@ -248,6 +310,7 @@ class ShardEngine(abc.ABC):
                     while slot.state is SessionState.RUNNING:
                         await slot.idle.wait()
                 self._slots.clear()
+                await self._readers_done.wait()
                 if not loading:  # a running load() frees what it loaded when it sees CLOSED
                     await self._impl_close()
             finally:
@@ -299,6 +362,26 @@ class ShardEngine(abc.ABC):
         if not caps.is_first:
             raise IllegalTransition("only a first shard tokenizes text")
         return tuple(self._impl_tokenize(text, add_bos))
+
+    async def tokenize_async(self, text: str, *, add_bos: bool = True) -> tuple[int, ...]:
+        """``tokenize`` in a worker thread: a long text from a remote caller must not stall the
+        event loop (16 MiB of text took 7.5 s on llama.cpp). ``aclose`` waits for it; the caller
+        bounds the text's size first (``Capabilities.max_token_bytes``)."""
+        caps = self._require_ready()
+        if not isinstance(text, str):
+            raise InvalidInput("text must be a string")
+        if not caps.is_first:
+            raise IllegalTransition("only a first shard tokenizes text")
+        if self._readers == 0:
+            self._readers_done = trio.Event()
+        self._readers += 1
+        try:
+            ids = await trio.to_thread.run_sync(self._impl_tokenize, text, add_bos)
+        finally:
+            self._readers -= 1
+            if self._readers == 0:
+                self._readers_done.set()
+        return tuple(ids)
 
     def token_piece(self, token_id: int) -> bytes:
         caps = self._require_ready()
@@ -380,6 +463,7 @@ class ShardEngine(abc.ABC):
         check_reserved_hooks(request.mtp, request.aux_state, caps)
         self._check_top_k(request.top_k_logprobs, sid)
         self._check_sampling(request.sampling, sid)
+        deadline = self._deadline(request.step_timeout, sid)
         has_tokens, has_hidden = request.tokens is not None, request.hidden_states is not None
         if has_tokens == has_hidden:
             raise InvalidInput("prefill needs exactly one of tokens or hidden_states", session_id=sid)
@@ -398,12 +482,12 @@ class ShardEngine(abc.ABC):
                 limit = min(len(held), len(request.tokens) - 1)  # recompute at least one position
                 while reused < limit and held[reused] == request.tokens[reused]:
                     reused += 1
-            plan = ComputePlan(request.position + reused, request.tokens[reused:], None)
+            plan = ComputePlan(request.position + reused, request.tokens[reused:], None, deadline)
         else:
             if caps.is_first:
                 raise InvalidInput("a first shard takes token ids, not hidden states", session_id=sid)
             validate_hidden_states(request.hidden_states, caps.n_embd)
-            plan = ComputePlan(request.position, None, request.hidden_states)
+            plan = ComputePlan(request.position, None, request.hidden_states, deadline)
         self._check_length(slot, caps, request.position + request.n_tokens)
         return await self._run(
             slot, plan, request.sampling, request.top_k_logprobs, reused, "prefill_tokens_total"
@@ -417,6 +501,7 @@ class ShardEngine(abc.ABC):
         check_reserved_hooks(request.mtp, request.aux_state, caps)
         self._check_top_k(request.top_k_logprobs, sid)
         self._check_sampling(request.sampling, sid)
+        deadline = self._deadline(request.step_timeout, sid)
         if (request.token is None) == (request.hidden_state is None):
             raise InvalidInput("decode needs exactly one of token or hidden_state", session_id=sid)
         if slot.n_past == 0:
@@ -425,12 +510,12 @@ class ShardEngine(abc.ABC):
             if not caps.is_first:
                 raise InvalidInput("this shard does not start at layer 0: send a hidden state", session_id=sid)
             validate_tokens((request.token,), caps.n_vocab)
-            plan = ComputePlan(slot.n_past, (int(request.token),), None)
+            plan = ComputePlan(slot.n_past, (int(request.token),), None, deadline)
         else:
             if caps.is_first:
                 raise InvalidInput("a first shard takes token ids, not hidden states", session_id=sid)
             validate_hidden_states(request.hidden_state, caps.n_embd, rows=1)
-            plan = ComputePlan(slot.n_past, None, request.hidden_state)
+            plan = ComputePlan(slot.n_past, None, request.hidden_state, deadline)
         self._check_length(slot, caps, slot.n_past + 1)
         return await self._run(
             slot, plan, request.sampling, request.top_k_logprobs, 0, "decode_tokens_total"
@@ -470,6 +555,17 @@ class ShardEngine(abc.ABC):
         # result, which would wrongly turn the engine FAILED.
         if not isinstance(params, SamplingParams):
             raise InvalidInput("sampling must be a SamplingParams", session_id=sid)
+
+    @staticmethod
+    def _deadline(timeout: float | None, sid: str) -> float:
+        """The step's deadline on the Trio clock (``inf`` without a timeout)."""
+        if timeout is None:
+            return math.inf
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            math.isfinite(timeout) and timeout > 0
+        ):
+            raise InvalidInput("step_timeout must be a finite number of seconds > 0", session_id=sid)
+        return trio.current_time() + timeout
 
     @staticmethod
     def _check_length(slot: Slot, caps: Capabilities, new_len: int) -> None:
@@ -516,16 +612,25 @@ class ShardEngine(abc.ABC):
         reused: int,
         counter: str,
     ) -> StepResult:
-        """Run one operation with the session marked RUNNING; roll back on any failure."""
+        """Run one operation with the session marked RUNNING; roll back on any failure.
+
+        A caller whose scope is already cancelled gets ``trio.Cancelled`` before anything is
+        touched (a step whose cancel arrived first never starts). A step that its timeout
+        stopped after the result was computed still commits: the timeout bounds the wait for
+        a result, and throwing a finished one away would only make the next step redo it.
+        """
         caps = self._caps
         assert caps is not None
+        await trio.lowlevel.checkpoint_if_cancelled()
         slot.state = SessionState.RUNNING
         slot.cancel.clear()
+        slot.touched = False
         slot.idle = trio.Event()
         committed = False
         try:
-            raw = await self._run_guarded(slot, lambda: self._impl_compute(slot, plan))
-            slot.cancel.raise_if_set(slot.session_id)
+            raw = await self._run_guarded(slot, lambda: self._impl_compute(slot, plan), plan.deadline)
+            if slot.cancel.is_set() and not slot.cancel.timed_out:
+                raise slot.cancel.error(slot.session_id)
             try:
                 result = self._make_result(slot, caps, plan, raw, params, top_k, reused, counter)
             except EngineError:
@@ -558,8 +663,8 @@ class ShardEngine(abc.ABC):
             raise
         finally:
             try:
-                if not committed:
-                    # Leave the session exactly as it was up to ``keep``.
+                if not committed and slot.touched:
+                    # Leave the session exactly as it was up to ``keep``. (Untouched: as it was.)
                     with trio.CancelScope(shield=True):
                         slot.n_past = min(slot.n_past, plan.keep)
                         if slot.tokens is not None:
@@ -570,11 +675,15 @@ class ShardEngine(abc.ABC):
                             except EngineError:
                                 log.warning("rollback of session %s failed", slot.session_id)
             finally:  # never leave a session RUNNING, whatever the rollback raised
+                slot.touched = False
                 slot.state = SessionState.IDLE
                 slot.idle.set()
 
-    async def _run_guarded(self, slot: Slot, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run ``fn`` shielded; a cancellation of the caller sets the slot's cancel flag.
+    async def _run_guarded(
+        self, slot: Slot, fn: Callable[[], Awaitable[T]], deadline: float = math.inf
+    ) -> T:
+        """Run ``fn`` shielded; a cancellation of the caller sets the slot's cancel flag, and so
+        does ``deadline`` (reason TIMEOUT).
 
         The engine work is never abandoned: if the caller's scope is cancelled, the work is told
         to stop (flag) and waited for, then ``trio.Cancelled`` propagates to the caller.
@@ -588,7 +697,13 @@ class ShardEngine(abc.ABC):
                     box.append(await outcome.acapture(self._guard_impl, fn()))
                 nursery.cancel_scope.cancel()
 
+            async def expire() -> None:
+                await trio.sleep_until(deadline)
+                slot.cancel.set_timeout()
+
             nursery.start_soon(worker)
+            if math.isfinite(deadline):
+                nursery.start_soon(expire)
             try:
                 await trio.sleep_forever()
             except trio.Cancelled:

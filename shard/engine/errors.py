@@ -86,6 +86,14 @@ class EngineCancelled(EngineError):
     retryable = True
 
 
+class StepTimeout(EngineCancelled):
+    """The step's own timeout (``step_timeout`` of the request) passed before its result was
+    computed. Rolled back like any cancelled step; a result computed in time is never dropped."""
+
+    code = "STEP_TIMEOUT"
+    retryable = True
+
+
 class UnsupportedFeature(EngineError):
     """The request asks for a feature this engine or shard does not provide (fail closed)."""
 

@@ -42,7 +42,9 @@ import numpy as np
 import trio
 
 from .base import ComputePlan, ShardEngine, Slot
-from .errors import EngineFailure, InvalidInput
+from .batching import Piece, Step, TickPlanner
+from .errors import EngineError, EngineFailure, InvalidInput
+from .scheduler import BatchScheduler, Job
 from .types import Capabilities, LayerRange, LoadSpec
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -96,16 +98,26 @@ StepHook = Callable[[FakeStep], "Awaitable[None] | None"]
 
 @dataclass(frozen=True)
 class FakeScript:
-    """Scripted behaviour: latency and failures. The default is instant and never fails."""
+    """Scripted behaviour: latency and failures. The default is instant and never fails.
+
+    ``batched``: computes go through the batching scheduler as on llama.cpp (ticks holding the
+    rows of several sessions, ``LoadSpec.batch_tokens`` / ``max_batch_sessions``, layer ranges
+    that do not end the model never mixing a prompt chunk with other rows), and a tick takes
+    ``tick_latency + row_latency * rows`` seconds instead of ``step_latency`` per position:
+    scripted step costs for tests of scheduling, contention and step deadlines.
+    """
 
     step_latency: float = 0.0  # seconds slept (trio.sleep) before each token step
     load_latency: float = 0.0
     fail_at_step: int | None = None  # raise EngineFailure at this 1-based compute step
     fail_on_load: bool = False
     on_step: StepHook | None = None
+    batched: bool = False
+    tick_latency: float = 0.0
+    row_latency: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("step_latency", "load_latency"):
+        for name in ("step_latency", "load_latency", "tick_latency", "row_latency"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise InvalidInput(f"{name} must be a finite number >= 0")
@@ -157,6 +169,7 @@ class FakeEngine(ShardEngine):
         self._layers: LayerRange | None = None
         self._kv: dict[int, list[np.ndarray]] = {}  # seq_id -> per-position block states
         self._steps = 0
+        self._scheduler: BatchScheduler | None = None  # batched mode, set at load
 
     # ---- hooks -----------------------------------------------------------------------------
 
@@ -176,6 +189,17 @@ class FakeEngine(ShardEngine):
             raise InvalidInput(f"n_ctx {spec.n_ctx} cannot hold {spec.max_sessions} sessions")
         self._weights = _Weights(m, layers)
         self._layers = layers
+        if self.script.batched:
+            last = layers.end == m.n_layers_total
+            planner = TickPlanner(
+                min(spec.batch_tokens or spec.n_batch, spec.n_batch),
+                min(spec.max_batch_sessions or spec.max_sessions, spec.max_sessions),
+                mix=last,
+            )
+            self._scheduler = BatchScheduler(
+                planner, self._run_tick, counters=self._counters,
+                is_open=lambda slot: not slot.releasing and self._slots.get(slot.session_id) is slot,
+            )
         return Capabilities(
             engine="fake",
             model_fingerprint=m.fingerprint(),
@@ -189,34 +213,83 @@ class FakeEngine(ShardEngine):
             max_sessions=spec.max_sessions,
             bos_token_id=BOS_ID,
             eos_token_id=EOS_ID,
+            max_token_bytes=1,  # a byte per token
         )
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
-        weights = self._weights
-        assert weights is not None
-        cells = self._kv.setdefault(slot.seq_id, [])
-        if len(cells) < plan.keep:
-            raise EngineFailure(
-                f"fake KV cache holds {len(cells)} positions but the plan keeps {plan.keep}"
-            )
-        del cells[plan.keep :]
+        if self._scheduler is not None:
+            scheduler = self._scheduler
+            job = _FakeJob(slot, plan, scheduler.new_step(slot, plan), trio.current_time())
+            await scheduler.compute(job)
+            if job.error is not None:
+                raise job.error
+            return job.result
+        cells = self._cells_to_keep(slot, plan)
         outputs: list[np.ndarray] = []
         for i in range(plan.n_new):
             position = plan.keep + i
             await self._before_step(slot, position)
             slot.cancel.raise_if_set(slot.session_id)
-            if plan.tokens is not None:
-                assert weights.embd is not None
-                x = weights.embd[plan.tokens[i]]
-            else:
-                assert plan.hidden is not None
-                x = plan.hidden[i]
-            hidden, states = self._forward(x, cells[-1] if cells else None)
-            cells.append(states)
-            outputs.append(hidden)
+            if i == 0:  # nothing changes before the first position is computed
+                slot.touch()
+                cells = self._kv.setdefault(slot.seq_id, [])
+                del cells[plan.keep :]
+            outputs.append(self._compute_position(plan, i, cells))
+        return self._output(outputs)
+
+    def _cells_to_keep(self, slot: Slot, plan: ComputePlan) -> list[np.ndarray]:
+        cells = self._kv.get(slot.seq_id, [])
+        if len(cells) < plan.keep:
+            raise EngineFailure(
+                f"fake KV cache holds {len(cells)} positions but the plan keeps {plan.keep}"
+            )
+        return cells
+
+    def _compute_position(self, plan: ComputePlan, i: int, cells: list[np.ndarray]) -> np.ndarray:
+        """Row ``i`` of the plan at position ``keep + i``; appends its block states."""
+        weights = self._weights
+        assert weights is not None
+        if plan.tokens is not None:
+            assert weights.embd is not None
+            x = weights.embd[plan.tokens[i]]
+        else:
+            assert plan.hidden is not None
+            x = plan.hidden[i]
+        hidden, states = self._forward(x, cells[-1] if cells else None)
+        cells.append(states)
+        return hidden
+
+    def _output(self, outputs: list[np.ndarray]) -> np.ndarray:
+        weights = self._weights
+        assert weights is not None
         if weights.head is not None:
             return self._logits(outputs[-1])
         return np.stack(outputs)
+
+    async def _run_tick(self, tick: list[tuple[Job, Piece]]) -> None:
+        """Batched mode: one scripted tick. Like a native step it computes every piece it was
+        given (a cancelled job left the queue before the tick); a failing job fails alone."""
+        rows = sum(piece.count for _, piece in tick)
+        await trio.sleep(self.script.tick_latency + self.script.row_latency * rows)
+        for job, piece in tick:
+            assert isinstance(job, _FakeJob)
+            plan, slot = job.plan, job.slot
+            try:
+                if not job.started:
+                    self._cells_to_keep(slot, plan)
+                    job.start()
+                    del self._kv.setdefault(slot.seq_id, [])[plan.keep :]
+                cells = self._kv[slot.seq_id]
+                for i in range(piece.start, piece.start + piece.count):
+                    await self._on_step(slot, plan.keep + i)
+                    job.outputs.append(self._compute_position(plan, i, cells))
+                job.step.done_rows += piece.count
+                if piece.completes:
+                    job.finish(result=self._output(job.outputs))
+            except EngineError as exc:
+                job.finish(error=exc)
+            except Exception as exc:  # noqa: BLE001 - the base class turns it into EngineFailure
+                job.finish(error=exc)
 
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         cells = self._kv.get(slot.seq_id)
@@ -249,9 +322,12 @@ class FakeEngine(ShardEngine):
     # ---- numerics --------------------------------------------------------------------------
 
     async def _before_step(self, slot: Slot, position: int) -> None:
+        await trio.sleep(self.script.step_latency)  # a checkpoint even when the latency is 0
+        await self._on_step(slot, position)
+
+    async def _on_step(self, slot: Slot, position: int) -> None:
         self._steps += 1
         index = self._steps
-        await trio.sleep(self.script.step_latency)  # a checkpoint even when the latency is 0
         if self.script.on_step is not None:
             maybe = self.script.on_step(FakeStep(slot.session_id, slot.seq_id, position, index))
             if inspect.isawaitable(maybe):
@@ -277,6 +353,14 @@ class FakeEngine(ShardEngine):
         h = hidden.astype(np.float64)
         h = h / (np.linalg.norm(h) + 1e-6) * math.sqrt(h.shape[0])
         return (weights.head @ h * _HEAD_SCALE + weights.bias).astype(np.float32)
+
+
+class _FakeJob(Job):
+    """A batched-mode job and the rows it computed so far."""
+
+    def __init__(self, slot: Slot, plan: ComputePlan, step: Step, submitted: float) -> None:
+        super().__init__(slot, plan, step, submitted)
+        self.outputs: list[np.ndarray] = []
 
 
 __all__ = ["FakeEngine", "FakeModel", "FakeScript", "FakeStep", "StepHook"]

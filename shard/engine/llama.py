@@ -41,10 +41,10 @@ Threading: a llama context is not thread-safe. Every call that touches the conte
 class shields the work and turns a caller's cancellation into the slot's cancel flag).
 Tokenization and token pieces only read the immutable vocabulary and run inline.
 
-Batching: concurrent sessions share native steps. A compute is submitted to a pending list; the
-caller that finds no leader runs *ticks* (one ``llama_decode`` each, rows chosen by
-``shard.engine.batching.TickPlanner``) until its own compute is done, then hands the lead to the
-oldest waiter. No background task exists; see docs/engine.md, "Batching".
+Batching: concurrent sessions share native steps. ``shard.engine.scheduler`` runs the ticks (a
+leader among the waiting callers; no background task), ``shard.engine.batching.TickPlanner``
+chooses their rows, and a tick here is one ``llama_decode`` (``_tick_sync``); see
+docs/engine.md, "Batching".
 
 Cancellation: the cancel flag is checked before every tick (a cancelled session leaves the
 batch), and inside a running ``llama_decode`` by llama.cpp's abort callback, which ggml polls
@@ -70,7 +70,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,7 @@ from shard.models.slice import RANGE_ARCHITECTURES, ModelInfo, SliceError, read_
 
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot
 from .batching import Piece, Step, TickPlanner
+from .scheduler import BatchScheduler, Job
 from .errors import (
     EngineCancelled,
     EngineError,
@@ -103,14 +104,6 @@ native_log = logging.getLogger(__name__ + ".native")
 LLAMA_MAX_SEQ = 256
 _GGUF_MAGIC = b"GGUF"
 _LLAMA_TOKEN_NULL = -1
-#: Scheduling rounds a batching leader yields before a tick so woken sessions can resubmit.
-_MAX_GATHER_ROUNDS = 16
-#: ... and the longest it waits for them in seconds, however long the last tick took: a session
-#: resubmits within milliseconds or not soon (its prompt is done and its client is elsewhere),
-#: and after a prompt chunk of seconds, a quarter of that tick would hold everyone else.
-_MAX_GATHER_SECONDS = 0.02
-
-
 class _AbortedInStep(EngineCancelled):
     """``llama_decode`` returned 2: the abort callback stopped it mid-step (counted by the engine)."""
 
@@ -215,27 +208,12 @@ class _Capture:
         self.error: str | None = None
 
 
-@dataclass(eq=False)
-class _Work:
-    """One session's compute waiting for (or inside) the batching scheduler's ticks.
+class _Work(Job):
+    """A job plus the rows a non-last shard captures for it, filled tick by tick."""
 
-    Written by the tick's worker thread only while the leader awaits that thread; read by the
-    waiting task after the leader woke it, so no lock is needed.
-    """
-
-    slot: Slot
-    plan: ComputePlan
-    step: Step
-    submitted: float
-    hidden_out: np.ndarray | None  # non-last shards: every evaluated row, filled tick by tick
-    wake: trio.Event = field(default_factory=trio.Event)
-    started: bool = False  # the first piece ran: the KV cache was truncated to ``keep``
-    finished: bool = False
-    result: np.ndarray | None = None
-    error: BaseException | None = None
-
-    def finish(self, *, result: np.ndarray | None = None, error: BaseException | None = None) -> None:
-        self.result, self.error, self.finished = result, error, True
+    def __init__(self, slot: Slot, plan: ComputePlan, step: Step, submitted: float, hidden_out: np.ndarray | None) -> None:
+        super().__init__(slot, plan, step, submitted)
+        self.hidden_out = hidden_out
 
 
 def native_system_info(*, use_extra_bufts: bool = True) -> str:
@@ -361,16 +339,11 @@ class LlamaCppEngine(ShardEngine):
         # The abort callback: ggml polls it after every graph node of a running llama_decode;
         # it aborts only when every session of the running tick is cancelled.
         self._decoding: tuple[CancelFlag, ...] = ()
-        # Continuous batching (see "Batching" in docs/engine.md): pending computes, the planner,
-        # and whether a task is leading (running ticks) right now.
-        self._pending: list[_Work] = []
-        self._leading = False
-        # Sessions seen in recent ticks, and when (see _let_submitters_in).
-        self._recent: dict[int, tuple[Slot, float]] = {}
-        self._tick_seconds = 0.0  # duration of the last tick
-        self._tick_native_seconds = 0.0  # of which inside llama_decode (written by the tick's thread)
-        self._planner = TickPlanner(1, 1)
-        self._arrivals = 0
+        # Continuous batching (see "Batching" in docs/engine.md); the planner is set at load.
+        self._scheduler = BatchScheduler(
+            TickPlanner(1, 1), self._run_tick, counters=self._counters, is_open=self._is_open
+        )
+        self._tick_native_seconds = 0.0  # time inside llama_decode (written by the tick's thread)
         self._tick_hidden: np.ndarray | None = None  # non-last: captured rows of one tick
         #: Number of abort-callback polls so far; it grows only while a native decode runs.
         self.abort_polls = 0
@@ -391,27 +364,15 @@ class LlamaCppEngine(ShardEngine):
         return await trio.to_thread.run_sync(self._load_sync, spec, limiter=self._limiter)
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
-        """Submit the plan to the batching scheduler and wait for its result.
-
-        No background task: the first caller that finds no leader becomes the leader and runs
-        ticks (one ``llama_decode`` each, in a worker thread under the limiter) for every pending
-        compute until its own is done, then wakes the oldest waiter to take over. The base class
-        runs this shielded, so a leader is never abandoned mid-tick; a cancelled caller's flag
-        makes its compute leave the next tick.
-        """
+        """Submit the plan to the batching scheduler (``shard.engine.scheduler``) and wait for
+        its result; ticks run ``_tick_sync`` in a worker thread under the limiter."""
         if (plan.tokens is not None) != self._first:  # the base class checks this per request
             wanted = "token ids, not hidden states" if self._first else "hidden states, not token ids"
             raise EngineFailure(f"this shard takes {wanted}")
         hidden_out = None if self._last else np.empty((plan.n_new, self._n_embd), dtype=np.float32)
-        self._arrivals += 1
-        work = _Work(slot, plan, Step(slot.seq_id, plan.n_new, self._arrivals), time.perf_counter(), hidden_out)
-        self._pending.append(work)
-        while not work.finished:
-            if not self._leading:
-                await self._lead(work)
-            else:
-                await work.wake.wait()
-                work.wake = trio.Event()
+        scheduler = self._scheduler
+        work = _Work(slot, plan, scheduler.new_step(slot, plan), trio.current_time(), hidden_out)
+        await scheduler.compute(work)
         if work.error is not None:
             if isinstance(work.error, _AbortedInStep):
                 self._counters["aborted_in_step_total"] += 1
@@ -419,78 +380,13 @@ class LlamaCppEngine(ShardEngine):
         assert work.result is not None
         return work.result
 
-    async def _lead(self, mine: _Work) -> None:
-        """Run ticks until ``mine`` is finished, then hand the lead to the oldest waiter."""
-        self._leading = True
-        try:
-            while not mine.finished:
-                await self._let_submitters_in()
-                tick = self._form_tick()
-                if tick:
-                    started = time.perf_counter()
-                    self._tick_native_seconds = 0.0
-                    await trio.to_thread.run_sync(self._tick_sync, tick, limiter=self._limiter)
-                    ended = time.perf_counter()
-                    self._tick_seconds = ended - started
-                    self._counters["native_step_us_total"] += int(self._tick_native_seconds * 1e6)
-                    for work, _ in tick:
-                        self._recent[id(work.slot)] = (work.slot, ended)
-                    self._counters["batch_ticks_total"] += 1
-                    self._counters["batch_rows_total"] += sum(p.count for _, p in tick)
-                    self._counters["batch_sessions_total"] += len(tick)
-                for work in [w for w in self._pending if w.finished]:
-                    self._pending.remove(work)
-                    work.wake.set()
-        finally:
-            self._leading = False
-            if self._pending:
-                self._pending[0].wake.set()
+    async def _run_tick(self, tick: list[tuple[Job, Piece]]) -> None:
+        self._tick_native_seconds = 0.0
+        await trio.to_thread.run_sync(self._tick_sync, tick, limiter=self._limiter)
+        self._counters["native_step_us_total"] += int(self._tick_native_seconds * 1e6)
 
-    async def _let_submitters_in(self) -> None:
-        """Yield until every session seen in the last two ticks has submitted its next step, for
-        at most ``_MAX_GATHER_ROUNDS`` scheduling rounds or a quarter of the last tick's time
-        (capped at ``_MAX_GATHER_SECONDS``), whichever is longer.
-
-        A woken session needs a few scheduling rounds (and, served over the network, a trip
-        through the transport and sometimes a credit grant) to submit its next step; ticking
-        before it does runs it one tick later in a smaller batch, and two halves of a group then
-        stay out of phase for good (measured: 4 served sessions alternating ticks of 2 and 2,
-        0.60 of the batched ceiling instead of 0.90). Waiting for the sessions of the last two
-        ticks, not only the last one, merges such halves again. A released session is not
-        waited for; a lone session is the one resubmitting, so its tick starts at once.
-        """
-        now = time.perf_counter()
-        horizon = now - 2 * self._tick_seconds - 0.001
-        for key, (slot, seen) in list(self._recent.items()):
-            if seen < horizon or slot.releasing or self._slots.get(slot.session_id) is not slot:
-                del self._recent[key]
-        deadline = now + min(self._tick_seconds / 4, _MAX_GATHER_SECONDS)
-        rounds = 0
-        while True:
-            submitted = {id(w.slot) for w in self._pending if not w.finished}
-            if all(key in submitted for key in self._recent):
-                return
-            if rounds >= _MAX_GATHER_ROUNDS and time.perf_counter() >= deadline:
-                return
-            rounds += 1
-            await trio.lowlevel.checkpoint()
-
-    def _form_tick(self) -> list[tuple[_Work, Piece]]:
-        """Drop cancelled computes (they fail with EngineCancelled), then plan the next tick."""
-        by_step: dict[Step, _Work] = {}
-        for work in self._pending:
-            if work.finished:
-                continue
-            if work.slot.cancel.is_set():
-                work.finish(error=EngineCancelled("operation cancelled", session_id=work.slot.session_id))
-            else:
-                by_step[work.step] = work
-        tick = [(by_step[p.step], p) for p in self._planner.plan(by_step)]
-        now = time.perf_counter()
-        for work, _ in tick:
-            if not work.started:
-                self._counters["batch_queue_wait_us_total"] += int((now - work.submitted) * 1e6)
-        return tick
+    def _is_open(self, slot: Slot) -> bool:
+        return not slot.releasing and self._slots.get(slot.session_id) is slot
 
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         await trio.to_thread.run_sync(self._truncate_sync, slot.seq_id, keep, limiter=self._limiter)
@@ -644,7 +540,7 @@ class LlamaCppEngine(ShardEngine):
                 self._tick_hidden = np.empty((n_batch, n_embd), dtype=np.float32)
             # Non-last shards never mix a prompt chunk with other sessions' rows: llama.cpp
             # would reorder them into ubatches, and captured rows must come back in batch order.
-            self._planner = TickPlanner(
+            self._scheduler.planner = TickPlanner(
                 min(spec.batch_tokens or n_batch, n_batch),
                 min(spec.max_batch_sessions or spec.max_sessions, spec.max_sessions),
                 mix=last,
@@ -655,6 +551,11 @@ class LlamaCppEngine(ShardEngine):
             path, arch, served.start, served.end, n_layers_total, spec.n_ctx, n_ctx_seq, n_batch, threads,
         )
         bos, eos = int(lc.llama_vocab_bos(vocab)), int(lc.llama_vocab_eos(vocab))
+        # A token's text as stored (SPM's "\u2581" for a space, byte tokens as "<0x41>") is never
+        # shorter than the text it stands for: an upper bound, 0.1 s for a 150,000-token vocab.
+        max_token_bytes = max(
+            (len(lc.llama_vocab_get_text(vocab, i) or b"") for i in range(n_vocab)), default=0
+        )
         return Capabilities(
             engine="llama.cpp",
             model_fingerprint=fingerprint,
@@ -670,6 +571,7 @@ class LlamaCppEngine(ShardEngine):
             bos_token_id=None if bos == _LLAMA_TOKEN_NULL else bos,
             eos_token_id=None if eos == _LLAMA_TOKEN_NULL else eos,
             system_info=native_system_info(use_extra_bufts=spec.use_extra_bufts),
+            max_token_bytes=max_token_bytes,
         )
 
     def _tick_sync(self, tick: list[tuple[_Work, Piece]]) -> None:
@@ -739,7 +641,7 @@ class LlamaCppEngine(ShardEngine):
     def _start_sync(self, work: _Work) -> None:
         """Before a compute's first rows: drop its sequence's cells from ``keep`` on and check."""
         slot, keep = work.slot, work.plan.keep
-        work.started = True
+        work.start()
         if not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
             raise EngineFailure(f"llama.cpp could not truncate the KV cache of {slot.session_id!r}")
         # llama_decode itself rejects a gap only when the sequence still holds cells; an emptied

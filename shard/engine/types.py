@@ -181,6 +181,9 @@ class Capabilities:
     #: The engine's own account of the native kernels it runs (llama.cpp's system info line and
     #: build profile), so a crash report or a benchmark says which code ran; "" for the fake.
     system_info: str = ""
+    #: The most text bytes one token stands for (0: unknown). A first shard can then refuse a
+    #: text that cannot fit a session before it tokenizes it (``tokenize_bounded``).
+    max_token_bytes: int = 0
     mtp: MtpCapability = field(default_factory=MtpCapability)
     aux_state: AuxStateCapability = field(default_factory=AuxStateCapability)
 
@@ -243,6 +246,11 @@ class PrefillRequest:
     equal the start of the new input are reused (not recomputed) and reported in
     ``StepResult.reused_tokens``; everything after the reused part is replaced. ``position``
     must not exceed the session's current length; pass the current length to append.
+
+    ``step_timeout`` (seconds, ``None``: none) bounds the step from the moment the engine
+    accepts it: if its result is not computed by then it fails with ``StepTimeout`` and is rolled
+    back; a batching engine does not put it into a step that cannot end in time because of
+    other sessions' work.
     """
 
     session_id: str
@@ -253,6 +261,7 @@ class PrefillRequest:
     top_k_logprobs: int = 5
     mtp: MtpRequest | None = None
     aux_state: AuxState | None = None
+    step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.tokens is not None:
@@ -271,7 +280,8 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    """Append one token (first shard) or one hidden-state row (later shards) and step once."""
+    """Append one token (first shard) or one hidden-state row (later shards) and step once.
+    ``step_timeout`` as for ``PrefillRequest``."""
 
     session_id: str
     token: int | None = None
@@ -280,6 +290,7 @@ class DecodeRequest:
     top_k_logprobs: int = 5
     mtp: MtpRequest | None = None
     aux_state: AuxState | None = None
+    step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_state is not None:

@@ -631,19 +631,41 @@ class EngineContractSuite:
     async def test_cancel_of_a_rewriting_prefill_keeps_the_reused_prefix(
         self, engine_factory: EngineFactory
     ) -> None:
-        """A prefill at an earlier position keeps ``position + reused`` on cancel."""
+        """A prefill at an earlier position that was cancelled once it began changing the KV
+        cells keeps ``position + reused`` (the old positions after it were being replaced)."""
         async with engine_factory.open() as engine:
             history, _ = await self._prepare_cancel(engine)
             new = history[4:8] + prompt_tokens(engine, LONG_PROMPT, salt=5)[1:]
             async with trio.open_nursery() as nursery:
                 op = start_op(nursery, prefill, engine, "s", new, 4)
                 await wait_running(engine, "s")
+                # Wait until the prefill changed the cells: 8 kept plus its first rows (never
+                # 12 again: the fake computes one row, llama.cpp a chunk of n_batch 8).
+                with trio.fail_after(120):
+                    while engine.metrics().kv_cells_used == len(history):
+                        await trio.lowlevel.checkpoint()
                 engine.cancel("s")
             assert isinstance(op.error, EngineCancelled)
             info = engine.session_info("s")
             assert info.state is SessionState.IDLE
             assert info.n_past == 8 and info.tokens == history[:8]
             assert engine.metrics().kv_cells_used == 8
+
+    async def test_a_step_whose_caller_was_already_cancelled_never_starts(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """A rewriting prefill whose caller's scope is cancelled before it was called (a Cancel
+        that arrived first) raises ``trio.Cancelled`` and leaves the session as it was."""
+        async with engine_factory.open() as engine:
+            history, next_token = await self._prepare_cancel(engine)
+            before = engine.metrics()
+            new = history[4:8] + prompt_tokens(engine, LONG_PROMPT, salt=5)[1:]
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await prefill(engine, "s", new, 4)
+            assert scope.cancelled_caught
+            assert engine.metrics().steps_total == before.steps_total
+            await self._assert_rolled_back(engine, history, next_token)
 
     async def test_release_while_running_cancels_and_frees(self, engine_factory: EngineFactory) -> None:
         async with engine_factory.open() as engine:

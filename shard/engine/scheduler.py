@@ -1,0 +1,266 @@
+"""Continuous batching at run time: the leader that runs ticks for every waiting session.
+
+Why a module of its own: who runs the native steps, when sessions are woken, how a cancelled or
+timed-out step leaves the queue and how long a tick may take are the same for every engine that
+batches; the engine only says how to run one tick (``TickRunner``). ``shard.engine.llama`` runs
+a tick as one ``llama_decode`` in a worker thread; ``shard.engine.fake`` (batched mode) as a
+scripted delay. The policy of *which* rows go into a tick is ``shard.engine.batching``.
+
+No background task: a compute is submitted to a pending list; the first caller that finds no
+leader becomes one and runs ticks (``run_tick``) for every pending compute until its own is
+done, wakes the sessions each tick finished, then wakes the oldest waiter, which takes over.
+The base class runs ``_impl_compute`` shielded, so a leader is never abandoned mid-tick.
+
+Cancellation and timeouts: a job whose cancel flag is set (Cancel, release, a caller's
+cancellation, its step timeout) leaves the queue at once when it is not inside the running
+tick (its task is woken by the flag itself), and otherwise when that tick ends: a stopped step
+waits for at most one tick. Only a job that had already started (rows of it were computed in
+earlier ticks) then needs its rollback, which waits for the running tick like any native call.
+
+Deadlines: each job may carry a deadline (``ComputePlan.deadline``, Trio clock). The planner
+cuts a tick's prompt rows so that the tick is estimated to end in time for the nearest deadline
+of a waiting decode; the estimate comes from the ticks measured so far (``LearnedTickCost``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .base import ComputePlan, Slot
+from .batching import Piece, Step, TickPlanner
+
+#: Scheduling rounds a leader yields before a tick so that woken sessions can resubmit ...
+MAX_GATHER_ROUNDS = 16
+#: ... and the longest it then waits for them in seconds, however long the last tick took: a
+#: session resubmits within milliseconds or not soon (its prompt is done and its client is
+#: elsewhere), and after a prompt chunk of seconds, a quarter of that tick would hold everyone.
+MAX_GATHER_SECONDS = 0.02
+
+
+@dataclass(eq=False)
+class Job:
+    """One session's compute waiting for (or inside) ticks.
+
+    Written by the tick (possibly in a worker thread) only while the leader awaits that tick;
+    read by the waiting task after the leader woke it, so no lock is needed.
+    """
+
+    slot: Slot
+    plan: ComputePlan
+    step: Step
+    submitted: float
+    wake: trio.Event = field(default_factory=trio.Event)
+    started: bool = False  # rows of it were computed (the KV cache was cut to ``keep``)
+    finished: bool = False
+    result: Any = None
+    error: BaseException | None = None
+
+    def start(self) -> None:
+        """Called by the tick right before the job's first rows change the KV cache."""
+        self.started = True
+        self.slot.touch()
+
+    def finish(self, *, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error, self.finished = result, error, True
+
+
+TickRunner = Callable[[list[tuple[Job, Piece]]], Awaitable[None]]
+
+
+class LearnedTickCost:
+    """A tick's expected duration, ``fixed + per_row * rows``, learned from measured ticks.
+
+    ``fixed`` comes from ticks without prompt rows (decodes: the cost of streaming the weights
+    once), ``per_row`` from ticks with prompt rows (their time beyond ``fixed``, per row). Both
+    are moving averages, so they follow a prompt whose rows grow dearer with its position.
+    Until a prompt tick was measured, a prompt row is guessed at a quarter of ``fixed``
+    (cautious: a decode tick on a CPU is roughly as long as 4-8 prompt rows).
+    """
+
+    ALPHA = 0.3
+
+    def __init__(self) -> None:
+        self.fixed: float | None = None
+        self.per_row: float | None = None
+
+    def observe(self, rows: int, prompt_rows: int, seconds: float) -> None:
+        if prompt_rows == 0:
+            self.fixed = _ewma(self.fixed, seconds, self.ALPHA)
+        else:
+            marginal = max(seconds - (self.fixed or 0.0), 0.0) / prompt_rows
+            self.per_row = _ewma(self.per_row, marginal, self.ALPHA)
+
+    def estimate(self, rows: int) -> float | None:
+        if self.fixed is None and self.per_row is None:
+            return None
+        fixed = self.fixed or 0.0
+        per_row = self.per_row if self.per_row is not None else fixed / 4
+        return fixed + per_row * rows
+
+
+def _ewma(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
+class BatchScheduler:
+    """Runs ticks for the jobs of every session (see the module docs).
+
+    ``counters`` is the engine's counter table (``batch_*_total`` are added to it);
+    ``is_open(slot)`` tells whether a session still exists (the leader does not wait for a
+    released one to resubmit).
+    """
+
+    def __init__(
+        self,
+        planner: TickPlanner,
+        run_tick: TickRunner,
+        *,
+        counters: dict[str, int],
+        is_open: Callable[[Slot], bool],
+    ) -> None:
+        self.planner = planner
+        self.cost = LearnedTickCost()
+        self._run_tick = run_tick
+        self._counters = counters
+        self._is_open = is_open
+        self._pending: list[Job] = []
+        self._running: set[Job] = set()  # the jobs of the tick being run
+        self._leading = False
+        self._arrivals = 0
+        self._submitted = trio.Event()  # set (and replaced) whenever a job is submitted
+        # Sessions seen in recent ticks, and when (see _let_submitters_in).
+        self._recent: dict[int, tuple[Slot, float]] = {}
+        self.tick_seconds = 0.0  # duration of the last tick
+
+    def new_step(self, slot: Slot, plan: ComputePlan) -> Step:
+        self._arrivals += 1
+        return Step(slot.seq_id, plan.n_new, self._arrivals, deadline=plan.deadline)
+
+    async def compute(self, job: Job) -> None:
+        """Queue ``job`` and return once it is finished (result or error set)."""
+        self._pending.append(job)
+        self._submitted.set()
+        self._submitted = trio.Event()
+        flag = job.slot.cancel
+        try:
+            while not job.finished:
+                if not self._leading:
+                    await self._lead(job)
+                    continue
+                if flag.is_set() and job not in self._running:
+                    self._drop(job)  # stopped while it waited: no need to wait for the tick
+                    break
+                wake = job.wake
+                watched = not flag.is_set()
+                if watched:
+                    flag.add_watcher(wake)
+                try:
+                    await wake.wait()
+                finally:
+                    if watched:
+                        flag.remove_watcher(wake)
+                job.wake = trio.Event()
+        finally:
+            if not self._leading and self._pending:
+                self._pending[0].wake.set()  # someone must lead the rest
+
+    def _drop(self, job: Job) -> None:
+        """Finish a stopped job with its flag's error and take it out of the queue."""
+        if not job.finished:
+            job.finish(error=job.slot.cancel.error(job.slot.session_id))
+        if job in self._pending:
+            self._pending.remove(job)
+        job.wake.set()
+
+    async def _lead(self, mine: Job) -> None:
+        """Run ticks until ``mine`` is finished, then hand the lead to the oldest waiter."""
+        self._leading = True
+        try:
+            while not mine.finished:
+                await self._let_submitters_in()
+                tick = self._form_tick()
+                if mine.finished:  # dropped: another task leads the rest
+                    break
+                assert tick, "a pending job that is not finished always gets rows"
+                started = trio.current_time()
+                self._running = {job for job, _ in tick}
+                try:
+                    await self._run_tick(tick)
+                finally:
+                    self._running = set()
+                ended = trio.current_time()
+                self.tick_seconds = ended - started
+                rows = sum(p.count for _, p in tick)
+                prompt_rows = sum(p.count for _, p in tick if p.count > 1 or not p.completes)
+                self.cost.observe(rows, prompt_rows, self.tick_seconds)
+                for job, _ in tick:
+                    self._recent[id(job.slot)] = (job.slot, ended)
+                self._counters["batch_ticks_total"] += 1
+                self._counters["batch_rows_total"] += rows
+                self._counters["batch_sessions_total"] += len(tick)
+                for job in [j for j in self._pending if j.finished]:
+                    self._pending.remove(job)
+                    job.wake.set()
+        finally:
+            self._leading = False
+            if self._pending:
+                self._pending[0].wake.set()
+
+    async def _let_submitters_in(self) -> None:
+        """Wait until every session seen in the last two ticks has submitted its next step: at
+        least ``MAX_GATHER_ROUNDS`` scheduling rounds, then on submissions (an event, not a
+        poll) until a quarter of the last tick's time (at most ``MAX_GATHER_SECONDS``) passed.
+
+        A woken session needs a few scheduling rounds (and, served over the network, a trip
+        through the transport and sometimes a credit grant) to submit its next step; ticking
+        before it does runs it one tick later in a smaller batch, and two halves of a group then
+        stay out of phase for good (measured: 4 served sessions alternating ticks of 2 and 2,
+        0.60 of the batched ceiling instead of 0.90). Waiting for the sessions of the last two
+        ticks, not only the last one, merges such halves again. A released session is not
+        waited for; a lone session is the one resubmitting, so its tick starts at once.
+        """
+        now = trio.current_time()
+        horizon = now - 2 * self.tick_seconds - 0.001
+        for key, (slot, seen) in list(self._recent.items()):
+            if seen < horizon or not self._is_open(slot):
+                del self._recent[key]
+        deadline = now + min(self.tick_seconds / 4, MAX_GATHER_SECONDS)
+        rounds = 0
+        while True:
+            submitted = {id(j.slot) for j in self._pending if not j.finished}
+            if all(key in submitted for key in self._recent):
+                return
+            if rounds < MAX_GATHER_ROUNDS:
+                rounds += 1
+                await trio.lowlevel.checkpoint()
+                continue
+            if trio.current_time() >= deadline:
+                return
+            with trio.move_on_at(deadline):
+                await self._submitted.wait()
+
+    def _form_tick(self) -> list[tuple[Job, Piece]]:
+        """Drop stopped jobs (woken at once with their error), then plan the next tick."""
+        now = trio.current_time()
+        by_step: dict[Step, Job] = {}
+        for job in list(self._pending):
+            if job.finished:
+                continue
+            if job.plan.deadline <= now and not job.slot.cancel.is_set():
+                job.slot.cancel.set_timeout()  # its timer has not run yet
+            if job.slot.cancel.is_set():
+                self._drop(job)
+            else:
+                by_step[job.step] = job
+        tick = [(by_step[p.step], p) for p in self.planner.plan(by_step, now=now, cost=self.cost)]
+        for job, _ in tick:
+            if not job.started:
+                self._counters["batch_queue_wait_us_total"] += int((now - job.submitted) * 1e6)
+        return tick
+
+
+__all__ = ["BatchScheduler", "Job", "LearnedTickCost", "MAX_GATHER_ROUNDS", "MAX_GATHER_SECONDS", "TickRunner"]
