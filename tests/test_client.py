@@ -17,6 +17,7 @@ import trio.testing
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import MODEL, loaded, worker
+from shard.rpc.versions import SUPPORTED_VERSIONS
 from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling
 from shard.rpc.transport import CallContext
 from shard.v1 import shard_pb2 as pb
@@ -43,7 +44,7 @@ async def test_capabilities_health_metrics_and_generate_text() -> None:
         assert all(ch.finish_reason == pb.FINISH_REASON_UNSPECIFIED for ch in chunks[:-1])
 
         shown = await c.capabilities_dict()
-        assert shown["supported_versions"] == ["1.0"] and shown["layer_range"] == [0, MODEL.n_layers_total]
+        assert shown["supported_versions"] == ["1.0", "1.1"] and shown["layer_range"] == [0, MODEL.n_layers_total]
         assert shown["engine"] == "fake" and shown["mtp_enabled"] is False  # defaults are shown too
 
         metrics = await c.metrics()
@@ -97,7 +98,7 @@ async def test_fatal_errors_are_typed_never_groups() -> None:
             async with ShardClient.connect(w.target, timeout=10, version=(2, 0)) as c:
                 await c.capabilities()
         assert type(info.value) is ShardError
-        assert info.value.code is ErrorCode.UNSUPPORTED_VERSION and info.value.supported_versions == ((1, 0),)
+        assert info.value.code is ErrorCode.UNSUPPORTED_VERSION and info.value.supported_versions == SUPPORTED_VERSIONS
         assert info.value.grpc_status == 9
 
         async with ShardClient.connect(w.target, timeout=10) as c:

@@ -34,7 +34,7 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -154,6 +154,15 @@ def _fake(latency: Latency) -> ShardEngine:
 
 
 FAKE = EngineKind("fake", _fake, lambda: FAKE_SPEC)
+
+
+def _fake_batched(latency: Latency) -> ShardEngine:
+    """The fake through the batching scheduler: sessions share ticks (of 8 rows, so a long
+    prompt spans many) as on llama.cpp, and the random latency runs inside the ticks."""
+    return FakeEngine(model=MODEL, script=FakeScript(on_step=latency, batched=True, tick_latency=0.001))
+
+
+FAKE_BATCHED = EngineKind("fake-batched", _fake_batched, lambda: replace(FAKE_SPEC, n_batch=8))
 
 
 def _llama_spec() -> LoadSpec:
@@ -518,6 +527,7 @@ class RpcFuzz(RuleBasedStateMachine):
         await self._absorb(slot, step, fed)  # type: ignore[arg-type]
         slot.exact = True
         usage = slot.session.usage
+        assert usage.n_past == len(slot.tokens), (slot.sid, usage, len(slot.tokens))
         if kind == "prefill":
             assert usage.prompt_tokens + usage.reused_tokens == len(tokens), usage
         else:
@@ -596,6 +606,10 @@ class RpcFuzz(RuleBasedStateMachine):
         slot.run = None
         assert run.usage is not None
         assert run.usage.generated_tokens == len(run.steps), (run.usage, len(run.steps))
+        # Usage reports the positions held: the client's history (a generate does not feed
+        # its last token back), unless a lost connection left it unsure.
+        if slot.exact:
+            assert run.usage.n_past == len(slot.tokens), (slot.sid, run.usage, len(slot.tokens))
         if run.cancel_answer == (True, True) and slot.sid in self._engine_sids():
             # A Cancel that found the step running stops it within one step.
             assert self.engine is not None and run.n_past_at_cancel is not None
@@ -687,6 +701,87 @@ class RpcFuzz(RuleBasedStateMachine):
         if reply.was_running and run.cancel_answer is None and slot.sid in self._engine_sids():
             run.cancel_answer, run.n_past_at_cancel = (True, True), engine.session_info(slot.sid).n_past
         RpcFuzz.stats[f"cancel_rpc:{'running' if reply.was_running else 'idle'}"] += 1
+
+    @rule(
+        sid=st.sampled_from(SLOTS),
+        back=st.integers(1, 12),
+        share=st.integers(0, 3),
+        extra=st.integers(8, 60),
+        how=st.sampled_from(["cancel", "cancel", "plain", "too_long"]),
+        pause=st.integers(0, 40),
+    )
+    def rewind_prefill(self, sid: str, back: int, share: int, extra: int, how: str, pause: int) -> None:
+        """A Prefill at an earlier position with a new continuation, stopped by a Cancel RPC
+        (after ``pause`` scheduling rounds of its computation), by the slot's step timeout or
+        the call deadline, refused for the KV budget, or left to finish."""
+        slot = self._pick(sid, "open")
+        if slot is None:
+            return
+        self.loop.run(self._rewind, slot, back, share, extra, how, pause)
+
+    async def _rewind(self, slot: SlotModel, back: int, share: int, extra: int, how: str, pause: int) -> None:
+        if len(slot.tokens) < back:  # something to rewind into first
+            await self._step(slot, "prefill", [3 + (i * 5 + back) % 256 for i in range(back + 4)])
+            if slot.state != "open":
+                return
+        session, engine, control = slot.session, self.engine, self._control()
+        assert session is not None and engine is not None and control is not None
+        n = len(slot.tokens)
+        position = max(0, n - back)
+        filler = [3 + (i * 29 + extra) % 256 for i in range(extra if how != "too_long" else 300)]
+        new = [*slot.tokens[position : position + share], *filler]
+        reused = 0
+        while reused < min(n - position, len(new) - 1) and slot.tokens[position + reused] == new[reused]:
+            reused += 1
+        outcome: dict[str, Any] = {}
+
+        async def run() -> None:
+            try:
+                outcome["step"] = await session.prefill(new, position=position)
+            except ShardError as err:
+                outcome["error"] = err
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            if how == "cancel":
+                for _ in range(pause):
+                    await trio.lowlevel.checkpoint()
+                await control.cancel(slot.sid)
+        if "step" in outcome:
+            step = outcome["step"]
+            slot.tokens = slot.tokens[:position]
+            await self._absorb(slot, step, new)
+            assert session.usage.n_past == step.n_past == len(slot.tokens), session.usage
+            slot.exact = True
+            RpcFuzz.stats["rewind:done"] += 1
+            return
+        err = outcome["error"]
+        if await self._ended(slot, err, "rewind"):
+            return
+        if how == "too_long":  # refused before any work, as the engine's length check would
+            assert err.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.RESOURCE_EXHAUSTED), err
+            RpcFuzz.stats["rewind:refused"] += 1
+        else:
+            self._step_error("rewind", slot, err)
+        held = session.usage.n_past
+        # A failed step leaves the session as it was, or (a rewind that began computing) cut at
+        # position + reused; what the worker reports is what the engine holds (the invariant).
+        if how == "too_long":
+            assert held == n, f"a refused rewind changed the session: {held} of {n}"
+        assert held in (n, position + reused), f"a failed rewind left {held} (had {n}, keep {position + reused})"
+        if held < n:
+            slot.tokens, slot.choice = slot.tokens[:held], None
+            RpcFuzz.stats["rewind:cut"] += 1
+        slot.exact = slot.exact or held < n
+
+    @rule(sid=st.sampled_from(SLOTS), length=st.integers(40, 200), salt=st.integers(0, 255))
+    def long_prompt(self, sid: str, length: int, salt: int) -> None:
+        """A long prompt (a generate of one token) left running while other rules go on."""
+        slot = self._pick(sid, "open")
+        if slot is None:
+            return
+        prompt = [3 + (i * 7 + salt) % 256 for i in range(length)]
+        self.loop.run(self._start_generate, slot, StepRun("generate", 1, prompt))
 
     @rule(sid=st.sampled_from(SLOTS))
     def release(self, sid: str) -> None:
@@ -897,6 +992,10 @@ class FakeFuzz(RpcFuzz):
     engine_kind = FAKE
 
 
+class BatchedFakeFuzz(RpcFuzz):
+    engine_kind = FAKE_BATCHED
+
+
 class LlamaFuzz(RpcFuzz):
     engine_kind = LLAMA
     # llama.cpp's batched prefill and step-by-step decode may differ in the last float bits,
@@ -906,6 +1005,10 @@ class LlamaFuzz(RpcFuzz):
 
 def test_rpc_state_machine_fake_engine(capsys: pytest.CaptureFixture[str]) -> None:
     _fuzz(FakeFuzz, examples=60, steps=40, capsys=capsys)
+
+
+def test_rpc_state_machine_batched_fake_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    _fuzz(BatchedFakeFuzz, examples=30, steps=40, capsys=capsys)
 
 
 @pytest.mark.slow
@@ -975,3 +1078,10 @@ def test_fuzzer_finds_a_handler_that_ignores_cancel(monkeypatch: pytest.MonkeyPa
 def test_fuzzer_finds_the_cancel_race(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SessionCall, "cancel_step", _racy_cancel)
     _finds(FakeFuzz, "Cancel after dispatch")
+
+
+def test_fuzzer_finds_stale_positions_after_a_failed_rewind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session layer keeps believing the positions it had before a failed rewind (the
+    issue-14 desync): the worker reports positions the engine no longer holds."""
+    monkeypatch.setattr(SessionCall, "_resync", lambda self: None)
+    _finds(FakeFuzz, "a failed rewind left", "the engine holds", "n_past")

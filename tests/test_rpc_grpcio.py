@@ -36,6 +36,7 @@ from shard.rpc import convert
 from shard.rpc.convert import cache_expectation
 from shard.rpc.server import serve
 from shard.rpc.transport import CallContext, TransportLimits
+from shard.rpc.versions import SUPPORTED_VERSIONS
 from shard.v1 import shard_pb2 as pb
 
 METHOD = "/shard.v1.Shard/"
@@ -121,7 +122,7 @@ async def test_grpcio_drives_every_rpc() -> None:
     async with live() as w:
         caps = await in_thread(lambda: w.stub.GetCapabilities(pb.GetCapabilitiesRequest(version=V), timeout=10))
         assert caps.engine == "fake" and caps.is_first and caps.is_last
-        assert [(v.major, v.minor) for v in caps.supported_versions] == [(1, 0)]
+        assert [(v.major, v.minor) for v in caps.supported_versions] == list(SUPPORTED_VERSIONS)
         assert caps.model_fingerprint == w.engine.capabilities().model_fingerprint
         assert caps.max_credit == 64 and caps.resume_ttl_ms == 30_000
 
@@ -270,12 +271,12 @@ async def test_unknown_method_is_unimplemented() -> None:
 
 async def test_unsupported_version_is_refused_with_the_error_trailer() -> None:
     async with live() as w:
-        for version in (pb.ProtocolVersion(major=2), pb.ProtocolVersion(major=1, minor=1), None):
+        for version in (pb.ProtocolVersion(major=2), pb.ProtocolVersion(major=1, minor=2), None):
             request = pb.GetCapabilitiesRequest(version=version)
             exc = await in_thread(expect_rpc_error(lambda: w.stub.GetCapabilities(request, timeout=10)))
             assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
             err = shard_error(exc)
-            assert err.code is ErrorCode.UNSUPPORTED_VERSION and err.supported_versions == ((1, 0),)
+            assert err.code is ErrorCode.UNSUPPORTED_VERSION and err.supported_versions == SUPPORTED_VERSIONS
         bad = [pb.SessionRequest(version=pb.ProtocolVersion(major=9), open=pb.OpenSession(session_id="v"))]
         exc = await in_thread(expect_rpc_error(lambda: list(w.stub.Session(iter(bad), timeout=10))))
         assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION

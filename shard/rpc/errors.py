@@ -178,6 +178,7 @@ ENGINE_ERROR_CODES: dict[type[engine_errors.EngineError], ErrorCode] = {
     engine_errors.SessionBusy: ErrorCode.SESSION_BUSY,
     engine_errors.IllegalTransition: ErrorCode.ILLEGAL_TRANSITION,
     engine_errors.ResourcesExhausted: ErrorCode.RESOURCE_EXHAUSTED,
+    engine_errors.StepTimeout: ErrorCode.DEADLINE_EXCEEDED,
     engine_errors.EngineCancelled: ErrorCode.CANCELLED,
     engine_errors.UnsupportedFeature: ErrorCode.UNSUPPORTED_FEATURE,
     engine_errors.EngineFailure: ErrorCode.ENGINE_FAILURE,

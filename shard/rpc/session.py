@@ -44,6 +44,7 @@ each engine call; expiry is a step-level DEADLINE_EXCEEDED (the engine rolls the
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -63,20 +64,23 @@ from shard.engine import (
     DecodeRequest,
     EngineError,
     EngineState,
+    InvalidInput,
+    KvCacheFull,
     PrefillRequest,
     SamplingParams,
     ShardEngine,
     StepResult,
+    StepTimeout,
     TooManySessions,
 )
 from shard.v1 import shard_pb2 as pb
 
 from . import convert
 from .errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
-from .versions import check_version, current_proto
+from .versions import check_version
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+R = TypeVar("R", PrefillRequest, DecodeRequest)
 
 UNLIMITED_CREDIT = sys.maxsize
 MAX_SESSION_ID_BYTES = 128
@@ -84,6 +88,9 @@ _CONTROL_SLOTS = 4  # opened + error + usage + closed never need credit
 # Room left in each message for everything but the hidden-state rows (step fields, framing).
 _CHUNK_OVERHEAD = 4096
 _FLOAT32_BYTES = 4  # the widest wire dtype: a row never takes more than 4 * n_embd bytes
+#: A text longer than this many times ``max_token_bytes`` per position of room is refused
+#: before tokenization (slack for tokenizers that normalise text away, e.g. runs of spaces).
+_TEXT_SLACK = 4
 
 
 @dataclass(frozen=True)
@@ -225,7 +232,8 @@ class SessionCall:
         self._caps: Capabilities | None = None
         self._wire_dtype = convert.HIDDEN_DTYPE  # hidden states on the wire, both directions
         self._kv_capacity = 0
-        self._step_timeout = math.inf
+        self._step_timeout: float | None = None  # seconds per engine step (step_timeout_ms)
+        self._version = (1, 0)  # the protocol version the session was opened with
         self._end = 0  # logical end of the session (positions the client may build on)
         self._engine_len = 0  # positions the engine holds (>= _end after a partial resume)
         self._delivered_end = 0  # positions whose results were handed to the transport
@@ -343,7 +351,7 @@ class SessionCall:
 
     async def _dispatch(self, req: pb.SessionRequest) -> None:
         sid = self.session_id
-        check_version(req, sid)
+        version = check_version(req, sid)
         kind = req.WhichOneof("kind")
         phase = self.phase.value
         if phase in (Phase.CLOSING, Phase.CLOSED):
@@ -353,7 +361,7 @@ class SessionCall:
         if phase is Phase.AWAITING_OPEN:
             if kind != "open":
                 raise _illegal(f"{kind} before OpenSession", sid)
-            await self._open(req.open)
+            await self._open(req.open, version)
             return
         if kind == "open":
             raise _illegal("a second OpenSession on the same stream", sid)
@@ -381,7 +389,7 @@ class SessionCall:
 
     # ---- open -----------------------------------------------------------------------------
 
-    async def _open(self, req: pb.OpenSession) -> None:
+    async def _open(self, req: pb.OpenSession, version: tuple[int, int]) -> None:
         sid = req.session_id
         if not sid or len(sid.encode("utf-8")) > MAX_SESSION_ID_BYTES:
             raise convert.invalid(f"session_id must be 1..{MAX_SESSION_ID_BYTES} bytes")
@@ -401,8 +409,9 @@ class SessionCall:
         retained = self._registry.claim(sid, self, resuming=expectation is not None)
         self.session_id = sid  # claimed: from here on the cleanup frees or returns it
         self._caps = caps
+        self._version = version
         self._wire_dtype = wire_dtype
-        self._step_timeout = req.step_timeout_ms / 1000 if req.step_timeout_ms else math.inf
+        self._step_timeout = req.step_timeout_ms / 1000 if req.step_timeout_ms else None
         cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
         self._delivered_end = self._end
         credit = min(req.initial_credit or self._limits.default_credit, self._limits.max_credit)
@@ -416,7 +425,7 @@ class SessionCall:
                     kv_capacity=self._kv_capacity,
                     n_past=self._end,
                     credit=credit,
-                    version=current_proto(),
+                    version=pb.ProtocolVersion(major=version[0], minor=version[1]),
                     # echoed only when asked, so that v1.0 clients see the same bytes as before
                     hidden_wire_dtype=wire_dtype if req.hidden_wire_dtype else "",
                 )
@@ -609,6 +618,8 @@ class SessionCall:
             await self._send(pb.SessionResponse(error=err.to_proto()))
         for field in ("prompt_tokens", "generated_tokens", "reused_tokens"):
             setattr(self._totals, field, getattr(self._totals, field) + getattr(usage, field))
+        if self._version >= (1, 1):
+            usage.n_past = self._end  # what the session holds now, also after a failed step
         await self._send(pb.SessionResponse(usage=usage))
         if self.phase.value is Phase.RUNNING:
             self.phase.value = Phase.IDLE
@@ -642,9 +653,10 @@ class SessionCall:
         which = p.WhichOneof("input")
         tokens = hidden = None
         if which == "tokens":
+            self._check_room(position, len(p.tokens.ids))  # before copying millions of ids
             tokens = tuple(p.tokens.ids)
         elif which == "text":
-            tokens = self._tokenize(p.text, add_bos=position == 0)
+            tokens = await self._tokenize(p.text, add_bos=position == 0, position=position)
         elif which == "hidden_states":
             hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid, dtype=self._wire_dtype)
         else:
@@ -704,9 +716,10 @@ class SessionCall:
         which = g.WhichOneof("prompt")
         prompt: tuple[int, ...] | None = None
         if which == "tokens":
+            self._check_room(self._end, len(g.tokens.ids))
             prompt = tuple(g.tokens.ids)
         elif which == "text":
-            prompt = self._tokenize(g.text, add_bos=self._end == 0)
+            prompt = await self._tokenize(g.text, add_bos=self._end == 0, position=self._end)
         elif self._next_token is None:
             raise _illegal("Generate without a prompt needs a previous step to continue from", sid)
         stop = frozenset(g.stop_tokens)
@@ -774,33 +787,86 @@ class SessionCall:
             ),
         )
 
-    async def _engine_call(self, fn: Callable[[T], Awaitable[StepResult]], request: T) -> StepResult:
-        """One engine step under the per-step deadline; engine errors become ShardErrors."""
+    async def _engine_call(
+        self, fn: Callable[[R], Awaitable[StepResult]], request: R
+    ) -> StepResult:
+        """One engine step under the per-step timeout; engine errors become ShardErrors.
+
+        The engine owns the step timeout (``step_timeout`` of the request): it keeps the step
+        out of shared steps that cannot end in time and delivers a result computed in time.
+        After any failure the positions are read back from the engine (``_resync``).
+        """
         position = getattr(request, "position", None)
         start = self._engine_len if position is None else position
-        with trio.move_on_after(self._step_timeout):
-            try:
-                result = await fn(request)
-            except EngineError as exc:
-                raise ShardError.from_engine(exc) from None
-            self._end = self._engine_len = result.n_past
-            # Positions from ``start`` on now differ from what the client was sent.
-            self._delivered_end = min(self._delivered_end, start)
-            if result.logits is not None:
-                self._next_token = result.logits.token_id
-            return result
-        raise ShardError(
-            ErrorCode.DEADLINE_EXCEEDED,
-            f"the step exceeded step_timeout_ms={round(self._step_timeout * 1000)}",
-            session_id=self.session_id,
-            reason="STEP_TIMEOUT",
-        )
-
-    def _tokenize(self, text: str, *, add_bos: bool) -> tuple[int, ...]:
         try:
-            return self._engine.tokenize(text, add_bos=add_bos)
+            result = await fn(dataclasses.replace(request, step_timeout=self._step_timeout))
+        except StepTimeout as exc:
+            self._resync()
+            assert self._step_timeout is not None
+            raise ShardError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"the step exceeded step_timeout_ms={round(self._step_timeout * 1000)}",
+                session_id=self.session_id,
+                reason=exc.code,
+            ) from None
+        except EngineError as exc:
+            self._resync()
+            raise ShardError.from_engine(exc) from None
+        except BaseException:  # a Cancel RPC, the call deadline, a reset: the step was rolled back
+            self._resync()
+            raise
+        self._end = self._engine_len = result.n_past
+        # Positions from ``start`` on now differ from what the client was sent.
+        self._delivered_end = min(self._delivered_end, start)
+        if result.logits is not None:
+            self._next_token = result.logits.token_id
+        return result
+
+    def _resync(self) -> None:
+        """Read back what the engine holds after a failed step.
+
+        A failed step normally leaves the session as it was, but a prefill that rewrote from an
+        earlier position keeps only ``[0, position + reused)`` once it began computing (the old
+        positions after it were being replaced). Every position reported afterwards (``Usage``,
+        the next ``StepResult.start_position``, a resume) must be the engine's, never a stale one.
+        """
+        try:
+            held = self._engine.session_info(self.session_id).n_past
+        except EngineError:
+            return  # released or the engine failed: the stream ends anyway
+        if held < self._end:
+            self._next_token = None  # it was chosen for a position that is gone
+        self._end = min(self._end, held)
+        self._engine_len = held
+        self._delivered_end = min(self._delivered_end, held)
+
+    async def _tokenize(self, text: str, *, add_bos: bool, position: int) -> tuple[int, ...]:
+        """Tokenize a remote caller's text off the event loop, after refusing (before any work)
+        a text too long to fit: a token stands for at most ``max_token_bytes`` bytes, and a
+        character is at least one, so the text needs at least ``len / max_token_bytes`` tokens
+        (``_TEXT_SLACK`` for tokenizers that normalise text away)."""
+        caps = self._require_caps()
+        if caps.max_token_bytes:
+            self._check_room(position, len(text) // (_TEXT_SLACK * caps.max_token_bytes))
+        try:
+            return await self._engine.tokenize_async(text, add_bos=add_bos)
         except EngineError as exc:
             raise ShardError.from_engine(exc) from None
+
+    def _check_room(self, position: int, n_tokens: int) -> None:
+        """Refuse, before any work, input that cannot fit: the errors the engine would give."""
+        caps, sid = self._require_caps(), self.session_id
+        new_len = position + n_tokens
+        if new_len > caps.n_ctx_per_session:
+            raise ShardError.from_engine(InvalidInput(
+                f"{new_len} positions exceed the per-session context of {caps.n_ctx_per_session}",
+                session_id=sid,
+            ))
+        if new_len > self._kv_capacity:
+            raise ShardError.from_engine(KvCacheFull(
+                f"{new_len} positions exceed this session's KV budget of {self._kv_capacity}",
+                session_id=sid,
+            ))
 
     def _require_caps(self) -> Capabilities:
         assert self._caps is not None

@@ -16,7 +16,8 @@ from .errors import ErrorCode, ShardError
 
 #: Every (major, minor) this worker serves, oldest first. Minor versions are additive: a v1.N
 #: worker serves v1.0..v1.N requests.
-SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0),)
+#: 1.1 adds ``Usage.n_past``.
+SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 
 

@@ -480,14 +480,16 @@ class StepResult(_message.Message):
     def __init__(self, step: _Optional[int] = ..., n_past: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., more_chunks: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "reused_tokens")
+    __slots__ = ("prompt_tokens", "generated_tokens", "reused_tokens", "n_past")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_PAST_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     reused_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
+    n_past: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., n_past: _Optional[int] = ...) -> None: ...
 
 class SessionClosed(_message.Message):
     __slots__ = ("reason", "totals", "kv_retained", "resume_ttl_ms")
