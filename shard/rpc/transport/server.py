@@ -225,6 +225,10 @@ class _Call:
                 await trio.lowlevel.checkpoint()
                 raise trio.BrokenResourceError("connection closed") from None
             if window <= 0:
+                # What h2 framed so far must reach the peer before we wait for its window: the
+                # peer acknowledges only what it received (a response larger than the window
+                # used to wait here until some other frame flushed it, e.g. a keepalive PING).
+                self.conn.send_pending()
                 await self.window.wait()
                 self.window = trio.Event()
         await self.conn.flush()
