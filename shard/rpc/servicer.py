@@ -23,7 +23,7 @@ from shard.v1 import shard_pb2 as pb
 from shard.v1.shard_grpc import ShardServicer as _ShardServicerBase
 
 from . import convert, lifecycle
-from .errors import ERROR_TRAILER, STATUS_ERROR_CODES, ErrorCode, GrpcStatus, ShardError, internal_error
+from .errors import ERROR_TRAILER, ErrorCode, ShardError, internal_error
 from .metrics import WorkerMetrics
 from .registry import Registry
 from .session import SessionLimits, StreamEnd
@@ -83,14 +83,10 @@ class _Requests:
     async def __anext__(self) -> pb.SessionRequest:
         try:
             request = await anext(self._inner)
-        except StatusError as exc:  # oversized or unparsable request message
-            code = (
-                ErrorCode.INVALID_ARGUMENT
-                if exc.code == GrpcStatus.INTERNAL
-                else STATUS_ERROR_CODES.get(GrpcStatus(exc.code), ErrorCode.INTERNAL)
-            )
-            # The same message can never fit or parse: not retryable, whatever the status.
-            raise ShardError(code, exc.message, retryable=False) from None
+        except StatusError as exc:  # oversized, unparsable, unfinished or compressed message
+            # The transport's statuses carry their Shard error (code, reason, retryable): the
+            # stream fails with it, as the same request would on a unary call.
+            raise ShardError.from_status(exc.code, exc.message, exc.trailers) from None
         if self._observe is not None:
             self._observe(request)
         return request

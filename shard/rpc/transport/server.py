@@ -97,9 +97,12 @@ _END_STATUS: dict[EndReason, tuple[int, str] | None] = {
     EndReason.SEND_STALLED: (int(GrpcStatus.RESOURCE_EXHAUSTED), "the client read no response"),
 }
 
-#: The Shard error that rides along with a SHUTDOWN or SEND_STALLED status unless the handler
-#: attached its own, so a router can tell a drain (retry elsewhere) from a crash.
+#: The Shard error that rides along with each of those statuses unless the handler attached
+#: its own: a router can tell a drain (retry elsewhere) from a crash, and every status the
+#: transport sends carries ``shard-error-bin`` and ``grpc-status-details-bin``.
 _END_TRAILERS: dict[EndReason, list[tuple[str, bytes]]] = {
+    EndReason.DEADLINE: ShardError(
+        ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired").trailers(),
     EndReason.SHUTDOWN: ShardError(
         ErrorCode.DRAINING, "the worker is draining: the call was ended before it finished"
     ).trailers(),
@@ -220,13 +223,13 @@ class _Call:
                     message.ParseFromString(item)
                     return message
                 except DecodeError:
-                    self.error = StatusError(13, "cannot parse request message")
+                    self.error = _invalid("cannot parse request message")
         raise StatusError(self.error.code, self.error.message, self.error.trailers)
 
     async def receive_one(self) -> Any:
         message = await self.receive()
         if message is None or await self.receive() is not None:
-            raise StatusError(13, "expected exactly one request message")
+            raise _invalid("expected exactly one request message")
         return message
 
     async def send(self, message: Any) -> None:
@@ -234,7 +237,9 @@ class _Call:
         data = message.SerializeToString()
         limits = self.conn.h2.limits
         if len(data) > limits.max_message_bytes:
-            raise StatusError(8, "response message larger than the limit")
+            raise StatusError.of(ShardError(
+                ErrorCode.RESOURCE_EXHAUSTED, "response message larger than the limit",
+                retryable=False, reason="MESSAGE_TOO_LARGE"))
         h2c, view = self.conn.h2, memoryview(struct.pack(">?I", False, len(data)) + data)
         blocked_since: float | None = None  # the peer has given no window since then
         while view:
@@ -492,7 +497,7 @@ class _Connection:
         if kind == "settings":
             self._greeted.set()
         elif kind == "malformed":
-            self.end_stream(sid, False, 13, "malformed request headers", ())
+            self._refuse_call(sid, ShardError(ErrorCode.INTERNAL, "malformed request headers"))
         elif kind == "goaway":
             self.close(EndReason.CONNECTION_LOST)
         else:
@@ -504,10 +509,15 @@ class _Connection:
                 call.inbox_send.send_nowait(_too_large("request message larger than the limit"))
                 call.inbox_send.close()
             elif kind == "compressed":
-                call.inbox_send.send_nowait(StatusError(12, "compressed messages are not supported"))
+                call.inbox_send.send_nowait(StatusError.of(ShardError(
+                    ErrorCode.UNSUPPORTED_FEATURE, "compressed messages are not supported")))
                 call.inbox_send.close()
             elif kind == "reset":
                 call.abort(EndReason.CLIENT_CANCELLED)
+
+    def _refuse_call(self, sid: int, err: ShardError) -> None:
+        """End a stream before any handler runs: the status with the Shard trailers."""
+        self.end_stream(sid, False, int(err.grpc_status), err.message, err.trailers())
 
     def _refuse(self, sid: int) -> None:
         """REFUSED_STREAM: the call did no work, so any client may retry it elsewhere."""
@@ -525,25 +535,24 @@ class _Connection:
         bound = None if service is None else service.methods.get(event.method_name)
         if bound is None:
             method = f"/{event.service_name}/{event.method_name}"
-            self.end_stream(event.stream_id, False, 12, f"method {method} is not implemented", ())
+            self._refuse_call(event.stream_id, ShardError(
+                ErrorCode.UNSUPPORTED_FEATURE, f"method {method} is not implemented"))
             return
         if event.message_encoding not in (None, "identity"):
             # Only identity encoding (see wire._refuse_compressed); the gRPC spec's answer to
             # an unsupported encoding is UNIMPLEMENTED.
-            self.end_stream(
-                event.stream_id, False, 12,
-                f"message encoding {event.message_encoding!r} is not supported", (),
-            )
+            self._refuse_call(event.stream_id, ShardError(
+                ErrorCode.UNSUPPORTED_FEATURE,
+                f"message encoding {event.message_encoding!r} is not supported"))
             return
         streaming = bound.signature.cardinality != Cardinality.UNARY_UNARY
         if streaming and self.streaming_calls >= self.server.limits.max_concurrent_streams:
             # The advertised stream limit keeps room for unary calls (Cancel, GetMetrics), so
             # a connection full of sessions can still reach the worker; refuse the extra stream.
-            self.end_stream(
-                event.stream_id, False, int(GrpcStatus.RESOURCE_EXHAUSTED),
+            self._refuse_call(event.stream_id, ShardError(
+                ErrorCode.RESOURCE_EXHAUSTED,
                 f"at most {self.server.limits.max_concurrent_streams} streaming calls per "
-                "connection; open another connection", (),
-            )
+                "connection; open another connection"))
             return
         call = _Call(self, event, bound.signature.request_type, streaming)
         call.gate = self.server._gates.get(event.service_name)
@@ -596,7 +605,10 @@ class _Connection:
                 if error is not None:
                     return error.code, error.message, [*ctx.trailers, *error.trailers]
                 log.error("handler %s failed", ctx.method, exc_info=exc)
-                return 13, "internal error", ctx.trailers
+                trailers = list(ctx.trailers)
+                if not any(key == ERROR_TRAILER for key, _ in trailers):
+                    trailers += _INTERNAL_TRAILERS
+                return 13, "internal error", trailers
             refusal = _find_status_error(exc)
             if refusal is None:
                 log.warning("handler %s raised while ending (%s)", ctx.method, ctx.end_reason,
@@ -608,9 +620,11 @@ class _Connection:
         status = _END_STATUS[ctx.end_reason]
         if status is None:
             return None
+        # The transport's own status always carries its Shard error, also when the end raced
+        # the handler producing one (a deadline expiring while a session's error status was
+        # being made dropped that refusal, and with it every shard-error-bin trailer).
         trailers = list(ctx.trailers)
-        if ctx.end_reason in _END_TRAILERS and not any(
-                key == ERROR_TRAILER for key, _ in trailers):
+        if not any(key == ERROR_TRAILER for key, _ in trailers):
             trailers += _END_TRAILERS[ctx.end_reason]
         return (*status, trailers)
 
@@ -660,7 +674,9 @@ class _Connection:
             list(sanitize_headers(pairs))  # validate: -bin keys take bytes, no grpc- keys
         except (ValueError, TypeError, AttributeError):
             log.error("invalid trailing metadata on stream %d: %r", sid, trailers)
-            code, message, pairs, details = 13, "internal error", [], []
+            code, message = 13, "internal error"
+            pairs = [_INTERNAL_TRAILERS[0]]
+            details = [(k, b64encode(v)) for k, v in _INTERNAL_TRAILERS[1:]]
         head = [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
         head.append(("grpc-status", str(code)))
         if message:
@@ -684,6 +700,14 @@ def _too_large(message: str) -> StatusError:
     return StatusError.of(ShardError(
         ErrorCode.RESOURCE_EXHAUSTED, message, retryable=False, reason="MESSAGE_TOO_LARGE"))
 
+
+def _invalid(message: str) -> StatusError:
+    """INVALID_ARGUMENT with the Shard trailers, on unary calls and streams alike (a request
+    message that does not parse, or a unary call without exactly one)."""
+    return StatusError.of(ShardError(ErrorCode.INVALID_ARGUMENT, message, retryable=False))
+
+
+_INTERNAL_TRAILERS = ShardError(ErrorCode.INTERNAL).trailers()
 
 
 def _find_status_error(exc: BaseException) -> StatusError | None:
@@ -717,11 +741,12 @@ class Server:
 
     Error handling: ``StatusError`` -> its status and trailers; any other exception ->
     INTERNAL "internal error" and a log record with the traceback; a deadline -> the handler
-    is cancelled and the call ends DEADLINE_EXCEEDED; a client cancel or lost connection ->
-    the handler is cancelled and nothing is sent; a drain or stop -> UNAVAILABLE with a
-    DRAINING ``shard-error-bin`` trailer; a client that reads nothing for
-    ``send_idle_timeout`` -> RESOURCE_EXHAUSTED (SEND_IDLE_TIMEOUT) with the trailers.
-    ``ctx.trailers`` go out with every status.
+    is cancelled and the call ends DEADLINE_EXCEEDED (also when the handler was producing its
+    own error status at that moment); a client cancel or lost connection -> the handler is
+    cancelled and nothing is sent; a drain or stop -> UNAVAILABLE (DRAINING); a client that
+    reads nothing for ``send_idle_timeout`` -> RESOURCE_EXHAUSTED (SEND_IDLE_TIMEOUT).  Every
+    status the transport itself produces carries the ``shard-error-bin`` and
+    ``grpc-status-details-bin`` trailers; ``ctx.trailers`` go out with every status.
     """
 
     def __init__(
