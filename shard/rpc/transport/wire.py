@@ -28,6 +28,10 @@ refuses an oversized frame on its 9-byte header and a header block above the hea
 limit, which h2 turns into a connection error with GOAWAY (FRAME_SIZE_ERROR /
 ENHANCE_YOUR_CALM).  The header list size is enforced from the first frame, not only after
 the peer acknowledged our SETTINGS.
+
+Internals: this package uses private names of h2, hyperframe and purerpc (pinned to exact
+versions in pyproject.toml); ``check_private_names`` runs at import and refuses, with a clear
+message, an installation that lacks one, rather than failing on the first unusual frame.
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import h2.exceptions
+import h2.utilities
 import trio
 from h2.exceptions import DenialOfServiceError
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes, Settings
-from h2.utilities import SizeLimitDict
 from hyperframe.frame import GoAwayFrame
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
@@ -53,6 +57,70 @@ from purerpc.grpclib.exceptions import (
     ProtocolError,
     UnsupportedMessageEncodingError,
 )
+
+#: The versions whose private names this package uses (pinned in pyproject.toml); see
+#: ``check_private_names``, which runs at import.
+PINNED = {"h2": "3.2.0", "hyperframe": "5.2.0", "purerpc": "0.8.0"}
+
+
+def missing_private_names() -> list[str]:
+    """The private (or undocumented) names of h2, hyperframe and purerpc this package relies
+    on that the installed versions lack. An override of a renamed purerpc method would be
+    silently dead, and a missing h2 attribute would only fail on the first odd frame."""
+    import h2.connection
+    import h2.frame_buffer
+    import h2.utilities
+    import hyperframe.frame
+    from purerpc.grpclib.buffers import MessageReadBuffer
+
+    h2c = h2.connection.H2Connection()
+    checks: list[tuple[str, object, str]] = [
+        ("h2.utilities", h2.utilities, "SizeLimitDict"),
+        ("h2.connection", h2.connection, "ConnectionState"),
+        ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer, "_validate_frame_length"),
+        ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer, "_update_header_buffer"),
+        ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer(server=True), "_headers_buffer"),
+        ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer(server=True), "data"),
+        ("h2.connection.H2Connection", h2c, "_closed_streams"),
+        ("h2.connection.H2Connection", h2c, "_receive_goaway_frame"),
+        ("h2.connection.H2Connection", h2c, "_frame_dispatch_table"),
+        ("h2.connection.H2Connection", h2c, "_data_to_send"),
+        ("h2.connection.H2Connection", h2c, "incoming_buffer"),
+        ("h2.connection.H2Connection", h2c, "max_inbound_frame_size"),
+        ("h2.connection.H2Connection", h2c, "state_machine"),
+        ("h2.connection.H2Connection", h2c.decoder, "max_header_list_size"),
+        ("hyperframe.frame", hyperframe.frame, "GoAwayFrame"),
+        ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer(), "_buffer"),
+        ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer(), "_message_length"),
+        ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer, "decompress"),
+        ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer,
+         "read_all_complete_messages_flowcontrol"),
+    ]
+    if not hasattr(h2.connection.ConnectionState, "CLIENT_OPEN"):
+        checks.append(("h2.connection.ConnectionState", h2.connection.ConnectionState, "CLIENT_OPEN"))
+    # Methods BoundedH2 overrides: renamed in purerpc, the override would never run.
+    checks += [("purerpc.grpclib.connection.GRPCConnection", GRPCConnection, name) for name in (
+        "_set_h2_connection_local_settings", "_request_received", "_response_received",
+        "_data_received", "_remote_settings_changed", "_stream_reset", "_connection_terminated",
+    )]
+    grpc_conn = GRPCConnection(GRPCConfiguration(client_side=False))
+    checks += [("purerpc.grpclib.connection.GRPCConnection", grpc_conn, name)
+               for name in ("message_read_buffers", "h2_connection", "config")]
+    return [f"{owner}.{name}" for owner, obj, name in checks if not hasattr(obj, name)]
+
+
+def check_private_names() -> None:
+    """Fail at import, with a clear message, when an upgrade removed a name we rely on."""
+    missing = missing_private_names()
+    if missing:
+        pins = ", ".join(f"{name}=={version}" for name, version in PINNED.items())
+        raise ImportError(
+            "shard.rpc.transport relies on private names of " + pins + " that the installed "
+            "packages lack: " + ", ".join(missing) + ". Install the versions pinned in "
+            "pyproject.toml, or port shard/rpc/transport to the new ones.")
+
+
+check_private_names()
 
 OUTBOX_HIGH_WATER = 256 * 1024  # queued outbound bytes before a sending task waits
 READ_SIZE = 1024 * 1024  # 64 KiB reads halved 1 MiB-message throughput (measured)
@@ -367,7 +435,7 @@ class BoundedH2(GRPCConnection):
         self.h2_connection.incoming_buffer = _FrameBuffer(
             server=not client_side, header_block_limit=limits.max_header_list_bytes)
         # h2 has no public knob for this; its own dict type, with a smaller bound.
-        self.h2_connection._closed_streams = SizeLimitDict(
+        self.h2_connection._closed_streams = h2.utilities.SizeLimitDict(
             size_limit=limits.closed_streams_remembered)
 
     def _set_h2_connection_local_settings(self) -> None:
