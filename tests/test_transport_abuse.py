@@ -28,7 +28,7 @@ from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV 
 from rpc_harness import req, worker
 from shard.rpc.auth import TokenAuthenticator
 from shard.rpc.errors import ERROR_TRAILER, ErrorCode, ShardError
-from shard.rpc.transport import ClientConnection, Server, TransportLimits
+from shard.rpc.transport import ClientConnection, EndReason, Server, TransportLimits
 from shard.rpc.transport.wire import BufferPool
 from shard.v1 import shard_pb2 as pb
 from test_transport import SERVICE, Echo, RawClient, call, frame, settle
@@ -90,6 +90,11 @@ async def test_one_connection_never_takes_the_whole_pool(nursery: trio.Nursery) 
     server, echo, port = await start(nursery, limits)
     async with raw_clients(port, 1) as (attacker,):
         await fill_partial_messages(attacker, echo, streams=8)
+        (conn,) = server._connections  # noqa: SLF001 - the ledger under test
+        # The bound: every other connection slot keeps its reserve.
+        bound = min(limits.connection_buffer_bytes, limits.total_buffer_bytes
+                    - (limits.max_connections - 1) * limits.connection_reserve_bytes)
+        assert 0 < conn.h2.charge <= bound < limits.total_buffer_bytes
         await well_behaved_call(port, WINDOW_AND_A_HALF)
 
 
@@ -316,8 +321,11 @@ async def test_the_clients_own_cancels_stay_within_the_default_reset_bound(
         async with trio.open_nursery() as inner:
             await inner.start(conn.run)
             for i in range(300):
-                s = conn.open_stream("Bidi", trio.current_time() + 30, ())
+                # Unary: cancelled calls the server has not cleaned up yet never count against
+                # the streaming-call limit, so every one of them really starts.
+                s = conn.open_stream("Unary", trio.current_time() + 30, ())
                 await s.send(StringValue(value=f"hang:k{i}"))
+                await s.half_close()
                 if i % 50 == 0:  # now and then, let the call really start before cancelling
                     await settle(echo.started[f"k{i}"])
                 s.abort()
@@ -328,6 +336,9 @@ async def test_the_clients_own_cancels_stay_within_the_default_reset_bound(
                 reply = await s.receive(StringValue)
             assert reply is not None and reply.value == "after 300 cancels", s.status
             assert conn.dead is None and not conn.going_away
+            for i in range(0, 300, 50):  # the resets did reach the calls
+                await settle(echo.finished[f"k{i}"])
+                assert echo.reasons[f"k{i}"] is EndReason.CLIENT_CANCELLED
             s.close()
             conn.goodbye()
             inner.cancel_scope.cancel()
