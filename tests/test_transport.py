@@ -463,6 +463,32 @@ async def test_messages_larger_than_the_window_still_flow(nursery: trio.Nursery)
     assert response is not None and response.value == big
 
 
+async def test_a_response_larger_than_the_clients_window_is_not_held_back(
+    nursery: trio.Nursery,
+) -> None:
+    """The server framed the first window of such a response but waited for the client's
+    WINDOW_UPDATE before handing those bytes to the socket: the client, which acknowledges what
+    it received, never got them, and the response waited for some other frame (a keepalive
+    PING, 60 s) to flush it. Found with the Trio client echoing 1 MiB messages."""
+    from shard.rpc.transport import ClientConnection
+
+    _, _, port = await start(nursery)
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        conn = ClientConnection(stream, "test", "http", SERVICE, LIMITS)
+        async with trio.open_nursery() as inner:
+            await inner.start(conn.run)
+            s = conn.open_stream("Bidi", trio.current_time() + 30, ())
+            big = StringValue(value="r" * (LIMITS.stream_window_bytes + 1000))
+            with trio.fail_after(10):
+                for _ in range(3):
+                    await s.send(big)
+                    reply = await s.receive(StringValue)
+                    assert reply is not None and reply.value == big.value, s.status
+            s.abort()
+            conn.goodbye()
+            inner.cancel_scope.cancel()
+
+
 async def test_empty_messages_to_a_handler_that_does_not_read_stay_bounded(
     nursery: trio.Nursery,
 ) -> None:

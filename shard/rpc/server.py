@@ -145,7 +145,10 @@ async def serve(
     )
     health = HealthService()
     transport = Server(host=host, port=port, limits=transport_limits, ssl_context=ssl_context)
-    transport.add_service(servicer.service)
+    # The auth hook runs from each call's headers, before its request bytes are acknowledged.
+    transport.add_service(
+        servicer.service, authorize=servicer.authorize_call if authorize is not None else None
+    )
     transport.add_service(health.service)
     if reflection:
         for service in ReflectionService([SHARD_SERVICE, HEALTH_SERVICE]).services:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from typing import TypeVar
 
 import trio
@@ -22,7 +23,7 @@ from shard.v1 import shard_pb2 as pb
 from shard.v1.shard_grpc import ShardServicer as _ShardServicerBase
 
 from . import convert, lifecycle
-from .errors import ERROR_TRAILER, STATUS_ERROR_CODES, ErrorCode, GrpcStatus, ShardError, internal_error
+from .errors import ERROR_TRAILER, ErrorCode, ShardError, internal_error
 from .metrics import WorkerMetrics
 from .registry import Registry
 from .session import SessionLimits, StreamEnd
@@ -44,7 +45,14 @@ _STREAM_END: dict[EndReason, StreamEnd] = {
     EndReason.CLIENT_CANCELLED: StreamEnd.CLIENT_CANCELLED,
     EndReason.CONNECTION_LOST: StreamEnd.CONNECTION_LOST,
     EndReason.SHUTDOWN: StreamEnd.SHUTDOWN,
+    # The client stopped reading (send_idle_timeout): released like a client cancel, since a
+    # client that reads nothing holds a session slot for nothing.
+    EndReason.SEND_STALLED: StreamEnd.CLIENT_CANCELLED,
 }
+
+#: The call whose auth hook the transport already ran from its headers (``authorize_call``);
+#: the handler then does not run it again.
+_authorized: ContextVar[CallContext | None] = ContextVar("shard_authorized_call", default=None)
 
 #: The Shard error that rides along when the transport itself ends a call with a status.
 _END_ERRORS: dict[EndReason, ShardError] = {
@@ -75,14 +83,10 @@ class _Requests:
     async def __anext__(self) -> pb.SessionRequest:
         try:
             request = await anext(self._inner)
-        except StatusError as exc:  # oversized or unparsable request message
-            code = (
-                ErrorCode.INVALID_ARGUMENT
-                if exc.code == GrpcStatus.INTERNAL
-                else STATUS_ERROR_CODES.get(GrpcStatus(exc.code), ErrorCode.INTERNAL)
-            )
-            # The same message can never fit or parse: not retryable, whatever the status.
-            raise ShardError(code, exc.message, retryable=False) from None
+        except StatusError as exc:  # oversized, unparsable, unfinished or compressed message
+            # The transport's statuses carry their Shard error (code, reason, retryable): the
+            # stream fails with it, as the same request would on a unary call.
+            raise ShardError.from_status(exc.code, exc.message, exc.trailers) from None
         if self._observe is not None:
             self._observe(request)
         return request
@@ -152,9 +156,26 @@ class ShardServicer(_ShardServicerBase):
             _note_end(ctx)
 
     async def _authenticate(self, ctx: CallContext) -> None:
-        """Run the auth hook; remember the principal for this call's log lines."""
-        if self._authorize is not None:
+        """Run the auth hook (unless ``authorize_call`` already did for this call); remember
+        the principal for this call's log lines."""
+        if self._authorize is not None and _authorized.get() is not ctx:
             lifecycle.principal.set(await self._authorize(ctx) or "")
+
+    async def authorize_call(self, ctx: CallContext) -> None:
+        """The transport's gate for ``shard.v1.Shard`` (``Server.add_service(authorize=)``):
+        runs the auth hook from the call's headers, before a byte of its request is
+        acknowledged or its handler starts, so an unauthenticated peer cannot make the worker
+        buffer message bytes. Refusals are counted and carry the Shard trailers."""
+        try:
+            await self._authenticate(ctx)
+        except ShardError as err:
+            if not ctx.method.endswith("/Session"):  # unary calls are counted when refused too
+                self.registry.count(f"rpc_{ctx.method.rsplit('/', 1)[-1]}_total")
+            raise self._refuse(err) from None
+        except Exception:
+            log.exception("the authorize hook failed on %s", ctx.method)
+            raise self._refuse(internal_error()) from None
+        _authorized.set(ctx)
 
     async def _capabilities(self, _: pb.GetCapabilitiesRequest) -> pb.GetCapabilitiesResponse:
         await trio.lowlevel.checkpoint()

@@ -1,8 +1,10 @@
 """Hardened gRPC transport over purerpc 0.8.0: the only package touching purerpc internals and h2.
 
 - ``wire``: what both sides share: ``TransportLimits``, the bounded h2 machine with its flow
-  ledger (inbound memory caps), the outbox, GOAWAY framing;
-- ``server``: ``Server`` (connections, calls, deadlines, cancels, drain) and the call API
+  ledger (inbound memory caps) and the receive pool (a reserve per connection, fair shares of
+  the rest), the outbox, GOAWAY framing, the check of the h2 / purerpc internals we rely on;
+- ``server``: ``Server`` (connections, calls, deadlines, cancels, drain, authorization from
+  the headers, message and send-idle timeouts, the stream-reset bound) and the call API
   handlers use (``current_call``, ``CallContext``, ``StatusError``, ``EndReason``);
 - ``client``: ``ClientConnection`` / ``ClientStream`` for ``shard/client.py``.
 

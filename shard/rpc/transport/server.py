@@ -10,8 +10,16 @@ no GOAWAY.
 Resource handling: every connection and call is a task in an owner nursery under ``serve()``;
 ``serve_listeners`` closes each accepted stream, ``serve`` closes the listener.  Per-call state
 (call table, purerpc read buffer, ledger entry) is dropped when the call task ends.  A peer
-that stops reading stalls its own connection (see ``Outbox``); a connection that sends no valid
-HTTP/2 within ``handshake_timeout`` or does not answer a keepalive PING is closed.
+that stops reading stalls its own connection (see ``Outbox``), and a call that cannot send for
+``send_idle_timeout`` ends; a connection that sends no valid HTTP/2 within
+``handshake_timeout`` or does not answer a keepalive PING is closed, and one that resets
+streams faster than ``reset_burst`` / ``reset_rate`` gets GOAWAY(ENHANCE_YOUR_CALM).
+
+Abuse of the inbound buffers: a service registered with ``authorize`` has that hook run from
+the call's headers before a byte of its DATA is acknowledged (``BoundedH2`` gates every new
+stream), so an unauthenticated peer can never make the worker buffer more than the windows it
+was given at connect; a request message not finished within ``message_timeout`` fails its
+stream and gives its bytes back (one watchdog task per connection).
 
 Drain: ``Server.drain()`` sends GOAWAY (last stream id) on every connection at once and refuses
 later streams (REFUSED_STREAM, which clients retry elsewhere); ``end_calls()`` then ends every
@@ -34,7 +42,7 @@ import socket
 import ssl
 import struct
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,21 +85,33 @@ class EndReason(enum.Enum):
     CLIENT_CANCELLED = "client_cancelled"  # RST_STREAM from the client
     CONNECTION_LOST = "connection_lost"  # the connection closed / broke
     SHUTDOWN = "shutdown"  # the server is stopping
+    SEND_STALLED = "send_stalled"  # the client read no response for send_idle_timeout
 
 
 # Status sent when the transport itself ends a call; None: the stream is gone, send nothing.
 _END_STATUS: dict[EndReason, tuple[int, str] | None] = {
-    EndReason.DEADLINE: (4, "deadline exceeded"),
+    EndReason.DEADLINE: (int(GrpcStatus.DEADLINE_EXCEEDED), "deadline exceeded"),
     EndReason.CLIENT_CANCELLED: None,
     EndReason.CONNECTION_LOST: None,
     EndReason.SHUTDOWN: (int(GrpcStatus.UNAVAILABLE), "the worker is draining"),
+    EndReason.SEND_STALLED: (int(GrpcStatus.RESOURCE_EXHAUSTED), "the client read no response"),
 }
 
-#: Rides along with a SHUTDOWN status unless the handler attached its own Shard error, so a
-#: router can tell a drain (retry elsewhere) from a crash.
-_DRAINING_TRAILERS = ShardError(
-    ErrorCode.DRAINING, "the worker is draining: the call was ended before it finished"
-).trailers()
+#: The Shard error that rides along with each of those statuses unless the handler attached
+#: its own: a router can tell a drain (retry elsewhere) from a crash, and every status the
+#: transport sends carries ``shard-error-bin`` and ``grpc-status-details-bin``.
+_END_TRAILERS: dict[EndReason, list[tuple[str, bytes]]] = {
+    EndReason.DEADLINE: ShardError(
+        ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired").trailers(),
+    EndReason.SHUTDOWN: ShardError(
+        ErrorCode.DRAINING, "the worker is draining: the call was ended before it finished"
+    ).trailers(),
+    EndReason.SEND_STALLED: ShardError(
+        ErrorCode.RESOURCE_EXHAUSTED,
+        "the client read no response for send_idle_timeout: the call was ended",
+        retryable=True, reason="SEND_IDLE_TIMEOUT",
+    ).trailers(),
+}
 _KEEPALIVE_PING = b"shard-ka"
 
 
@@ -109,6 +129,12 @@ class StatusError(Exception):
         self.code = code
         self.message = message
         self.trailers = tuple(trailers)
+
+    @classmethod
+    def of(cls, err: ShardError) -> StatusError:
+        """``err`` as a status with its ``shard-error-bin`` and ``grpc-status-details-bin``
+        trailers (every status the transport itself produces carries them)."""
+        return cls(int(err.grpc_status), err.message, err.trailers())
 
 
 @dataclass
@@ -171,6 +197,8 @@ class _Call:
         self.window = trio.Event()
         self.headers_sent = False
         self.error: StatusError | None = None
+        #: The service's authorize hook, run from the headers before the DATA is acknowledged.
+        self.gate: Callable[[CallContext], Awaitable[Any]] | None = None
 
     def abort(self, reason: EndReason) -> None:
         """Record why the call ends early, then cancel the handler (its ``finally`` runs)."""
@@ -195,21 +223,25 @@ class _Call:
                     message.ParseFromString(item)
                     return message
                 except DecodeError:
-                    self.error = StatusError(13, "cannot parse request message")
+                    self.error = _invalid("cannot parse request message")
         raise StatusError(self.error.code, self.error.message, self.error.trailers)
 
     async def receive_one(self) -> Any:
         message = await self.receive()
         if message is None or await self.receive() is not None:
-            raise StatusError(13, "expected exactly one request message")
+            raise _invalid("expected exactly one request message")
         return message
 
     async def send(self, message: Any) -> None:
         """Frame ``message`` and send it within the peer's flow-control windows."""
         data = message.SerializeToString()
-        if len(data) > self.conn.h2.limits.max_message_bytes:
-            raise StatusError(8, "response message larger than the limit")
+        limits = self.conn.h2.limits
+        if len(data) > limits.max_message_bytes:
+            raise StatusError.of(ShardError(
+                ErrorCode.RESOURCE_EXHAUSTED, "response message larger than the limit",
+                retryable=False, reason="MESSAGE_TOO_LARGE"))
         h2c, view = self.conn.h2, memoryview(struct.pack(">?I", False, len(data)) + data)
+        blocked_since: float | None = None  # the peer has given no window since then
         while view:
             await trio.lowlevel.checkpoint_if_cancelled()  # the stream may be gone
             try:
@@ -220,24 +252,54 @@ class _Call:
                 if window > 0:
                     h2c.send_data(self.sid, bytes(view[:window]))
                     view = view[window:]
+                    blocked_since = None
             except h2.exceptions.ProtocolError:  # h2 refuses to send: connection is closing
                 self.conn.close(EndReason.CONNECTION_LOST)
                 await trio.lowlevel.checkpoint()
                 raise trio.BrokenResourceError("connection closed") from None
             if window <= 0:
-                await self.window.wait()
+                # What h2 framed so far must reach the peer before we wait for its window: the
+                # peer acknowledges only what it received (a response larger than the window
+                # used to wait here until some other frame flushed it, e.g. a keepalive PING).
+                self.conn.send_pending()
+                # Woken by any WINDOW_UPDATE of the connection: only a window for this stream
+                # counts as progress, so the idle clock runs from the first wait.
+                if blocked_since is None:
+                    blocked_since = trio.current_time()
+                with trio.move_on_at(blocked_since + limits.send_idle_timeout) as idle:
+                    await self.window.wait()
                 self.window = trio.Event()
-        await self.conn.flush()
+                if idle.cancelled_caught:
+                    await self._stalled("no flow-control window")
+        if not await self.conn.flush(limits.send_idle_timeout):
+            await self._stalled("nothing written to the socket")
+
+    async def _stalled(self, what: str) -> None:
+        """The peer read nothing for ``send_idle_timeout``: end the call (RESOURCE_EXHAUSTED,
+        reason SEND_IDLE_TIMEOUT; a session is released, not retained)."""
+        log.info("ending %s on stream %d from %s: %s for %gs (the client stopped reading)",
+                 self.ctx.method, self.sid, self.conn.peer, what,
+                 self.conn.h2.limits.send_idle_timeout)
+        self.abort(EndReason.SEND_STALLED)
+        await trio.lowlevel.checkpoint()  # raises Cancelled: this task runs in self.scope
+        raise trio.BrokenResourceError("the client stopped reading")  # outside self.scope
 
 
 class _Connection:
     """One HTTP/2 connection: a reader (this task), a writer task, a watchdog (handshake and
-    keepalive) and one task per call."""
+    keepalive), a message timer (``message_timeout``) and one task per call."""
 
     def __init__(self, server: Server, stream: trio.abc.Stream, peer: str) -> None:
         self.server, self.stream, self.peer = server, stream, peer
-        self.h2 = BoundedH2(server.limits, client_side=False, pool=server.pool)
+        self.h2 = BoundedH2(server.limits, client_side=False, pool=server.pool,
+                            gate_streams=True, clock=trio.current_time)
         self.h2.on_acks = self.send_pending
+        self.h2.on_message_start = self._message_started
+        self._message_wake = trio.Event()  # an unfinished message began (the timer sleeps)
+        # Rapid reset: a token bucket of stream resets the peer may still send.
+        self._resets_left = float(server.limits.reset_burst)
+        self._resets_at = trio.current_time()
+        self._calm_down = False  # too many resets: GOAWAY(ENHANCE_YOUR_CALM) after this read
         self.calls: dict[int, _Call] = {}
         self.streaming_calls = 0
         self._outbox = Outbox(on_drained=server.notify)  # bytes h2 produced, not sent yet
@@ -256,6 +318,7 @@ class _Connection:
                     self.goaway()
                 nursery.start_soon(self._write_loop)
                 nursery.start_soon(self._watchdog)
+                nursery.start_soon(self._time_messages)
                 await self._read_loop()
                 self.close(EndReason.CONNECTION_LOST)
         finally:
@@ -287,9 +350,10 @@ class _Connection:
     def send_pending(self) -> None:
         self._outbox.push(self.h2.data_to_send())
 
-    async def flush(self) -> None:
-        """Queue h2's output; a handler waits here while the peer reads slowly."""
-        await self._outbox.flush(self.h2)
+    async def flush(self, idle: float = math.inf) -> bool:
+        """Queue h2's output; a handler waits here while the peer reads slowly. False if
+        nothing was written for ``idle`` seconds."""
+        return await self._outbox.flush(self.h2, idle)
 
     async def _write_loop(self) -> None:
         try:
@@ -325,6 +389,61 @@ class _Connection:
                 self.close(EndReason.CONNECTION_LOST)
                 return
 
+    def _message_started(self) -> None:
+        self._message_wake.set()
+
+    async def _time_messages(self) -> None:
+        """Fail the streams whose request message is not finished within ``message_timeout``
+        (sleeps until the oldest unfinished message is due; no polling)."""
+        timeout = self.server.limits.message_timeout
+        while True:
+            oldest = self.h2.oldest_message_start()
+            if oldest is None:
+                self._message_wake = trio.Event()
+                await self._message_wake.wait()
+                continue
+            await trio.sleep_until(oldest + timeout)
+            for sid in self.h2.messages_started_before(trio.current_time() - timeout):
+                self._message_timed_out(sid, timeout)
+            self.send_pending()
+
+    def _message_timed_out(self, sid: int, timeout: float) -> None:
+        log.info("stream %d from %s: request message not finished within %gs",
+                 sid, self.peer, timeout)
+        self.h2.drop_input(sid)  # its bytes go back to the pool and to the peer's window
+        call = self.calls.get(sid)
+        if call is None:
+            self.h2.forget(sid)
+            return
+        error = StatusError.of(ShardError(
+            ErrorCode.RESOURCE_EXHAUSTED,
+            f"request message not finished within {timeout:g}s (message_timeout)",
+            retryable=True, reason="MESSAGE_TIMEOUT"))
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            call.inbox_send.send_nowait(error)
+        call.inbox_send.close()
+
+    def _count_reset(self) -> None:
+        """A token bucket of RST_STREAMs: ``reset_burst`` at once, ``reset_rate`` per second."""
+        limits, now = self.server.limits, trio.current_time()
+        self._resets_left = min(float(limits.reset_burst),
+                                self._resets_left + (now - self._resets_at) * limits.reset_rate)
+        self._resets_at = now
+        self._resets_left -= 1
+        if self._resets_left < 0:
+            self._calm_down = True
+
+    async def _say_goodbye(self, error_code: int, why: str) -> None:
+        """Connection error: GOAWAY with ``error_code``, a bounded wait for it to be written,
+        then the caller returns and the connection closes (its calls: CONNECTION_LOST)."""
+        log.warning("closing connection from %s: %s", self.peer, why)
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.h2_connection.close_connection(
+                error_code=error_code, additional_data=why.encode("ascii", "replace"))
+        self.send_pending()
+        with trio.move_on_after(1.0):
+            await self._outbox.wait_below(0)
+
     async def _read_loop(self) -> None:
         while True:
             try:
@@ -345,6 +464,13 @@ class _Connection:
                 return
             for event in events:
                 self._dispatch(event)
+            if self._calm_down:
+                limits = self.server.limits
+                await self._say_goodbye(
+                    ErrorCodes.ENHANCE_YOUR_CALM,
+                    f"more than {limits.reset_burst} stream resets at once or "
+                    f"{limits.reset_rate:g} per second")
+                return
             self.send_pending()
             # Stop reading while the peer does not read: otherwise frames h2 answers by itself
             # (PING and SETTINGS ACKs) would pile up in the outbox without a bound.
@@ -371,19 +497,27 @@ class _Connection:
         if kind == "settings":
             self._greeted.set()
         elif kind == "malformed":
-            self.end_stream(sid, False, 13, "malformed request headers", ())
+            self._refuse_call(sid, ShardError(ErrorCode.INTERNAL, "malformed request headers"))
         elif kind == "goaway":
             self.close(EndReason.CONNECTION_LOST)
-        elif (call := self.calls.get(sid)) is None:
-            self.h2.forget(sid)
-        elif kind == "oversized":
-            call.inbox_send.send_nowait(_too_large("request message larger than the limit"))
-            call.inbox_send.close()
-        elif kind == "compressed":
-            call.inbox_send.send_nowait(StatusError(12, "compressed messages are not supported"))
-            call.inbox_send.close()
-        elif kind == "reset":
-            call.abort(EndReason.CLIENT_CANCELLED)
+        else:
+            if kind == "reset":
+                self._count_reset()
+            if (call := self.calls.get(sid)) is None:
+                self.h2.forget(sid)
+            elif kind == "oversized":
+                call.inbox_send.send_nowait(_too_large("request message larger than the limit"))
+                call.inbox_send.close()
+            elif kind == "compressed":
+                call.inbox_send.send_nowait(StatusError.of(ShardError(
+                    ErrorCode.UNSUPPORTED_FEATURE, "compressed messages are not supported")))
+                call.inbox_send.close()
+            elif kind == "reset":
+                call.abort(EndReason.CLIENT_CANCELLED)
+
+    def _refuse_call(self, sid: int, err: ShardError) -> None:
+        """End a stream before any handler runs: the status with the Shard trailers."""
+        self.end_stream(sid, False, int(err.grpc_status), err.message, err.trailers())
 
     def _refuse(self, sid: int) -> None:
         """REFUSED_STREAM: the call did no work, so any client may retry it elsewhere."""
@@ -401,27 +535,29 @@ class _Connection:
         bound = None if service is None else service.methods.get(event.method_name)
         if bound is None:
             method = f"/{event.service_name}/{event.method_name}"
-            self.end_stream(event.stream_id, False, 12, f"method {method} is not implemented", ())
+            self._refuse_call(event.stream_id, ShardError(
+                ErrorCode.UNSUPPORTED_FEATURE, f"method {method} is not implemented"))
             return
         if event.message_encoding not in (None, "identity"):
             # Only identity encoding (see wire._refuse_compressed); the gRPC spec's answer to
             # an unsupported encoding is UNIMPLEMENTED.
-            self.end_stream(
-                event.stream_id, False, 12,
-                f"message encoding {event.message_encoding!r} is not supported", (),
-            )
+            self._refuse_call(event.stream_id, ShardError(
+                ErrorCode.UNSUPPORTED_FEATURE,
+                f"message encoding {event.message_encoding!r} is not supported"))
             return
         streaming = bound.signature.cardinality != Cardinality.UNARY_UNARY
         if streaming and self.streaming_calls >= self.server.limits.max_concurrent_streams:
             # The advertised stream limit keeps room for unary calls (Cancel, GetMetrics), so
             # a connection full of sessions can still reach the worker; refuse the extra stream.
-            self.end_stream(
-                event.stream_id, False, int(GrpcStatus.RESOURCE_EXHAUSTED),
+            self._refuse_call(event.stream_id, ShardError(
+                ErrorCode.RESOURCE_EXHAUSTED,
                 f"at most {self.server.limits.max_concurrent_streams} streaming calls per "
-                "connection; open another connection", (),
-            )
+                "connection; open another connection"))
             return
         call = _Call(self, event, bound.signature.request_type, streaming)
+        call.gate = self.server._gates.get(event.service_name)
+        if call.gate is None:
+            self.h2.open_gate(call.sid)  # nothing to check: DATA may be acknowledged now
         self.calls[call.sid] = call
         self.streaming_calls += streaming
         assert self._nursery is not None
@@ -458,6 +594,8 @@ class _Connection:
         ctx = call.ctx
         try:
             with call.scope:
+                if call.gate is not None:
+                    await self._authorize(call, call.gate)
                 await self._call_handler(call, bound, event)
                 if ctx.end_reason is None:
                     return 0, "", ctx.trailers
@@ -467,7 +605,10 @@ class _Connection:
                 if error is not None:
                     return error.code, error.message, [*ctx.trailers, *error.trailers]
                 log.error("handler %s failed", ctx.method, exc_info=exc)
-                return 13, "internal error", ctx.trailers
+                trailers = list(ctx.trailers)
+                if not any(key == ERROR_TRAILER for key, _ in trailers):
+                    trailers += _INTERNAL_TRAILERS
+                return 13, "internal error", trailers
             refusal = _find_status_error(exc)
             if refusal is None:
                 log.warning("handler %s raised while ending (%s)", ctx.method, ctx.end_reason,
@@ -479,11 +620,24 @@ class _Connection:
         status = _END_STATUS[ctx.end_reason]
         if status is None:
             return None
+        # The transport's own status always carries its Shard error, also when the end raced
+        # the handler producing one (a deadline expiring while a session's error status was
+        # being made dropped that refusal, and with it every shard-error-bin trailer).
         trailers = list(ctx.trailers)
-        if ctx.end_reason is EndReason.SHUTDOWN and not any(
-                key == ERROR_TRAILER for key, _ in trailers):
-            trailers += _DRAINING_TRAILERS
+        if not any(key == ERROR_TRAILER for key, _ in trailers):
+            trailers += _END_TRAILERS[ctx.end_reason]
         return (*status, trailers)
+
+    async def _authorize(
+        self, call: _Call, gate: Callable[[CallContext], Awaitable[Any]]
+    ) -> None:
+        """Run the service's authorize hook from the headers; only then acknowledge DATA."""
+        try:
+            await gate(call.ctx)
+        except ShardError as err:
+            raise StatusError.of(err) from None
+        self.h2.open_gate(call.sid)
+        self.send_pending()
 
     @staticmethod
     async def _call_handler(call: _Call, bound: Any, event: RequestReceived) -> None:
@@ -520,7 +674,9 @@ class _Connection:
             list(sanitize_headers(pairs))  # validate: -bin keys take bytes, no grpc- keys
         except (ValueError, TypeError, AttributeError):
             log.error("invalid trailing metadata on stream %d: %r", sid, trailers)
-            code, message, pairs, details = 13, "internal error", [], []
+            code, message = 13, "internal error"
+            pairs = [_INTERNAL_TRAILERS[0]]
+            details = [(k, b64encode(v)) for k, v in _INTERNAL_TRAILERS[1:]]
         head = [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
         head.append(("grpc-status", str(code)))
         if message:
@@ -541,10 +697,17 @@ class _Connection:
 
 def _too_large(message: str) -> StatusError:
     """RESOURCE_EXHAUSTED with the Shard trailers: the same message never fits (not retryable)."""
-    err = ShardError(
-        ErrorCode.RESOURCE_EXHAUSTED, message, retryable=False, reason="MESSAGE_TOO_LARGE"
-    )
-    return StatusError(8, message, err.trailers())
+    return StatusError.of(ShardError(
+        ErrorCode.RESOURCE_EXHAUSTED, message, retryable=False, reason="MESSAGE_TOO_LARGE"))
+
+
+def _invalid(message: str) -> StatusError:
+    """INVALID_ARGUMENT with the Shard trailers, on unary calls and streams alike (a request
+    message that does not parse, or a unary call without exactly one)."""
+    return StatusError.of(ShardError(ErrorCode.INVALID_ARGUMENT, message, retryable=False))
+
+
+_INTERNAL_TRAILERS = ShardError(ErrorCode.INTERNAL).trailers()
 
 
 def _find_status_error(exc: BaseException) -> StatusError | None:
@@ -578,9 +741,12 @@ class Server:
 
     Error handling: ``StatusError`` -> its status and trailers; any other exception ->
     INTERNAL "internal error" and a log record with the traceback; a deadline -> the handler
-    is cancelled and the call ends DEADLINE_EXCEEDED; a client cancel or lost connection ->
-    the handler is cancelled and nothing is sent; a drain or stop -> UNAVAILABLE with a
-    DRAINING ``shard-error-bin`` trailer.  ``ctx.trailers`` go out with every status.
+    is cancelled and the call ends DEADLINE_EXCEEDED (also when the handler was producing its
+    own error status at that moment); a client cancel or lost connection -> the handler is
+    cancelled and nothing is sent; a drain or stop -> UNAVAILABLE (DRAINING); a client that
+    reads nothing for ``send_idle_timeout`` -> RESOURCE_EXHAUSTED (SEND_IDLE_TIMEOUT).  Every
+    status the transport itself produces carries the ``shard-error-bin`` and
+    ``grpc-status-details-bin`` trailers; ``ctx.trailers`` go out with every status.
     """
 
     def __init__(
@@ -596,18 +762,32 @@ class Server:
         if ssl_context is not None:
             ssl_context.set_alpn_protocols(["h2"])  # gRPC clients require ALPN h2
         self._services: dict[str, purerpc.Service] = {}
+        self._gates: dict[str, Callable[[CallContext], Awaitable[Any]]] = {}
         self._connections: set[_Connection] = set()
-        self.pool = BufferPool(limits.total_buffer_bytes)  # inbound bytes of all connections
+        # Inbound bytes of all connections: a reserve for each connection slot, the rest lent.
+        self.pool = BufferPool(limits.total_buffer_bytes, slots=limits.max_connections,
+                               reserve=limits.connection_reserve_bytes)
         self.draining = False
         self.refused_connections = 0  # accepted and closed at once: over max_connections
         self._changed = trio.Event()  # set whenever a call ends or an outbox drains
         self._accepting = trio.CancelScope()  # the accept loop; cancelled by drain()
 
-    def add_service(self, service: purerpc.Service) -> None:
-        """Register a ``purerpc.Service`` (e.g. ``servicer.service``)."""
+    def add_service(
+        self, service: purerpc.Service, *,
+        authorize: Callable[[CallContext], Awaitable[Any]] | None = None,
+    ) -> None:
+        """Register a ``purerpc.Service`` (e.g. ``servicer.service``).
+
+        ``authorize(ctx)``, if given, runs for every call of the service from its headers,
+        before a byte of its request is acknowledged (HTTP/2 flow control) or its handler
+        starts; it refuses by raising ``StatusError`` or ``ShardError`` (e.g.
+        UNAUTHENTICATED), which ends the call with that status and drops what the peer sent.
+        """
         if service.name in self._services:
             raise ValueError(f"service {service.name!r} is already registered")
         self._services[service.name] = service
+        if authorize is not None:
+            self._gates[service.name] = authorize
 
     @property
     def open_connections(self) -> int:

@@ -6,13 +6,21 @@ and writer tasks; what they share lives here, so both sides get the same bounds.
 Inbound memory (the ledger).  Every stream keeps ``queued`` (complete messages the reader has
 not taken, each counting its 5-byte prefix, so empty messages are bounded too), ``partial``
 (bytes of an unfinished message) and ``deferred`` (bytes received but not yet acknowledged).
-Received bytes are acknowledged (WINDOW_UPDATE) at once only while the stream has at most one
-window of queued messages, its connection holds at most ``connection_buffer_bytes`` and all
-connections together hold at most ``total_buffer_bytes``; otherwise they are deferred until
-the reader consumes or the call ends.  A peer can only send what was acknowledged plus one
-window, so a connection holds at most ``connection_buffer_bytes + connection_window_bytes``
-of message bytes, and unfinished messages cannot escape the count.  A message larger than the
-stream window still flows (its bytes are acknowledged while the caps allow).
+A stream's *charge* is what it holds of the bytes already acknowledged (WINDOW_UPDATE):
+``max(0, queued + partial - deferred)``; the peer can send at most one connection window more
+than that, so a connection holds at most its charge plus ``connection_window_bytes`` of
+message bytes, and unfinished messages cannot escape the count.
+
+Received bytes are acknowledged while the stream has at most one window of queued messages, the
+connection's charge stays within ``connection_buffer_bytes`` and the server's ``BufferPool``
+grants it room; otherwise they are deferred until the reader consumes, the pool has room again
+or the call ends.  The pool (``total_buffer_bytes``) keeps ``connection_reserve_bytes`` for each
+of the ``max_connections`` connection slots, for that connection alone, and lends the rest to
+connections that need more, never beyond an equal share of it while others wait for it: so one
+connection can never take the whole pool, and a connection always gets one stream window of
+messages acknowledged, whatever the others hold.  A message larger than the stream window
+still flows (its bytes are acknowledged while there is room), and one the peer does not finish
+within ``message_timeout`` fails its stream and gives its bytes back.
 
 Frames: h2 3.2 buffers a whole frame before checking its length against the advertised
 ``MAX_FRAME_SIZE`` and lets a header block grow to 64 CONTINUATION frames; ``_FrameBuffer``
@@ -20,6 +28,10 @@ refuses an oversized frame on its 9-byte header and a header block above the hea
 limit, which h2 turns into a connection error with GOAWAY (FRAME_SIZE_ERROR /
 ENHANCE_YOUR_CALM).  The header list size is enforced from the first frame, not only after
 the peer acknowledged our SETTINGS.
+
+Internals: this package uses private names of h2, hyperframe and purerpc (pinned to exact
+versions in pyproject.toml); ``check_private_names`` runs at import and refuses, with a clear
+message, an installation that lacks one, rather than failing on the first unusual frame.
 """
 
 from __future__ import annotations
@@ -31,11 +43,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import h2.exceptions
+import h2.utilities
 import trio
 from h2.exceptions import DenialOfServiceError
 from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes, Settings
-from h2.utilities import SizeLimitDict
 from hyperframe.frame import GoAwayFrame
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
@@ -45,6 +57,70 @@ from purerpc.grpclib.exceptions import (
     ProtocolError,
     UnsupportedMessageEncodingError,
 )
+
+#: The versions whose private names this package uses (pinned in pyproject.toml); see
+#: ``check_private_names``, which runs at import.
+PINNED = {"h2": "3.2.0", "hyperframe": "5.2.0", "purerpc": "0.8.0"}
+
+
+def missing_private_names() -> list[str]:
+    """The private (or undocumented) names of h2, hyperframe and purerpc this package relies
+    on that the installed versions lack. An override of a renamed purerpc method would be
+    silently dead, and a missing h2 attribute would only fail on the first odd frame."""
+    import h2.connection
+    import h2.frame_buffer
+    import h2.utilities
+    import hyperframe.frame
+    from purerpc.grpclib.buffers import MessageReadBuffer
+
+    h2c = h2.connection.H2Connection()
+    checks: list[tuple[str, object, str]] = [
+        ("h2.utilities", h2.utilities, "SizeLimitDict"),
+        ("h2.connection", h2.connection, "ConnectionState"),
+        ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer, "_validate_frame_length"),
+        ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer, "_update_header_buffer"),
+        ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer(server=True), "_headers_buffer"),
+        ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer(server=True), "data"),
+        ("h2.connection.H2Connection", h2c, "_closed_streams"),
+        ("h2.connection.H2Connection", h2c, "_receive_goaway_frame"),
+        ("h2.connection.H2Connection", h2c, "_frame_dispatch_table"),
+        ("h2.connection.H2Connection", h2c, "_data_to_send"),
+        ("h2.connection.H2Connection", h2c, "incoming_buffer"),
+        ("h2.connection.H2Connection", h2c, "max_inbound_frame_size"),
+        ("h2.connection.H2Connection", h2c, "state_machine"),
+        ("h2.connection.H2Connection", h2c.decoder, "max_header_list_size"),
+        ("hyperframe.frame", hyperframe.frame, "GoAwayFrame"),
+        ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer(), "_buffer"),
+        ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer(), "_message_length"),
+        ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer, "decompress"),
+        ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer,
+         "read_all_complete_messages_flowcontrol"),
+    ]
+    if not hasattr(h2.connection.ConnectionState, "CLIENT_OPEN"):
+        checks.append(("h2.connection.ConnectionState", h2.connection.ConnectionState, "CLIENT_OPEN"))
+    # Methods BoundedH2 overrides: renamed in purerpc, the override would never run.
+    checks += [("purerpc.grpclib.connection.GRPCConnection", GRPCConnection, name) for name in (
+        "_set_h2_connection_local_settings", "_request_received", "_response_received",
+        "_data_received", "_remote_settings_changed", "_stream_reset", "_connection_terminated",
+    )]
+    grpc_conn = GRPCConnection(GRPCConfiguration(client_side=False))
+    checks += [("purerpc.grpclib.connection.GRPCConnection", grpc_conn, name)
+               for name in ("message_read_buffers", "h2_connection", "config")]
+    return [f"{owner}.{name}" for owner, obj, name in checks if not hasattr(obj, name)]
+
+
+def check_private_names() -> None:
+    """Fail at import, with a clear message, when an upgrade removed a name we rely on."""
+    missing = missing_private_names()
+    if missing:
+        pins = ", ".join(f"{name}=={version}" for name, version in PINNED.items())
+        raise ImportError(
+            "shard.rpc.transport relies on private names of " + pins + " that the installed "
+            "packages lack: " + ", ".join(missing) + ". Install the versions pinned in "
+            "pyproject.toml, or port shard/rpc/transport to the new ones.")
+
+
+check_private_names()
 
 OUTBOX_HIGH_WATER = 256 * 1024  # queued outbound bytes before a sending task waits
 READ_SIZE = 1024 * 1024  # 64 KiB reads halved 1 MiB-message throughput (measured)
@@ -62,6 +138,9 @@ class TransportLimits:
     connection_window_bytes`` plus one read and one frame being reassembled (``max_frame_bytes``
     each); over all connections ``total_buffer_bytes + max_connections x (connection_window_bytes
     + 2 x max_frame_bytes)``.  With the defaults: 42 MiB per connection, 896 MiB in total.
+    Fairness: of ``total_buffer_bytes`` every connection slot keeps ``connection_reserve_bytes``
+    (1 MiB) for itself and the rest (192 MiB) is lent out, never beyond an equal share to a
+    connection while others wait; see ``BufferPool``.
     Bookkeeping comes on top: about 100 bytes per remembered closed stream, at most
     ``closed_streams_remembered`` per connection (100 KiB with the default).
     """
@@ -90,6 +169,20 @@ class TransportLimits:
     #: ago gets RST_STREAM instead of killing the connection. h2 keeps 65,536 (about 100 bytes
     #: each): a long-lived connection grew by ~6 MiB over its first 65,536 calls.
     closed_streams_remembered: int = 1024
+    #: Seconds a peer has to finish a request message it started (first byte to last); past
+    #: that its stream fails RESOURCE_EXHAUSTED (reason MESSAGE_TIMEOUT) and the bytes held for
+    #: the message are given back: an unfinished message cannot hold buffer space for ever.
+    message_timeout: float = 30.0
+    #: Stream resets (RST_STREAM) a peer may send in a burst, and per second on average after
+    #: it (a token bucket); past that the connection gets GOAWAY(ENHANCE_YOUR_CALM) and closes
+    #: ("rapid reset").  A client resets at most the streams it has open (80) at once.
+    reset_burst: int = 500
+    reset_rate: float = 100.0
+    #: Seconds a call may wait with a response to send while the peer reads nothing (no
+    #: flow-control window, or nothing written to the socket); past that the call ends
+    #: RESOURCE_EXHAUSTED (reason SEND_IDLE_TIMEOUT), which releases a session.  ``math.inf``
+    #: turns it off.
+    send_idle_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         # HTTP/2 bounds (RFC 9113 6.5.2, 6.9.1): fail at construction, not on the first client.
@@ -113,17 +206,26 @@ class TransportLimits:
             raise ValueError("max_connections must be >= 1")
         if self.closed_streams_remembered < 1:
             raise ValueError("closed_streams_remembered must be >= 1")
+        if self.reset_burst < 1:
+            raise ValueError("reset_burst must be >= 1")
         for name in ("handshake_timeout", "keepalive_interval", "keepalive_timeout",
-                     "flush_timeout"):
+                     "flush_timeout", "message_timeout", "reset_rate", "send_idle_timeout"):
             value = getattr(self, name)
             if not (value > 0 and not math.isnan(value)):
-                raise ValueError(f"{name} must be > 0 seconds")
+                raise ValueError(f"{name} must be > 0")
 
     @property
     def max_frame_bytes(self) -> int:
         """Advertised MAX_FRAME_SIZE: big frames cut h2's per-frame Python cost (1 MiB messages:
         ~+25%); a DATA frame never needs to exceed the stream window."""
         return max(16384, min(self.stream_window_bytes, 2**24 - 1))
+
+    @property
+    def connection_reserve_bytes(self) -> int:
+        """Acknowledged bytes the pool keeps for each connection slot alone: one stream window
+        (at most an equal share of ``total_buffer_bytes``), so that calls with messages up to
+        about two windows are never starved by other connections."""
+        return min(self.stream_window_bytes, self.total_buffer_bytes // self.max_connections)
 
     @property
     def per_connection_memory_bytes(self) -> int:
@@ -153,17 +255,23 @@ class Outbox:
             self._data += data
             self._wake.set()
 
-    async def flush(self, h2: Any) -> None:
+    async def flush(self, h2: Any, idle: float = math.inf) -> bool:
         """Queue what ``h2`` produced, then wait while more than ``OUTBOX_HIGH_WATER`` bytes
-        are unsent (the peer reads slowly): the back-pressure of both connection kinds."""
+        are unsent (the peer reads slowly): the back-pressure of both connection kinds.
+        False if nothing was written for ``idle`` seconds (see ``wait_below``)."""
         self.push(h2.data_to_send())
         await trio.lowlevel.checkpoint()
-        await self.wait_below(OUTBOX_HIGH_WATER)
+        return await self.wait_below(OUTBOX_HIGH_WATER, idle)
 
-    async def wait_below(self, limit: int) -> None:
-        """Return once at most ``limit`` bytes are unsent, or the writer has stopped."""
+    async def wait_below(self, limit: int, idle: float = math.inf) -> bool:
+        """Return True once at most ``limit`` bytes are unsent, or the writer has stopped;
+        False as soon as ``idle`` seconds pass without the writer getting anything out."""
         while len(self._data) > limit and not self._broken:
-            await self._drained.wait()
+            with trio.move_on_after(idle):
+                await self._drained.wait()
+                continue
+            return False
+        return True
 
     async def write_forever(self, stream: trio.abc.SendStream) -> None:
         """The writer task; socket errors propagate to the caller, which owns the reaction."""
@@ -213,39 +321,78 @@ class _FrameBuffer(FrameBuffer):
 
 
 class BufferPool:
-    """Inbound message bytes held over many connections, with a cap; connections whose
-    acknowledgements wait for room register a retry callback."""
+    """Acknowledged inbound message bytes over many connections (its members), with a cap.
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
+    Each of ``slots`` connection slots keeps ``reserve`` bytes for itself alone; the rest,
+    ``shared``, is lent to members that need more, in equal shares while it is contended:
+    a member that already borrowed ``shared / n`` (``n``: members that borrow or wait to) gets
+    no more until it gives some back.  So no member ever takes the whole pool, and whatever the
+    others hold, a member can always be acknowledged its reserve.  Members whose
+    acknowledgements wait for lent bytes register a retry callback; freed bytes go first to
+    the waiting member that borrowed least.
+    """
+
+    def __init__(self, limit: int, *, slots: int = 1, reserve: int = 0) -> None:
+        if not 0 <= reserve * slots <= limit:
+            raise ValueError("the reserves must fit the pool")
+        self.limit, self.reserve = limit, reserve
+        self.shared = limit - slots * reserve
+        self.held = 0  # every inbound message byte the members hold (acknowledged or not)
+        self.lent = 0  # bytes of ``shared`` acknowledged to members beyond their reserve
+        self._borrowed: dict[object, int] = {}  # member -> its part of ``lent`` (if > 0)
         self._waiting: dict[object, Callable[[], None]] = {}
 
-    @property
-    def full(self) -> bool:
-        return self.held > self.limit
+    def room(self, member: object, charge: int) -> int:
+        """How many more bytes ``member``, charged ``charge`` now, may be acknowledged."""
+        own = max(0, self.reserve - charge)
+        borrowed = max(0, charge - self.reserve)
+        if self._waiting:
+            contenders = len(self._borrowed.keys() | self._waiting.keys() | {member})
+        else:  # the common case, without building sets
+            contenders = len(self._borrowed) + (member not in self._borrowed)
+        lend = min(self.shared // contenders - borrowed, self.shared - self.lent)
+        return own + max(0, lend)
 
-    def wait_for_room(self, owner: object, retry: Callable[[], None]) -> None:
-        self._waiting[owner] = retry
+    def recharge(self, member: object, old: int, new: int) -> None:
+        """``member``'s charge went from ``old`` to ``new`` bytes."""
+        before, after = max(0, old - self.reserve), max(0, new - self.reserve)
+        if before == after:
+            return
+        self.lent += after - before
+        if after:
+            self._borrowed[member] = after
+        else:
+            self._borrowed.pop(member, None)
+        if after < before:
+            self._wake()
 
-    def forget(self, owner: object) -> None:
-        self._waiting.pop(owner, None)
+    def wait_for_room(self, member: object, retry: Callable[[], None]) -> None:
+        self._waiting[member] = retry
 
-    def release(self, size: int) -> None:
-        self.held -= size
-        if self._waiting and not self.full:
-            waiting, self._waiting = self._waiting, {}
-            for retry in waiting.values():
+    def forget(self, member: object) -> None:
+        """``member`` left (its charge is already back to 0): its share goes to the others."""
+        self._waiting.pop(member, None)
+        if self._borrowed.pop(member, None) is not None:
+            self._wake()
+
+    def _wake(self) -> None:
+        if not self._waiting or self.lent >= self.shared:
+            return
+        for member in sorted(self._waiting, key=lambda m: self._borrowed.get(m, 0)):
+            retry = self._waiting.pop(member, None)
+            if retry is not None:
                 retry()  # may register again
 
 
 class _Flow:
-    __slots__ = ("queued", "partial", "deferred")
+    __slots__ = ("queued", "partial", "deferred", "charge", "started")
 
     def __init__(self) -> None:
         self.queued = 0  # complete message bytes (+ prefixes) the reader has not taken
         self.partial = 0  # bytes of an unfinished message
         self.deferred = 0  # received, not yet acknowledged
+        self.charge = 0  # acknowledged bytes still held: max(0, queued + partial - deferred)
+        self.started: float | None = None  # when the unfinished message began (if timed)
 
 
 class Signal(NamedTuple):
@@ -262,22 +409,34 @@ def _refuse_compressed(data: bytes) -> bytes:
 
 class BoundedH2(GRPCConnection):
     """purerpc's gRPC-over-h2 machine with bounded settings, the flow ledger and per-stream
-    failures (an oversized or compressed message fails its stream, not the connection)."""
+    failures (an oversized or compressed message fails its stream, not the connection).
+
+    Server side (``gate_streams``): every new stream starts *gated*: its DATA is received but
+    never acknowledged until ``open_gate`` (the server authorizes the call from its headers
+    first), and each unfinished message's start is timed (``clock``) for ``message_timeout``.
+    """
 
     def __init__(
-        self, limits: TransportLimits, *, client_side: bool, pool: BufferPool | None = None
+        self, limits: TransportLimits, *, client_side: bool, pool: BufferPool | None = None,
+        gate_streams: bool = False, clock: Callable[[], float] | None = None,
     ) -> None:
         self.limits = limits
         self.flow: dict[int, _Flow] = {}
         self.held = 0  # message bytes this connection holds (queued + partial)
+        self.charge = 0  # of which acknowledged (the sum of the streams' charges)
         self.deferring: set[int] = set()  # streams with acknowledgements held back
+        self.gated: set[int] = set()  # streams whose DATA is not acknowledged before open_gate
+        self.gate_streams = gate_streams
+        self.clock = clock  # times unfinished messages when set
         self.pool = pool if pool is not None else BufferPool(limits.connection_buffer_bytes)
         self.on_acks: Callable[[], None] = lambda: None  # deferred acks were sent: flush h2
+        self.on_message_start: Callable[[], None] = lambda: None  # an unfinished message began
         super().__init__(GRPCConfiguration(client_side, max_message_length=limits.max_message_bytes))
         self.h2_connection.incoming_buffer = _FrameBuffer(
             server=not client_side, header_block_limit=limits.max_header_list_bytes)
         # h2 has no public knob for this; its own dict type, with a smaller bound.
-        self.h2_connection._closed_streams = SizeLimitDict(size_limit=limits.closed_streams_remembered)
+        self.h2_connection._closed_streams = h2.utilities.SizeLimitDict(
+            size_limit=limits.closed_streams_remembered)
 
     def _set_h2_connection_local_settings(self) -> None:
         limits, h2c = self.limits, self.h2_connection
@@ -310,6 +469,8 @@ class BoundedH2(GRPCConnection):
         # purerpc would inflate compressed messages with no size limit (a zip bomb walks past
         # max_message_bytes) and a bad one raised out of the connection loop: refuse them.
         self.message_read_buffers[event.stream_id].decompress = _refuse_compressed
+        if self.gate_streams:  # before any DATA of the stream (it may be in this same read)
+            self.gated.add(event.stream_id)
         return events
 
     def _response_received(self, event: Any) -> list[Any]:
@@ -343,11 +504,21 @@ class BoundedH2(GRPCConnection):
         flow.queued += added
         if failure is not None:
             del self.message_read_buffers[sid]
-            partial = 0
+            partial, pending = 0, False
         else:
             partial = len(buffer._buffer)  # noqa: SLF001 - the unfinished message's bytes
+            pending = partial > 0 or buffer._message_length is not None  # noqa: SLF001
         self._hold(added + partial - flow.partial)
         flow.partial = partial
+        if self.clock is not None:
+            if not pending:
+                flow.started = None
+            elif flow.started is None or added:  # a new message began in this frame
+                first = flow.started is None
+                flow.started = self.clock()
+                if first:
+                    self.on_message_start()
+        self._account(flow)
         self._maybe_ack(sid, flow)
         return events + ([Signal(failure, sid)] if failure else [])
 
@@ -365,45 +536,68 @@ class BoundedH2(GRPCConnection):
 
     def _hold(self, delta: int) -> None:
         self.held += delta
-        if delta >= 0:
-            self.pool.held += delta
-        else:
-            self.pool.release(-delta)
+        self.pool.held += delta
 
-    def _may_ack(self, flow: _Flow) -> bool:
-        return (flow.queued <= self.limits.stream_window_bytes
-                and self.held <= self.limits.connection_buffer_bytes and not self.pool.full)
+    def _account(self, flow: _Flow) -> None:
+        """Bring the stream's charge (and the connection's, and the pool's) up to date."""
+        charge = max(0, flow.queued + flow.partial - flow.deferred)
+        if charge != flow.charge:
+            before = self.charge
+            self.charge += charge - flow.charge
+            flow.charge = charge
+            self.pool.recharge(self, before, self.charge)
 
-    def _ack(self, sid: int, flow: _Flow) -> None:
-        self.deferring.discard(sid)
-        if flow.deferred:
-            size, flow.deferred = flow.deferred, 0
-            self.h2_connection.acknowledge_received_data(size, sid)
+    def _room(self) -> tuple[int, bool]:
+        """Bytes this connection may still be acknowledged; whether the pool is the bound."""
+        own = self.limits.connection_buffer_bytes - self.charge
+        pooled = self.pool.room(self, self.charge)
+        return max(0, min(own, pooled)), pooled < own
 
-    def _maybe_ack(self, sid: int, flow: _Flow) -> None:
+    def _maybe_ack(self, sid: int, flow: _Flow) -> bool:
+        """Acknowledge what the stream may have acknowledged now; True if anything was."""
         if not flow.deferred:
-            return
-        if self._may_ack(flow):
-            self._ack(sid, flow)
-            return
-        self.deferring.add(sid)
-        if flow.queued <= self.limits.stream_window_bytes:
-            self.pool.wait_for_room(self, self.retry_acks)  # waits on memory, not the reader
+            self.deferring.discard(sid)
+            return False
+        if sid in self.gated or flow.queued > self.limits.stream_window_bytes:
+            self.deferring.add(sid)  # waits for open_gate, or for the reader
+            return False
+        room, pool_bound = self._room()
+        # Bytes the reader already took cost nothing to acknowledge.
+        free = max(0, flow.deferred - flow.queued - flow.partial)
+        size = min(flow.deferred, free + room)
+        if size:
+            flow.deferred -= size
+            self.h2_connection.acknowledge_received_data(size, sid)
+            self._account(flow)
+        if not flow.deferred:
+            self.deferring.discard(sid)
+        else:
+            self.deferring.add(sid)
+            if pool_bound:
+                self.pool.wait_for_room(self, self.retry_acks)  # waits on memory, not the reader
+        return size > 0
 
     def retry_acks(self) -> None:
-        """Send the acknowledgements that waited (for memory, or for the reader)."""
+        """Send the acknowledgements that waited (for memory, for the reader, for the gate)."""
+        if not self.deferring:
+            return
         sent = False
-        for sid in list(self.deferring):
+        for sid in sorted(self.deferring):
             flow = self.flow.get(sid)
-            if flow is None or not flow.deferred:
+            if flow is None:
                 self.deferring.discard(sid)
-            elif self._may_ack(flow):
-                self._ack(sid, flow)
+            elif self._maybe_ack(sid, flow):
                 sent = True
-            elif flow.queued <= self.limits.stream_window_bytes:
-                self.pool.wait_for_room(self, self.retry_acks)
         if sent:
             self.on_acks()
+
+    def open_gate(self, sid: int) -> None:
+        """The call on ``sid`` is authorized: its DATA may be acknowledged from now on."""
+        if sid in self.gated:
+            self.gated.discard(sid)
+            flow = self.flow.get(sid)
+            if flow is not None and self._maybe_ack(sid, flow):
+                self.on_acks()
 
     def consumed(self, sid: int, size: int) -> None:
         """The reader took a message of ``size`` bytes (``size`` counts the prefix)."""
@@ -412,18 +606,40 @@ class BoundedH2(GRPCConnection):
             return
         flow.queued -= size
         self._hold(-size)
-        if self.held <= self.limits.connection_buffer_bytes:
-            self.retry_acks()
-        else:
-            self._maybe_ack(sid, flow)
+        self._account(flow)
+        self.retry_acks()
+
+    def drop_input(self, sid: int) -> None:
+        """Stop reading ``sid``: its unfinished message is dropped (its bytes given back to
+        the peer's window) and later DATA is acknowledged and dropped at once."""
+        self.message_read_buffers.pop(sid, None)
+        flow = self.flow.get(sid)
+        if flow is not None:
+            self._hold(-flow.partial)
+            flow.partial, flow.started = 0, None
+            self._account(flow)
+            self.deferring.add(sid)  # its dropped bytes are acknowledged now
+            self.retry_acks()  # and the connection's other streams may have room again
+
+    def oldest_message_start(self) -> float | None:
+        """When the oldest unfinished message (of a timed connection) began; None if none."""
+        return min((f.started for f in self.flow.values() if f.started is not None), default=None)
+
+    def messages_started_before(self, when: float) -> list[int]:
+        """Streams whose unfinished message began before ``when``."""
+        return [sid for sid, f in self.flow.items() if f.started is not None and f.started <= when]
 
     def forget(self, sid: int) -> None:
         """Drop per-stream state and give deferred bytes back to the connection window."""
         self.message_read_buffers.pop(sid, None)
         flow = self.flow.pop(sid, None)
         self.deferring.discard(sid)
+        self.gated.discard(sid)
         if flow is not None:
             self._hold(-(flow.queued + flow.partial))
+            before = self.charge
+            self.charge -= flow.charge
+            self.pool.recharge(self, before, self.charge)
             if flow.deferred:
                 with contextlib.suppress(h2.exceptions.ProtocolError):  # connection closed
                     self.h2_connection.acknowledge_received_data(flow.deferred, sid)
@@ -431,11 +647,14 @@ class BoundedH2(GRPCConnection):
 
     def close_ledger(self) -> None:
         """The connection is gone: return what it held to the pool."""
-        self.pool.forget(self)
         for flow in self.flow.values():
             self._hold(-(flow.queued + flow.partial))
         self.flow.clear()
         self.deferring.clear()
+        self.gated.clear()
+        before, self.charge = self.charge, 0
+        self.pool.recharge(self, before, 0)
+        self.pool.forget(self)
 
     @property
     def buffered_frame_bytes(self) -> int:
