@@ -116,6 +116,11 @@ class ShardClient:
         self.metadata = tuple(metadata)
         self.version = pb.ProtocolVersion(major=version[0], minor=version[1])
 
+    @property
+    def connected(self) -> bool:
+        """False once the connection broke or was closed: every call on it fails at once."""
+        return self._conn.dead is None
+
     @classmethod
     @asynccontextmanager
     async def connect(

@@ -7,6 +7,7 @@ KV cells may remain once the server (or registry) that used it has stopped.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import queue
@@ -215,6 +216,52 @@ async def worker(
         server.registry.start_call = recording_start_call
         yield Worker(engine, server, gate, calls, server_scope)
         server_scope.cancel()
+
+
+@dataclass
+class TcpProxy:
+    """A loopback TCP proxy in front of a worker: ``cut()`` drops every connection made so far
+    (both sides see the socket close, the worker keeps running), new ones still go through."""
+
+    target: str  # where clients connect: the proxy
+    _conns: list[tuple[trio.SocketStream, trio.SocketStream]]
+    accepted: int = 0
+
+    def cut(self) -> None:
+        for pair in self._conns:
+            for stream in pair:
+                stream.socket.close()
+        self._conns.clear()
+
+
+@asynccontextmanager
+async def tcp_proxy(upstream: str) -> AsyncIterator[TcpProxy]:
+    """A ``TcpProxy`` to ``upstream`` (HOST:PORT) for the block."""
+    host, _, port = upstream.rpartition(":")
+    proxy = TcpProxy("", [])
+
+    async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+        try:
+            while data := await src.receive_some():
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            dst.socket.close()
+
+    async def handle(client: trio.SocketStream) -> None:
+        proxy.accepted += 1
+        server = await trio.open_tcp_stream(host, int(port))
+        proxy._conns.append((client, server))
+        async with trio.open_nursery() as pumps:
+            pumps.start_soon(pump, client, server)
+            pumps.start_soon(pump, server, client)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+        proxy.target = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        yield proxy
+        nursery.cancel_scope.cancel()
 
 
 # ---- driving a SessionCall without a network -------------------------------------------------
