@@ -330,6 +330,15 @@ def _tls_pair_given(args: argparse.Namespace) -> bool:
     return args.tls_cert is not None
 
 
+def _tls_load(what: str, load: Callable[[], T]) -> T:
+    """One TLS file load; a file that cannot be read or used is a ValueError naming ``what``
+    (the options and files), since ssl's own messages name neither ("[SSL] PEM lib")."""
+    try:
+        return load()
+    except OSError as exc:  # ssl.SSLError included
+        raise ValueError(f"cannot load {what}: {exc.strerror or exc}") from None
+
+
 def _server_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     """TLS for ``serve``: certificate + key, and with --tls-client-ca, required client certs."""
     if not _tls_pair_given(args):
@@ -337,10 +346,12 @@ def _server_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    _tls_load(f"--tls-cert {args.tls_cert} with --tls-key {args.tls_key}",
+              lambda: ctx.load_cert_chain(args.tls_cert, args.tls_key))
     if args.tls_client_ca is not None:
         ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_verify_locations(args.tls_client_ca)
+        _tls_load(f"--tls-client-ca {args.tls_client_ca}",
+                  lambda: ctx.load_verify_locations(args.tls_client_ca))
     return ctx
 
 
@@ -357,9 +368,11 @@ def _client_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     pair = _tls_pair_given(args)
     if args.tls_ca is None and not pair:
         return None
-    ctx = ssl.create_default_context(cafile=args.tls_ca)
+    where = f"--tls-ca {args.tls_ca}" if args.tls_ca is not None else "the system CA certificates"
+    ctx = _tls_load(where, lambda: ssl.create_default_context(cafile=args.tls_ca))
     if pair:
-        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        _tls_load(f"--tls-cert {args.tls_cert} with --tls-key {args.tls_key}",
+                  lambda: ctx.load_cert_chain(args.tls_cert, args.tls_key))
     return ctx
 
 
@@ -430,8 +443,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         ssl_context = _server_ssl_context(args)
-    except (ValueError, OSError, ssl.SSLError) as exc:
-        return _fail(f"client set-up failed: {exc}", 2)
+    except ValueError as exc:
+        return _fail(f"TLS set-up failed: {exc}", 2)
     authenticator = None
     if args.auth_token_file is not None:
         try:

@@ -112,6 +112,31 @@ def test_print_config_shows_every_value_and_its_source(
     assert {env_name(a) for a in serve_options()} - {"TRIO_SHARD_PRINT_CONFIG"} <= shown
 
 
+@pytest.mark.parametrize("broken", ["missing-cert", "garbage-key", "garbage-client-ca"])
+def test_serve_says_which_of_its_tls_files_failed(
+    broken: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    files = {name: tmp_path / name for name in ("server.pem", "server.key", "ca.pem")}
+    cert.cert_chain_pems[0].write_to_path(str(files["server.pem"]))
+    cert.private_key_pem.write_to_path(str(files["server.key"]))
+    ca.cert_pem.write_to_path(str(files["ca.pem"]))
+    if broken == "missing-cert":
+        files["server.pem"] = tmp_path / "nowhere.pem"
+    else:
+        files["server.key" if broken == "garbage-key" else "ca.pem"].write_text("garbage\n")
+    argv = ["serve", "--tls-cert", str(files["server.pem"]), "--tls-key", str(files["server.key"]),
+            "--tls-client-ca", str(files["ca.pem"])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    option = "--tls-client-ca" if broken == "garbage-client-ca" else "--tls-cert"
+    assert err.startswith(f"trio-shard: error: TLS set-up failed: cannot load {option} "), err
+    assert "client set-up" not in err and "Traceback" not in err
+
+
 # ---- health and metrics commands --------------------------------------------------------------
 
 
