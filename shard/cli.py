@@ -23,7 +23,7 @@ import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
     from collections.abc import Awaitable
@@ -71,14 +71,24 @@ def _target(text: str) -> str:
     return text
 
 
-def _layer_range(text: str) -> tuple[int, int]:
+class _Layers(NamedTuple):
+    """A parsed ``--layers``; ``str()`` gives it back as ``A:B`` (for ``--print-config``)."""
+
+    start: int
+    end: int
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"
+
+
+def _layer_range(text: str) -> _Layers:
     """A:B, the half-open block range [A, B) (0-based), with A < B."""
     start, sep, end = text.partition(":")
     if not sep or not start.isdigit() or not end.isdigit():
         raise argparse.ArgumentTypeError(f"expected A:B (blocks A..B-1), got {text!r}")
     if int(start) >= int(end):
         raise argparse.ArgumentTypeError(f"empty layer range {text!r}: A must be smaller than B")
-    return int(start), int(end)
+    return _Layers(int(start), int(end))
 
 
 def _non_negative_float(text: str) -> float:
@@ -511,7 +521,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _print_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``serve --print-config``: one ``TRIO_SHARD_X=value  # source`` line per option."""
+    """``serve --print-config``: one ``TRIO_SHARD_X=value  # source`` line per option, in the
+    form the variable is read in, so that the lines given back as environment (the comments
+    dropped, the shell quoting undone) configure exactly the same."""
     sources: dict[str, str] = {}
     lines = ["# trio-shard serve: effective configuration (command line > environment > default)"]
     for p in (parser, _subparser(parser, "serve")):
@@ -527,18 +539,21 @@ def _print_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 source = "default"
             else:
                 source = "command line"
-            lines.append(f"{name}={_config_value(value)}  # {source}")
+            lines.append(f"{name}={_config_value(action, value)}  # {source}")
     print("\n".join(lines))
     return 0
 
 
-def _config_value(value: object) -> str:
+def _config_value(action: argparse.Action, value: object) -> str:
+    """``value`` as ``_from_env`` reads it for ``action``. A flag is 1 when it is given: for
+    ``--no-extra-bufts`` (dest ``extra_bufts``, stored False) 1 means extra buffer types off."""
+    if action.nargs == 0:
+        given = value if isinstance(action, argparse.BooleanOptionalAction) else value == action.const
+        return "1" if given else "0"
     if value is None:
         return ""
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, list | tuple):
-        return shlex.quote(shlex.join(map(str, value)))
+    if action.nargs not in (None, "?") or isinstance(action, argparse._AppendAction):
+        return shlex.quote(shlex.join(map(str, value)))  # type: ignore[call-overload]
     return shlex.quote(str(value))
 
 

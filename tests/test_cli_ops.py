@@ -112,6 +112,71 @@ def test_print_config_shows_every_value_and_its_source(
     assert {env_name(a) for a in serve_options()} - {"TRIO_SHARD_PRINT_CONFIG"} <= shown
 
 
+def config_options() -> list[argparse.Action]:
+    """What ``--print-config`` prints: the global ``--log-level`` and every serve option."""
+    parser = build_parser()
+    return [a for p in (parser, _subparser(parser, "serve")) for a in p._actions
+            if env_name(a) and a.dest != "print_config"]
+
+
+def non_default_argv(action: argparse.Action) -> list[str]:
+    """The option set to a value other than its default (a KeyError for a new kind of option:
+    give it a sample here)."""
+    from shard import cli
+
+    option = next(o for o in action.option_strings if o.startswith("--"))
+    if action.nargs == 0:
+        return [option]
+    if action.choices:
+        return [option, next(str(c) for c in action.choices if c != action.default)]
+    sample = {
+        cli._port: "7", cli._positive_int: "7", cli._non_negative_int: "7",
+        cli._non_negative_float: "2.5", cli._layer_range: "1:3",
+        Path: "/srv/my models/it's.gguf", None: "10.0.0.5",
+    }[action.type]
+    return [option, sample]
+
+
+def printed_config(argv: list[str]) -> dict[str, str]:
+    """``--print-config`` of ``argv`` under the current environment, as a shell reads the lines
+    (the quoting undone, the ``# source`` comments dropped)."""
+    import contextlib
+    import io
+    import shlex
+
+    from shard.cli import _print_config
+
+    parser = build_parser()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert _print_config(parser, parser.parse_args([*argv, "--print-config"])) == 0
+    words = [shlex.split(line, comments=True) for line in out.getvalue().splitlines()]
+    return dict(w[0].split("=", 1) for w in words if w)
+
+
+@pytest.mark.parametrize("changed", ["defaults", "every-option"])
+def test_print_config_round_trips_through_the_environment(
+    changed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The printed lines, fed back as the environment alone, give the same configuration."""
+    argv = ["serve"]
+    if changed == "every-option":
+        argv = [*non_default_argv(next(a for a in config_options() if a.dest == "log_level")), "serve"]
+        argv += [w for a in config_options() if a.dest != "log_level" for w in non_default_argv(a)]
+    want = parse(argv, {}, monkeypatch)
+    config = printed_config(argv)
+    assert set(config) == {env_name(a) for a in config_options()}
+    got = parse(["serve"], config, monkeypatch)
+    assert vars(got) == vars(want)
+    assert printed_config(["serve"]) == config  # printed again from the environment: the same
+    if changed == "every-option":
+        defaults = parse(["serve"], {}, monkeypatch)
+        assert all(getattr(want, a.dest) != getattr(defaults, a.dest) for a in config_options())
+        assert config["TRIO_SHARD_NO_EXTRA_BUFTS"] == "1" and want.extra_bufts is False
+    else:
+        assert config["TRIO_SHARD_NO_EXTRA_BUFTS"] == "0" and want.extra_bufts is True
+
+
 @pytest.mark.parametrize("broken", ["missing-cert", "garbage-key", "garbage-client-ca"])
 def test_serve_says_which_of_its_tls_files_failed(
     broken: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
