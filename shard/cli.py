@@ -252,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=_non_negative_float, default=60.0,
                      help="deadline in seconds for the whole call (default: 60)")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object with 'text' and 'tokens' instead of streaming")
+                     help="print one JSON object with 'text', 'tokens' and 'finish_reason' "
+                     "instead of streaming (after Ctrl-C: what was received, with "
+                     "'interrupted': true; exit status 130)")
     gen.add_argument("--hidden-dtype", choices=["float32", "float16"], default="float32",
                      help="with --pipeline: hidden states on the wire; float16 halves the bytes "
                      "on hops whose worker offers it (default: float32)")
@@ -684,7 +686,8 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
 
 class _GenerateOutput:
     """What ``generate`` prints (one worker or a pipeline): each token's text as it arrives,
-    then the JSON object with ``--json``, else a newline after the streamed text."""
+    then the JSON object with ``--json``, else a newline after the streamed text; also when
+    Ctrl-C interrupted it (the JSON then says ``"interrupted": true``)."""
 
     def __init__(self, *, as_json: bool) -> None:
         self.as_json = as_json
@@ -700,30 +703,30 @@ class _GenerateOutput:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    def close(self) -> None:
+    def close(self, *, interrupted: bool = False) -> None:
         from shard.v1 import shard_pb2 as pb
 
         if self.as_json:
             reason = pb.FinishReason.Name(self.finish).removeprefix("FINISH_REASON_").lower()
-            print(json.dumps({"text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason}))
+            result = {"text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason}
+            print(json.dumps({**result, "interrupted": True} if interrupted else result))
         else:
             sys.stdout.write("\n")
 
 
 def _finish_generate(run: Callable[[], Awaitable[bool]], out: _GenerateOutput) -> int:
-    """Run ``generate``'s Trio part: 130 after Ctrl-C, 1 with the error on a ShardError, else
-    print the end of the output and 0."""
+    """Run ``generate``'s Trio part: 1 with the error on a ShardError, else print the end of
+    the output (what was received, after Ctrl-C) and 0, or 130 after Ctrl-C."""
     import trio
 
     from shard.client import ShardError
 
     try:
-        if trio.run(run):
-            return 130
+        interrupted = trio.run(run)
     except ShardError as exc:
         return _fail(str(exc))
-    out.close()
-    return 0
+    out.close(interrupted=interrupted)
+    return 130 if interrupted else 0
 
 
 async def _until_sigint(fn: Callable[[], Awaitable[object]]) -> bool:

@@ -382,28 +382,38 @@ CLI = [sys.executable, "-m", "shard.cli"]
 
 
 async def signal_cli(
-    args: list[str], ready: Callable[[], bool], sig: int, *, timeout: float = 60
+    args: list[str], ready: Callable[[], bool], sig: int, *, timeout: float = 60,
+    stdout: bytearray | None = None,
 ) -> tuple[int, str]:
     """Run ``trio-shard ARGS``, send it ``sig`` once ``ready()`` holds (polled), and return its
-    exit status and stderr. The child gets the default SIGINT handler (``sigint_default``)."""
+    exit status and stderr; its standard output goes into ``stdout`` if given. The child gets
+    the default SIGINT handler (``sigint_default``)."""
     proc = await trio.lowlevel.open_process(
-        [*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=sigint_default,
+        [*CLI, *args], stdout=subprocess.DEVNULL if stdout is None else subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=sigint_default,
     )
     assert proc.stderr is not None
     err = bytearray()
+
+    async def collect(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
+        async with stream:
+            while chunk := await stream.receive_some():
+                into += chunk
+
     try:
-        with trio.fail_after(timeout):
-            while not ready():
-                await trio.sleep(0.01)
-        proc.send_signal(sig)
-        with trio.fail_after(timeout):
-            while chunk := await proc.stderr.receive_some():
-                err += chunk
-            code = await proc.wait()
+        async with trio.open_nursery() as nursery:  # both pipes read until the process ends
+            nursery.start_soon(collect, proc.stderr, err)
+            if proc.stdout is not None and stdout is not None:
+                nursery.start_soon(collect, proc.stdout, stdout)
+            with trio.fail_after(timeout):
+                while not ready():
+                    await trio.sleep(0.01)
+            proc.send_signal(sig)
+            with trio.fail_after(timeout):
+                code = await proc.wait()
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-        await proc.stderr.aclose()
     return code, err.decode(errors="replace")

@@ -269,6 +269,32 @@ async def test_generate_ctrl_c_releases_the_session_before_exiting() -> None:
         assert w.server.registry.n_retained == 0 and w.server.registry.n_live == 0
 
 
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+async def test_an_interrupted_generate_prints_what_it_received(as_json: bool) -> None:
+    """Ctrl-C: the text received so far (then a newline), or with --json the object so far
+    with "interrupted": true; exit 130, the session released."""
+    async with worker(latency=0.002) as w:
+        out = bytearray()
+        code, err = await signal_cli(
+            ["generate", "--target", w.target, "--max-tokens", "5000", *(["--json"] * as_json), "hello"],
+            # credit (16) lets the worker run only so far ahead: the CLI has received tokens
+            lambda: w.gate.steps >= 60, signal.SIGINT, stdout=out,
+        )
+        assert code == 130, err
+        assert "Traceback" not in err, err
+        await w.idle()
+        assert w.server.registry.n_retained == 0 and not w.engine.sessions()
+        if not as_json:
+            assert out.endswith(b"\n") and len(out) > 1, out
+            return
+        got = json.loads(out)
+        assert got["interrupted"] is True and got["finish_reason"] == "unspecified"
+        assert 20 <= len(got["tokens"]) < 5000
+        async with ShardClient.connect(w.target, timeout=30) as client:  # greedy: a prefix
+            want = [s.logits.token_id async for s in client.generate("hello", max_tokens=len(got["tokens"]))]
+        assert got["tokens"] == want
+
+
 async def test_metrics_command_prints_get_metrics(capsys: pytest.CaptureFixture[str]) -> None:
     async with worker() as w:
         async with ShardClient.connect(w.target, timeout=30) as client:

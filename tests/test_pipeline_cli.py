@@ -89,13 +89,17 @@ async def test_client_disconnect_frees_every_shard(how: str) -> None:
     releases every session itself. SIGKILL: the connections just drop; each worker retains the
     session for resume_ttl (here 0.5 s), then frees it."""
     async with shards(THREE, latency=0.002, resume_ttl=0.5) as chain:
+        out = bytearray()
         code, _ = await signal_cli(
-            ["generate", "--pipeline", ",".join(w.target for w in chain), "--max-tokens", "5000", PROMPT],
+            ["generate", "--pipeline", ",".join(w.target for w in chain), "--max-tokens", "5000",
+             "--json", PROMPT],
             lambda: chain[2].gate.steps >= 30,  # decoding through every shard
-            signal.SIGINT if how == "sigint" else signal.SIGKILL, timeout=TIMEOUT,
+            signal.SIGINT if how == "sigint" else signal.SIGKILL, timeout=TIMEOUT, stdout=out,
         )
         assert code == (130 if how == "sigint" else -signal.SIGKILL)
         if how == "sigint":
+            got = json.loads(out)  # what it had received, then it stopped
+            assert got["interrupted"] is True and 0 < len(got["tokens"]) < 5000
             await assert_all_free(chain)  # released by the client before it exited
         else:
             with trio.fail_after(10):
