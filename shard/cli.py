@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="generate text from a running worker",
         description="Stream generated text from a worker serving a whole model, or with "
         "--pipeline from a chain of workers serving consecutive layer ranges of one model "
-        "(see docs/pipelines.md).",
+        "(see docs/pipelines.md). Workers that are still loading are waited for, within "
+        "--timeout, like gRPC's wait-for-ready.",
     )
     gen.add_argument("prompt", metavar="PROMPT", help="prompt text")
     _add_target(gen, pipeline=True)
@@ -250,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sampling temperature, 0 = greedy (default: 0)")
     gen.add_argument("--seed", type=_non_negative_int, default=0, help="sampling seed (default: 0)")
     gen.add_argument("--timeout", type=_non_negative_float, default=60.0,
-                     help="deadline in seconds for the whole call (default: 60)")
+                     help="deadline in seconds for the whole call, including the wait for "
+                     "workers that are still loading (NOT_READY) to serve (default: 60)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object with 'text', 'tokens' and 'finish_reason' "
                      "instead of streaming (after Ctrl-C: what was received, with "
@@ -618,14 +620,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     async def run() -> bool:
         """Generate; True when Ctrl-C interrupted it (after the session was released)."""
+        import trio
+
+        deadline = trio.current_time() + args.timeout
         async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
 
             async def stream() -> None:
+                await client.wait_for_ready()  # a worker still loading: wait, like gRPC
                 async for chunk in client.generate_text(
                     args.prompt,
                     max_tokens=args.max_tokens,
                     temperature=args.temperature,
                     seed=args.seed,
+                    timeout=deadline - trio.current_time(),
                 ):
                     out.add(chunk.token_id, chunk.text, chunk.finish_reason)
 
@@ -672,14 +679,22 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
 
     async def run() -> bool:
         """Generate; True when Ctrl-C interrupted it (after every session was released)."""
-        async with Pipeline.connect(
-            args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype, **options,
-        ) as pipe:
-            return await _until_sigint(functools.partial(
-                pipe.generate, args.prompt, max_tokens=args.max_tokens,
-                temperature=args.temperature, seed=args.seed,
-                chunk_tokens=args.chunk_tokens, on_token=emit,
-            ))
+        import trio
+
+        deadline = trio.current_time() + args.timeout
+
+        async def generate() -> None:
+            async with Pipeline.connect(
+                args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
+                wait_for_ready=True, **options,  # type: ignore[arg-type]
+            ) as pipe:
+                await pipe.generate(
+                    args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                    seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
+                    timeout=deadline - trio.current_time(),
+                )
+
+        return await _until_sigint(generate)
 
     return _finish_generate(run, out)
 

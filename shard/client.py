@@ -33,6 +33,8 @@ internals stay in one module; this module adds the calls, sessions and typed err
 * a result the worker split into chunks (a boundary result over ``max_message_bytes``) is
   reassembled, so callers always see one ``StepResult`` per step; what is buffered for it is
   bounded (at most the session's KV capacity in rows, and ``max_result_bytes`` if set);
+* ``wait_for_ready()`` waits for a worker that is still loading to serve (gRPC's
+  wait-for-ready), polling ``Health``.
 
 Resource handling: ``connect()`` owns a nursery with the connection's reader and writer tasks
 and closes the socket on exit; each call owns one HTTP/2 stream and frees it when it ends. The
@@ -234,6 +236,45 @@ class ShardClient:
 
     async def health(self, *, timeout: float | None = _DEFAULT) -> pb.HealthResponse:
         return await self._unary("Health", pb.HealthRequest(version=self.version), pb.HealthResponse, timeout)
+
+    async def wait_for_ready(
+        self, *, timeout: float | None = _DEFAULT, interval: float = 0.05
+    ) -> pb.HealthResponse:
+        """Wait until the worker is SERVING, like gRPC's wait-for-ready: a worker that is still
+        loading (NOT_READY) is asked again (``Health``, every ``interval`` seconds, doubling up
+        to 1 s) until it serves or ``timeout`` (default: the client's) has passed.
+
+        Raises ``ShardError``: ``NOT_READY`` when it is not serving by then, naming its last
+        status; at once ``ENGINE_FAILURE`` for a FAILED worker and ``DRAINING`` for a draining
+        one (neither becomes ready by waiting).
+        """
+        H = pb.HealthResponse
+        if timeout is _DEFAULT:
+            timeout = self.timeout
+        deadline = self._deadline(timeout)
+        last = "no answer"
+        while (remaining := deadline - trio.current_time()) > 0:
+            try:
+                health = await self.health(timeout=None if math.isinf(remaining) else remaining)
+            except ShardError as err:
+                if err.code is not ErrorCode.DEADLINE_EXCEEDED:
+                    raise
+                break
+            status = H.Status.Name(health.status).removeprefix("STATUS_")
+            if health.status == H.STATUS_SERVING:
+                return health
+            if health.status == H.STATUS_FAILED:
+                raise ShardError(ErrorCode.ENGINE_FAILURE, f"the worker reports FAILED: {health.detail}")
+            if health.status == H.STATUS_DRAINING:
+                raise ShardError(ErrorCode.DRAINING, "the worker is draining")
+            last = f"{status} ({health.detail})" if health.detail else status
+            await trio.sleep(min(interval, max(0.0, deadline - trio.current_time())))
+            interval = min(2 * interval, 1.0)
+        raise ShardError(
+            ErrorCode.NOT_READY,
+            f"the worker did not become ready within {timeout:.3g} s (last status: {last})",
+            reason="WAIT_FOR_READY_TIMEOUT",
+        )
 
     async def metrics(self, *, timeout: float | None = _DEFAULT) -> pb.GetMetricsResponse:
         return await self._unary(

@@ -210,16 +210,21 @@ class Pipeline:
         hidden_dtype: str = convert.HIDDEN_DTYPE,
         ssl_context: ssl.SSLContext | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
+        wait_for_ready: bool = False,
     ) -> AsyncIterator[Pipeline]:
         """Connect to every worker (in order: first shard first) and check the chain.
 
-        ``timeout``: default deadline of each ``generate`` (and of connecting); None for none.
-        ``hidden_dtype``: "float32" (default) or "float16" on the hops whose worker offers it.
+        ``timeout``: default deadline of each ``generate``, and of connecting (one deadline for
+        all hops); None for none. ``hidden_dtype``: "float32" (default) or "float16" on the hops
+        whose worker offers it. ``wait_for_ready``: wait (within ``timeout``) for workers that
+        are still loading to serve, instead of failing with ``NOT_READY`` at once (see
+        ``ShardClient.wait_for_ready``).
         """
         if hidden_dtype not in convert.WIRE_DTYPES:
             raise ValueError(f"hidden_dtype must be one of {sorted(convert.WIRE_DTYPES)}")
         if not targets:
             raise ValueError("a pipeline needs at least one worker")
+        deadline = _deadline(timeout)
         async with AsyncExitStack() as stack:
             clients: list[ShardClient] = []
             hops: list[Hop] = []
@@ -230,7 +235,9 @@ class Pipeline:
                             target, timeout=timeout, ssl_context=ssl_context, metadata=metadata
                         )
                     )
-                    caps = await client.capabilities()
+                    if wait_for_ready:
+                        await client.wait_for_ready(timeout=_left(deadline))
+                    caps = await client.capabilities(timeout=_left(deadline))
                 except ShardError as err:
                     raise PipelineError(Hop(i, target), err) from None
                 clients.append(client)

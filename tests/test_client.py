@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from rpc_harness import MODEL, loaded, worker
+from rpc_harness import MODEL, loaded, make_engine, worker
 from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling
 from shard.rpc.transport import CallContext
 from shard.v1 import shard_pb2 as pb
@@ -76,6 +76,18 @@ async def test_session_steps_and_resume() -> None:
         async with c.session(session_id="s1", cache=cache_expectation(held)) as s:
             assert s.cache.outcome == pb.CacheResult.OUTCOME_MISS
         await w.idle()
+
+
+async def test_wait_for_ready_returns_when_serving_and_fails_at_once_on_a_failed_worker() -> None:
+    async with worker(engine=make_engine(fail_at_step=1)) as w, ShardClient.connect(w.target, timeout=30) as c:
+        assert (await c.wait_for_ready()).status == pb.HealthResponse.STATUS_SERVING
+        with pytest.raises(ShardError):
+            async with c.session() as s:
+                await s.prefill(TOKENS)  # the engine fails: restart needed
+        with trio.fail_after(10):  # not the 30 s timeout: waiting cannot help
+            with pytest.raises(ShardError) as info:
+                await c.wait_for_ready()
+        assert info.value.code == ErrorCode.ENGINE_FAILURE and "FAILED" in str(info.value)
 
 
 async def test_step_errors_are_typed_and_keep_the_session() -> None:
