@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml shard/llama_build.py
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# Reinstalls llama-cpp-python only when the requested build profile differs from the installed one.
+# Reinstalls llama-cpp-python only when the requested build profile differs from the installed one,
+# or the installed native libraries are not byte-identical to the recorded wheel's (or missing).
 llama: $(STAMP)
 	$(BIN)/python shard/llama_build.py install
 

@@ -23,7 +23,7 @@ import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
     from collections.abc import Awaitable
@@ -71,14 +71,24 @@ def _target(text: str) -> str:
     return text
 
 
-def _layer_range(text: str) -> tuple[int, int]:
+class _Layers(NamedTuple):
+    """A parsed ``--layers``; ``str()`` gives it back as ``A:B`` (for ``--print-config``)."""
+
+    start: int
+    end: int
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"
+
+
+def _layer_range(text: str) -> _Layers:
     """A:B, the half-open block range [A, B) (0-based), with A < B."""
     start, sep, end = text.partition(":")
     if not sep or not start.isdigit() or not end.isdigit():
         raise argparse.ArgumentTypeError(f"expected A:B (blocks A..B-1), got {text!r}")
     if int(start) >= int(end):
         raise argparse.ArgumentTypeError(f"empty layer range {text!r}: A must be smaller than B")
-    return int(start), int(end)
+    return _Layers(int(start), int(end))
 
 
 def _non_negative_float(text: str) -> float:
@@ -230,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="generate text from a running worker",
         description="Stream generated text from a worker serving a whole model, or with "
         "--pipeline from a chain of workers serving consecutive layer ranges of one model "
-        "(see docs/pipelines.md).",
+        "(see docs/pipelines.md). Workers that are still loading are waited for, within "
+        "--timeout, like gRPC's wait-for-ready.",
     )
     gen.add_argument("prompt", metavar="PROMPT", help="prompt text")
     _add_target(gen, pipeline=True)
@@ -240,9 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sampling temperature, 0 = greedy (default: 0)")
     gen.add_argument("--seed", type=_non_negative_int, default=0, help="sampling seed (default: 0)")
     gen.add_argument("--timeout", type=_non_negative_float, default=60.0,
-                     help="deadline in seconds for the whole call (default: 60)")
+                     help="deadline in seconds for the whole call, including the wait for "
+                     "workers that are still loading (NOT_READY) to serve (default: 60)")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object with 'text' and 'tokens' instead of streaming")
+                     help="print one JSON object with 'text', 'tokens' and 'finish_reason' "
+                     "instead of streaming (after Ctrl-C: what was received, with "
+                     "'interrupted': true; exit status 130)")
     gen.add_argument("--hidden-dtype", choices=["float32", "float16"], default="float32",
                      help="with --pipeline: hidden states on the wire; float16 halves the bytes "
                      "on hops whose worker offers it (default: float32)")
@@ -330,6 +344,15 @@ def _tls_pair_given(args: argparse.Namespace) -> bool:
     return args.tls_cert is not None
 
 
+def _tls_load(what: str, load: Callable[[], T]) -> T:
+    """One TLS file load; a file that cannot be read or used is a ValueError naming ``what``
+    (the options and files), since ssl's own messages name neither ("[SSL] PEM lib")."""
+    try:
+        return load()
+    except OSError as exc:  # ssl.SSLError included
+        raise ValueError(f"cannot load {what}: {exc.strerror or exc}") from None
+
+
 def _server_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     """TLS for ``serve``: certificate + key, and with --tls-client-ca, required client certs."""
     if not _tls_pair_given(args):
@@ -337,10 +360,12 @@ def _server_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    _tls_load(f"--tls-cert {args.tls_cert} with --tls-key {args.tls_key}",
+              lambda: ctx.load_cert_chain(args.tls_cert, args.tls_key))
     if args.tls_client_ca is not None:
         ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_verify_locations(args.tls_client_ca)
+        _tls_load(f"--tls-client-ca {args.tls_client_ca}",
+                  lambda: ctx.load_verify_locations(args.tls_client_ca))
     return ctx
 
 
@@ -357,9 +382,11 @@ def _client_ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
     pair = _tls_pair_given(args)
     if args.tls_ca is None and not pair:
         return None
-    ctx = ssl.create_default_context(cafile=args.tls_ca)
+    where = f"--tls-ca {args.tls_ca}" if args.tls_ca is not None else "the system CA certificates"
+    ctx = _tls_load(where, lambda: ssl.create_default_context(cafile=args.tls_ca))
     if pair:
-        ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        _tls_load(f"--tls-cert {args.tls_cert} with --tls-key {args.tls_key}",
+                  lambda: ctx.load_cert_chain(args.tls_cert, args.tls_key))
     return ctx
 
 
@@ -430,8 +457,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         ssl_context = _server_ssl_context(args)
-    except (ValueError, OSError, ssl.SSLError) as exc:
-        return _fail(f"client set-up failed: {exc}", 2)
+    except ValueError as exc:
+        return _fail(f"TLS set-up failed: {exc}", 2)
     authenticator = None
     if args.auth_token_file is not None:
         try:
@@ -498,7 +525,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _print_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``serve --print-config``: one ``TRIO_SHARD_X=value  # source`` line per option."""
+    """``serve --print-config``: one ``TRIO_SHARD_X=value  # source`` line per option, in the
+    form the variable is read in, so that the lines given back as environment (the comments
+    dropped, the shell quoting undone) configure exactly the same."""
     sources: dict[str, str] = {}
     lines = ["# trio-shard serve: effective configuration (command line > environment > default)"]
     for p in (parser, _subparser(parser, "serve")):
@@ -514,18 +543,21 @@ def _print_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 source = "default"
             else:
                 source = "command line"
-            lines.append(f"{name}={_config_value(value)}  # {source}")
+            lines.append(f"{name}={_config_value(action, value)}  # {source}")
     print("\n".join(lines))
     return 0
 
 
-def _config_value(value: object) -> str:
+def _config_value(action: argparse.Action, value: object) -> str:
+    """``value`` as ``_from_env`` reads it for ``action``. A flag is 1 when it is given: for
+    ``--no-extra-bufts`` (dest ``extra_bufts``, stored False) 1 means extra buffer types off."""
+    if action.nargs == 0:
+        given = value if isinstance(action, argparse.BooleanOptionalAction) else value == action.const
+        return "1" if given else "0"
     if value is None:
         return ""
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, list | tuple):
-        return shlex.quote(shlex.join(map(str, value)))
+    if action.nargs not in (None, "?") or isinstance(action, argparse._AppendAction):
+        return shlex.quote(shlex.join(map(str, value)))  # type: ignore[call-overload]
     return shlex.quote(str(value))
 
 
@@ -588,14 +620,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     async def run() -> bool:
         """Generate; True when Ctrl-C interrupted it (after the session was released)."""
+        import trio
+
+        deadline = trio.current_time() + args.timeout
         async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
 
             async def stream() -> None:
+                await client.wait_for_ready()  # a worker still loading: wait, like gRPC
                 async for chunk in client.generate_text(
                     args.prompt,
                     max_tokens=args.max_tokens,
                     temperature=args.temperature,
                     seed=args.seed,
+                    timeout=deadline - trio.current_time(),
                 ):
                     out.add(chunk.token_id, chunk.text, chunk.finish_reason)
 
@@ -642,21 +679,30 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
 
     async def run() -> bool:
         """Generate; True when Ctrl-C interrupted it (after every session was released)."""
-        async with Pipeline.connect(
-            args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype, **options,
-        ) as pipe:
-            return await _until_sigint(functools.partial(
-                pipe.generate, args.prompt, max_tokens=args.max_tokens,
-                temperature=args.temperature, seed=args.seed,
-                chunk_tokens=args.chunk_tokens, on_token=emit,
-            ))
+        import trio
+
+        deadline = trio.current_time() + args.timeout
+
+        async def generate() -> None:
+            async with Pipeline.connect(
+                args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
+                wait_for_ready=True, **options,  # type: ignore[arg-type]
+            ) as pipe:
+                await pipe.generate(
+                    args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                    seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
+                    timeout=deadline - trio.current_time(),
+                )
+
+        return await _until_sigint(generate)
 
     return _finish_generate(run, out)
 
 
 class _GenerateOutput:
     """What ``generate`` prints (one worker or a pipeline): each token's text as it arrives,
-    then the JSON object with ``--json``, else a newline after the streamed text."""
+    then the JSON object with ``--json``, else a newline after the streamed text; also when
+    Ctrl-C interrupted it (the JSON then says ``"interrupted": true``)."""
 
     def __init__(self, *, as_json: bool) -> None:
         self.as_json = as_json
@@ -672,30 +718,30 @@ class _GenerateOutput:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    def close(self) -> None:
+    def close(self, *, interrupted: bool = False) -> None:
         from shard.v1 import shard_pb2 as pb
 
         if self.as_json:
             reason = pb.FinishReason.Name(self.finish).removeprefix("FINISH_REASON_").lower()
-            print(json.dumps({"text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason}))
+            result = {"text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason}
+            print(json.dumps({**result, "interrupted": True} if interrupted else result))
         else:
             sys.stdout.write("\n")
 
 
 def _finish_generate(run: Callable[[], Awaitable[bool]], out: _GenerateOutput) -> int:
-    """Run ``generate``'s Trio part: 130 after Ctrl-C, 1 with the error on a ShardError, else
-    print the end of the output and 0."""
+    """Run ``generate``'s Trio part: 1 with the error on a ShardError, else print the end of
+    the output (what was received, after Ctrl-C) and 0, or 130 after Ctrl-C."""
     import trio
 
     from shard.client import ShardError
 
     try:
-        if trio.run(run):
-            return 130
+        interrupted = trio.run(run)
     except ShardError as exc:
         return _fail(str(exc))
-    out.close()
-    return 0
+    out.close(interrupted=interrupted)
+    return 130 if interrupted else 0
 
 
 async def _until_sigint(fn: Callable[[], Awaitable[object]]) -> bool:

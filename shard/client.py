@@ -31,7 +31,10 @@ internals stay in one module; this module adds the calls, sessions and typed err
 * session streams grant credit automatically as the caller consumes results, so a caller that
   stops reading pauses the worker instead of filling buffers;
 * a result the worker split into chunks (a boundary result over ``max_message_bytes``) is
-  reassembled, so callers always see one ``StepResult`` per step.
+  reassembled, so callers always see one ``StepResult`` per step; what is buffered for it is
+  bounded (at most the session's KV capacity in rows, and ``max_result_bytes`` if set);
+* ``wait_for_ready()`` waits for a worker that is still loading to serve (gRPC's
+  wait-for-ready), polling ``Health``.
 
 Resource handling: ``connect()`` owns a nursery with the connection's reader and writer tasks
 and closes the socket on exit; each call owns one HTTP/2 stream and frees it when it ends. The
@@ -49,7 +52,7 @@ import ssl
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import trio
@@ -110,11 +113,18 @@ class ShardClient:
         timeout: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
         version: tuple[int, int],
+        max_result_bytes: int | None = None,
     ) -> None:
         self._conn = conn
         self.timeout = timeout
         self.metadata = tuple(metadata)
         self.version = pb.ProtocolVersion(major=version[0], minor=version[1])
+        self.max_result_bytes = max_result_bytes
+
+    @property
+    def connected(self) -> bool:
+        """False once the connection broke or was closed: every call on it fails at once."""
+        return self._conn.dead is None
 
     @classmethod
     @asynccontextmanager
@@ -126,13 +136,16 @@ class ShardClient:
         ssl_context: ssl.SSLContext | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
         version: tuple[int, int] = CURRENT_VERSION,
+        max_result_bytes: int | None = None,
     ) -> AsyncIterator[ShardClient]:
         """Connect to ``HOST:PORT``.
 
         ``timeout``: default deadline in seconds of every call (a session stream counts as one
         call) and of the TCP/TLS connect; None for none. ``metadata``: sent with every call
         (e.g. an ``authorization`` header for the worker's auth hook). ``version`` is sent in
-        every request (tests use it to exercise version refusal).
+        every request (tests use it to exercise version refusal). ``max_result_bytes``: the most
+        hidden-state bytes one result sent in chunks may add up to (None: bounded only by the
+        session's KV capacity); a larger one fails its session with ``RESOURCE_EXHAUSTED``.
         """
         host, port = _parse_target(target)
         with unwrap_single_exception():
@@ -171,7 +184,8 @@ class ShardClient:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(run_connection)
                     try:
-                        yield cls(conn, timeout=timeout, metadata=metadata, version=version)
+                        yield cls(conn, timeout=timeout, metadata=metadata, version=version,
+                                  max_result_bytes=max_result_bytes)
                     finally:
                         conn.goodbye()
                         with trio.move_on_after(1.0) as scope:  # send RST/GOAWAY, bounded
@@ -222,6 +236,45 @@ class ShardClient:
 
     async def health(self, *, timeout: float | None = _DEFAULT) -> pb.HealthResponse:
         return await self._unary("Health", pb.HealthRequest(version=self.version), pb.HealthResponse, timeout)
+
+    async def wait_for_ready(
+        self, *, timeout: float | None = _DEFAULT, interval: float = 0.05
+    ) -> pb.HealthResponse:
+        """Wait until the worker is SERVING, like gRPC's wait-for-ready: a worker that is still
+        loading (NOT_READY) is asked again (``Health``, every ``interval`` seconds, doubling up
+        to 1 s) until it serves or ``timeout`` (default: the client's) has passed.
+
+        Raises ``ShardError``: ``NOT_READY`` when it is not serving by then, naming its last
+        status; at once ``ENGINE_FAILURE`` for a FAILED worker and ``DRAINING`` for a draining
+        one (neither becomes ready by waiting).
+        """
+        H = pb.HealthResponse
+        if timeout is _DEFAULT:
+            timeout = self.timeout
+        deadline = self._deadline(timeout)
+        last = "no answer"
+        while (remaining := deadline - trio.current_time()) > 0:
+            try:
+                health = await self.health(timeout=None if math.isinf(remaining) else remaining)
+            except ShardError as err:
+                if err.code is not ErrorCode.DEADLINE_EXCEEDED:
+                    raise
+                break
+            status = H.Status.Name(health.status).removeprefix("STATUS_")
+            if health.status == H.STATUS_SERVING:
+                return health
+            if health.status == H.STATUS_FAILED:
+                raise ShardError(ErrorCode.ENGINE_FAILURE, f"the worker reports FAILED: {health.detail}")
+            if health.status == H.STATUS_DRAINING:
+                raise ShardError(ErrorCode.DRAINING, "the worker is draining")
+            last = f"{status} ({health.detail})" if health.detail else status
+            await trio.sleep(min(interval, max(0.0, deadline - trio.current_time())))
+            interval = min(2 * interval, 1.0)
+        raise ShardError(
+            ErrorCode.NOT_READY,
+            f"the worker did not become ready within {timeout:.3g} s (last status: {last})",
+            reason="WAIT_FOR_READY_TIMEOUT",
+        )
 
     async def metrics(self, *, timeout: float | None = _DEFAULT) -> pb.GetMetricsResponse:
         return await self._unary(
@@ -413,6 +466,8 @@ class ClientSession:
         self._pending_owner: trio.lowlevel.Task | None = None  # who sent the pending request
         self._pending_stream: StepStream | None = None  # the pending request's generate, if any
         self._chunks: list[pb.StepResult] = []  # chunks of a split result, not yet complete
+        self._chunk_rows = 0  # rows and bytes in ``_chunks`` (bounded, see ``_buffer_chunk``)
+        self._chunk_bytes = 0
 
     @property
     def hidden_dtype(self) -> str:
@@ -542,12 +597,13 @@ class ClientSession:
             msg = await self._next()
             kind = msg.WhichOneof("kind")
             if kind == "step":
+                if msg.step.more_chunks or self._chunks:
+                    self._buffer_chunk(msg.step)
                 if msg.step.more_chunks:
-                    self._chunks.append(msg.step)
                     continue
                 self._outstanding -= 1
                 return self._join_chunks(msg.step)
-            self._chunks.clear()  # a step that ended mid-result (the stream fails next)
+            self._drop_chunks()  # a step that ended mid-result (the stream fails next)
             if kind == "error":
                 error = ShardError.from_proto(msg.error)
             elif kind == "usage":
@@ -561,11 +617,60 @@ class ClientSession:
                 raise ShardError(ErrorCode.SESSION_NOT_FOUND, "the session was released",
                                  session_id=self.session_id)
 
+    def _buffer_chunk(self, chunk: pb.StepResult) -> None:
+        """Keep one chunk of a split result, within bounds: every chunk well-formed (rows of the
+        first chunk's width in the session's dtype), at most the session's KV capacity in rows
+        (so at most kv_capacity x n_embd x itemsize bytes) and ``max_result_bytes`` in bytes.
+        Past a bound the session fails (the stream is reset and the chunks are dropped)."""
+        t = chunk.hidden_states
+        first = self._chunks[0].hidden_states if self._chunks else t
+        width = first.shape[1] if len(first.shape) == 2 else 0
+        rows = t.shape[0] if len(t.shape) == 2 and t.shape[1] == width else 0
+        itemsize = convert.WIRE_DTYPES[self.hidden_dtype].itemsize
+        limit = self._client.max_result_bytes
+        if rows < 1 or width < 1 or len(t.data) != rows * width * itemsize:
+            self._fail_result(ShardError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"malformed result chunk: shape {list(t.shape)}, {len(t.data)} bytes of "
+                f"{self.hidden_dtype} (rows of width {width or '?'} expected)",
+                session_id=self.session_id,
+            ))
+        self._chunk_rows += rows
+        self._chunk_bytes += len(t.data)
+        if limit is not None and self._chunk_bytes > limit:
+            what = f"more than max_result_bytes={limit}"
+        elif self._chunk_rows > self.opened.kv_capacity:
+            what = f"more rows than the session's KV capacity ({self.opened.kv_capacity})"
+        else:
+            what = ""
+        if what:
+            self._fail_result(ShardError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                f"a result sent in chunks grew to {self._chunk_rows} rows, {self._chunk_bytes} "
+                f"bytes: {what}",
+                retryable=False, session_id=self.session_id, reason="RESULT_TOO_LARGE",
+            ))
+        self._chunks.append(chunk)
+
+    def _drop_chunks(self) -> None:
+        self._chunks = []
+        self._chunk_rows = self._chunk_bytes = 0
+
+    def _fail_result(self, err: ShardError) -> NoReturn:
+        """A result that cannot be reassembled ends the session: free its chunks, reset the
+        stream (the worker releases the session), and fail this and every later call."""
+        self._drop_chunks()
+        self._dead = err
+        self._stream.abort()
+        raise err
+
     def _join_chunks(self, last: pb.StepResult) -> pb.StepResult:
-        """Reassemble a result the worker split into chunks (rows in order)."""
+        """Reassemble a result the worker split into chunks (rows in order; ``last`` is
+        buffered already)."""
         if not self._chunks:
             return last
-        parts, self._chunks = [*self._chunks, last], []
+        parts = self._chunks
+        self._drop_chunks()
         whole = pb.StepResult()
         whole.CopyFrom(last)
         whole.hidden_states.data = b"".join(p.hidden_states.data for p in parts)

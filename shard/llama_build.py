@@ -30,6 +30,9 @@ runs before the project is installed)::
 
 The installed build is recorded in ``<venv>/share/trio-shard/llama-build.json``;
 ``installed_build()`` reads it so the engine, ``caps`` and the benchmarks can say which build ran.
+``install`` trusts that record only while the installed native libraries are byte-identical to
+the recorded wheel's (a later ``pip install`` may have replaced them): otherwise, or when they
+are missing, it installs the wheel again.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import contextlib
 import csv
 import fcntl
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -306,18 +310,57 @@ def _llama_cpp_importable() -> bool:
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
-def install(profile: str) -> dict[str, object]:
-    """Install the profile's wheel into this interpreter's environment unless it already is."""
-    current = installed_build()
+def site_dir() -> Path | None:
+    """The directory this interpreter imports ``llama_cpp`` from (without importing it), or
+    None when it is not installed."""
+    importlib.invalidate_caches()
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def reinstall_reason(
+    current: dict[str, object] | None, wanted: dict[str, object], site: Path | None
+) -> str | None:
+    """Why the installed llama-cpp-python is not the wanted build (None: it is): no record,
+    another build recorded, or native libraries missing or not byte-identical to the record."""
+    if current is None:
+        return "no install record"
+    if current.get("key") != wanted["key"]:
+        return f"the installed build is {current.get('key')}, not {wanted['key']}"
+    if site is None:
+        return "llama_cpp is not installed"
+    differ = installed_libraries_match(site, current)
+    if differ:
+        return f"installed native libraries differ from the recorded wheel: {', '.join(differ)}"
+    return None
+
+
+def install(
+    profile: str, *, prefix: str | os.PathLike[str] | None = None, site: Path | None = None
+) -> dict[str, object]:
+    """Install the profile's wheel into this interpreter's environment unless it already is,
+    with the very libraries the record lists. ``prefix`` (default ``sys.prefix``) holds the
+    record; ``site`` is where ``llama_cpp`` is installed (default: found by import)."""
+    current = installed_build(prefix)
     wanted = plan(profile)
-    if current and current.get("key") == wanted["key"] and _llama_cpp_importable():
+    reason = reinstall_reason(current, wanted, site or site_dir())
+    if reason is None and _llama_cpp_importable():
+        assert current is not None
         return current
+    print(f"llama_build: installing ({reason or 'llama_cpp does not import'})", file=sys.stderr)
     wheel, record = ensure_wheel(profile)
     # The exact file, pip's cache off: nothing built elsewhere can stand in for it.
     _pip("install", "--no-cache-dir", "--force-reinstall", "--no-deps", str(wheel))
     _pip("install", "--no-cache-dir", str(wheel))  # its dependencies (numpy, jinja2, ...)
     record = {**record, "libraries": wheel_libraries(wheel)}
-    path = record_path()
+    installed = site or site_dir()
+    differ = installed_libraries_match(installed, record) if installed else ["llama_cpp"]
+    if differ:
+        raise SystemExit(f"llama_build: after installing {wheel.name}, these files are not the "
+                         f"wheel's: {', '.join(differ)}")
+    path = record_path(prefix)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     print(f"llama_build: installed {wheel.name} ({record['key']})", file=sys.stderr)

@@ -25,13 +25,17 @@ the bench, and a reference for routers. What it guarantees:
 * **Decoding** sends each chosen token through the chain; the last shard samples (its
   ``Logits.token_id`` is the token), with the same stop rules as the worker's ``Generate``, so the
   result equals a whole-model worker's ``Generate`` token for token.
-* **Deadlines.** The caller's deadline is absolute: every hop's session stream is opened with the
-  remaining budget as its ``grpc-timeout`` (the worker releases the session when it expires, the
-  client resets the stream).
+* **Deadlines.** The caller's deadline is absolute and bounds the whole ``generate`` (one Trio
+  deadline scope): every hop's session stream is opened with the time left, rounded *down*, as its
+  ``grpc-timeout`` (the worker releases the session when it expires, the client resets the
+  stream), so no hop's deadline falls after the caller's.
 * **Failure semantics.** A failure, a deadline or a cancellation at any hop resets every hop's
-  stream and then calls ``Release`` on every shard (shielded, ``RELEASE_TIMEOUT`` seconds), so no
-  shard keeps a session or KV cells. The error raised is a ``PipelineError`` (a ``ShardError``)
-  that names the failing hop: index, target and layer range.
+  stream and then calls ``Release`` on every shard (shielded), through a new connection where
+  the old one was lost (a live worker retains a session whose connection dropped), so no live
+  shard keeps a session or KV cells. The cleanup takes at most ``RELEASE_TIMEOUT`` seconds and
+  never ends later than ``CLEANUP_GRACE`` seconds after the caller's deadline. The error raised
+  is a ``PipelineError`` (a ``ShardError``) that names the failing hop: index, target and layer
+  range.
 """
 
 from __future__ import annotations
@@ -66,7 +70,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 32
-RELEASE_TIMEOUT = 2.0  # seconds each cleanup Release may take (shielded)
+RELEASE_TIMEOUT = 2.0  # seconds the cleanup (Release on every hop, shielded) may take at most...
+CLEANUP_GRACE = 0.5  # ...and how long it may go on after the caller's deadline
+#: Hop streams get the time left minus this, rounded down, as their timeout, so that a hop's
+#: deadline is never after the caller's although the client computes it a moment later.
+HOP_DEADLINE_MARGIN = 0.001
 _DEFAULT: Any = object()
 
 OnToken = Callable[[pb.StepResult], "Awaitable[None] | None"]
@@ -176,12 +184,21 @@ class Pipeline:
     """Connections to every shard of a checked chain. Create with ``Pipeline.connect``."""
 
     def __init__(
-        self, hops: list[Hop], clients: list[ShardClient], *, timeout: float | None, hidden_dtype: str
+        self,
+        hops: list[Hop],
+        clients: list[ShardClient],
+        *,
+        timeout: float | None,
+        hidden_dtype: str,
+        ssl_context: ssl.SSLContext | None = None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> None:
         self.hops = hops
         self._clients = clients
         self.timeout = timeout
         self.hidden_dtype = hidden_dtype
+        self._ssl_context = ssl_context  # to reconnect for a Release (see ``_release``)
+        self._metadata = tuple(metadata)
 
     @classmethod
     @asynccontextmanager
@@ -193,16 +210,21 @@ class Pipeline:
         hidden_dtype: str = convert.HIDDEN_DTYPE,
         ssl_context: ssl.SSLContext | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
+        wait_for_ready: bool = False,
     ) -> AsyncIterator[Pipeline]:
         """Connect to every worker (in order: first shard first) and check the chain.
 
-        ``timeout``: default deadline of each ``generate`` (and of connecting); None for none.
-        ``hidden_dtype``: "float32" (default) or "float16" on the hops whose worker offers it.
+        ``timeout``: default deadline of each ``generate``, and of connecting (one deadline for
+        all hops); None for none. ``hidden_dtype``: "float32" (default) or "float16" on the hops
+        whose worker offers it. ``wait_for_ready``: wait (within ``timeout``) for workers that
+        are still loading to serve, instead of failing with ``NOT_READY`` at once (see
+        ``ShardClient.wait_for_ready``).
         """
         if hidden_dtype not in convert.WIRE_DTYPES:
             raise ValueError(f"hidden_dtype must be one of {sorted(convert.WIRE_DTYPES)}")
         if not targets:
             raise ValueError("a pipeline needs at least one worker")
+        deadline = _deadline(timeout)
         async with AsyncExitStack() as stack:
             clients: list[ShardClient] = []
             hops: list[Hop] = []
@@ -213,13 +235,18 @@ class Pipeline:
                             target, timeout=timeout, ssl_context=ssl_context, metadata=metadata
                         )
                     )
-                    caps = await client.capabilities()
+                    if wait_for_ready:
+                        await client.wait_for_ready(timeout=_left(deadline))
+                    caps = await client.capabilities(timeout=_left(deadline))
                 except ShardError as err:
                     raise PipelineError(Hop(i, target), err) from None
                 clients.append(client)
                 hops.append(Hop(i, target, caps))
             check_chain(hops)
-            yield cls(hops, clients, timeout=timeout, hidden_dtype=hidden_dtype)
+            yield cls(
+                hops, clients, timeout=timeout, hidden_dtype=hidden_dtype,
+                ssl_context=ssl_context, metadata=metadata,
+            )
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -252,46 +279,52 @@ class Pipeline:
         self._check_chunk(chunk_tokens)
         if timeout is _DEFAULT:
             timeout = self.timeout
-        deadline = math.inf if timeout is None else trio.current_time() + timeout
+        deadline = _deadline(timeout)
         sid = session_id if session_id is not None else f"p-{secrets.token_hex(8)}"
         params = sampling(temperature, top_k=top_k, top_p=top_p, seed=seed)
         sessions: list[ClientSession] = []
         attempted = 0
+        blames = _Blames()
         try:
-            for hop in self.hops:
-                attempted += 1
-                sessions.append(await self._open(hop, f"{sid}.{hop.index}", deadline))
-            result = PipelineResult()
-            step = await self._prefill(sessions, prompt, params, top_logprobs, chunk_tokens)
-            result.prompt_tokens = step.n_past
-            capacity = min(s.opened.kv_capacity for s in sessions)
-            stop = frozenset(stop_tokens)
-            while True:
-                token = step.logits.token_id
-                if step.logits.is_eog and not ignore_eos:
-                    step.finish_reason = pb.FINISH_REASON_EOG
-                elif token in stop:
-                    step.finish_reason = pb.FINISH_REASON_STOP_TOKEN
-                elif len(result.steps) + 1 >= max_tokens:
-                    step.finish_reason = pb.FINISH_REASON_LENGTH
-                elif step.n_past + 1 > capacity:
-                    step.finish_reason = pb.FINISH_REASON_CONTEXT_FULL
-                result.steps.append(step)
-                if on_token is not None:
-                    maybe = on_token(step)
-                    if inspect.isawaitable(maybe):
-                        await maybe
-                if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    break
-                step = await self._decode(sessions, token, params, top_logprobs)
-            for hop, session in zip(self.hops, sessions, strict=True):
-                with _Blame(hop):
-                    await session.close()
-            return result
+            with trio.CancelScope(deadline=deadline):  # the caller's deadline, for everything
+                for hop in self.hops:
+                    attempted += 1
+                    sessions.append(await self._open(hop, f"{sid}.{hop.index}", deadline, blames))
+                result = PipelineResult()
+                step = await self._prefill(
+                    sessions, prompt, params, top_logprobs, chunk_tokens, blames
+                )
+                result.prompt_tokens = step.n_past
+                capacity = min(s.opened.kv_capacity for s in sessions)
+                stop = frozenset(stop_tokens)
+                while True:
+                    token = step.logits.token_id
+                    if step.logits.is_eog and not ignore_eos:
+                        step.finish_reason = pb.FINISH_REASON_EOG
+                    elif token in stop:
+                        step.finish_reason = pb.FINISH_REASON_STOP_TOKEN
+                    elif len(result.steps) + 1 >= max_tokens:
+                        step.finish_reason = pb.FINISH_REASON_LENGTH
+                    elif step.n_past + 1 > capacity:
+                        step.finish_reason = pb.FINISH_REASON_CONTEXT_FULL
+                    result.steps.append(step)
+                    if on_token is not None:
+                        maybe = on_token(step)
+                        if inspect.isawaitable(maybe):
+                            await maybe
+                    if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        break
+                    step = await self._decode(sessions, token, params, top_logprobs, blames)
+                for hop, session in zip(self.hops, sessions, strict=True):
+                    with _Blame(hop, blames):
+                        await session.close()
+                return result
+            raise blames.deadline_error(self.hops)  # the scope's deadline passed
         except BaseException:
             for session in sessions:
                 session.abort()  # RST_STREAM: the worker stops the step and releases
-            with trio.CancelScope(shield=True):
+            cleanup_deadline = min(trio.current_time() + RELEASE_TIMEOUT, deadline + CLEANUP_GRACE)
+            with trio.CancelScope(shield=True, deadline=cleanup_deadline):
                 await self._release(sid, attempted)
             raise
 
@@ -315,13 +348,13 @@ class Pipeline:
                     f"this chain accepts at most {limit} bytes per message",
                 ))
 
-    async def _open(self, hop: Hop, sid: str, deadline: float) -> ClientSession:
-        """Open the hop's session with the remaining budget as its grpc-timeout."""
+    async def _open(self, hop: Hop, sid: str, deadline: float, blames: _Blames) -> ClientSession:
+        """Open the hop's session with the remaining budget, rounded down, as its grpc-timeout."""
         assert hop.caps is not None
         want = self._wire_dtype(hop)
-        with _Blame(hop):
-            remaining = deadline - trio.current_time()
-            if remaining <= 0:
+        with _Blame(hop, blames):
+            timeout = _hop_timeout(deadline)
+            if timeout is not None and timeout <= 0:
                 raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired")
             session = await self._clients[hop.index].open_session(
                 sid,
@@ -329,7 +362,7 @@ class Pipeline:
                 expected_layer_range=hop.layers,
                 # float32 is not asked for, so a v1.0 exchange stays byte for byte the same
                 hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
-                timeout=None if math.isinf(remaining) else remaining,
+                timeout=timeout,
             )
         return session
 
@@ -340,17 +373,17 @@ class Pipeline:
         params: pb.SamplingParams,
         top_logprobs: int,
         chunk_tokens: int,
+        blames: _Blames,
     ) -> pb.StepResult:
         """Stream the prompt through the chain in chunks; return the last shard's last result."""
         hops, n = self.hops, len(self.hops)
-        failures: list[ShardError] = []
         last: list[pb.StepResult] = []
         text = prompt if isinstance(prompt, str) else None
         tokens = None if isinstance(prompt, str) else list(prompt)
 
         async def first(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None) -> None:
             hop, session = hops[0], sessions[0]
-            with _Blame(hop, failures, nursery.cancel_scope):
+            with _Blame(hop, blames, nursery.cancel_scope):
                 async with out if out is not None else nullcontext():  # closing ends the next hop
                     steps = session.prefill_chunks(
                         tokens, text=text, chunk_tokens=chunk_tokens, sampling=params,
@@ -368,7 +401,7 @@ class Pipeline:
             out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None,
         ) -> None:
             hop, session = hops[k], sessions[k]
-            with _Blame(hop, failures, nursery.cancel_scope):
+            with _Blame(hop, blames, nursery.cancel_scope):
                 async with inbox, out if out is not None else nullcontext():
                     async for position, rows in inbox:
                         step = await session.prefill(
@@ -387,20 +420,25 @@ class Pipeline:
                 for k in range(1, n):
                     out = channels[k][0] if k < n - 1 else None
                     nursery.start_soon(later, k, channels[k - 1][1], out)
-        if failures:
-            raise failures[0]
+        if blames.failures:
+            raise blames.failures[0]
         if not last or last[0].WhichOneof("output") != "logits":
             raise PipelineError(hops[-1], ShardError(ErrorCode.INTERNAL, "no logits after prefill"))
         return last[0]
 
     async def _decode(
-        self, sessions: list[ClientSession], token: int, params: pb.SamplingParams, top_logprobs: int
+        self,
+        sessions: list[ClientSession],
+        token: int,
+        params: pb.SamplingParams,
+        top_logprobs: int,
+        blames: _Blames,
     ) -> pb.StepResult:
         """One token through every hop; the last hop's result carries the next token."""
         rows: np.ndarray | None = None
         step = pb.StepResult()
         for hop, session in zip(self.hops, sessions, strict=True):
-            with _Blame(hop):
+            with _Blame(hop, blames):
                 if rows is None:
                     step = await session.decode(token, sampling=params, top_logprobs=top_logprobs)
                 else:
@@ -414,46 +452,103 @@ class Pipeline:
         return step
 
     async def _release(self, sid: str, attempted: int) -> None:
-        """Release the session on every hop that may hold one, each bounded; never raises."""
+        """Release the session on every hop that may hold one, concurrently, within the
+        enclosing scope's deadline; never raises.
+
+        A hop whose connection was lost is released through a new connection: a live worker
+        retains a session whose connection dropped (for resume), and nobody would resume it.
+        """
 
         async def release(hop: Hop) -> None:
-            with trio.move_on_after(RELEASE_TIMEOUT):
-                try:
-                    await self._clients[hop.index].release(f"{sid}.{hop.index}", timeout=RELEASE_TIMEOUT)
-                except Exception as exc:  # a dead worker: it frees the session itself
-                    log.warning("%s: release of %s.%d failed: %s", hop, sid, hop.index, exc)
+            name = f"{sid}.{hop.index}"
+            client = self._clients[hop.index]
+            try:
+                if client.connected:
+                    try:
+                        await client.release(name, timeout=_left(trio.current_effective_deadline()))
+                        return
+                    except ShardError:
+                        if client.connected:
+                            raise
+                async with ShardClient.connect(
+                    hop.target, timeout=_left(trio.current_effective_deadline()),
+                    ssl_context=self._ssl_context, metadata=self._metadata,
+                ) as fresh:
+                    await fresh.release(name)
+            except Exception as exc:  # a dead worker: it freed the session with its process
+                log.warning("%s: release of %s failed: %s", hop, name, exc)
 
         async with trio.open_nursery() as nursery:
             for hop in self.hops[:attempted]:
                 nursery.start_soon(release, hop)
 
 
-class _Blame:
-    """Turn a ``ShardError`` inside the block into a ``PipelineError`` naming ``hop``.
+def _deadline(timeout: float | None) -> float:
+    return math.inf if timeout is None else trio.current_time() + timeout
 
-    In a prefill task (``failures`` given) the first error is recorded and the sibling tasks
-    are cancelled instead of raising, so the caller gets one error, not an exception group.
+
+def _left(deadline: float) -> float | None:
+    """Seconds until ``deadline`` (None for none), for a call's ``timeout``."""
+    return None if math.isinf(deadline) else deadline - trio.current_time()
+
+
+def _hop_timeout(deadline: float) -> float | None:
+    """A hop stream's timeout: the time left until ``deadline`` less ``HOP_DEADLINE_MARGIN``,
+    rounded *down* to what ``grpc-timeout`` carries (whole seconds from 99 s, microseconds
+    below), so that the transport, which rounds up, never sends more than the time left."""
+    left = _left(deadline)
+    if left is None:
+        return None
+    left -= HOP_DEADLINE_MARGIN
+    if left >= 99:
+        return float(math.floor(left))
+    return math.floor(left * 1e6) / 1e6
+
+
+@dataclass
+class _Blames:
+    """Which hop one ``generate``'s failure is blamed on."""
+
+    #: The first error of a prefill task (the others are cancelled rather than raising).
+    failures: list[PipelineError] = field(default_factory=list)
+    #: Hops whose call a cancellation interrupted (the pipeline's deadline, or the caller's).
+    interrupted: list[int] = field(default_factory=list)
+
+    def deadline_error(self, hops: Sequence[Hop]) -> PipelineError:
+        """The error for the pipeline's deadline scope having passed. A hop's own call deadline
+        falls just before it, but both usually pass in one scheduler tick, and the hop's call
+        then ends in a cancellation: name the first hop whose call it interrupted, else the
+        last hop (the deadline passed in ``on_token``, handling that hop's result)."""
+        if self.failures:
+            return self.failures[0]
+        hop = hops[min(self.interrupted)] if self.interrupted else hops[-1]
+        return PipelineError(hop, ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired"))
+
+
+class _Blame:
+    """Turn a ``ShardError`` inside the block into a ``PipelineError`` naming ``hop``, and note
+    in ``blames`` when a cancellation interrupted the block.
+
+    In a prefill task (``scope`` given) the first error is recorded in ``blames.failures`` and
+    the sibling tasks are cancelled instead of raising, so the caller gets one error, not an
+    exception group.
     """
 
-    def __init__(
-        self,
-        hop: Hop,
-        failures: list[ShardError] | None = None,
-        scope: trio.CancelScope | None = None,
-    ) -> None:
-        self._hop, self._failures, self._scope = hop, failures, scope
+    def __init__(self, hop: Hop, blames: _Blames, scope: trio.CancelScope | None = None) -> None:
+        self._hop, self._blames, self._scope = hop, blames, scope
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, trio.Cancelled):
+            self._blames.interrupted.append(self._hop.index)
         if exc is None or not isinstance(exc, ShardError):
             return False
         err = exc if isinstance(exc, PipelineError) else PipelineError(self._hop, exc)
-        if self._failures is None:
+        if self._scope is None:
             raise err from None
-        if not self._failures:
-            self._failures.append(err)
-        assert self._scope is not None
+        if not self._blames.failures:
+            self._blames.failures.append(err)
         self._scope.cancel()
         return True

@@ -7,6 +7,7 @@ KV cells may remain once the server (or registry) that used it has stopped.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import queue
@@ -217,6 +218,52 @@ async def worker(
         server_scope.cancel()
 
 
+@dataclass
+class TcpProxy:
+    """A loopback TCP proxy in front of a worker: ``cut()`` drops every connection made so far
+    (both sides see the socket close, the worker keeps running), new ones still go through."""
+
+    target: str  # where clients connect: the proxy
+    _conns: list[tuple[trio.SocketStream, trio.SocketStream]]
+    accepted: int = 0
+
+    def cut(self) -> None:
+        for pair in self._conns:
+            for stream in pair:
+                stream.socket.close()
+        self._conns.clear()
+
+
+@asynccontextmanager
+async def tcp_proxy(upstream: str) -> AsyncIterator[TcpProxy]:
+    """A ``TcpProxy`` to ``upstream`` (HOST:PORT) for the block."""
+    host, _, port = upstream.rpartition(":")
+    proxy = TcpProxy("", [])
+
+    async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+        try:
+            while data := await src.receive_some():
+                await dst.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            dst.socket.close()
+
+    async def handle(client: trio.SocketStream) -> None:
+        proxy.accepted += 1
+        server = await trio.open_tcp_stream(host, int(port))
+        proxy._conns.append((client, server))
+        async with trio.open_nursery() as pumps:
+            pumps.start_soon(pump, client, server)
+            pumps.start_soon(pump, server, client)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+        proxy.target = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        yield proxy
+        nursery.cancel_scope.cancel()
+
+
 # ---- driving a SessionCall without a network -------------------------------------------------
 
 
@@ -335,28 +382,38 @@ CLI = [sys.executable, "-m", "shard.cli"]
 
 
 async def signal_cli(
-    args: list[str], ready: Callable[[], bool], sig: int, *, timeout: float = 60
+    args: list[str], ready: Callable[[], bool], sig: int, *, timeout: float = 60,
+    stdout: bytearray | None = None,
 ) -> tuple[int, str]:
     """Run ``trio-shard ARGS``, send it ``sig`` once ``ready()`` holds (polled), and return its
-    exit status and stderr. The child gets the default SIGINT handler (``sigint_default``)."""
+    exit status and stderr; its standard output goes into ``stdout`` if given. The child gets
+    the default SIGINT handler (``sigint_default``)."""
     proc = await trio.lowlevel.open_process(
-        [*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=sigint_default,
+        [*CLI, *args], stdout=subprocess.DEVNULL if stdout is None else subprocess.PIPE,
+        stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=sigint_default,
     )
     assert proc.stderr is not None
     err = bytearray()
+
+    async def collect(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
+        async with stream:
+            while chunk := await stream.receive_some():
+                into += chunk
+
     try:
-        with trio.fail_after(timeout):
-            while not ready():
-                await trio.sleep(0.01)
-        proc.send_signal(sig)
-        with trio.fail_after(timeout):
-            while chunk := await proc.stderr.receive_some():
-                err += chunk
-            code = await proc.wait()
+        async with trio.open_nursery() as nursery:  # both pipes read until the process ends
+            nursery.start_soon(collect, proc.stderr, err)
+            if proc.stdout is not None and stdout is not None:
+                nursery.start_soon(collect, proc.stdout, stdout)
+            with trio.fail_after(timeout):
+                while not ready():
+                    await trio.sleep(0.01)
+            proc.send_signal(sig)
+            with trio.fail_after(timeout):
+                code = await proc.wait()
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-        await proc.stderr.aclose()
     return code, err.decode(errors="replace")

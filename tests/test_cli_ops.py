@@ -112,6 +112,96 @@ def test_print_config_shows_every_value_and_its_source(
     assert {env_name(a) for a in serve_options()} - {"TRIO_SHARD_PRINT_CONFIG"} <= shown
 
 
+def config_options() -> list[argparse.Action]:
+    """What ``--print-config`` prints: the global ``--log-level`` and every serve option."""
+    parser = build_parser()
+    return [a for p in (parser, _subparser(parser, "serve")) for a in p._actions
+            if env_name(a) and a.dest != "print_config"]
+
+
+def non_default_argv(action: argparse.Action) -> list[str]:
+    """The option set to a value other than its default (a KeyError for a new kind of option:
+    give it a sample here)."""
+    from shard import cli
+
+    option = next(o for o in action.option_strings if o.startswith("--"))
+    if action.nargs == 0:
+        return [option]
+    if action.choices:
+        return [option, next(str(c) for c in action.choices if c != action.default)]
+    sample = {
+        cli._port: "7", cli._positive_int: "7", cli._non_negative_int: "7",
+        cli._non_negative_float: "2.5", cli._layer_range: "1:3",
+        Path: "/srv/my models/it's.gguf", None: "10.0.0.5",
+    }[action.type]
+    return [option, sample]
+
+
+def printed_config(argv: list[str]) -> dict[str, str]:
+    """``--print-config`` of ``argv`` under the current environment, as a shell reads the lines
+    (the quoting undone, the ``# source`` comments dropped)."""
+    import contextlib
+    import io
+    import shlex
+
+    from shard.cli import _print_config
+
+    parser = build_parser()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert _print_config(parser, parser.parse_args([*argv, "--print-config"])) == 0
+    words = [shlex.split(line, comments=True) for line in out.getvalue().splitlines()]
+    return dict(w[0].split("=", 1) for w in words if w)
+
+
+@pytest.mark.parametrize("changed", ["defaults", "every-option"])
+def test_print_config_round_trips_through_the_environment(
+    changed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The printed lines, fed back as the environment alone, give the same configuration."""
+    argv = ["serve"]
+    if changed == "every-option":
+        argv = [*non_default_argv(next(a for a in config_options() if a.dest == "log_level")), "serve"]
+        argv += [w for a in config_options() if a.dest != "log_level" for w in non_default_argv(a)]
+    want = parse(argv, {}, monkeypatch)
+    config = printed_config(argv)
+    assert set(config) == {env_name(a) for a in config_options()}
+    got = parse(["serve"], config, monkeypatch)
+    assert vars(got) == vars(want)
+    assert printed_config(["serve"]) == config  # printed again from the environment: the same
+    if changed == "every-option":
+        defaults = parse(["serve"], {}, monkeypatch)
+        assert all(getattr(want, a.dest) != getattr(defaults, a.dest) for a in config_options())
+        assert config["TRIO_SHARD_NO_EXTRA_BUFTS"] == "1" and want.extra_bufts is False
+    else:
+        assert config["TRIO_SHARD_NO_EXTRA_BUFTS"] == "0" and want.extra_bufts is True
+
+
+@pytest.mark.parametrize("broken", ["missing-cert", "garbage-key", "garbage-client-ca"])
+def test_serve_says_which_of_its_tls_files_failed(
+    broken: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    files = {name: tmp_path / name for name in ("server.pem", "server.key", "ca.pem")}
+    cert.cert_chain_pems[0].write_to_path(str(files["server.pem"]))
+    cert.private_key_pem.write_to_path(str(files["server.key"]))
+    ca.cert_pem.write_to_path(str(files["ca.pem"]))
+    if broken == "missing-cert":
+        files["server.pem"] = tmp_path / "nowhere.pem"
+    else:
+        files["server.key" if broken == "garbage-key" else "ca.pem"].write_text("garbage\n")
+    argv = ["serve", "--tls-cert", str(files["server.pem"]), "--tls-key", str(files["server.key"]),
+            "--tls-client-ca", str(files["ca.pem"])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    option = "--tls-client-ca" if broken == "garbage-client-ca" else "--tls-cert"
+    assert err.startswith(f"trio-shard: error: TLS set-up failed: cannot load {option} "), err
+    assert "client set-up" not in err and "Traceback" not in err
+
+
 # ---- health and metrics commands --------------------------------------------------------------
 
 
@@ -177,6 +267,32 @@ async def test_generate_ctrl_c_releases_the_session_before_exiting() -> None:
             while w.engine.sessions():
                 await trio.sleep(0.01)
         assert w.server.registry.n_retained == 0 and w.server.registry.n_live == 0
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+async def test_an_interrupted_generate_prints_what_it_received(as_json: bool) -> None:
+    """Ctrl-C: the text received so far (then a newline), or with --json the object so far
+    with "interrupted": true; exit 130, the session released."""
+    async with worker(latency=0.002) as w:
+        out = bytearray()
+        code, err = await signal_cli(
+            ["generate", "--target", w.target, "--max-tokens", "5000", *(["--json"] * as_json), "hello"],
+            # credit (16) lets the worker run only so far ahead: the CLI has received tokens
+            lambda: w.gate.steps >= 60, signal.SIGINT, stdout=out,
+        )
+        assert code == 130, err
+        assert "Traceback" not in err, err
+        await w.idle()
+        assert w.server.registry.n_retained == 0 and not w.engine.sessions()
+        if not as_json:
+            assert out.endswith(b"\n") and len(out) > 1, out
+            return
+        got = json.loads(out)
+        assert got["interrupted"] is True and got["finish_reason"] == "unspecified"
+        assert 20 <= len(got["tokens"]) < 5000
+        async with ShardClient.connect(w.target, timeout=30) as client:  # greedy: a prefix
+            want = [s.logits.token_id async for s in client.generate("hello", max_tokens=len(got["tokens"]))]
+        assert got["tokens"] == want
 
 
 async def test_metrics_command_prints_get_metrics(capsys: pytest.CaptureFixture[str]) -> None:

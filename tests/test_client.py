@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from rpc_harness import MODEL, loaded, worker
+from rpc_harness import MODEL, loaded, make_engine, worker
 from shard.rpc.versions import SUPPORTED_VERSIONS
 from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling
 from shard.rpc.transport import CallContext
@@ -77,6 +77,18 @@ async def test_session_steps_and_resume() -> None:
         async with c.session(session_id="s1", cache=cache_expectation(held)) as s:
             assert s.cache.outcome == pb.CacheResult.OUTCOME_MISS
         await w.idle()
+
+
+async def test_wait_for_ready_returns_when_serving_and_fails_at_once_on_a_failed_worker() -> None:
+    async with worker(engine=make_engine(fail_at_step=1)) as w, ShardClient.connect(w.target, timeout=30) as c:
+        assert (await c.wait_for_ready()).status == pb.HealthResponse.STATUS_SERVING
+        with pytest.raises(ShardError):
+            async with c.session() as s:
+                await s.prefill(TOKENS)  # the engine fails: restart needed
+        with trio.fail_after(10):  # not the 30 s timeout: waiting cannot help
+            with pytest.raises(ShardError) as info:
+                await c.wait_for_ready()
+        assert info.value.code == ErrorCode.ENGINE_FAILURE and "FAILED" in str(info.value)
 
 
 async def test_step_errors_are_typed_and_keep_the_session() -> None:
@@ -351,6 +363,94 @@ async def test_chunked_boundary_results_are_reassembled() -> None:
         assert want.boundary is not None
         assert tensor_to_array(first.hidden_states, 256).tobytes() == want.boundary.hidden_states.tobytes()
         await reference.release("r")
+
+
+async def test_a_chunked_result_over_max_result_bytes_fails_the_session_and_frees_it() -> None:
+    from shard.engine import LayerRange, LoadSpec
+    from shard.engine.fake import FakeEngine, FakeModel
+    from shard.rpc.transport import TransportLimits
+
+    wide = FakeModel(n_layers_total=4, n_embd=256, seed=3)
+    spec = LoadSpec(n_ctx=512, max_sessions=2, layer_range=LayerRange(0, 2))
+    limits = TransportLimits(max_message_bytes=16 * 1024)  # 40 rows of 1 KiB: 4 chunks
+    async with (
+        worker(engine=FakeEngine(model=wide), load=spec, transport_limits=limits) as w,
+        ShardClient.connect(w.target, timeout=10, max_result_bytes=20 * 1024) as c,
+    ):
+        async with c.session() as s:
+            assert (await s.prefill(list(range(3, 13)))).hidden_states.shape[0] == 10  # 10 KiB
+            with pytest.raises(ShardError) as info:
+                await s.prefill(list(range(13, 53)))  # 40 KiB
+            assert info.value.code == ErrorCode.RESOURCE_EXHAUSTED and not info.value.retryable
+            assert info.value.reason == "RESULT_TOO_LARGE" and "max_result_bytes=20480" in str(info.value)
+            assert s._chunks == []
+            with pytest.raises(ShardError) as again:
+                await s.decode(5)
+            assert again.value is info.value  # the session is over
+        await w.idle()  # the stream was reset: the worker released the session
+        assert w.engine.metrics().sessions_active == 0
+
+
+class _ChunkingStream:
+    """A fake session stream (the transport under a ``ClientSession``): it opens a session with
+    a KV capacity of 4 positions, then answers any step with ``chunks`` hidden-state chunks, each
+    with ``more_chunks`` set (a worker that never finishes its result), and counts them."""
+
+    def __init__(self, chunks: list[pb.Tensor]) -> None:
+        self._replies = [pb.SessionResponse(opened=pb.SessionOpened(session_id="s", kv_capacity=4, credit=8))]
+        self._replies += [pb.SessionResponse(step=pb.StepResult(step=1, hidden_states=t, more_chunks=True))
+                          for t in chunks]
+        self.delivered = -1  # chunks handed to the client (after SessionOpened)
+        self.aborted = False
+
+    async def send(self, message: object) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive(self, message_type: object) -> pb.SessionResponse | None:
+        await trio.lowlevel.checkpoint()
+        if self.aborted or not self._replies:
+            return None
+        self.delivered += 1
+        return self._replies.pop(0)
+
+    def error(self) -> ShardError | None:
+        return ShardError(ErrorCode.INTERNAL, "the fake stream ended")
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self) -> None:
+        pass
+
+
+def _rows(n: int, width: int = 8) -> pb.Tensor:
+    return pb.Tensor(data=bytes(4 * n * width), shape=[n, width], dtype="float32")
+
+
+@pytest.mark.parametrize(
+    "chunks, delivered, code, words",
+    [
+        ([_rows(1)] * 1000, 5, ErrorCode.RESOURCE_EXHAUSTED, "more rows than the session's KV capacity (4)"),
+        ([_rows(2), _rows(1, width=9)], 2, ErrorCode.INVALID_ARGUMENT, "malformed result chunk"),
+        ([_rows(2), pb.Tensor(data=bytes(5), shape=[1, 8], dtype="float32")], 2,
+         ErrorCode.INVALID_ARGUMENT, "malformed result chunk"),
+    ],
+    ids=["endless", "other-width", "wrong-size"],
+)
+async def test_chunk_reassembly_is_bounded_by_the_sessions_kv_capacity(
+    chunks: list[pb.Tensor], delivered: int, code: ErrorCode, words: str
+) -> None:
+    """A worker whose result never ends (or whose chunks do not fit together): the client stops
+    at the session's KV capacity in rows, drops what it buffered and resets the stream."""
+    stream = _ChunkingStream(chunks)
+    client = ShardClient(None, timeout=None, metadata=(), version=(1, 0))  # type: ignore[arg-type]
+    session = ClientSession(client, stream, "s")  # type: ignore[arg-type]
+    await session._open(pb.OpenSession(session_id="s"))
+    with pytest.raises(ShardError) as info:
+        await session.prefill([1, 2, 3])
+    assert info.value.code == code and words in str(info.value), info.value
+    assert stream.delivered == delivered and stream.aborted
+    assert session._chunks == [] and session._chunk_rows == session._chunk_bytes == 0
 
 
 async def test_a_second_task_cannot_step_into_a_busy_session() -> None:

@@ -8,9 +8,12 @@ agree with the profile (the default build never contains AMX or AVX-512 kernels)
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import llama_cpp
@@ -89,3 +92,79 @@ def test_show_prints_the_plan_and_the_installed_build() -> None:
 def test_cmake_args_are_sorted_and_unique(profile: str) -> None:
     args = llama_build.cmake_args(profile)
     assert list(args) == sorted(set(args))
+
+
+# ---- install() checks the installed libraries against its record (no real build) -------------
+
+LIBS = {"llama_cpp/lib/libllama.so": b"\x7fELF llama", "llama_cpp/lib/libggml-cpu.so": b"\x7fELF ggml"}
+
+
+def fake_wheel(path: Path, libs: dict[str, bytes]) -> Path:
+    """A wheel holding only native libraries, with a RECORD as a real one lists them."""
+    rows = []
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in libs.items():
+            zf.writestr(name, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            rows.append(f"{name},sha256={digest},{len(data)}")
+        record = "llama_cpp_python-0.3.36.dist-info/RECORD"
+        zf.writestr(record, "\n".join([*rows, f"{record},,"]) + "\n")
+    return path
+
+
+class FakeBuild:
+    """The wheel cache and pip as ``install`` uses them: ``ensure_wheel`` hands out a fake
+    wheel (nothing is compiled), ``pip install`` unpacks its libraries into a temporary site
+    directory and is counted."""
+
+    def __init__(self, tmp: Path, profile: str) -> None:
+        self.site, self.prefix = tmp / "site-packages", tmp / "venv"
+        self.wheel = fake_wheel(tmp / "llama_cpp_python-0.3.36-cp311-cp311-linux_x86_64.whl", LIBS)
+        self.record = {**llama_build.plan(profile), "wheel": self.wheel.name}
+        self.pip_installs = 0
+
+    def ensure_wheel(self, profile: str) -> tuple[Path, dict[str, object]]:
+        return self.wheel, dict(self.record)
+
+    def pip(self, *args: str, **_: object) -> None:
+        assert args[0] == "install" and str(self.wheel) in args
+        self.pip_installs += 1
+        with zipfile.ZipFile(self.wheel) as zf:
+            zf.extractall(self.site, [n for n in zf.namelist() if n.startswith("llama_cpp/")])
+
+    def install(self, profile: str) -> dict[str, object]:
+        return llama_build.install(profile, prefix=self.prefix, site=self.site)
+
+
+@pytest.mark.parametrize(
+    "damage", ["none", "changed-library", "missing-library", "record-without-libraries", "other-build"]
+)
+def test_install_reinstalls_unless_the_installed_libraries_are_the_recorded_ones(
+    damage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    profile = "portable"
+    fake = FakeBuild(tmp_path, profile)
+    monkeypatch.setattr(llama_build, "ensure_wheel", fake.ensure_wheel)
+    monkeypatch.setattr(llama_build, "_pip", fake.pip)
+    monkeypatch.setattr(llama_build, "_llama_cpp_importable", lambda: True)
+
+    first = fake.install(profile)  # nothing installed yet: installs and records the libraries
+    assert fake.pip_installs == 2 and set(first["libraries"]) == set(LIBS)  # type: ignore[arg-type]
+    assert llama_build.installed_build(fake.prefix) == first
+    path = llama_build.record_path(fake.prefix)
+    lib = fake.site / "llama_cpp/lib/libllama.so"
+    if damage == "changed-library":
+        lib.write_bytes(b"\x7fELF built elsewhere with -march=native")  # a later pip install
+    elif damage == "missing-library":
+        lib.unlink()
+    elif damage == "record-without-libraries":  # written by an older llama_build
+        path.write_text(json.dumps({k: v for k, v in first.items() if k != "libraries"}))
+    elif damage == "other-build":
+        path.write_text(json.dumps({**first, "key": "native-0123456789abcdef"}))
+
+    fake.pip_installs = 0
+    again = fake.install(profile)
+    assert fake.pip_installs == (0 if damage == "none" else 2)
+    assert again == first == llama_build.installed_build(fake.prefix)
+    assert llama_build.installed_libraries_match(fake.site, again) == []
+    assert lib.read_bytes() == LIBS["llama_cpp/lib/libllama.so"]

@@ -219,6 +219,26 @@ async def test_every_lifecycle_event_is_one_line_with_id_peer_and_principal(
     assert "principal=router-7" in line
 
 
+async def test_sessions_ended_by_their_call_deadline_are_counted() -> None:
+    """Whichever notices the call deadline first on the worker (its transport's timer or the
+    session's own scope), GetMetrics counts the session, as the log always did."""
+    async with worker(latency=0.005) as w, ShardClient.connect(w.target, timeout=30) as client:
+        for _ in range(3):
+            with pytest.raises(ShardError) as info:
+                async with client.session(timeout=0.3) as s:
+                    steps = s.generate([1, 2, 3], max_tokens=1000)
+                    await steps.__anext__()
+                    await trio.sleep(0.6)  # not reading: no client-side reset, the worker's deadline passes
+                    async for _ in steps:
+                        pass
+            assert info.value.code is ErrorCode.DEADLINE_EXCEEDED
+        await w.idle()
+        counts = snapshot_values(await client.metrics())
+    assert counts["worker.sessions_deadline_exceeded_total"] == 3
+    assert counts["worker.sessions_failed_total"] == 3
+    assert "worker.sessions_cancelled_total" not in counts
+
+
 class _Counts:
     """A fake ``lifecycle.Counts``: plain counters and recorded first-token times."""
 
@@ -238,6 +258,9 @@ class _Counts:
     [
         (ShardError(ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired"), EndReason.DEADLINE,
          [("deadline", "call"), ("close", "error")],
+         {"sessions_failed_total": 1, "sessions_deadline_exceeded_total": 1}),
+        # The worker's transport saw the deadline first: the session itself reports no error.
+        (None, EndReason.DEADLINE, [("deadline", "call"), ("close", "error")],
          {"sessions_failed_total": 1, "sessions_deadline_exceeded_total": 1}),
         (ShardError(ErrorCode.ENGINE_FAILURE, "boom"), None,
          [("error", "session"), ("close", "error")], {"sessions_failed_total": 1}),

@@ -10,7 +10,7 @@ Release must already have freed every session and KV cell.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -20,12 +20,12 @@ import trio
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, StepGate, Worker, worker
+from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, StepGate, Worker, tcp_proxy, worker
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from shard.client import ShardClient
 from shard.engine import LayerRange, LoadSpec
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
-from shard.pipeline import Pipeline, PipelineError
+from shard.pipeline import CLEANUP_GRACE, RELEASE_TIMEOUT, Pipeline, PipelineError
 from shard.rpc.errors import ErrorCode
 from shard.v1 import shard_pb2 as pb
 
@@ -84,6 +84,14 @@ async def whole_model_steps(target: str, prompt: str | list[int], **kw: Any) -> 
                 tokens=prompt if not isinstance(prompt, str) else None,
                 text=prompt if isinstance(prompt, str) else None, **kw,
             )]
+
+
+async def after_steps(gate: StepGate, n: int, action: Callable[[], object]) -> None:
+    """Call ``action`` once ``gate`` counted ``n`` engine steps (bounded: a regression fails)."""
+    with trio.fail_after(10):
+        while gate.steps < n:
+            await trio.sleep(0.001)
+    action()
 
 
 async def assert_all_free(workers: Sequence[Worker]) -> None:
@@ -267,15 +275,8 @@ async def test_cancelling_a_scope_around_connect_also_releases_every_shard() -> 
     async with shards(THREE, gates=gates) as chain:
         with trio.CancelScope() as scope:
             async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
-
-                async def cancel_mid_decode() -> None:
-                    with trio.fail_after(10):
-                        while gates[2].steps < 20:
-                            await trio.sleep(0.001)
-                    scope.cancel()
-
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(cancel_mid_decode)
+                    nursery.start_soon(after_steps, gates[2], 20, scope.cancel)
                     await pipe.generate(PROMPT, max_tokens=500, ignore_eos=True)
         assert scope.cancelled_caught
         await assert_all_free(chain)
@@ -321,19 +322,71 @@ async def test_a_worker_that_goes_away_is_named_and_the_others_are_released() ->
     gates = [StepGate() for _ in THREE]
     async with shards(THREE, gates=gates) as chain:
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
-
-            async def stop_last_worker() -> None:
-                with trio.fail_after(10):
-                    while gates[2].steps < 25:
-                        await trio.sleep(0.001)
-                chain[2].stop()
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(stop_last_worker)
+                nursery.start_soon(after_steps, gates[2], 25, chain[2].stop)
                 with pytest.raises(PipelineError) as info:
                     await pipe.generate(PROMPT, max_tokens=200, ignore_eos=True)
         assert info.value.hop_index == 2 and info.value.target == chain[2].target
         await assert_all_free(chain[:2])
+
+
+async def test_a_dropped_connection_to_a_live_worker_is_released_through_a_new_one() -> None:
+    """Only the pipeline's connection to hop 1 drops; its worker lives on and retains the session
+    for resume. The pipeline names the hop and releases that session over a new connection, so
+    no live worker keeps anything."""
+    gates = [StepGate() for _ in THREE]
+    async with shards(THREE, gates=gates, latency=0.002) as chain, tcp_proxy(chain[1].target) as proxy:
+        targets = [chain[0].target, proxy.target, chain[2].target]
+        async with Pipeline.connect(targets, timeout=TIMEOUT) as pipe:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(after_steps, gates[2], 25, proxy.cut)
+                with pytest.raises(PipelineError) as info:
+                    await pipe.generate(PROMPT, max_tokens=200, ignore_eos=True)
+        assert info.value.hop_index == 1 and info.value.target == proxy.target
+        await assert_all_free(chain)  # hop 1's worker too: nothing retained
+        assert proxy.accepted == 2  # the pipeline's connection, then the Release's
+
+
+async def test_hop_deadlines_are_rounded_down_never_past_the_callers() -> None:
+    """grpc-timeout carries whole seconds from 99 s on: a hop gets the time left rounded down,
+    so its worker's deadline (its receive time + grpc-timeout) is never after the caller's."""
+    async with shards(THREE) as chain:
+        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            started = trio.current_time()
+            await pipe.generate(PROMPT, max_tokens=2, timeout=150.0)
+        for w in chain:
+            assert started + 148 < w.calls[-1].deadline <= started + 150.0
+
+
+async def test_the_cleanup_ends_within_the_grace_after_the_callers_deadline() -> None:
+    """Workers whose Release hangs: the shielded cleanup gives up CLEANUP_GRACE after the
+    caller's deadline (before: RELEASE_TIMEOUT after it). The resets and the workers' own
+    deadlines free every session anyway."""
+    assert CLEANUP_GRACE + 1.0 < RELEASE_TIMEOUT  # what the bound below tells apart
+    gates = [StepGate() for _ in THREE]
+    async with shards(THREE, gates=gates) as chain:
+        for w in chain:
+            release = w.server.registry.release
+
+            async def hanging_release(sid: str, release: Any = release) -> bool:
+                await trio.sleep(60)
+                return await release(sid)
+
+            w.server.registry.release = hanging_release
+        gates[1].hold()  # the middle shard's first step never ends: the deadline passes
+        try:
+            async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+                deadline = trio.current_time() + 1.0
+                with pytest.raises(PipelineError) as info:
+                    await pipe.generate(PROMPT, max_tokens=50, timeout=1.0)
+                ended = trio.current_time()
+        finally:
+            gates[1].release()
+        assert info.value.code == ErrorCode.DEADLINE_EXCEEDED and info.value.hop_index == 1
+        assert ended < deadline + CLEANUP_GRACE + 1.0  # + generous slack for a loaded machine
+        for w in chain:
+            await w.idle()
+        await assert_all_free(chain)
 
 
 # ---- what a shard refuses (the hop before it misbehaving) ------------------------------------

@@ -11,15 +11,19 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import trio
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from rpc_harness import signal_cli
+from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, assert_no_leaks, running_server, signal_cli
 from shard.cli import main
 from shard.client import ShardClient
-from shard.engine import LayerRange
+from shard.engine import Capabilities, LayerRange, LoadSpec
+from shard.engine.fake import FakeEngine
 from test_pipeline import PROMPT, THREE, TIMEOUT, assert_all_free, shards
 
 CLI = [sys.executable, "-m", "shard.cli", "--log-level", "WARNING"]
@@ -89,13 +93,17 @@ async def test_client_disconnect_frees_every_shard(how: str) -> None:
     releases every session itself. SIGKILL: the connections just drop; each worker retains the
     session for resume_ttl (here 0.5 s), then frees it."""
     async with shards(THREE, latency=0.002, resume_ttl=0.5) as chain:
+        out = bytearray()
         code, _ = await signal_cli(
-            ["generate", "--pipeline", ",".join(w.target for w in chain), "--max-tokens", "5000", PROMPT],
+            ["generate", "--pipeline", ",".join(w.target for w in chain), "--max-tokens", "5000",
+             "--json", PROMPT],
             lambda: chain[2].gate.steps >= 30,  # decoding through every shard
-            signal.SIGINT if how == "sigint" else signal.SIGKILL, timeout=TIMEOUT,
+            signal.SIGINT if how == "sigint" else signal.SIGKILL, timeout=TIMEOUT, stdout=out,
         )
         assert code == (130 if how == "sigint" else -signal.SIGKILL)
         if how == "sigint":
+            got = json.loads(out)  # what it had received, then it stopped
+            assert got["interrupted"] is True and 0 < len(got["tokens"]) < 5000
             await assert_all_free(chain)  # released by the client before it exited
         else:
             with trio.fail_after(10):
@@ -121,3 +129,63 @@ async def test_a_hop_failing_mid_generation_is_a_clear_error() -> None:
     err = out.stderr.decode()
     assert f"ENGINE_FAILURE: hop 2 ({chain[2].target}, layers [3, 4))" in err, err
     assert "Traceback" not in err
+
+
+# ---- workers that are still loading (wait-for-ready) -----------------------------------------
+
+
+class GatedLoadEngine(FakeEngine):
+    """A FakeEngine whose load waits for ``may_load``: its worker says NOT_READY until then."""
+
+    def __init__(self) -> None:
+        super().__init__(model=MODEL)
+        self.may_load = trio.Event()
+
+    async def _impl_load(self, spec: LoadSpec) -> Capabilities:
+        await self.may_load.wait()
+        return await super()._impl_load(spec)
+
+
+@asynccontextmanager
+async def loading_worker(layers: LayerRange) -> AsyncIterator[tuple[GatedLoadEngine, Any]]:
+    """A worker whose port is bound and whose engine loads once ``engine.may_load`` is set."""
+    engine = GatedLoadEngine()
+    spec = LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=layers)
+    async with engine:
+        async with running_server(engine, load=spec) as server:
+            yield engine, server
+        assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("loads", [True, False], ids=["loads-later", "never-ready"])
+@pytest.mark.parametrize("mode", ["target", "pipeline"])
+async def test_generate_waits_for_a_worker_that_is_still_loading(mode: str, loads: bool) -> None:
+    """The CLI asks Health until the worker serves (it used to fail with NOT_READY at once);
+    one that does not serve within --timeout is a clear error naming its last status."""
+    async with shards([LayerRange(0, 2)]) as (first,), loading_worker(
+        LayerRange(0, 4) if mode == "target" else LayerRange(2, 4)
+    ) as (engine, server):
+        where = ["--target", server.target] if mode == "target" else ["--pipeline", f"{first.target},{server.target}"]
+        done: list[subprocess.CompletedProcess[bytes]] = []
+
+        async def generate() -> None:
+            timeout = ["--timeout", "1"] * (not loads)
+            done.append(await run_cli("generate", *where, *timeout, "--json", "--max-tokens", "5", PROMPT))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generate)
+            with trio.fail_after(TIMEOUT):  # until it has asked twice (or given up)
+                while server.registry.counters["rpc_Health_total"] < 2 and not done:
+                    await trio.sleep(0.01)
+            if loads:
+                engine.may_load.set()
+        await assert_all_free([first])
+    out, err = done[0], done[0].stderr.decode()
+    if loads:
+        assert out.returncode == 0, err
+        assert len(json.loads(out.stdout)["tokens"]) == 5
+        return
+    assert out.returncode == 1 and "Traceback" not in err
+    assert "NOT_READY" in err and "did not become ready within " in err, err
+    assert "s (last status: NOT_READY (loading))" in err, err
+    assert mode == "target" or f"hop 1 ({server.target})" in err

@@ -141,6 +141,11 @@ class StreamWatch:
     def end(self, error: ShardError | None, retained: bool) -> None:
         """The stream is over: log how, and count refused, failed and cancelled sessions."""
         reason = self._ctx.end_reason
+        if error is None and reason is EndReason.DEADLINE:
+            # The transport's timer for the call deadline fired before the session's own scope
+            # (same deadline) noticed: the session was released with no error of its own. It
+            # ended by its deadline all the same: count and log it as the session would.
+            error = ShardError(ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired")
         if error is not None:
             code = error.code.name
             if not self._opened:

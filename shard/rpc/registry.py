@@ -205,7 +205,9 @@ class Registry:
         if call is not None:
             call.end(StreamEnd.RELEASED)
             await call.done.wait()
-            return True
+            if session_id not in self._retained:
+                return True
+            # The stream was already ending for a lost connection and retained the session.
         if self._retained.pop(session_id, None) is not None:
             self._bump()
             await self.engine.release(session_id)
