@@ -17,9 +17,9 @@ import trio.testing
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import MODEL, loaded, make_engine, worker
-from shard.rpc.versions import SUPPORTED_VERSIONS
 from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling
 from shard.rpc.transport import CallContext
+from shard.rpc.versions import SUPPORTED_VERSIONS
 from shard.v1 import shard_pb2 as pb
 
 TOKENS = [1, 72, 101, 108, 108, 111]
@@ -142,6 +142,15 @@ async def test_connect_failures_are_typed() -> None:
     assert info.value.reason == "CONNECT_FAILED" and info.value.retryable
 
 
+def test_grpc_timeout_is_rounded_down() -> None:
+    """The worker is never told there is more time than the caller has."""
+    from shard.rpc.transport.client import _grpc_timeout
+
+    assert _grpc_timeout(150.9).total_seconds() == 150
+    assert _grpc_timeout(0.0000019).total_seconds() == 0.000001
+    assert _grpc_timeout(2.5000009).total_seconds() == 2.5
+
+
 async def test_grpc_timeout_is_sent_and_metadata_reaches_the_worker() -> None:
     seen: list[CallContext] = []
 
@@ -157,7 +166,7 @@ async def test_grpc_timeout_is_sent_and_metadata_reaches_the_worker() -> None:
             await c.health(timeout=None)
             assert seen[-1].deadline == math.inf
             async with c.session(timeout=120.5):  # > 99 s: whole seconds, still a valid header
-                assert 120 <= w.calls[-1].deadline - trio.current_time() <= 121.01
+                assert 119 <= w.calls[-1].deadline - trio.current_time() <= 120.01  # rounded down
         await w.idle()
 
 

@@ -236,6 +236,7 @@ async def test_sessions_ended_by_their_call_deadline_are_counted() -> None:
         counts = snapshot_values(await client.metrics())
     assert counts["worker.sessions_deadline_exceeded_total"] == 3
     assert counts["worker.sessions_failed_total"] == 3
+    assert counts["worker.errors_total:ERROR_CODE_DEADLINE_EXCEEDED"] == 3
     assert "worker.sessions_cancelled_total" not in counts
 
 

@@ -216,19 +216,23 @@ async def test_a_prompt_is_not_starved_by_resubmitting_decodes(
             await engine.release(sid)
 
 
+@pytest.mark.parametrize("think", [0.0, 0.05])
 async def test_a_decode_with_a_step_timeout_is_not_held_by_another_sessions_prompt(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, think: float
 ) -> None:
     """While one session prefills 1,500 tokens in 512-row chunks (0.5 s ticks), every decode of
     another session with a 300 ms step timeout used to time out: the prompt's ticks held it.
-    Now the ticks it shares are cut to fit its timeout, and each decode ends in time."""
+    Now the ticks it shares are cut to fit its timeout, and so are the ticks that start while
+    it is between two steps (``think`` seconds: a client's round trip), so each decode ends in
+    time."""
     engine, spec = _batched()
     log: list[tuple[str, float]] = []
     starts: list[float] = []
     async with engine:
         await engine.load(spec)
         await engine.open_session("d")
-        r = await engine.prefill(PrefillRequest("d", tokens=(1, 5, 6)))
+        # Every step of "d" has the timeout (as every step of a stream opened with one).
+        r = await engine.prefill(PrefillRequest("d", tokens=(1, 5, 6), step_timeout=0.3))
         token = r.logits.token_id
         await engine.open_session("p")
         timeouts = 0
@@ -242,6 +246,7 @@ async def test_a_decode_with_a_step_timeout_is_not_held_by_another_sessions_prom
             nursery.start_soon(long_prompt)
             await trio.sleep(0.001)
             while not done.is_set():
+                await trio.sleep(think)
                 starts.append(trio.current_time())
                 try:
                     r = await engine.decode(DecodeRequest("d", token=token, step_timeout=0.3))

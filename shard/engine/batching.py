@@ -23,7 +23,9 @@ Policy (one call of ``TickPlanner.plan`` per native step):
    a cost model of a tick (``TickCost``), the prompt rows of a tick are cut so that the tick is
    estimated to end within ``DEADLINE_SHARE`` of the time the nearest such deadline leaves (a
    decode is never put into a tick that cannot meet it because of another session's prompt).
-   Every admitted chunk step still gets at least one row, so prompts always progress.
+   The same holds for a session that uses step timeouts and may submit its next step while
+   the tick runs (``expected_timeout``): it would wait for the whole tick. Every admitted chunk
+   step still gets at least one row, so prompts always progress.
 4. **No mixing** (``mix=False``, used by non-last layer-range shards, whose captured hidden rows
    must come back in batch order, see ``shard.engine.llama``): a tick holds either row steps of
    many sessions (in waiting order) or one chunk of a single step, never both; ticks alternate
@@ -99,14 +101,24 @@ class TickPlanner:
         self.mix = mix
         self._last_was_rows = False  # mix=False: alternate between row ticks and chunk ticks
         self._ticks = 0
+        self._expected: float | None = None
 
     def plan(
-        self, pending: Iterable[Step], *, now: float | None = None, cost: TickCost | None = None
+        self,
+        pending: Iterable[Step],
+        *,
+        now: float | None = None,
+        cost: TickCost | None = None,
+        expected_timeout: float | None = None,
     ) -> list[Piece]:
         """The pieces of the next tick (empty only when nothing is pending).
 
         ``now`` and ``cost`` enable rule 3 (deadlines); without them deadlines are ignored.
+        ``expected_timeout``: the shortest step timeout of a session that is not pending now
+        but may submit a step during this tick (it then waits for this tick and its own): the
+        tick's prompt rows are cut as for a waiting row step with that much time left.
         """
+        self._expected = expected_timeout
         steps = [s for s in pending if s.remaining > 0]
         for s in steps:
             if s.waiting_since is None:
@@ -158,11 +170,13 @@ class TickPlanner:
         if now is None or cost is None:
             return limit
         slack = min((s.deadline - now for s in row_steps if s.deadline > now), default=math.inf)
-        if not math.isfinite(slack):
-            return limit
         allowed = slack * DEADLINE_SHARE
         if after:
             allowed -= cost.estimate(after) or 0.0
+        if self._expected is not None:  # a step that arrives now waits for this tick, then its own
+            allowed = min(allowed, self._expected * DEADLINE_SHARE - (cost.estimate(max(after, 1)) or 0.0))
+        if not math.isfinite(allowed):
+            return limit
         # The largest prompt share whose tick fits (estimates grow with the rows).
         lo, hi = 0, limit
         while lo < hi:

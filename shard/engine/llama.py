@@ -553,9 +553,10 @@ class LlamaCppEngine(ShardEngine):
         bos, eos = int(lc.llama_vocab_bos(vocab)), int(lc.llama_vocab_eos(vocab))
         # A token's text as stored (SPM's "\u2581" for a space, byte tokens as "<0x41>") is never
         # shorter than the text it stands for: an upper bound, 0.1 s for a 150,000-token vocab.
+        # Only first shards tokenize (a later slice's stub vocabulary has no type to ask).
         max_token_bytes = max(
             (len(lc.llama_vocab_get_text(vocab, i) or b"") for i in range(n_vocab)), default=0
-        )
+        ) if first else 0
         return Capabilities(
             engine="llama.cpp",
             model_fingerprint=fingerprint,

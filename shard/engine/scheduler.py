@@ -19,11 +19,14 @@ earlier ticks) then needs its rollback, which waits for the running tick like an
 
 Deadlines: each job may carry a deadline (``ComputePlan.deadline``, Trio clock). The planner
 cuts a tick's prompt rows so that the tick is estimated to end in time for the nearest deadline
-of a waiting decode; the estimate comes from the ticks measured so far (``LearnedTickCost``).
+of a waiting decode, and for the shortest step timeout of a session that recently submitted
+timed steps and may submit again while the tick runs; the estimate comes from the ticks
+measured so far (``LearnedTickCost``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +42,9 @@ MAX_GATHER_ROUNDS = 16
 #: session resubmits within milliseconds or not soon (its prompt is done and its client is
 #: elsewhere), and after a prompt chunk of seconds, a quarter of that tick would hold everyone.
 MAX_GATHER_SECONDS = 0.02
+#: A session that submitted a step with a timeout this recently (seconds) may submit its next
+#: one at any moment: ticks are sized so that it would not wait longer than its timeout allows.
+TIMED_SESSION_IDLE = 0.5
 
 
 @dataclass(eq=False)
@@ -134,6 +140,8 @@ class BatchScheduler:
         self._submitted = trio.Event()  # set (and replaced) whenever a job is submitted
         # Sessions seen in recent ticks, and when (see _let_submitters_in).
         self._recent: dict[int, tuple[Slot, float]] = {}
+        # Sessions that submitted steps with a timeout: (slot, timeout, when), see _expected.
+        self._timed: dict[int, tuple[Slot, float, float]] = {}
         self.tick_seconds = 0.0  # duration of the last tick
 
     def new_step(self, slot: Slot, plan: ComputePlan) -> Step:
@@ -142,6 +150,9 @@ class BatchScheduler:
 
     async def compute(self, job: Job) -> None:
         """Queue ``job`` and return once it is finished (result or error set)."""
+        now = trio.current_time()
+        if job.plan.deadline < math.inf:
+            self._timed[id(job.slot)] = (job.slot, job.plan.deadline - now, now)
         self._pending.append(job)
         self._submitted.set()
         self._submitted = trio.Event()
@@ -243,6 +254,20 @@ class BatchScheduler:
             with trio.move_on_at(deadline):
                 await self._submitted.wait()
 
+    def _expected(self, now: float) -> float | None:
+        """The shortest step timeout of a session that is not pending but recently submitted
+        timed steps (``TIMED_SESSION_IDLE`` seconds, or two ticks): its next step may arrive
+        while the next tick runs, and must not wait for a tick longer than its timeout allows."""
+        pending = {id(j.slot) for j in self._pending if not j.finished}
+        horizon = now - max(TIMED_SESSION_IDLE, 2 * self.tick_seconds)
+        shortest = None
+        for key, (slot, timeout, seen) in list(self._timed.items()):
+            if seen < horizon or not self._is_open(slot):
+                del self._timed[key]
+            elif key not in pending and (shortest is None or timeout < shortest):
+                shortest = timeout
+        return shortest
+
     def _form_tick(self) -> list[tuple[Job, Piece]]:
         """Drop stopped jobs (woken at once with their error), then plan the next tick."""
         now = trio.current_time()
@@ -256,11 +281,22 @@ class BatchScheduler:
                 self._drop(job)
             else:
                 by_step[job.step] = job
-        tick = [(by_step[p.step], p) for p in self.planner.plan(by_step, now=now, cost=self.cost)]
+        tick = [
+            (by_step[p.step], p)
+            for p in self.planner.plan(by_step, now=now, cost=self.cost, expected_timeout=self._expected(now))
+        ]
         for job, _ in tick:
             if not job.started:
                 self._counters["batch_queue_wait_us_total"] += int((now - job.submitted) * 1e6)
         return tick
 
 
-__all__ = ["BatchScheduler", "Job", "LearnedTickCost", "MAX_GATHER_ROUNDS", "MAX_GATHER_SECONDS", "TickRunner"]
+__all__ = [
+    "BatchScheduler",
+    "Job",
+    "LearnedTickCost",
+    "MAX_GATHER_ROUNDS",
+    "MAX_GATHER_SECONDS",
+    "TIMED_SESSION_IDLE",
+    "TickRunner",
+]

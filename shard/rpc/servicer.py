@@ -45,9 +45,9 @@ _STREAM_END: dict[EndReason, StreamEnd] = {
     EndReason.CLIENT_CANCELLED: StreamEnd.CLIENT_CANCELLED,
     EndReason.CONNECTION_LOST: StreamEnd.CONNECTION_LOST,
     EndReason.SHUTDOWN: StreamEnd.SHUTDOWN,
-    # The client stopped reading (send_idle_timeout): released like a client cancel, since a
-    # client that reads nothing holds a session slot for nothing.
-    EndReason.SEND_STALLED: StreamEnd.CLIENT_CANCELLED,
+    # The client stopped reading (send_idle_timeout): released, since a client that reads
+    # nothing holds a session slot for nothing.
+    EndReason.SEND_STALLED: StreamEnd.SEND_STALLED,
 }
 
 #: The call whose auth hook the transport already ran from its headers (``authorize_call``);
@@ -265,6 +265,12 @@ class ShardServicer(_ShardServicerBase):
             call.responses.close()
             retained = bool(watch.session_id) and self.registry.retained(watch.session_id) is not None
             watch.end(call.error, retained)
+            if not finished:
+                # The transport ended the call (its deadline timer, a drain, the peer), so the
+                # ``_refuse`` below never runs: count the error the call ended with here.
+                ended = call.error or _END_ERRORS.get(ctx.end_reason)  # type: ignore[arg-type]
+                if ended is not None:
+                    self.registry.count_error(ended.code)
         if call.error is not None:
             raise self._refuse(call.error)
 

@@ -166,6 +166,7 @@ class StreamEnd(enum.Enum):
     CONNECTION_LOST = "connection_lost"  # retained for resume_ttl
     SHUTDOWN = "shutdown"  # released
     RELEASED = "released"  # Release RPC: released
+    SEND_STALLED = "send_stalled"  # the client read no response for send_idle_timeout: released
 
 
 _RETAIN_ON_END = frozenset({StreamEnd.CONNECTION_LOST})
@@ -175,6 +176,7 @@ _CLOSED_REASON = {
     StreamEnd.CONNECTION_LOST: pb.SessionClosed.REASON_ERROR,
     StreamEnd.SHUTDOWN: pb.SessionClosed.REASON_SHUTDOWN,
     StreamEnd.RELEASED: pb.SessionClosed.REASON_RELEASED,
+    StreamEnd.SEND_STALLED: pb.SessionClosed.REASON_ERROR,
 }
 
 

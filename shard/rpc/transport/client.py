@@ -57,10 +57,11 @@ class _ClientH2(BoundedH2):
 
 
 def _grpc_timeout(seconds: float) -> datetime.timedelta:
-    """A timedelta purerpc formats within gRPC's 8-digit limit (whole seconds past 99 s)."""
+    """A timedelta purerpc formats within gRPC's 8-digit limit (whole seconds past 99 s),
+    rounded down: the server must never be told there is more time than the caller has."""
     if seconds >= 99:
-        return datetime.timedelta(seconds=math.ceil(seconds))
-    return datetime.timedelta(microseconds=max(1, math.ceil(seconds * 1e6)))
+        return datetime.timedelta(seconds=math.floor(seconds))
+    return datetime.timedelta(microseconds=max(1, math.floor(seconds * 1e6)))
 
 
 class ClientStream:

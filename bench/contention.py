@@ -1,0 +1,247 @@
+"""Sessions that compete: a prompt among decodes, decodes during a long prompt, one huge request.
+
+Three scenarios through a live ``trio-shard serve`` (each with its own worker, so they do not
+disturb each other), measured from the client side with the Trio client over loopback:
+
+  starved_prompt     with ``--max-batch-sessions M``, N sessions generate 400 tokens each; once
+                     they run, a 20-token prompt asks for one token: its time to first token,
+                     and how many tokens the others still had to produce at that moment
+  decode_deadline    one session prefills 1,500 tokens while another decodes token by token with
+                     ``step_timeout_ms`` 300: how many of its steps timed out, and the worst and
+                     median step latency (``--batch-tokens`` 512 and 64)
+  huge_request       one session generates while another sends a Prefill of 16 MiB of text
+                     (then 4M token ids; sent by grpcio from a thread, so this client's event
+                     loop is not the one stalled) and a third calls Health back to back: the
+                     longest gap between two tokens of the generation and between two Health
+                     answers, how long the refusal took, and the worker's peak RSS before/after
+
+``--worker-root DIR`` runs the worker from another checkout (e.g. the previous commit, to print
+before/after numbers from one run); the client always speaks protocol 1.0, which every version
+of the worker serves.
+
+    python -m bench.contention [--model PATH] [--threads N] [--worker-root DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.environment import default_threads, environment
+from bench.processes import shard_server, wait_serving
+from shard.client import ShardClient, ShardError
+from shard.v1 import shard_pb2 as pb
+
+V10 = (1, 0)  # understood by every worker version, so an older checkout can be measured too
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "contention.json"
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    """Token ids of a prompt (ids 300+ are word pieces of the generated vocabularies)."""
+    return [1, *(300 + (i * 37 + salt * 101) % 20000 for i in range(n - 1))]
+
+
+def _vm_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+@contextmanager
+def _worker(args: argparse.Namespace, log: str, extra: list[str]) -> Iterator[Any]:
+    saved = os.environ.get("PYTHONPATH")
+    if args.worker_root:
+        os.environ["PYTHONPATH"] = str(args.worker_root)
+    try:
+        with shard_server(args.model, threads=args.threads, ctx=8 * 2048, max_sessions=8,
+                          log=args.out.parent / "logs" / log, extra=extra) as server:
+            yield server
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+async def starved_prompt(target: str, n_generators: int) -> dict[str, Any]:
+    counts = [0] * n_generators
+    started = [trio.Event() for _ in range(n_generators)]
+    result: dict[str, Any] = {}
+    async with ShardClient.connect(target, timeout=600, version=V10) as client:
+
+        async def generate(i: int) -> None:
+            async for _ in client.generate(_prompt(8, i), max_tokens=400, ignore_eos=True):
+                counts[i] += 1
+                started[i].set()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n_generators):
+                nursery.start_soon(generate, i)
+            for event in started:
+                await event.wait()
+            await trio.sleep(0.5)
+            t0 = time.perf_counter()
+            async for _ in client.generate(_prompt(20, 99), max_tokens=1, ignore_eos=True):
+                result["first_token_s"] = round(time.perf_counter() - t0, 3)
+            result["others_left_tokens"] = [400 - c for c in counts]
+    return result
+
+
+async def decode_deadline(target: str) -> dict[str, Any]:
+    latencies: list[float] = []
+    timeouts = 0
+    async with ShardClient.connect(target, timeout=600, version=V10) as client:
+        async with client.session(step_timeout=0.3) as d, client.session() as p:
+            step = await d.prefill(_prompt(8, 1))
+            token = step.logits.token_id
+            done = trio.Event()
+
+            async def long_prompt() -> None:
+                await p.prefill(_prompt(1500, 2))
+                done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long_prompt)
+                await trio.sleep(0.05)
+                while not done.is_set():
+                    t0 = time.perf_counter()
+                    try:
+                        step = await d.decode(token)
+                        token = step.logits.token_id
+                    except ShardError as err:
+                        if err.reason != "STEP_TIMEOUT":
+                            raise
+                        timeouts += 1
+                    latencies.append(time.perf_counter() - t0)
+    return {
+        "decode_steps": len(latencies),
+        "step_timeouts": timeouts,
+        "worst_step_s": round(max(latencies), 3),
+        "median_step_s": round(statistics.median(latencies), 3),
+    }
+
+
+async def huge_request(target: str, pid: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"rss_peak_before_mib": round(_vm_kib(pid, "VmHWM") / 1024, 1)}
+    gaps: list[float] = []
+    health: list[float] = []
+    async with ShardClient.connect(target, timeout=600, version=V10) as client, \
+            ShardClient.connect(target, timeout=600, version=V10) as probe:
+        stop = trio.Event()
+
+        async def generate() -> None:
+            last = None
+            async for _ in client.generate(_prompt(8, 3), max_tokens=100_000, ignore_eos=True):
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                if stop.is_set():
+                    return
+
+        async def check_health() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                await probe.health()
+                health.append(time.perf_counter() - t0)
+                await trio.sleep(0.01)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generate)
+            nursery.start_soon(check_health)
+            await trio.sleep(1.0)
+            for name, make in (
+                ("text_16mib", lambda: pb.Prefill(text="hello world " * ((16 * 1024 * 1024 - 4096) // 12))),
+                ("token_ids_4m", lambda: pb.Prefill(tokens=pb.TokenIds(ids=[300] * 4_000_000))),
+            ):
+                # Built and sent by grpcio in a worker thread, off this event loop, so the gaps
+                # measured here are the worker's, not this client's.
+                t0 = time.perf_counter()
+                code = await trio.to_thread.run_sync(_send_huge, target, make)
+                out[f"{name}_answer_s"] = round(time.perf_counter() - t0, 3)
+                out[f"{name}_refused"] = code
+                await trio.sleep(1.0)
+            stop.set()
+    out["worst_token_gap_s"] = round(max(gaps), 3)
+    out["median_token_gap_s"] = round(statistics.median(gaps), 4)
+    out["worst_health_s"] = round(max(health), 3)
+    out["rss_peak_after_mib"] = round(_vm_kib(pid, "VmHWM") / 1024, 1)
+    return out
+
+
+def _send_huge(target: str, make: Callable[[], pb.Prefill]) -> str:
+    """Open a session and send one Prefill with grpcio (blocking); the step's error code name,
+    or "accepted"."""
+    import grpc
+
+    version = pb.ProtocolVersion(major=V10[0], minor=V10[1])
+    requests = [
+        pb.SessionRequest(version=version, open=pb.OpenSession(session_id="huge")),
+        pb.SessionRequest(version=version, prefill=make()),
+        pb.SessionRequest(version=version, close=pb.CloseSession()),
+    ]
+    with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 32 << 20)]) as channel:
+        call = channel.stream_stream(
+            "/shard.v1.Shard/Session",
+            request_serializer=pb.SessionRequest.SerializeToString,
+            response_deserializer=pb.SessionResponse.FromString,
+        )
+        for response in call(iter(requests), timeout=120):
+            if response.WhichOneof("kind") == "error":
+                return pb.ErrorCode.Name(response.error.code).removeprefix("ERROR_CODE_")
+    return "accepted"
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for m, n in ((1, 1), (2, 4)):
+        with _worker(args, f"starved_{m}.log", ["--max-batch-sessions", str(m)]) as server:
+            await wait_serving(server.target)
+            results[f"starved_prompt_max_batch_sessions_{m}_generators_{n}"] = await starved_prompt(server.target, n)
+            print(json.dumps(results), file=sys.stderr)
+    for b in (512, 64):
+        with _worker(args, f"deadline_{b}.log", ["--batch-tokens", str(b)]) as server:
+            await wait_serving(server.target)
+            results[f"decode_deadline_batch_tokens_{b}"] = await decode_deadline(server.target)
+            print(json.dumps(results), file=sys.stderr)
+    with _worker(args, "huge.log", []) as server:
+        await wait_serving(server.target)
+        results["huge_request"] = await huge_request(server.target, server.proc.pid)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="GGUF file (default: the bench preset, written if missing)")
+    p.add_argument("--threads", type=int, default=default_threads())
+    p.add_argument("--worker-root", type=Path, help="run the worker from this checkout")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from shard.models import ensure_model
+
+        args.model = ensure_model("bench", progress=sys.stderr.isatty())
+    results = trio.run(run, args)
+    record = {
+        "environment": environment(args.model, args.threads),
+        "worker_root": str(args.worker_root or Path(__file__).resolve().parents[1]),
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
