@@ -19,19 +19,19 @@ disturb each other), measured from the client side with the Trio client over loo
 before/after numbers from one run); the client always speaks protocol 1.0, which every version
 of the worker serves.
 
-    python -m bench.contention [--model PATH] [--threads N] [--worker-root DIR] [--out FILE]
+    python -m bench.contention [--quick] [--model PATH] [--threads N] [--worker-root DIR] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +42,15 @@ from bench.processes import shard_server, wait_serving
 from shard.client import ShardClient, ShardError
 from shard.v1 import shard_pb2 as pb
 
+STEP_TIMEOUT = 0.3
 V10 = (1, 0)  # understood by every worker version, so an older checkout can be measured too
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "contention.json"
 
 
 def _prompt(n: int, salt: int) -> list[int]:
-    """Token ids of a prompt (ids 300+ are word pieces of the generated vocabularies)."""
-    return [1, *(300 + (i * 37 + salt * 101) % 20000 for i in range(n - 1))]
+    """Token ids of a prompt (ids 300+ are word pieces of the generated vocabularies; the tiny
+    one has 812 tokens, the bench one 32,000)."""
+    return [1, *(300 + (i * 37 + salt * 101) % SIZES.vocab for i in range(n - 1))]
 
 
 def _vm_kib(pid: int, key: str) -> int:
@@ -60,18 +62,23 @@ def _vm_kib(pid: int, key: str) -> int:
 
 @contextmanager
 def _worker(args: argparse.Namespace, log: str, extra: list[str]) -> Iterator[Any]:
-    saved = os.environ.get("PYTHONPATH")
-    if args.worker_root:
-        os.environ["PYTHONPATH"] = str(args.worker_root)
-    try:
-        with shard_server(args.model, threads=args.threads, ctx=8 * 2048, max_sessions=8,
-                          log=args.out.parent / "logs" / log, extra=extra) as server:
-            yield server
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    with shard_server(args.model, threads=args.threads, ctx=8 * 2048, max_sessions=8,
+                      log=args.logs / log, extra=extra, root=args.worker_root) as server:
+        yield server
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each scenario asks for (``--quick``: small, to check the harness)."""
+
+    generate: int = 400
+    long_prompt: int = 1500
+    text_bytes: int = 16 * 1024 * 1024 - 4096
+    token_ids: int = 4_000_000
+    vocab: int = 20000  # word-piece ids 300..300+vocab are used in prompts
+
+
+SIZES = Sizes()
 
 
 async def starved_prompt(target: str, n_generators: int) -> dict[str, Any]:
@@ -81,7 +88,7 @@ async def starved_prompt(target: str, n_generators: int) -> dict[str, Any]:
     async with ShardClient.connect(target, timeout=600, version=V10) as client:
 
         async def generate(i: int) -> None:
-            async for _ in client.generate(_prompt(8, i), max_tokens=400, ignore_eos=True):
+            async for _ in client.generate(_prompt(8, i), max_tokens=SIZES.generate, ignore_eos=True):
                 counts[i] += 1
                 started[i].set()
 
@@ -94,7 +101,7 @@ async def starved_prompt(target: str, n_generators: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             async for _ in client.generate(_prompt(20, 99), max_tokens=1, ignore_eos=True):
                 result["first_token_s"] = round(time.perf_counter() - t0, 3)
-            result["others_left_tokens"] = [400 - c for c in counts]
+            result["others_left_tokens"] = [SIZES.generate - c for c in counts]
     return result
 
 
@@ -102,19 +109,19 @@ async def decode_deadline(target: str) -> dict[str, Any]:
     latencies: list[float] = []
     timeouts = 0
     async with ShardClient.connect(target, timeout=600, version=V10) as client:
-        async with client.session(step_timeout=0.3) as d, client.session() as p:
+        async with client.session(step_timeout=STEP_TIMEOUT) as d, client.session() as p:
             step = await d.prefill(_prompt(8, 1))
             token = step.logits.token_id
             done = trio.Event()
 
             async def long_prompt() -> None:
-                await p.prefill(_prompt(1500, 2))
+                await p.prefill(_prompt(SIZES.long_prompt, 2))
                 done.set()
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(long_prompt)
                 await trio.sleep(0.05)
-                while not done.is_set():
+                while True:  # at least one step, even if the prompt was already done
                     t0 = time.perf_counter()
                     try:
                         step = await d.decode(token)
@@ -124,6 +131,8 @@ async def decode_deadline(target: str) -> dict[str, Any]:
                             raise
                         timeouts += 1
                     latencies.append(time.perf_counter() - t0)
+                    if done.is_set():
+                        break
     return {
         "decode_steps": len(latencies),
         "step_timeouts": timeouts,
@@ -162,8 +171,8 @@ async def huge_request(target: str, pid: int) -> dict[str, Any]:
             nursery.start_soon(check_health)
             await trio.sleep(1.0)
             for name, make in (
-                ("text_16mib", lambda: pb.Prefill(text="hello world " * ((16 * 1024 * 1024 - 4096) // 12))),
-                ("token_ids_4m", lambda: pb.Prefill(tokens=pb.TokenIds(ids=[300] * 4_000_000))),
+                ("text_16mib", lambda: pb.Prefill(text=_random_text(SIZES.text_bytes))),
+                ("token_ids_4m", lambda: pb.Prefill(tokens=pb.TokenIds(ids=[300] * SIZES.token_ids))),
             ):
                 # Built and sent by grpcio in a worker thread, off this event loop, so the gaps
                 # measured here are the worker's, not this client's.
@@ -178,6 +187,15 @@ async def huge_request(target: str, pid: int) -> dict[str, Any]:
     out["worst_health_s"] = round(max(health), 3)
     out["rss_peak_after_mib"] = round(_vm_kib(pid, "VmHWM") / 1024, 1)
     return out
+
+
+def _random_text(n: int) -> str:
+    """``n`` characters of seeded random letters, digits and punctuation: mostly one token per
+    few characters, many byte tokens (repeating one word would tokenize unrealistically fast)."""
+    import random
+
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?-'\"()[]{}"
+    return "".join(random.Random(0).choices(alphabet, k=n))
 
 
 def _send_huge(target: str, make: Callable[[], pb.Prefill]) -> str:
@@ -207,16 +225,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for m, n in ((1, 1), (2, 4)):
         with _worker(args, f"starved_{m}.log", ["--max-batch-sessions", str(m)]) as server:
-            await wait_serving(server.target)
+            await wait_serving(server.target, version=V10)
             results[f"starved_prompt_max_batch_sessions_{m}_generators_{n}"] = await starved_prompt(server.target, n)
             print(json.dumps(results), file=sys.stderr)
     for b in (512, 64):
         with _worker(args, f"deadline_{b}.log", ["--batch-tokens", str(b)]) as server:
-            await wait_serving(server.target)
+            await wait_serving(server.target, version=V10)
             results[f"decode_deadline_batch_tokens_{b}"] = await decode_deadline(server.target)
             print(json.dumps(results), file=sys.stderr)
     with _worker(args, "huge.log", []) as server:
-        await wait_serving(server.target)
+        await wait_serving(server.target, version=V10)
         results["huge_request"] = await huge_request(server.target, server.proc.pid)
     return results
 
@@ -224,18 +242,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, help="GGUF file (default: the bench preset, written if missing)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model and small sizes: checks the harness, measures nothing useful")
     p.add_argument("--threads", type=int, default=default_threads())
     p.add_argument("--worker-root", type=Path, help="run the worker from this checkout")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--logs", type=Path, default=Path(__file__).resolve().parent / "results" / "logs",
+                   help="where the workers' logs go")
     args = p.parse_args(argv)
+    if args.quick:
+        global SIZES
+        SIZES = Sizes(generate=40, long_prompt=300, text_bytes=1024 * 1024, token_ids=100_000, vocab=500)
     if args.model is None:
         from shard.models import ensure_model
 
-        args.model = ensure_model("bench", progress=sys.stderr.isatty())
+        args.model = ensure_model("tiny" if args.quick else "bench", progress=sys.stderr.isatty())
     results = trio.run(run, args)
     record = {
         "environment": environment(args.model, args.threads),
-        "worker_root": str(args.worker_root or Path(__file__).resolve().parents[1]),
+        "worker_root": str(args.worker_root) if args.worker_root else "this checkout",
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -64,15 +64,22 @@ class ShardServer:
 def shard_server(
     model: Path, *, threads: int, ctx: int, max_sessions: int, log: Path,
     extra: Sequence[str] = (), startup_timeout: float = 120.0, wrap: Sequence[str] = (),
+    root: Path | None = None,
 ) -> Iterator[ShardServer]:
     """A running ``trio-shard serve`` on 127.0.0.1 port 0 (``wrap``: a command prefix such as
-    ``py-spy record ... --``). Yields once the port is bound; call ``wait_serving`` next."""
+    ``py-spy record ... --``). Yields once the port is bound; call ``wait_serving`` next.
+
+    ``root``: run the worker from another checkout (its directory comes first on the path; the
+    process also starts there, since ``python -m`` puts the working directory first)."""
     cmd = [*wrap, sys.executable, "-m", "shard.cli", "--log-level", "INFO", "serve",
            "--model", str(model), "--host", "127.0.0.1", "--port", "0", "--threads", str(threads),
            "--ctx", str(ctx), "--max-sessions", str(max_sessions), *extra]
     log.parent.mkdir(parents=True, exist_ok=True)
+    env = os.environ.copy()
+    if root is not None:
+        env["PYTHONPATH"] = str(root)
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=os.environ.copy())
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=root)
     try:
         deadline = time.monotonic() + startup_timeout
         target = None
@@ -89,12 +96,14 @@ def shard_server(
         _stop(proc)
 
 
-async def wait_serving(target: str, timeout: float = 120.0) -> None:
-    """Poll ``Health`` until the worker has loaded its model."""
+async def wait_serving(target: str, timeout: float = 120.0, *, version: tuple[int, int] | None = None) -> None:
+    """Poll ``Health`` until the worker has loaded its model (``version``: the protocol version to
+    speak, for a worker older than this client)."""
+    kwargs = {} if version is None else {"version": version}
     with trio.fail_after(timeout):
         while True:
             try:
-                async with ShardClient.connect(target, timeout=10) as client:
+                async with ShardClient.connect(target, timeout=10, **kwargs) as client:
                     if (await client.health()).status == pb.HealthResponse.STATUS_SERVING:
                         return
             except ShardError:

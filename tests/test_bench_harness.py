@@ -193,3 +193,27 @@ def test_batching_bench_runs_every_part(tmp_path: Path) -> None:
     assert "llama_cpp_system_info" in out and "N=2: median ratio engine/raw" in out
     assert "arrival: 96-token prompt during 4 decodes" in out
     assert "sharing: 96-token prompt alone" in out
+
+
+def test_contention_bench_runs_every_scenario(tmp_path: Path) -> None:
+    """A smoke run of bench/contention.py on the tiny model with small sizes: every scenario
+    runs against a real worker and the oversized requests are refused."""
+    out = tmp_path / "contention.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.contention", "--quick", "--threads", "1", "--out", str(out),
+         "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert {k.split("_max")[0].split("_batch")[0] for k in results} == {
+        "starved_prompt", "decode_deadline", "huge_request"}
+    for key, value in results.items():
+        if key.startswith("starved_prompt"):
+            assert value["first_token_s"] > 0
+        elif key.startswith("decode_deadline"):
+            assert value["decode_steps"] >= 1
+    huge = results["huge_request"]
+    assert huge["text_16mib_refused"] == huge["token_ids_4m_refused"] == "INVALID_ARGUMENT"
+    assert report["environment"]["model"].endswith(".gguf")
