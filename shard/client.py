@@ -112,14 +112,30 @@ class ShardClient:
         *,
         timeout: float | None,
         metadata: Sequence[tuple[str, str | bytes]],
-        version: tuple[int, int],
+        version: tuple[int, int] | None,
         max_result_bytes: int | None = None,
     ) -> None:
         self._conn = conn
         self.timeout = timeout
         self.metadata = tuple(metadata)
+        self._negotiate = version is None  # may step down to an older minor the worker serves
+        version = CURRENT_VERSION if version is None else version
         self.version = pb.ProtocolVersion(major=version[0], minor=version[1])
         self.max_result_bytes = max_result_bytes
+
+    def _step_down(self, err: ShardError) -> bool:
+        """After ``UNSUPPORTED_VERSION`` from an older worker: speak the newest version of our
+        major it serves (it listed them) and say True, so the call is made again. Only when the
+        caller did not pin a version, and only to an older minor (minors only add fields)."""
+        if not self._negotiate or err.code is not ErrorCode.UNSUPPORTED_VERSION:
+            return False
+        ours = (self.version.major, self.version.minor)
+        older = [v for v in err.supported_versions if v[0] == ours[0] and v[1] < ours[1]]
+        if not older:
+            return False
+        major, minor = max(older)
+        self.version = pb.ProtocolVersion(major=major, minor=minor)
+        return True
 
     @property
     def connected(self) -> bool:
@@ -135,15 +151,17 @@ class ShardClient:
         timeout: float | None = 30.0,
         ssl_context: ssl.SSLContext | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
-        version: tuple[int, int] = CURRENT_VERSION,
+        version: tuple[int, int] | None = None,
         max_result_bytes: int | None = None,
     ) -> AsyncIterator[ShardClient]:
         """Connect to ``HOST:PORT``.
 
         ``timeout``: default deadline in seconds of every call (a session stream counts as one
         call) and of the TCP/TLS connect; None for none. ``metadata``: sent with every call
-        (e.g. an ``authorization`` header for the worker's auth hook). ``version`` is sent in
-        every request (tests use it to exercise version refusal). ``max_result_bytes``: the most
+        (e.g. an ``authorization`` header for the worker's auth hook). ``version``: the
+        protocol version sent in every request; by default the newest this client speaks,
+        stepping down once to the newest older minor a worker lists when it refuses it (an
+        older worker in a fleet being upgraded); a version given here is sent as is. ``max_result_bytes``: the most
         hidden-state bytes one result sent in chunks may add up to (None: bounded only by the
         session's KV capacity); a larger one fails its session with ``RESOURCE_EXHAUSTED``.
         """
@@ -201,6 +219,15 @@ class ShardClient:
         return math.inf if timeout is None else trio.current_time() + timeout
 
     async def _unary(self, method: str, request: Message, response_type: type[M], timeout: float | None) -> M:
+        try:
+            return await self._unary_once(method, request, response_type, timeout)
+        except ShardError as err:
+            if not self._step_down(err):
+                raise
+        request.version.CopyFrom(self.version)  # type: ignore[attr-defined]
+        return await self._unary_once(method, request, response_type, timeout)
+
+    async def _unary_once(self, method: str, request: Message, response_type: type[M], timeout: float | None) -> M:
         s = self._conn.open_stream(method, self._deadline(timeout), self.metadata)
         try:
             await s.send(request)
@@ -330,14 +357,21 @@ class ShardClient:
             open_msg.expected_layer_range.CopyFrom(
                 pb.LayerRange(start=expected_layer_range[0], end=expected_layer_range[1])
             )
-        stream = self._conn.open_stream("Session", self._deadline(timeout), self.metadata)
-        session = ClientSession(self, stream, sid)
-        try:
-            await session._open(open_msg)
-        except BaseException:
-            session.abort()
-            raise
-        return session
+        deadline = self._deadline(timeout)
+        while True:
+            stream = self._conn.open_stream("Session", deadline, self.metadata)
+            session = ClientSession(self, stream, sid)
+            try:
+                await session._open(open_msg)
+            except ShardError as err:
+                session.abort()
+                if self._step_down(err):
+                    continue  # an older worker: open again in its version
+                raise
+            except BaseException:
+                session.abort()
+                raise
+            return session
 
     @asynccontextmanager
     async def session(

@@ -494,3 +494,26 @@ async def test_a_second_task_cannot_step_into_a_busy_session() -> None:
             step = await s.decode(got[-1])  # the owner (or anyone, once it is done) goes on
             assert step.n_past == len(TOKENS) + 12 + 1  # 12 decodes of the generate, then ours
         await w.idle()
+
+
+async def test_the_client_steps_down_to_an_older_workers_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that serves only 1.0 (a fleet being upgraded): a client left at its default
+    version speaks 1.0 to it after the first refusal; a client that pinned 1.1 is refused."""
+    from shard.rpc import versions
+
+    monkeypatch.setattr(versions, "SUPPORTED_VERSIONS", ((1, 0),))
+    async with worker() as w:
+        async with ShardClient.connect(w.target, timeout=10) as c:
+            caps = await c.capabilities()
+            assert [(v.major, v.minor) for v in caps.supported_versions] == [(1, 0)]
+            assert (c.version.major, c.version.minor) == (1, 0)
+        async with ShardClient.connect(w.target, timeout=10) as c:  # a session opens first
+            async with c.session() as s:
+                assert (s.opened.version.major, s.opened.version.minor) == (1, 0)
+                step = await s.prefill([1, 104, 105])
+                assert step.n_past == 3 and s.usage.n_past == 0  # a 1.0 session: no n_past
+        async with ShardClient.connect(w.target, timeout=10, version=(1, 1)) as c:
+            with pytest.raises(ShardError) as info:
+                await c.capabilities()
+            assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+        await w.idle()
