@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most rows (tokens) in one batched step across sessions: a long "
                        "prompt delays running decodes by at most one such chunk (default: --batch)")
     serve.add_argument("--max-batch-sessions", type=_positive_int,
-                       help="most sessions in one batched step (default: --max-sessions)")
+                       help="most sessions in one batched step; when more are ready they take "
+                       "turns, prompts and decodes alike (default: --max-sessions)")
     serve.add_argument("--no-extra-bufts", dest="extra_bufts", action="store_false",
                        help="load weights without llama.cpp's extra buffer types (repacked and "
                        "AMX layouts): a safe fallback when a native build's AMX kernels trap; "
