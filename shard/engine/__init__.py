@@ -21,6 +21,8 @@ from .errors import (
     UnknownSession,
     UnsupportedFeature,
 )
+from shard.layers import LayerRange
+
 from .types import (
     GREEDY,
     AuxState,
@@ -32,7 +34,6 @@ from .types import (
     EngineHealth,
     EngineMetrics,
     EngineState,
-    LayerRange,
     LoadSpec,
     LogitsResult,
     MtpCapability,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shard.layers import LayerRange
+
 from .errors import InvalidInput, UnsupportedFeature
 
 
@@ -45,22 +47,6 @@ class SessionState(enum.Enum):
 class ResultKind(enum.Enum):
     LOGITS = "logits"  # last shard: distribution over the vocabulary
     BOUNDARY = "boundary"  # non-last shard: hidden states for the next shard
-
-
-@dataclass(frozen=True)
-class LayerRange:
-    """Half-open range ``[start, end)`` of transformer blocks served by this shard."""
-
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        if self.start < 0 or self.end <= self.start:
-            raise InvalidInput(f"layer range [{self.start}, {self.end}) is empty or negative")
-
-    @property
-    def count(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from shard.engine.types import LayerRange
+from shard.layers import LayerRange
 
 from .fingerprint import file_fingerprint
 from .write import atomic_output, cache_dir, gguf_writer
