@@ -402,6 +402,10 @@ _ENTRIES = (
         sliding_window=SlidingWindow(period=2, on="always"),
         embd_input_scale=_gemma2_input_scale,
         rules=(_attention_scale_by_block_count("Gemma 2", 46),),
+        tolerance=1e-3,
+        tolerance_why="llama.cpp multiplies hidden-state input by sqrt(n_embd) in float32; the "
+        "engine pre-divides, and about 13% of values (n_embd 96) have no float32 preimage, so "
+        "they arrive one ulp off at each boundary (exact only when sqrt(n_embd) is a power of 2)",
         boundaries="any, except a range of global-attention blocks only (a single odd block); "
         "none for the 27B (46 blocks)",
     ),
