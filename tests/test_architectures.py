@@ -12,6 +12,7 @@ difference| (``-s`` is not needed).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -132,3 +133,20 @@ def test_make_model_arch_and_slice_refusals_on_the_command_line(tmp_path: Path) 
     unknown = subprocess.run([*cli, "make-model", "--arch", "nope", "--out", str(tmp_path / "n.gguf")],
                              capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and "choose one of llama, qwen2" in unknown.stderr
+
+
+async def test_caps_report_the_architecture_and_its_boundaries_over_the_wire() -> None:
+    """``trio-shard caps`` (GetCapabilities 1.2) on a whole Llama 4 test model and on one of its
+    shards: the architecture, whether layer ranges are served, and on which boundaries."""
+    cli = [sys.executable, "-m", "shard.cli", "--log-level", "WARNING", "caps", "--json"]
+    async with arch_workers("llama4", [None, LayerRange(4, 12)]) as workers:
+        shown = {}
+        for lr, w in workers.items():
+            done = await trio.run_process([*cli, "--target", w.target], capture_stdout=True)
+            shown[lr] = json.loads(done.stdout)
+    whole, shard = shown[None], shown[LayerRange(4, 12)]
+    assert whole["architecture"] == shard["architecture"] == "llama4"
+    assert whole["layer_ranges_supported"] is True and shard["layer_ranges_supported"] is True
+    assert whole["layer_ranges_detail"] == "allowed boundaries are multiples of 4 (0, 4, 8, 12)"
+    assert shard["layer_ranges_detail"].startswith("allowed boundaries: multiples of 4")
+    assert shard["layer_range"] == [4, 12] and "1.2" in whole["supported_versions"]
