@@ -29,7 +29,7 @@ from shard.engine import LayerRange, LoadSpec
 from shard.engine.llama import LlamaCppEngine
 from shard.models import RANGE_ARCHITECTURES, ensure_slice, lookup, read_model_info
 from shard.models.arch_models import MODELS, ensure_arch_model
-from shard.models.slice import model_of
+from shard.models.architectures import Model
 from shard.pipeline import Pipeline
 from test_llama_ranges import spy_outputs
 from test_pipeline import TIMEOUT, assert_all_free, whole_model_steps
@@ -108,7 +108,7 @@ def test_chain_parts_are_what_the_table_says() -> None:
     wrote it (per-layer arrays and SWA patterns as long as the slice)."""
     for arch, model in MODELS.items():
         source = ensure_arch_model(arch)
-        whole = model_of(read_model_info(source))
+        whole = Model.of(read_model_info(source))
         for cuts in model.chains:
             for lr in ranges_of(cuts):
                 assert lookup(arch).refusal(whole, lr) is None, (arch, lr)

@@ -1,36 +1,7 @@
 """The engine contract's typed errors; they live in the leaf module ``shard.errors`` (so shared
 value types can raise them without importing this package) and are re-exported here."""
 
-from shard.errors import (
-    EngineCancelled,
-    EngineError,
-    EngineFailure,
-    IllegalTransition,
-    InvalidInput,
-    KvCacheFull,
-    NotReady,
-    ResourcesExhausted,
-    SessionBusy,
-    SessionExists,
-    StepTimeout,
-    TooManySessions,
-    UnknownSession,
-    UnsupportedFeature,
-)
+from shard import errors as _errors
+from shard.errors import *  # noqa: F403 - the same classes under their old module name
 
-__all__ = [
-    "EngineCancelled",
-    "EngineError",
-    "EngineFailure",
-    "IllegalTransition",
-    "InvalidInput",
-    "KvCacheFull",
-    "NotReady",
-    "ResourcesExhausted",
-    "SessionBusy",
-    "SessionExists",
-    "StepTimeout",
-    "TooManySessions",
-    "UnknownSession",
-    "UnsupportedFeature",
-]
+__all__ = list(_errors.__all__)

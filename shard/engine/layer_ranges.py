@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from shard.layers import LayerRange
-from shard.models.architectures import lookup
+from shard.models.architectures import Model, lookup
 from shard.models.header import ModelInfo
-from shard.models.slice import model_of
 
 from .errors import InvalidInput, UnsupportedFeature
 from .types import LayerRangeSupport
@@ -32,7 +31,7 @@ def range_support(info: ModelInfo | None, architecture: str) -> LayerRangeSuppor
         return LayerRangeSupport(False, "the model file's GGUF header cannot be read by the slicer")
     if info.is_slice:  # the slice's header describes its blocks only; the table's rule stands
         return LayerRangeSupport(True, f"allowed boundaries: {arch.boundaries}")
-    whole, total = model_of(info), info.block_count
+    whole, total = Model.of(info), info.block_count
     if total < 2:
         return LayerRangeSupport(False, "the model has a single block")
     refusals = [arch.refusal(whole, LayerRange(0, c)) or arch.refusal(whole, LayerRange(c, total))
@@ -71,7 +70,7 @@ def served_range(info: ModelInfo, requested: LayerRange | None) -> LayerRange:
         return whole
     if not arch.supported:
         raise UnsupportedFeature(f"layer ranges of architecture {info.architecture!r} are not supported: {arch.refused}")
-    reason = arch.refusal(model_of(info), requested)
+    reason = arch.refusal(Model.of(info), requested)
     if reason is not None:
         raise UnsupportedFeature(f"layer range [{requested.start}, {requested.end}) cannot be served: {reason}")
     raise InvalidInput(
@@ -82,7 +81,7 @@ def served_range(info: ModelInfo, requested: LayerRange | None) -> LayerRange:
 
 def check_loadable(info: ModelInfo) -> None:
     """Refuse a file llama.cpp would abort the process on (InvalidInput), before it sees it."""
-    reason = lookup(info.architecture).load_refusal(model_of(info))
+    reason = lookup(info.architecture).load_refusal(Model.of(info))
     if reason is not None:
         raise InvalidInput(f"{str(info.path)!r} cannot be loaded: {reason}")
 
@@ -106,7 +105,7 @@ class EmbdInput:
         if first or info is None:
             return cls(None)
         scale = lookup(info.architecture).embd_input_scale
-        return cls(None if scale is None else scale(model_of(info)))
+        return cls(None if scale is None else scale(Model.of(info)))
 
     def write(self, dest: np.ndarray, rows: np.ndarray) -> None:
         if self.scale is None:

@@ -48,6 +48,8 @@ import numpy as np
 
 from shard.layers import LayerRange
 
+from .header import ModelInfo
+
 GT = gguf.GGUFValueType
 
 #: Per-layer arrays llama.cpp reads for every architecture (``get_key_or_arr`` in
@@ -92,6 +94,11 @@ class Model:
     meta: Mapping[str, Any]
     n_layer: int
     n_vocab: int | None = None
+
+    @classmethod
+    def of(cls, info: ModelInfo) -> Model:
+        """The table's view of a file's header (``shard.models.header.read_model_info``)."""
+        return cls(info.architecture, info.metadata, info.block_count, info.n_vocab)
 
     def key(self, suffix: str) -> str:
         return f"{self.arch}.{suffix}"

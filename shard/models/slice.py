@@ -96,7 +96,7 @@ def slice_model(source: Path, layers: LayerRange, out: Path, *, progress: bool =
             f"layer range [{layers.start}, {layers.end}) is outside the model's "
             f"{info.block_count} blocks"
         )
-    reason = arch.refusal(model_of(info), layers)
+    reason = arch.refusal(Model.of(info), layers)
     if reason is not None:
         raise SliceError(f"cannot slice blocks [{layers.start}, {layers.end}) of {str(source)!r}: {reason}")
     sha = file_fingerprint(source)
@@ -104,11 +104,6 @@ def slice_model(source: Path, layers: LayerRange, out: Path, *, progress: bool =
     with atomic_output(out) as tmp:
         _write_slice(reader, info, sha, layers, tmp, progress)
     return out
-
-
-def model_of(info: ModelInfo) -> Model:
-    """The architecture table's view of a file's header."""
-    return Model(info.architecture, info.metadata, info.block_count, info.n_vocab)
 
 
 def slice_cache_path(source_sha256: str, layers: LayerRange) -> Path:
@@ -188,7 +183,7 @@ def _write_slice(
     middle = not first and not last
     n_vocab = _n_vocab(reader, arch_name)
     tied = not any(t.name == _OUTPUT for t in reader.tensors)
-    edits = arch.slice_edits(model_of(info), layers, first=first)
+    edits = arch.slice_edits(Model.of(info), layers, first=first)
     vocab_size_key = gguf.Keys.LLM.VOCAB_SIZE.format(arch=arch_name)
 
     with gguf_writer(out, arch_name) as writer:
@@ -263,20 +258,14 @@ def _write_slice(
                 bar.close()
 
 
+# ModelInfo, SliceError and read_model_info live in shard.models.header; named here as before.
 __all__ = [
-    "KEY_RANGE_END",
-    "KEY_RANGE_START",
-    "KEY_SLICER_VERSION",
-    "KEY_SOURCE_BLOCK_COUNT",
-    "KEY_SOURCE_N_VOCAB",
-    "KEY_SOURCE_SHA256",
     "RANGE_ARCHITECTURES",
     "SLICER_VERSION",
     "STUB_VOCAB_SIZE",
     "ModelInfo",
     "SliceError",
     "ensure_slice",
-    "model_of",
     "read_model_info",
     "slice_cache_path",
     "slice_model",
