@@ -189,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--layers", type=_layer_range, metavar="A:B",
                        help="serve only blocks A..B-1 of the model: a whole model is sliced into "
                        "the model cache on first use and the slice reused afterwards (default: "
-                       "the whole model, or the range a sliced --model holds)")
+                       "the whole model, or the range a sliced --model holds); an architecture "
+                       "or boundary the architecture table refuses is an error saying why "
+                       "(docs/engine.md, \"Layer ranges on llama.cpp\")")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=DEFAULT_PORT,
                        help=f"port to bind, 0 picks a free one (default: {DEFAULT_PORT})")

@@ -13,6 +13,7 @@ difference| (``-s`` is not needed).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -130,6 +131,9 @@ def test_make_model_arch_and_slice_refusals_on_the_command_line(tmp_path: Path) 
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "boundary 3 is not exact for Llama 4: allowed boundaries are multiples of 4 (0, 4, 8, 12)" in bad.stderr
+    serve = subprocess.run([*cli, "serve", "--model", str(out), "--layers", "2:12", "--port", "0"],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, "TRIO_SHARD_CACHE": str(tmp_path)})
+    assert serve.returncode == 2 and "block boundary 2 is not exact for Llama 4" in serve.stderr
     unknown = subprocess.run([*cli, "make-model", "--arch", "nope", "--out", str(tmp_path / "n.gguf")],
                              capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and "choose one of llama, qwen2" in unknown.stderr

@@ -215,7 +215,8 @@ def _check_model_file(model_path: Path | None) -> Path:
 
 
 class LlamaCppEngine(ShardEngine):
-    """A whole model, or a layer range of a sliced llama model, served by llama.cpp.
+    """A whole model, or a layer range of a sliced model (``shard.engine.layer_ranges``), served by
+    llama.cpp.
 
     Options (all keyword-only, defaults suit the contract suite):
 
