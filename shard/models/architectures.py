@@ -394,7 +394,7 @@ _RECURRENT = (
 )
 
 _ENTRIES = (
-    Architecture("llama", "Llama (also Mistral, tied-head models)", per_layer_keys=()),
+    Architecture("llama", "Llama"),  # also Mistral and tied-head models: nothing else differs
     Architecture("qwen2", "Qwen 2"),
     Architecture("qwen3", "Qwen 3"),
     Architecture("qwen3moe", "Qwen 3 MoE", per_layer_keys=("expert_feed_forward_length",)),
