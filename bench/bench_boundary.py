@@ -82,8 +82,9 @@ async def _time_steps(engine: LlamaCppEngine, steps: int, *, hidden: np.ndarray 
 
 async def count_callbacks(engine: LlamaCppEngine) -> int:
     """How many nodes the eval callback is asked about in one decode step (untimed)."""
-    api = engine._ggml_api
-    assert api is not None
+    boundary = engine._boundary  # shard.engine.llama_capture.BoundaryCapture
+    assert boundary is not None
+    api = boundary.api
     asked = 0
 
     def counting(tensor: int) -> bytes:
@@ -91,7 +92,7 @@ async def count_callbacks(engine: LlamaCppEngine) -> int:
         asked += 1
         return api.get_name(tensor)
 
-    engine._ggml_api = dataclasses.replace(api, get_name=counting)
+    boundary.api = dataclasses.replace(api, get_name=counting)
     try:
         await engine.open_session("c")
         await engine.prefill(PrefillRequest("c", tokens=engine.tokenize(PROMPT)))
@@ -100,7 +101,7 @@ async def count_callbacks(engine: LlamaCppEngine) -> int:
         await engine.release("c")
         return asked
     finally:
-        engine._ggml_api = api
+        boundary.api = api
 
 
 @contextlib.contextmanager

@@ -189,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--layers", type=_layer_range, metavar="A:B",
                        help="serve only blocks A..B-1 of the model: a whole model is sliced into "
                        "the model cache on first use and the slice reused afterwards (default: "
-                       "the whole model, or the range a sliced --model holds)")
+                       "the whole model, or the range a sliced --model holds); an architecture "
+                       "or boundary the architecture table refuses is an error saying why "
+                       "(docs/engine.md, \"Layer ranges on llama.cpp\")")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=DEFAULT_PORT,
                        help=f"port to bind, 0 picks a free one (default: {DEFAULT_PORT})")
@@ -298,17 +300,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     mk = sub.add_parser(
         "make-model", help="write a small GGUF model file (no download)",
-        description="Write a deterministic GGUF model with random weights and a real tokenizer.",
+        description="Write a deterministic GGUF model with random weights and a real tokenizer: "
+        "a llama preset, or the test model of an architecture whose layer ranges are served "
+        "(with that architecture's quirks: sliding-window pattern, biases, norms, experts, "
+        "tied or untied head; a few MB).",
     )
-    mk.add_argument("--preset", default="tiny", help="tiny (default) or bench (214 MB, Q8_0)")
+    which = mk.add_mutually_exclusive_group()
+    which.add_argument("--preset", default="tiny", help="tiny (default) or bench (214 MB, Q8_0)")
+    which.add_argument("--arch", metavar="ARCH",
+                       help="the test model of architecture ARCH (llama, qwen2, gemma3, ...: one "
+                       "per architecture whose layer ranges are served; an unknown name lists them)")
     mk.add_argument("--out", type=Path, required=True, help="output file")
 
     sl = sub.add_parser(
         "slice", help="cut a GGUF model into a layer-range shard file",
-        description="Write blocks A..B-1 of a llama GGUF model to a GGUF that llama.cpp loads "
-        "as a shard: blocks renumbered from 0, only the other tensors that part needs (the first "
-        "part keeps the token embeddings, the last the output norm and LM head, middle parts get "
-        "tiny stand-ins), the source fingerprint and range recorded in its metadata.",
+        description="Write blocks A..B-1 of a GGUF model to a GGUF that llama.cpp loads as a "
+        "shard: blocks renumbered from 0, per-layer metadata and sliding-window patterns cut to "
+        "the range, only the other tensors that part needs (the first part keeps the token "
+        "embeddings, the last the output norm and LM head, middle parts get tiny stand-ins), the "
+        "source fingerprint and range recorded in its metadata. Which architectures and "
+        "boundaries are served is the architecture table's (docs/engine.md, \"Layer ranges on "
+        "llama.cpp\"); a refused one is an error naming the reason and the allowed boundaries.",
     )
     sl.add_argument("--model", type=Path, required=True, help="whole GGUF model to slice")
     sl.add_argument("--layers", type=_layer_range, required=True, metavar="A:B",
@@ -425,11 +437,20 @@ def _fail(message: str, code: int = 1) -> int:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from shard.models import PRESETS, write_model
 
+    if args.arch is not None:
+        from shard.models.arch_models import ARCHS, write_arch_model
+
+        if args.arch not in ARCHS:
+            return _fail(f"no test model for architecture {args.arch!r}; choose one of {', '.join(ARCHS)}", 2)
+        logging.getLogger("gguf").setLevel(logging.WARNING)
+        print(write_arch_model(args.arch, args.out))
+        return 0
     if args.preset not in PRESETS:
         return _fail(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}", 2)
     path = write_model(args.preset, args.out, progress=sys.stderr.isatty())
     print(path)
     return 0
+
 
 
 def _cmd_slice(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""llama.cpp, ctypes and ggml may be imported only by shard/engine/llama.py; purerpc's
+"""llama.cpp, ctypes and ggml may be imported only by the llama.cpp engine's modules
+(shard/engine/llama.py and its boundary capture, shard/engine/llama_capture.py); purerpc's
 internals, h2 and its frame libraries only by the shard/rpc/transport package.
 
 Everything else talks to the engine through the project-owned contract (shard.engine), so the
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "shard"
-ALLOWED = {Path("shard/engine/llama.py")}
+ALLOWED = {Path("shard/engine/llama.py"), Path("shard/engine/llama_capture.py")}
 FORBIDDEN = ("llama_cpp", "ctypes", "ggml")
 
 
@@ -158,3 +159,67 @@ def test_wire_scanner_flags_internal_imports(source: str) -> None:
 
 def test_wire_scanner_accepts_the_public_purerpc_api() -> None:
     assert wire_internal_imports("import purerpc\nfrom purerpc import Service") == []
+
+
+# ---- leaf modules and the direction of shard.models -> shard.engine -----------------------------
+
+#: Leaf modules: shared value types and errors. They may import only the project modules listed.
+LEAVES = {
+    Path("shard/errors.py"): set(),
+    Path("shard/layers.py"): {"shard.errors"},
+}
+
+
+def project_imports(source: str, package: str) -> set[str]:
+    """Every ``shard.*`` module ``source`` imports (relative imports resolved against
+    ``package``, the importing module's package)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "shard"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            if module.split(".")[0] == "shard":
+                found.add(module)
+    return found
+
+
+def _module_package(path: Path) -> str:
+    """The package a module's relative imports start from (a package's ``__init__``: itself)."""
+    return ".".join(path.relative_to(ROOT).parent.parts)
+
+
+def test_leaf_modules_import_only_their_allowed_project_modules() -> None:
+    for rel, allowed in LEAVES.items():
+        path = ROOT / rel
+        assert project_imports(path.read_text(encoding="utf-8"), _module_package(path)) <= allowed, rel
+
+
+def test_model_tools_never_import_the_engine() -> None:
+    """shard.models (the slicer, the architecture table, the model writers) sits below the
+    engine: the engine reads the table and loads slices, never the other way round."""
+    found = {}
+    for path in sorted((PACKAGE / "models").rglob("*.py")):
+        hits = {m for m in project_imports(path.read_text(encoding="utf-8"), _module_package(path))
+                if m == "shard.engine" or m.startswith("shard.engine.")}
+        if hits:
+            found[str(path.relative_to(ROOT))] = hits
+    assert found == {}
+
+
+@pytest.mark.parametrize(
+    ("source", "package", "expected"),
+    [
+        ("from shard.engine.types import LayerRange", "shard.models", {"shard.engine.types"}),
+        ("from ..engine import x", "shard.models", {"shard.engine"}),
+        ("from . import write", "shard.models", {"shard.models"}),
+        ("import shard.layers, numpy", "shard", {"shard.layers"}),
+        ("import gguf", "shard.models", set()),
+    ],
+)
+def test_project_import_scanner(source: str, package: str, expected: set[str]) -> None:
+    assert project_imports(source, package) == expected

@@ -170,15 +170,16 @@ async def test_boundary_capture_stops_the_graph_before_the_lm_head(tiny: Path) -
     async with LlamaCppEngine() as engine:
         await engine.load(_spec(path))
         asked: list[bytes] = []
-        api = engine._ggml_api
-        assert api is not None
+        boundary = engine._boundary  # shard.engine.llama_capture.BoundaryCapture
+        assert boundary is not None
+        api = boundary.api
 
         def recording_get_name(tensor: int) -> bytes:
             name = api.get_name(tensor)
             asked.append(name)
             return name
 
-        engine._ggml_api = dataclasses.replace(api, get_name=recording_get_name)
+        boundary.api = dataclasses.replace(api, get_name=recording_get_name)
         await engine.open_session("s")
         r = await engine.prefill(PrefillRequest("s", tokens=(1, 5, 6, 7)))
         assert r.boundary is not None and r.boundary.hidden_states.shape == (4, 64)
@@ -223,12 +224,12 @@ async def test_shards_describe_the_source_model(tiny: Path) -> None:
 
 async def test_bad_ranges_are_refused_at_load(tiny: Path, tmp_path: Path) -> None:
     middle = await trio.to_thread.run_sync(ensure_slice, tiny, LayerRange(1, 3))
-    gemma = header_only_model(tmp_path / "gemma.gguf", "gemma2")
+    gemma = header_only_model(tmp_path / "gemma.gguf", "gemma3n")  # refused by the table
     cases = [
         (middle, LayerRange(0, 2), InvalidInput, r"is a slice of layers \[1, 3\); it cannot serve \[0, 2\)"),
         (tiny, LayerRange(2, 5), InvalidInput, r"\[2, 5\) is outside the model's 4 blocks"),
         (tiny, LayerRange(1, 3), InvalidInput, "slice it first"),
-        (gemma, LayerRange(0, 2), UnsupportedFeature, "architecture 'gemma2'"),
+        (gemma, LayerRange(0, 2), UnsupportedFeature, "architecture 'gemma3n'"),
     ]
     for path, layers, error, message in cases:
         async with LlamaCppEngine() as engine:

@@ -1,7 +1,9 @@
 """The project-owned engine contract (see docs/engine.md).
 
 Import the contract from here; implementations live in ``shard.engine.fake`` and
-``shard.engine.llama`` (the only module allowed to import ``llama_cpp``/``ctypes``).
+``shard.engine.llama`` (with ``shard.engine.llama_capture``, the only modules allowed to import
+``llama_cpp``/``ctypes``); ``shard.engine.layer_ranges`` decides what a model file serves as a
+layer range (from the architecture table, ``shard.models.architectures``).
 """
 
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot, new_session_id
@@ -21,6 +23,8 @@ from .errors import (
     UnknownSession,
     UnsupportedFeature,
 )
+from shard.layers import LayerRange
+
 from .types import (
     GREEDY,
     AuxState,
@@ -32,7 +36,7 @@ from .types import (
     EngineHealth,
     EngineMetrics,
     EngineState,
-    LayerRange,
+    LayerRangeSupport,
     LoadSpec,
     LogitsResult,
     MtpCapability,

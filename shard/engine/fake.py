@@ -45,7 +45,7 @@ from .base import ComputePlan, ShardEngine, Slot
 from .batching import Piece, Step, TickPlanner
 from .errors import EngineError, EngineFailure, InvalidInput
 from .scheduler import BatchScheduler, Job
-from .types import Capabilities, LayerRange, LoadSpec
+from .types import Capabilities, LayerRange, LayerRangeSupport, LoadSpec
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3  # token id of byte 0x00
@@ -214,6 +214,7 @@ class FakeEngine(ShardEngine):
             bos_token_id=BOS_ID,
             eos_token_id=EOS_ID,
             max_token_bytes=1,  # a byte per token
+            layer_ranges=LayerRangeSupport(True, "any boundary (the fake model computes every range)"),
         )
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:

@@ -1,8 +1,9 @@
 """ShardEngine on llama.cpp through llama-cpp-python's low-level (ctypes) API.
 
-This is the only module in the project that imports ``llama_cpp`` or ``ctypes``: everything that
-crosses the engine contract is a project type, and every llama.cpp return code is translated into
-the typed errors of ``shard.engine.errors`` here.
+With its boundary capture (``shard.engine.llama_capture``), this is the only module in the
+project that imports ``llama_cpp`` or ``ctypes``: everything that crosses the engine contract is
+a project type, and every llama.cpp return code is translated into the typed errors of
+``shard.engine.errors`` here.
 
 Why the low-level API: the high-level ``llama_cpp.Llama`` owns one sequence and resets it per
 call; a shard needs one context serving many sessions (one llama.cpp *sequence id* each),
@@ -24,16 +25,20 @@ out of step with the session's ``n_past`` surfaces as ``EngineFailure`` instead 
 logits.
 
 Layer ranges: a range is served from a file cut by ``shard.models.slice`` (blocks renumbered,
-LM head dropped on non-last parts; see docs/engine.md, "Layer ranges on llama.cpp"). Non-first
-shards feed hidden states through ``batch.embd``; non-last shards mark every position as an
-output and capture the last block's output (``l_out-{n-1}``) with the scheduler's ``cb_eval``
-callback, which then stops the graph so the output norm and LM head never run. Capabilities
-report the source model (fingerprint, block count, vocabulary size) read from the slice's
-metadata. A strict range of a whole file is refused: loading never writes files.
+LM head dropped on non-last parts; see docs/engine.md, "Layer ranges on llama.cpp").
+``shard.engine.layer_ranges`` decides, from the architecture table, which range a file serves
+and refuses what llama.cpp would abort on; it also writes non-first shards' hidden-state rows
+into ``batch.embd`` (``EmbdInput``: pre-divided where llama.cpp scales that input). Non-last
+shards mark every position as an output and capture the last block's output with
+``shard.engine.llama_capture.BoundaryCapture``, which then stops the graph so the output norm
+and LM head never run. Capabilities report the source model (fingerprint, block count,
+vocabulary size) read from the slice's metadata. A strict range of a whole file is refused:
+loading never writes files.
 
 Resource handling: the engine owns the model, context and batch from ``load`` until ``aclose``
 (one ``ExitStack``, freed explicitly and exactly once; nothing relies on ``__del__``). The ctypes
-abort and eval callbacks are attributes of the engine, and the log callback a module global, so
+abort callbacks and the boundary capture (with its eval callback) are attributes of the engine,
+kept until the context is freed, and the log callback is a module global, so
 none can be collected while native code may call it.
 
 Threading: a llama context is not thread-safe. Every call that touches the context runs in
@@ -70,7 +75,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +83,15 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 import trio
 
+from shard.layers import LayerRange
 from shard.llama_build import installed_build
 from shard.models.fingerprint import file_fingerprint
-from shard.models.slice import RANGE_ARCHITECTURES, ModelInfo, SliceError, read_model_info
+from shard.models.header import ModelInfo, SliceError, read_model_info
 
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot
 from .batching import Piece, Step, TickPlanner
+from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
+from .llama_capture import BoundaryCapture
 from .scheduler import BatchScheduler, Job
 from .errors import (
     EngineCancelled,
@@ -93,9 +100,8 @@ from .errors import (
     IllegalTransition,
     InvalidInput,
     KvCacheFull,
-    UnsupportedFeature,
 )
-from .types import Capabilities, LayerRange, LoadSpec, SessionState
+from .types import Capabilities, LoadSpec
 
 log = logging.getLogger(__name__)
 native_log = logging.getLogger(__name__ + ".native")
@@ -157,57 +163,6 @@ def _native_reason() -> str:
     return f" (llama.cpp: {_recent_native_errors[0]})" if _recent_native_errors else ""
 
 
-# ---- ggml tensor access (boundary capture) -----------------------------------------------------
-# llama-cpp-python binds llama.h only. The three ggml calls the capture callback needs live in
-# libggml-base, next to libllama in llama_cpp's lib/ directory (libllama already loaded it, so
-# CDLL returns the same handle).
-
-_GGML_TYPE_F32 = 0  # enum ggml_type; ``type`` is the first member of struct ggml_tensor
-
-
-@dataclass(frozen=True)
-class _GgmlApi:
-    get_name: Any  # const char * ggml_get_name(const struct ggml_tensor *)
-    nbytes: Any  # size_t ggml_nbytes(const struct ggml_tensor *)
-    tensor_get: Any  # void ggml_backend_tensor_get(const struct ggml_tensor *, void *, size_t, size_t)
-
-
-_ggml_api: _GgmlApi | None = None
-
-
-def _ggml() -> _GgmlApi:
-    """Resolve the ggml functions once per process."""
-    global _ggml_api
-    with _init_lock:
-        if _ggml_api is None:
-            lib_dir = Path(lc.__file__).parent / "lib"
-            found = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("ggml-base.*"))
-            if not found:
-                raise EngineFailure(f"libggml-base not found in {lib_dir}: cannot capture hidden states")
-            lib = ctypes.CDLL(str(found[0]))
-            lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-            lib.ggml_get_name.restype = ctypes.c_char_p
-            lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-            lib.ggml_nbytes.restype = ctypes.c_size_t
-            lib.ggml_backend_tensor_get.argtypes = [
-                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-            ]
-            lib.ggml_backend_tensor_get.restype = None
-            _ggml_api = _GgmlApi(lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get)
-        return _ggml_api
-
-
-class _Capture:
-    """Where the eval callback copies the boundary rows of one ``llama_decode`` (all ubatches)."""
-
-    __slots__ = ("dest", "error", "rows")
-
-    def __init__(self, dest: np.ndarray) -> None:
-        self.dest = dest  # C-contiguous float32 [m, n_embd]
-        self.rows = 0
-        self.error: str | None = None
-
-
 class _Work(Job):
     """A job plus the rows a non-last shard captures for it, filled tick by tick."""
 
@@ -259,44 +214,9 @@ def _check_model_file(model_path: Path | None) -> Path:
     return path
 
 
-def _served_range(info: ModelInfo, requested: LayerRange | None) -> LayerRange:
-    """The layer range a file can serve for a requested range (None: whatever the file holds).
-
-    A sliced file serves exactly its recorded range. A whole model serves itself; a strict
-    range of a whole model is refused (slice it first: loading never writes files).
-    """
-    path = str(info.path)
-    total = info.source_block_count or info.block_count
-    if requested is not None and requested.end > total:
-        raise InvalidInput(
-            f"layer range [{requested.start}, {requested.end}) is outside the model's {total} blocks"
-        )
-    if info.layer_range is not None:
-        recorded = info.layer_range
-        if requested is not None and requested != recorded:
-            raise InvalidInput(
-                f"{path!r} is a slice of layers [{recorded.start}, {recorded.end}); it cannot "
-                f"serve [{requested.start}, {requested.end})"
-            )
-        if recorded.count != total and info.architecture not in RANGE_ARCHITECTURES:
-            raise UnsupportedFeature(f"layer ranges of architecture {info.architecture!r} are not supported")
-        return recorded
-    whole = LayerRange(0, total)
-    if requested is None or requested == whole:
-        return whole
-    if info.architecture not in RANGE_ARCHITECTURES:
-        raise UnsupportedFeature(
-            f"layer ranges of architecture {info.architecture!r} are not supported "
-            f"(supported: {', '.join(RANGE_ARCHITECTURES)})"
-        )
-    raise InvalidInput(
-        f"{path!r} is a whole {total}-layer model: slice it first (shard.models.ensure_slice, or "
-        f"`trio-shard slice --layers {requested.start}:{requested.end}`) and load the slice"
-    )
-
-
 class LlamaCppEngine(ShardEngine):
-    """A whole model, or a layer range of a sliced llama model, served by llama.cpp.
+    """A whole model, or a layer range of a sliced model (``shard.engine.layer_ranges``), served by
+    llama.cpp.
 
     Options (all keyword-only, defaults suit the contract suite):
 
@@ -350,13 +270,12 @@ class LlamaCppEngine(ShardEngine):
         self._abort_callback = lc.ggml_abort_callback(self._poll_abort)
         self._no_abort_callback = lc.ggml_abort_callback()  # NULL function pointer
         self._abort_armed = False
-        # Layer range: which end of the model this shard is, and the boundary capture (non-last).
+        # Layer range: which end of the model this shard is, how hidden-state input is written
+        # (non-first) and the boundary capture (non-last; referenced until the context is freed).
         self._first = self._last = True
         self._n_embd = 0
-        self._capture_name = b""
-        self._capture: _Capture | None = None
-        self._ggml_api: _GgmlApi | None = None
-        self._eval_callback = lc.ggml_backend_sched_eval_callback(self._on_eval)
+        self._embd_input = EmbdInput(None)
+        self._boundary: BoundaryCapture | None = None
 
     # ---- hooks -------------------------------------------------------------------------------
 
@@ -448,13 +367,14 @@ class LlamaCppEngine(ShardEngine):
             if spec.layer_range is not None:
                 raise InvalidInput(str(exc)) from None
             info = None  # not a slice; llama.cpp's loader says what it thinks of the file
-        served = None if info is None else _served_range(info, spec.layer_range)
-        n_layers_total = 0 if info is None else info.source_block_count or info.block_count
+        served = None if info is None else served_range(info, spec.layer_range)
+        n_layers_total = 0 if info is None else info.n_layers_total
         first = served is None or served.start == 0
         last = served is None or served.end == n_layers_total
+        if info is not None:
+            check_loadable(info)  # never hand llama.cpp a file it would abort the process on
         # Every shard of one model reports the source file's fingerprint.
         fingerprint = info.source_sha256 if info is not None and info.source_sha256 else file_fingerprint(path)
-        ggml_api = None if last else _ggml()
         _ensure_native_init()
         _recent_native_errors.clear()
 
@@ -480,6 +400,7 @@ class LlamaCppEngine(ShardEngine):
             n_vocab = int(lc.llama_vocab_n_tokens(vocab))
             n_embd = int(lc.llama_model_n_embd(model))
             arch = self._meta_str(model, b"general.architecture") or "unknown"
+            boundary = None if last else BoundaryCapture(n_layer, n_embd)
 
             cparams = lc.llama_context_default_params()
             cparams.n_ctx = spec.n_ctx
@@ -493,9 +414,9 @@ class LlamaCppEngine(ShardEngine):
             cparams.embeddings = False
             cparams.offload_kqv = False
             cparams.no_perf = True
-            if not last:
-                # Boundary capture; the callback object lives as long as the engine.
-                cparams.cb_eval = self._eval_callback
+            if boundary is not None:
+                # The callback object stays referenced (self._boundary) until the context is freed.
+                cparams.cb_eval = boundary.callback
                 cparams.cb_eval_user_data = None
             if self._flash_attn is not None:
                 cparams.flash_attn_type = (
@@ -524,8 +445,8 @@ class LlamaCppEngine(ShardEngine):
             self._model, self._ctx, self._mem, self._vocab, self._batch = model, ctx, mem, vocab, batch
             self._n_batch, self._n_vocab, self._n_seq = n_batch, n_vocab, spec.max_sessions
             self._first, self._last, self._n_embd = first, last, n_embd
-            self._capture_name = f"l_out-{n_layer - 1}".encode()
-            self._ggml_api = ggml_api
+            self._boundary = boundary
+            self._embd_input = EmbdInput.for_model(info, first=first)
             if first:
                 self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
             else:
@@ -573,6 +494,7 @@ class LlamaCppEngine(ShardEngine):
             eos_token_id=None if eos == _LLAMA_TOKEN_NULL else eos,
             system_info=native_system_info(use_extra_bufts=spec.use_extra_bufts),
             max_token_bytes=max_token_bytes,
+            layer_ranges=range_support(info, arch),
         )
 
     def _tick_sync(self, tick: list[tuple[_Work, Piece]]) -> None:
@@ -595,8 +517,8 @@ class LlamaCppEngine(ShardEngine):
             # Armed for prompt chunks only: a tick of one-row decodes is short, and every poll
             # takes the GIL (see the module docs).
             self._arm_abort(max(p.count for _, p in live) >= self._abort_min_tokens)
-            capture = None if self._last else _Capture(self._tick_hidden[:n])
-            self._capture = capture
+            boundary = self._boundary
+            target = None if boundary is None else boundary.begin(self._tick_hidden[:n])
             self._decoding = tuple(w.slot.cancel for w, _ in live)
             started = time.perf_counter()
             try:
@@ -604,16 +526,19 @@ class LlamaCppEngine(ShardEngine):
             finally:
                 self._tick_native_seconds = time.perf_counter() - started
                 self._decoding = ()
-                self._capture = None
+                if boundary is not None:
+                    boundary.end()
             if rc != 0:
                 for work, _ in live:
                     work.finish(error=self._decode_error(rc, work.slot, len(live)))
                 return
-            if capture is not None and (capture.error is not None or capture.rows != n):
-                error = EngineFailure(capture.error or f"captured {capture.rows} of {n} boundary rows")
-                for work, _ in live:
-                    work.finish(error=error)
-                return
+            if target is not None:
+                try:
+                    target.check(n)
+                except EngineFailure as error:
+                    for work, _ in live:
+                        work.finish(error=error)
+                    return
             row = 0
             for work, piece in live:
                 step = work.step
@@ -661,7 +586,7 @@ class LlamaCppEngine(ShardEngine):
             if plan.tokens is not None:
                 self._batch_tokens[row : row + m] = plan.tokens[a:b]
             else:
-                self._batch_embd[row : row + m] = plan.hidden[a:b]
+                self._embd_input.write(self._batch_embd[row : row + m], plan.hidden[a:b])
             pos0 = plan.keep + a
             self._batch_pos[row : row + m] = np.arange(pos0, pos0 + m, dtype=np.int32)
             if self._last:
@@ -727,13 +652,13 @@ class LlamaCppEngine(ShardEngine):
     def _close_sync(self) -> None:
         self._batch_tokens = self._batch_pos = self._batch_nseq = self._batch_out = None
         self._batch_embd = self._tick_hidden = None
-        self._capture = None
         self._batch_rows = []
         self._batch_row_seq = None
         self._model = self._ctx = self._mem = self._vocab = self._batch = None
         self._kv_used = 0
         self._abort_armed = False
         self._natives.close()  # batch, context, model: reverse order of creation
+        self._boundary = None  # its eval callback is referenced by no context any more
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -742,44 +667,6 @@ class LlamaCppEngine(ShardEngine):
         self.abort_polls += 1
         flags = self._decoding
         return bool(flags) and all(flag.is_set() for flag in flags)
-
-    def _on_eval(self, tensor: int | None, ask: bool, _data: int | None) -> bool:
-        """ggml's scheduler eval callback (non-last shards), on its compute thread.
-
-        With ``ask`` it is asked, node by node, whether we want a node's data: only the output
-        of the slice's last block (``l_out-{n-1}``), so ggml computes everything up to it in one
-        piece. Then it is called again with ``ask=False`` once that node is computed: copy it
-        and return False, which makes ggml stop the graph there, so the output norm and the LM
-        head never run. All KV writes happen inside the blocks, before that node. Must not
-        raise (an exception cannot cross into C): failures are recorded on the capture.
-        """
-        capture = self._capture
-        try:
-            api = self._ggml_api
-            if api is None or not tensor or api.get_name(tensor) != self._capture_name:
-                return False
-            if ask:
-                return True
-            if capture is None:
-                return False
-            nbytes = int(api.nbytes(tensor))
-            row = self._n_embd * 4
-            rows = nbytes // row
-            if (
-                ctypes.c_int32.from_address(tensor).value != _GGML_TYPE_F32
-                or nbytes % row
-                or capture.rows + rows > capture.dest.shape[0]
-            ):
-                capture.error = (
-                    f"unexpected boundary tensor ({nbytes} bytes for rows of {self._n_embd} float32)"
-                )
-                return False
-            api.tensor_get(tensor, capture.dest.ctypes.data + capture.rows * row, 0, nbytes)
-            capture.rows += rows
-        except Exception as exc:  # noqa: BLE001 - reported through the capture, checked by the caller
-            if capture is not None:
-                capture.error = f"boundary capture failed: {type(exc).__name__}: {exc}"
-        return False
 
     def _require_vocab(self) -> lc.llama_vocab_p:
         if self._vocab is None:

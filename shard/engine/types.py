@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shard.layers import LayerRange
+
 from .errors import InvalidInput, UnsupportedFeature
 
 
@@ -45,22 +47,6 @@ class SessionState(enum.Enum):
 class ResultKind(enum.Enum):
     LOGITS = "logits"  # last shard: distribution over the vocabulary
     BOUNDARY = "boundary"  # non-last shard: hidden states for the next shard
-
-
-@dataclass(frozen=True)
-class LayerRange:
-    """Half-open range ``[start, end)`` of transformer blocks served by this shard."""
-
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        if self.start < 0 or self.end <= self.start:
-            raise InvalidInput(f"layer range [{self.start}, {self.end}) is empty or negative")
-
-    @property
-    def count(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -162,6 +148,16 @@ class MtpResult:
 
 
 @dataclass(frozen=True)
+class LayerRangeSupport:
+    """Whether an engine serves layer ranges of its model's architecture. ``detail`` names the
+    allowed block boundaries, or the reason ranges are refused ("" when unknown)."""
+
+    supported: bool
+    detail: str = ""
+
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a loaded engine serves. Stable for the engine's lifetime."""
 
@@ -184,6 +180,9 @@ class Capabilities:
     #: The most text bytes one token stands for (0: unknown). A first shard can then refuse a
     #: text that cannot fit a session before it tokenizes it (``tokenize_bounded``).
     max_token_bytes: int = 0
+    #: Whether the model's architecture can be served as layer ranges, and on which boundaries
+    #: (or why not): the architecture table's answer (``shard.models.architectures``).
+    layer_ranges: LayerRangeSupport = field(default_factory=lambda: LayerRangeSupport(False, ""))
     mtp: MtpCapability = field(default_factory=MtpCapability)
     aux_state: AuxStateCapability = field(default_factory=AuxStateCapability)
 

@@ -1,14 +1,15 @@
-"""GGUF model files: small models written locally (never downloaded, ``shard.models.write``)
-and layer-range slices of any llama model (``shard.models.slice``)."""
+"""GGUF model files: small models written locally (never downloaded, ``shard.models.write``
+and, one per architecture, ``shard.models.arch_models``), their headers
+(``shard.models.header``), the per-architecture rules for layer ranges
+(``shard.models.architectures``) and layer-range slices (``shard.models.slice``)."""
 
+from .architectures import ARCHITECTURES, Architecture, lookup
 from .fingerprint import file_fingerprint
+from .header import ModelInfo, SliceError, read_model_info
 from .slice import (
     RANGE_ARCHITECTURES,
     SLICER_VERSION,
-    ModelInfo,
-    SliceError,
     ensure_slice,
-    read_model_info,
     slice_cache_path,
     slice_model,
 )
@@ -25,10 +26,12 @@ from .write import (
 )
 
 __all__ = [
+    "ARCHITECTURES",
     "GENERATOR_VERSION",
     "PRESETS",
     "RANGE_ARCHITECTURES",
     "SLICER_VERSION",
+    "Architecture",
     "ModelInfo",
     "ModelPreset",
     "SliceError",
@@ -39,6 +42,7 @@ __all__ = [
     "ensure_slice",
     "file_fingerprint",
     "get_preset",
+    "lookup",
     "read_model_info",
     "slice_cache_path",
     "slice_model",

@@ -213,6 +213,20 @@ def _file_type(weight_type: str) -> int:
     }[weight_type]
 
 
+def add_vocab(writer: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int]) -> None:
+    """The vocabulary keys of a generated model (``build_vocab``'s SPM vocabulary, BOS added)."""
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+
+
 def _write(p: ModelPreset, path: Path, progress: bool) -> None:
     tokens, scores, types = build_vocab(p.n_vocab)
     n_vocab = len(tokens)
@@ -231,16 +245,7 @@ def _write(p: ModelPreset, path: Path, progress: bool) -> None:
         writer.add_rope_dimension_count(p.n_embd // p.n_head)
         writer.add_rope_freq_base(p.rope_freq_base)
         writer.add_layer_norm_rms_eps(p.rms_eps)
-        writer.add_vocab_size(n_vocab)
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(tokens)
-        writer.add_token_scores(scores)
-        writer.add_token_types(types)
-        writer.add_unk_token_id(0)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_add_bos_token(True)
-        writer.add_add_eos_token(False)
+        add_vocab(writer, tokens, scores, types)
 
         rng = np.random.Generator(np.random.PCG64(p.seed))
         specs = _tensor_specs(p, n_vocab)

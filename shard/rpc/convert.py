@@ -197,6 +197,8 @@ def capabilities_to_proto(
         max_credit=max_credit,
         resume_ttl_ms=resume_ttl_ms,
         system_info=caps.system_info,
+        layer_ranges_supported=caps.layer_ranges.supported,
+        layer_ranges_detail=caps.layer_ranges.detail,
     )
 
 

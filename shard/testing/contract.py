@@ -222,10 +222,15 @@ async def generate(engine: ShardEngine, sid: str, tokens: Sequence[int], n: int,
     return out
 
 
+#: Modules whose dataclasses may cross the contract: the engine's and the shared leaf types.
+_VALUE_MODULES = ("shard.engine", "shard.layers")
+
+
 def assert_project_value(value: Any, where: str = "value") -> None:
-    """``value`` holds only project-owned frozen dataclasses, enums of ``shard.engine``, plain
-    Python scalars, tuples and immutable numeric numpy arrays: nothing from ctypes, llama.cpp or
-    ggml (and no numpy scalar standing in for an int or float)."""
+    """``value`` holds only project-owned frozen dataclasses (``shard.engine`` or the shared leaf
+    ``shard.layers``), enums of ``shard.engine``, plain Python scalars, tuples and immutable
+    numeric numpy arrays: nothing from ctypes, llama.cpp or ggml (and no numpy scalar standing in
+    for an int or float)."""
     if value is None or type(value) in (bool, int, float, str, bytes):
         return
     if isinstance(value, tuple):
@@ -240,7 +245,7 @@ def assert_project_value(value: Any, where: str = "value") -> None:
         assert not value.flags.writeable, f"{where}: writeable array"
         return
     cls = type(value)
-    assert dataclasses.is_dataclass(value) and cls.__module__.startswith("shard.engine"), (
+    assert dataclasses.is_dataclass(value) and cls.__module__.startswith(_VALUE_MODULES), (
         f"{where}: {cls.__module__}.{cls.__qualname__} is not a project-owned type"
     )
     assert cls.__dataclass_params__.frozen, f"{where}: {cls.__qualname__} is not frozen"  # type: ignore[attr-defined]
