@@ -140,7 +140,7 @@ def test_make_model_arch_and_slice_refusals_on_the_command_line(tmp_path: Path) 
 
 
 async def test_caps_report_the_architecture_and_its_boundaries_over_the_wire() -> None:
-    """``trio-shard caps`` (GetCapabilities 1.2) on a whole Llama 4 test model and on one of its
+    """``trio-shard caps`` (GetCapabilities 1.1) on a whole Llama 4 test model and on one of its
     shards: the architecture, whether layer ranges are served, and on which boundaries."""
     cli = [sys.executable, "-m", "shard.cli", "--log-level", "WARNING", "caps", "--json"]
     async with arch_workers("llama4", [None, LayerRange(4, 12)]) as workers:
@@ -153,4 +153,4 @@ async def test_caps_report_the_architecture_and_its_boundaries_over_the_wire() -
     assert whole["layer_ranges_supported"] is True and shard["layer_ranges_supported"] is True
     assert whole["layer_ranges_detail"] == "allowed boundaries are multiples of 4 (0, 4, 8, 12)"
     assert shard["layer_ranges_detail"].startswith("allowed boundaries: multiples of 4")
-    assert shard["layer_range"] == [4, 12] and "1.2" in whole["supported_versions"]
+    assert shard["layer_range"] == [4, 12] and "1.1" in whole["supported_versions"]

@@ -314,7 +314,7 @@ def test_every_supported_version_has_fixtures() -> None:
 
 # ---- fail-closed: every RPC refuses every unsupported version before any engine work ------------
 
-UNSUPPORTED = [(2, 0), (1, 3), (0, 9), (0, 0), None]
+UNSUPPORTED = [(2, 0), (1, 2), (0, 9), (0, 0), None]
 
 
 def _with_version(rpc: str, version: tuple[int, int] | None) -> Message:

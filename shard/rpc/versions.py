@@ -16,9 +16,9 @@ from .errors import ErrorCode, ShardError
 
 #: Every (major, minor) this worker serves, oldest first. Minor versions are additive: a v1.N
 #: worker serves v1.0..v1.N requests.
-#: 1.1 adds ``Usage.n_past``; 1.2 adds ``GetCapabilitiesResponse.layer_ranges_supported`` and
+#: 1.1 adds ``Usage.n_past``, ``GetCapabilitiesResponse.layer_ranges_supported`` and
 #: ``layer_ranges_detail``.
-SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2))
+SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 
 
