@@ -41,6 +41,7 @@ CHAINS = {
     "3-workers": ["0:5", "5:11", "11:18"],
 }
 CLI = [sys.executable, "-m", "shard.cli", "--log-level", "WARNING"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -118,3 +119,32 @@ def test_pipeline_equals_the_whole_model_worker(
     want = {k: v for k, v in whole.items() if k != "caps"}
     assert piped["tokens"] == want["tokens"]
     assert piped == want  # text and finish reason too
+
+
+def test_decode_bench_runs_on_the_real_model(gemma3: Path, tmp_path: Path) -> None:
+    """``python -m bench.decode_throughput --model <the real file>``: whole-model variants, and
+    the 2-shard pipeline cut at 9 of 18 blocks once gemma3 can be sliced (until then it is
+    listed as not run, with the reason, and the rest of the run still reports)."""
+    from shard.models import RANGE_ARCHITECTURES
+
+    bench = [sys.executable, "-m", "bench.decode_throughput", "--tokens", "4", "--rounds", "1",
+             "--threads", "1", "--concurrency", "1", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(
+        [*bench, "--model", str(gemma3), "--variants", "raw,engine,server_generate,pipeline_2shard"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "decode_throughput.json").read_text())
+    assert report["environment"]["model_sha256"] == PIN.sha256
+    assert set(report["summary"]) >= {"raw", "engine", "server_generate"}
+    if "gemma3" in RANGE_ARCHITECTURES:
+        assert report["not_run"] == {}
+        assert report["settings"]["pipeline_ranges"] == [[0, 9], [9, 18]]
+        assert report["pipeline_tokens_equal_whole"] is True
+    else:
+        assert "architecture 'gemma3' cannot be sliced" in report["not_run"]["pipeline_2shard"]
+    # The model by name, and a cut outside the model refused before any work.
+    bad = subprocess.run([*bench, "--model", MODEL, "--split", "18"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert "--split 18: must be between 1 and 17 for this 18-block model" in bad.stderr
