@@ -70,7 +70,7 @@ def gemma3() -> Path:
 def whole(gemma3: Path) -> Iterator[dict[str, Any]]:
     """What the whole-model worker, served by the model's name, generates (and its caps)."""
     with running_worker("--model", MODEL) as (target, _):
-        result = _generate("--target", target)
+        result = _generate("--target", target)  # waits while the worker loads; caps does not
         result["caps"] = _caps(target)
     yield result
 
@@ -111,11 +111,11 @@ def test_pipeline_equals_the_whole_model_worker(
             stack.enter_context(running_worker("--model", str(gemma3), "--layers", r))[0]
             for r in ranges
         ]
+        piped = _generate("--pipeline", ",".join(targets))  # waits for workers still loading
         for target, r in zip(targets, ranges, strict=True):
-            caps = _caps(target)
+            caps = _caps(target)  # (caps does not wait: asked once every worker served)
             assert caps["layer_range"] == [int(x) for x in r.split(":")]
             assert caps["model_fingerprint"] == PIN.sha256  # every shard names the whole model
-        piped = _generate("--pipeline", ",".join(targets))
     want = {k: v for k, v in whole.items() if k != "caps"}
     assert piped["tokens"] == want["tokens"]
     assert piped == want  # text and finish reason too
