@@ -47,6 +47,7 @@ class FakePackages:
     def uninstall(self, dist: str) -> None:
         """Remove a distribution's metadata, as if it had never been installed."""
         shutil.rmtree(self.site / f"{dist.replace('-', '_')}-1.0.0.dist-info")
+        importlib.invalidate_caches()  # importlib.metadata caches directory listings by mtime
 
 
 def _dist_info(site: Path, dist: str) -> None:
