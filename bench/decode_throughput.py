@@ -18,7 +18,7 @@ Variants (all greedy, same model, prompt, thread count and token count; EOS neve
                       Gemma 3 270M's 18), driven by ``shard.pipeline.Pipeline`` (hidden states
                       relayed by the client); the report also gives each worker process's RSS
                       beside the whole-model worker's (``rss_mib``). Not run, with the reason,
-                      when the model's architecture cannot be sliced yet
+                      when the model's architecture is not in the architecture table
 
 Every variant times ``--tokens`` single-token decode steps after the prompt. Rounds interleave
 the variants (the order rotates each round) so that drift on a shared machine hits all alike;

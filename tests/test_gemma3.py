@@ -123,8 +123,7 @@ def test_pipeline_equals_the_whole_model_worker(
 
 def test_decode_bench_runs_on_the_real_model(gemma3: Path, tmp_path: Path) -> None:
     """``python -m bench.decode_throughput --model <the real file>``: whole-model variants, and
-    the 2-shard pipeline cut at 9 of 18 blocks once gemma3 can be sliced (until then it is
-    listed as not run, with the reason, and the rest of the run still reports)."""
+    the 2-shard pipeline cut at 9 of 18 blocks, with the whole model's tokens."""
     from shard.models import RANGE_ARCHITECTURES
 
     bench = [sys.executable, "-m", "bench.decode_throughput", "--tokens", "4", "--rounds", "1",
@@ -137,12 +136,10 @@ def test_decode_bench_runs_on_the_real_model(gemma3: Path, tmp_path: Path) -> No
     report = json.loads((tmp_path / "decode_throughput.json").read_text())
     assert report["environment"]["model_sha256"] == PIN.sha256
     assert set(report["summary"]) >= {"raw", "engine", "server_generate"}
-    if "gemma3" in RANGE_ARCHITECTURES:
-        assert report["not_run"] == {}
-        assert report["settings"]["pipeline_ranges"] == [[0, 9], [9, 18]]
-        assert report["pipeline_tokens_equal_whole"] is True
-    else:
-        assert "architecture 'gemma3' cannot be sliced" in report["not_run"]["pipeline_2shard"]
+    assert "gemma3" in RANGE_ARCHITECTURES
+    assert report["not_run"] == {}
+    assert report["settings"]["pipeline_ranges"] == [[0, 9], [9, 18]]
+    assert report["pipeline_tokens_equal_whole"] is True
     # The model by name, and a cut outside the model refused before any work.
     bad = subprocess.run([*bench, "--model", MODEL, "--split", "18"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
