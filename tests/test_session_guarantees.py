@@ -392,4 +392,3 @@ async def test_closing_the_engine_waits_for_a_running_tokenization() -> None:
         assert not closed.is_set()
         leave.set()
     assert closed.is_set()
-

@@ -179,10 +179,10 @@ class RawClient:
         await self.stream.send_all(self.h2.data_to_send())
 
     async def request(self, method: str, body: bytes, *, end: bool = True,
-                      headers: tuple[tuple[str, str], ...] = ()) -> int:
+                      headers: tuple[tuple[str, str], ...] = (), service: str = SERVICE) -> int:
         sid = self.h2.get_next_available_stream_id()
         self.h2.send_headers(sid, [
-            (":method", "POST"), (":scheme", "http"), (":path", f"/{SERVICE}/{method}"),
+            (":method", "POST"), (":scheme", "http"), (":path", f"/{service}/{method}"),
             (":authority", "test"), ("te", "trailers"), ("content-type", "application/grpc"),
             *headers])
         self.h2.send_data(sid, body, end_stream=end)

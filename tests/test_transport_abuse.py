@@ -395,13 +395,8 @@ async def test_a_session_whose_client_stops_reading_is_released() -> None:
         client = RawClient(await trio.open_tcp_stream(host, int(port)))
         try:
             client.h2.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 16})
-            sid = client.h2.get_next_available_stream_id()
-            client.h2.send_headers(sid, [
-                (":method", "POST"), (":scheme", "http"), (":path", "/shard.v1.Shard/Session"),
-                (":authority", "test"), ("te", "trailers"), ("content-type", "application/grpc")])
             opened = req(open=pb.OpenSession(session_id="stalled")).SerializeToString()
-            client.h2.send_data(sid, grpc_message(opened))
-            await client.flush()
+            sid = await client.request("Session", grpc_message(opened), end=False, service="shard.v1.Shard")
             headers = await until_status(client, sid, poke=lambda: None)
             assert headers["grpc-status"] == "8", headers
             err = shard_error_of(headers)

@@ -129,14 +129,9 @@ async def test_a_deadline_expiring_while_a_unary_response_is_sent_keeps_the_trai
         client = RawClient(await trio.open_tcp_stream(host, int(port)))
         try:
             client.h2.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: 16})
-            sid = client.h2.get_next_available_stream_id()
-            client.h2.send_headers(sid, [
-                (":method", "POST"), (":scheme", "http"),
-                (":path", "/shard.v1.Shard/GetCapabilities"), (":authority", "test"),
-                ("te", "trailers"), ("content-type", "application/grpc"), ("grpc-timeout", "300m")])
             body = pb.GetCapabilitiesRequest(version=V).SerializeToString()
-            client.h2.send_data(sid, frame(body), end_stream=True)
-            await client.flush()
+            sid = await client.request("GetCapabilities", frame(body), service="shard.v1.Shard",
+                                       headers=(("grpc-timeout", "300m"),))
             headers = await until_status(client, sid, poke=lambda: None)
             assert headers["grpc-status"] == "4", headers
             assert shard_error_of(headers).code is ErrorCode.DEADLINE_EXCEEDED
