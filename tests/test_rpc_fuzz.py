@@ -248,6 +248,8 @@ class RpcFuzz(RuleBasedStateMachine):
         self.server_done = trio.Event()
         self.problems: list[str] = []
         self.auto_opens = 0
+        spec = self.engine_kind.spec()
+        self.capacity = spec.n_ctx // spec.max_sessions  # positions a session may hold
         self.loop.run(self._start)
         RpcFuzz.stats["examples"] += 1
 
@@ -522,7 +524,7 @@ class RpcFuzz(RuleBasedStateMachine):
         except ShardError as err:
             if await self._ended(slot, err, kind):
                 return
-            self._step_error(kind, slot, err)
+            self._step_error(kind, slot, err, overflow=len(slot.tokens) + len(fed) > self.capacity)
             return
         await self._absorb(slot, step, fed)  # type: ignore[arg-type]
         slot.exact = True
@@ -535,8 +537,13 @@ class RpcFuzz(RuleBasedStateMachine):
         RpcFuzz.stats[kind] += 1
 
     @staticmethod
-    def _step_error(kind: str, slot: SlotModel, err: ShardError) -> None:
-        """A step-level error: only the documented ones, each for its cause."""
+    def _step_error(kind: str, slot: SlotModel, err: ShardError, *, overflow: bool = False) -> None:
+        """A step-level error: only the documented ones, each for its cause. ``overflow``: the
+        input would take the session past its per-session context (refused INVALID_ARGUMENT)."""
+        if overflow and err.code is ErrorCode.INVALID_ARGUMENT:
+            assert "per-session context" in err.message, err
+            RpcFuzz.stats[f"{kind}:overflow"] += 1
+            return
         assert err.code in STEP_ERRORS, f"{kind}: undocumented step error {err!r}"
         if err.code is ErrorCode.DEADLINE_EXCEEDED:
             assert slot.step_timeout and err.reason == "STEP_TIMEOUT", err
@@ -597,7 +604,9 @@ class RpcFuzz(RuleBasedStateMachine):
         if run.error is not None:
             if await self._ended(slot, run.error, "generate"):
                 return
-            self._step_error("generate", slot, run.error)
+            before = len(slot.tokens) - (len(run.prompt or ()) + len(run.steps) - 1 if run.steps else 0)
+            overflow = run.prompt is not None and before + len(run.prompt) > self.capacity
+            self._step_error("generate", slot, run.error, overflow=overflow)
         else:
             assert run.steps and run.steps[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
             if run.steps[-1].finish_reason == pb.FINISH_REASON_LENGTH:
@@ -762,7 +771,7 @@ class RpcFuzz(RuleBasedStateMachine):
             assert err.code in (ErrorCode.INVALID_ARGUMENT, ErrorCode.RESOURCE_EXHAUSTED), err
             RpcFuzz.stats["rewind:refused"] += 1
         else:
-            self._step_error("rewind", slot, err)
+            self._step_error("rewind", slot, err, overflow=position + len(new) > self.capacity)
         held = session.usage.n_past
         # A failed step leaves the session as it was, or (a rewind that began computing) cut at
         # position + reused; what the worker reports is what the engine holds (the invariant).
