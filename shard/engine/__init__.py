@@ -39,6 +39,7 @@ from .types import (
     LayerRangeSupport,
     LoadSpec,
     LogitsResult,
+    Lookahead,
     MtpCapability,
     MtpRequest,
     MtpResult,

@@ -40,6 +40,7 @@ import outcome
 import trio
 
 from . import sampling
+from .lookahead import LookaheadPlan
 from .errors import (
     EngineCancelled,
     EngineError,
@@ -63,6 +64,7 @@ from .types import (
     EngineState,
     LoadSpec,
     LogitsResult,
+    Lookahead,
     PrefillRequest,
     SamplingParams,
     SessionInfo,
@@ -199,6 +201,9 @@ class ComputePlan:
     tokens: tuple[int, ...] | None
     hidden: np.ndarray | None
     deadline: float = math.inf
+    #: The caller's look-ahead hint, resolved (``shard.engine.lookahead``); implementations
+    #: that do not look ahead ignore it.
+    lookahead: LookaheadPlan | None = None
 
     @property
     def n_new(self) -> int:
@@ -254,6 +259,10 @@ class ShardEngine(abc.ABC):
     @abc.abstractmethod
     def _impl_kv_cells_used(self) -> int:
         """KV cells in use, read from the implementation's own state (used to prove no leaks)."""
+
+    def _impl_lookahead_cells(self) -> int:
+        """KV cells held by steps computed ahead and not claimed (engines that look ahead)."""
+        return 0
 
     @abc.abstractmethod
     async def _impl_close(self) -> None:
@@ -338,11 +347,13 @@ class ShardEngine(abc.ABC):
         return EngineHealth(state=self._state, detail=self._detail)
 
     def metrics(self) -> EngineMetrics:
-        kv = self._impl_kv_cells_used() if self._state is EngineState.READY else 0
+        ready = self._state is EngineState.READY
+        kv = self._impl_kv_cells_used() if ready else 0
         running = sum(1 for s in self._slots.values() if s.state is SessionState.RUNNING)
         return EngineMetrics(
             sessions_active=len(self._slots),
             kv_cells_used=kv,
+            lookahead_cells=self._impl_lookahead_cells() if ready else 0,
             operations_running=running,
             **self._counters,
         )
@@ -482,7 +493,10 @@ class ShardEngine(abc.ABC):
                 limit = min(len(held), len(request.tokens) - 1)  # recompute at least one position
                 while reused < limit and held[reused] == request.tokens[reused]:
                     reused += 1
-            plan = ComputePlan(request.position + reused, request.tokens[reused:], None, deadline)
+            plan = ComputePlan(
+                request.position + reused, request.tokens[reused:], None, deadline,
+                self._lookahead_plan(request.lookahead, request.sampling, slot, caps),
+            )
         else:
             if caps.is_first:
                 raise InvalidInput("a first shard takes token ids, not hidden states", session_id=sid)
@@ -510,7 +524,10 @@ class ShardEngine(abc.ABC):
             if not caps.is_first:
                 raise InvalidInput("this shard does not start at layer 0: send a hidden state", session_id=sid)
             validate_tokens((request.token,), caps.n_vocab)
-            plan = ComputePlan(slot.n_past, (int(request.token),), None, deadline)
+            plan = ComputePlan(
+                slot.n_past, (int(request.token),), None, deadline,
+                self._lookahead_plan(request.lookahead, request.sampling, slot, caps),
+            )
         else:
             if caps.is_first:
                 raise InvalidInput("a first shard takes token ids, not hidden states", session_id=sid)
@@ -543,6 +560,21 @@ class ShardEngine(abc.ABC):
         if idle and slot.state is SessionState.RUNNING:
             raise SessionBusy(f"session {session_id!r} is running an operation", session_id=session_id)
         return slot
+
+    @staticmethod
+    def _lookahead_plan(
+        hint: Lookahead | None, sampling: SamplingParams, slot: Slot, caps: Capabilities
+    ) -> LookaheadPlan | None:
+        """The hint as an implementation uses it; None where no step could follow (a step of
+        a shard that does not sample, no steps left)."""
+        if hint is None:
+            return None
+        if not isinstance(hint, Lookahead):
+            raise InvalidInput("lookahead must be a Lookahead", session_id=slot.session_id)
+        if hint.steps == 0 or not caps.is_last:
+            return None
+        limit = min(caps.n_ctx_per_session, slot.kv_budget)
+        return LookaheadPlan(sampling, hint.steps, hint.stop_tokens, hint.stop_at_eog, limit)
 
     @staticmethod
     def _check_top_k(k: int, sid: str) -> None:

@@ -88,11 +88,14 @@ from shard.llama_build import installed_build
 from shard.models.fingerprint import file_fingerprint
 from shard.models.header import ModelInfo, SliceError, read_model_info
 
+from . import sampling
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot
 from .batching import Piece, Step, TickPlanner
 from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
 from .llama_capture import BoundaryCapture
-from .scheduler import BatchScheduler, Job
+from .lookahead import Ahead, LookaheadBook, LookaheadPlan
+from .native_thread import NativeThread
+from .scheduler import MAX_GATHER_SECONDS, BatchScheduler, Job
 from .errors import (
     EngineCancelled,
     EngineError,
@@ -238,7 +241,13 @@ class LlamaCppEngine(ShardEngine):
         self._n_ubatch_opt = n_ubatch
         self._flash_attn = flash_attn
         self._abort_min_tokens = abort_min_tokens
-        self._limiter = trio.CapacityLimiter(1)
+        # The one thread that touches the context (shard.engine.native_thread); between calls
+        # it computes steps ahead (shard.engine.lookahead).
+        self._native = NativeThread("llama-engine", background=self._lookahead_sync)
+        self._book = LookaheadBook()
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._last_ahead: list[Ahead] = []  # the records of the last look-ahead tick
+        self._ahead_tick_seconds = 0.0
         self._natives = contextlib.ExitStack()
         self._model: lc.llama_model_p | None = None
         self._ctx: lc.llama_context_p | None = None
@@ -255,7 +264,6 @@ class LlamaCppEngine(ShardEngine):
         self._n_batch = 0
         self._n_vocab = 0
         self._n_seq = 0
-        self._kv_used = 0
         # The abort callback: ggml polls it after every graph node of a running llama_decode;
         # it aborts only when every session of the running tick is cancelled.
         self._decoding: tuple[CancelFlag, ...] = ()
@@ -263,7 +271,6 @@ class LlamaCppEngine(ShardEngine):
         self._scheduler = BatchScheduler(
             TickPlanner(1, 1), self._run_tick, counters=self._counters, is_open=self._is_open
         )
-        self._tick_native_seconds = 0.0  # time inside llama_decode (written by the tick's thread)
         self._tick_hidden: np.ndarray | None = None  # non-last: captured rows of one tick
         #: Number of abort-callback polls so far; it grows only while a native decode runs.
         self.abort_polls = 0
@@ -280,7 +287,9 @@ class LlamaCppEngine(ShardEngine):
     # ---- hooks -------------------------------------------------------------------------------
 
     async def _impl_load(self, spec: LoadSpec) -> Capabilities:
-        return await trio.to_thread.run_sync(self._load_sync, spec, limiter=self._limiter)
+        self._trio_token = trio.lowlevel.current_trio_token()
+        self._native.start()
+        return await self._native.run(self._load_sync, spec)
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
         """Submit the plan to the batching scheduler (``shard.engine.scheduler``) and wait for
@@ -288,6 +297,10 @@ class LlamaCppEngine(ShardEngine):
         if (plan.tokens is not None) != self._first:  # the base class checks this per request
             wanted = "token ids, not hidden states" if self._first else "hidden states, not token ids"
             raise EngineFailure(f"this shard takes {wanted}")
+        if plan.tokens is not None and len(plan.tokens) == 1 and self._book.has(slot.seq_id):
+            logits = await self._claim(slot, plan)
+            if logits is not None:
+                return logits
         hidden_out = None if self._last else np.empty((plan.n_new, self._n_embd), dtype=np.float32)
         scheduler = self._scheduler
         work = _Work(slot, plan, scheduler.new_step(slot, plan), trio.current_time(), hidden_out)
@@ -299,16 +312,48 @@ class LlamaCppEngine(ShardEngine):
         assert work.result is not None
         return work.result
 
+    async def _claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
+        """The logits of this exact step if it was computed ahead (waiting for it while it
+        runs); None when there is no such step (the caller computes it the usual way)."""
+        assert plan.tokens is not None
+        rec = self._book.claim(slot.seq_id, plan.keep, plan.tokens[0], plan.lookahead)
+        if rec is None:
+            return None
+        flag = slot.cancel
+        if not rec.ready and not flag.is_set():
+            wake = trio.Event()
+            rec.watchers.append(wake)
+            flag.add_watcher(wake)
+            try:
+                await wake.wait()
+            finally:
+                flag.remove_watcher(wake)
+                if wake in rec.watchers:
+                    rec.watchers.remove(wake)
+        if not rec.ready:  # stopped while the step ran ahead: it stays for a later claim
+            self._book.unclaim(rec)
+            raise flag.error(slot.session_id)
+        if not self._book.consume(rec):
+            return None  # dropped (the engine had other work): compute it the usual way
+        slot.touch()  # the step's cell is the session's now; a failure rolls it back
+        self._counters["lookahead_used_total"] += 1
+        if plan.lookahead is not None and not rec.chained:
+            token = self._next_step(rec.logits, plan.lookahead, plan.keep + 1)
+            if token is not None:
+                self._book.propose(slot.seq_id, plan.keep + 1, token)
+                self._native.wake()
+        assert rec.logits is not None
+        return rec.logits
+
     async def _run_tick(self, tick: list[tuple[Job, Piece]]) -> None:
-        self._tick_native_seconds = 0.0
-        await trio.to_thread.run_sync(self._tick_sync, tick, limiter=self._limiter)
-        self._counters["native_step_us_total"] += int(self._tick_native_seconds * 1e6)
+        seconds = await self._native.run(self._tick_sync, tick)
+        self._counters["native_step_us_total"] += int(seconds * 1e6)
 
     def _is_open(self, slot: Slot) -> bool:
         return not slot.releasing and self._slots.get(slot.session_id) is slot
 
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
-        await trio.to_thread.run_sync(self._truncate_sync, slot.seq_id, keep, limiter=self._limiter)
+        await self._native.run(self._truncate_sync, slot.seq_id, keep)
 
     def _impl_tokenize(self, text: str, add_bos: bool) -> list[int]:
         vocab = self._require_vocab()
@@ -342,17 +387,23 @@ class LlamaCppEngine(ShardEngine):
         return bool(lc.llama_vocab_is_eog(self._require_vocab(), token_id))
 
     def _impl_kv_cells_used(self) -> int:
-        # Read live when no native operation runs (the limiter is released in this thread only
-        # after the worker returned); otherwise report the count taken at the end of the last
-        # native operation, under the limiter.
-        if self._ctx is not None and self._limiter.borrowed_tokens == 0:
-            self._kv_used = self._count_kv_cells()
-        return self._kv_used
+        # Counted by the native thread at the end of every native operation (the context is
+        # not thread-safe), less the cells of steps computed ahead and not claimed.
+        return self._book.committed_cells()
+
+    def _impl_lookahead_cells(self) -> int:
+        return self._book.scratch_cells()
 
     async def _impl_close(self) -> None:
-        await trio.to_thread.run_sync(self._close_sync, limiter=self._limiter)
+        if self._native.running:
+            try:
+                await self._native.run(self._close_sync)
+            finally:
+                await self._native.aclose()
+        else:
+            self._close_sync()
 
-    # ---- worker-thread bodies (always called under self._limiter) -------------------------------
+    # ---- native-thread bodies (shard.engine.native_thread: one thread, one call at a time) ----
 
     def _load_sync(self, spec: LoadSpec) -> Capabilities:
         path = _check_model_file(spec.model_path)
@@ -497,10 +548,14 @@ class LlamaCppEngine(ShardEngine):
             layer_ranges=range_support(info, arch),
         )
 
-    def _tick_sync(self, tick: list[tuple[_Work, Piece]]) -> None:
+    def _tick_sync(self, tick: list[tuple[_Work, Piece]]) -> float:
         """One ``llama_decode`` holding every piece of ``tick``; results and errors go to the
-        works (never raised: one session's failure must not hide the others' outcome)."""
+        works (never raised: one session's failure must not hide the others' outcome). Returns
+        the seconds spent inside ``llama_decode``. A finished step whose caller asked for a
+        look-ahead gets its next step queued (run by ``_lookahead_sync`` once this returns)."""
         assert self._ctx is not None
+        self._last_ahead = []
+        native = 0.0
         try:
             live: list[tuple[_Work, Piece]] = []
             for work, piece in tick:
@@ -512,7 +567,7 @@ class LlamaCppEngine(ShardEngine):
                         continue
                 live.append((work, piece))
             if not live:
-                return
+                return native
             n = self._fill_batch(live)
             # Armed for prompt chunks only: a tick of one-row decodes is short, and every poll
             # takes the GIL (see the module docs).
@@ -524,21 +579,21 @@ class LlamaCppEngine(ShardEngine):
             try:
                 rc = lc.llama_decode(self._ctx, self._batch)
             finally:
-                self._tick_native_seconds = time.perf_counter() - started
+                native = time.perf_counter() - started
                 self._decoding = ()
                 if boundary is not None:
                     boundary.end()
             if rc != 0:
                 for work, _ in live:
                     work.finish(error=self._decode_error(rc, work.slot, len(live)))
-                return
+                return native
             if target is not None:
                 try:
                     target.check(n)
                 except EngineFailure as error:
                     for work, _ in live:
                         work.finish(error=error)
-                    return
+                    return native
             row = 0
             for work, piece in live:
                 step = work.step
@@ -555,20 +610,151 @@ class LlamaCppEngine(ShardEngine):
                 ptr = lc.llama_get_logits_ith(self._ctx, row - 1)
                 if not ptr:
                     work.finish(error=EngineFailure("llama.cpp returned no logits for the last position"))
-                else:
-                    work.finish(result=np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy())
+                    continue
+                logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+                work.finish(result=logits)
+                plan = work.plan
+                if plan.lookahead is not None and plan.tokens is not None:
+                    end = plan.keep + plan.n_new
+                    token = self._next_step(logits, plan.lookahead, end)
+                    if token is not None:
+                        self._book.propose(work.slot.seq_id, end, token)
         except Exception as exc:  # noqa: BLE001 - handed to every waiting work; the base class fails the engine
             for work, _ in tick:
                 if not work.finished:
                     work.finish(error=exc)
         finally:
-            self._kv_used = self._count_kv_cells()
+            self._count_kv_cells_sync()
+        return native
+
+    # ---- look-ahead (shard.engine.lookahead; docs/engine.md, "Look-ahead") -------------------
+
+    def _next_step(self, logits: np.ndarray, plan: LookaheadPlan, n_past: int) -> int | None:
+        """The token a session holding ``n_past`` positions will most likely decode next (the
+        one its step chose from ``logits``), or None when no next step will come."""
+        if n_past + 1 > plan.limit or not np.isfinite(logits).all():
+            return None
+        token = sampling.choose_token(logits, plan.sampling, n_past)
+        if token in plan.stop_tokens:
+            return None
+        if plan.stop_at_eog and lc.llama_vocab_is_eog(self._vocab, token):
+            return None
+        return token
+
+    def _lookahead_sync(self) -> bool:
+        """Background work of the native thread: one tick of the queued look-ahead steps.
+        Returns False when there was nothing to do."""
+        book = self._book
+        if self._ctx is None or not book.queued():
+            return False
+        if self._scheduler.has_waiting():
+            # Other work waits for a tick: step aside; the claims fall back to it and are
+            # batched with it by the planner.
+            self._post(book.drop_queued())
+            return False
+        # Gather: sessions of the last look-ahead tick that have not claimed their step yet are
+        # about to (each claim queues that session's next step); one tick keeps them together.
+        waited = self._last_ahead
+        deadline = time.perf_counter() + min(self._ahead_tick_seconds / 4, MAX_GATHER_SECONDS)
+        while waited and book.unclaimed(waited):
+            left = deadline - time.perf_counter()
+            if left <= 0 or self._native.wait_for_wake(left):
+                break
+        if self._native.calls_waiting():
+            return True  # a call first; this work is offered again after it
+        recs = book.take_queued(min(self._scheduler.planner.max_sessions, self._n_batch))
+        if not recs:
+            return False
+        results: list[tuple[Ahead, np.ndarray | None]] = []
+        rows: list[Ahead] = []
+        for rec in recs:
+            held = int(lc.llama_memory_seq_pos_max(self._mem, rec.seq)) + 1
+            if held == rec.keep:
+                rows.append(rec)
+            else:  # the session moved on meanwhile (cannot happen: drops run in this thread)
+                results.append((rec, None))
+        native = 0.0
+        try:
+            if rows:
+                self._fill_rows([(r.token, r.keep, r.seq) for r in rows])
+                self._arm_abort(False)
+                started = time.perf_counter()
+                rc = lc.llama_decode(self._ctx, self._batch)
+                native = time.perf_counter() - started
+                for i, rec in enumerate(rows):
+                    ptr = lc.llama_get_logits_ith(self._ctx, i) if rc == 0 else None
+                    if ptr:
+                        results.append((rec, np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()))
+                    else:
+                        lc.llama_memory_seq_rm(self._mem, rec.seq, rec.keep, -1)
+                        results.append((rec, None))
+        finally:
+            for rec in recs:
+                if not any(r is rec for r, _ in results):
+                    results.append((rec, None))  # an exception stopped this tick
+            for rec, chain in book.finish(results, self._count_kv_cells()):
+                # Already claimed: queue the step after it.
+                assert rec.logits is not None
+                token = self._next_step(rec.logits, chain, rec.keep + 1)
+                if token is not None:
+                    book.propose(rec.seq, rec.keep + 1, token)
+            self._ahead_tick_seconds = native
+            self._last_ahead = rows
+            self._post(recs, computed=len(rows) if native else 0, native=native)
+        return True
+
+    def _fill_rows(self, rows: list[tuple[int, int, int]]) -> None:
+        """Write one-token rows ``(token, position, seq)``, each an output, into the batch."""
+        assert self._batch is not None and self._batch_row_seq is not None
+        for i, (token, pos, seq) in enumerate(rows):
+            self._batch_tokens[i] = token
+            self._batch_pos[i] = pos
+            self._batch_out[i] = 1
+            if self._batch_row_seq[i] != seq:
+                self._batch_rows[i][0] = seq
+                self._batch_row_seq[i] = seq
+        self._batch_nseq[: len(rows)] = 1
+        self._batch.n_tokens = len(rows)
+
+    def _post(self, recs: list[Ahead], *, computed: int = 0, native: float = 0.0) -> None:
+        """Tell the event loop the outcome of ``recs`` (from the native thread): ``computed``
+        rows in ``native`` seconds, or (by default) ``recs`` dropped."""
+        if not recs or self._trio_token is None:
+            return
+        wasted = 0 if computed else sum(1 for r in recs if r.logits is not None)
+        try:
+            self._trio_token.run_sync_soon(self._on_posted, recs, computed, native, wasted)
+        except trio.RunFinishedError:  # pragma: no cover - the engine outlived its Trio run
+            pass
+
+    def _on_posted(self, recs: list[Ahead], computed: int, native: float, wasted: int) -> None:
+        """On the event loop: wake the claims waiting for ``recs`` and count the work."""
+        counters = self._counters
+        if computed:
+            counters["lookahead_steps_total"] += computed
+            counters["native_step_us_total"] += int(native * 1e6)
+            counters["batch_ticks_total"] += 1
+            counters["batch_rows_total"] += computed
+            counters["batch_sessions_total"] += computed
+        counters["lookahead_dropped_total"] += wasted
+        for rec in recs:
+            rec.ready = True
+            for wake in rec.watchers:
+                wake.set()
+
+    def _drop_ahead_sync(self, seq: int, keep: int) -> int:
+        """Drop ``seq``'s look-ahead records (before its cells from ``keep`` on change); returns
+        the lowest position whose cells must go."""
+        gone = self._book.drop_from(seq, 0)
+        self._post(gone)
+        return min([keep, *(r.keep for r in gone)])
 
     def _start_sync(self, work: _Work) -> None:
         """Before a compute's first rows: drop its sequence's cells from ``keep`` on and check."""
         slot, keep = work.slot, work.plan.keep
         work.start()
-        if not lc.llama_memory_seq_rm(self._mem, slot.seq_id, keep, -1):
+        cut = self._drop_ahead_sync(slot.seq_id, keep)
+        if not lc.llama_memory_seq_rm(self._mem, slot.seq_id, cut, -1):
             raise EngineFailure(f"llama.cpp could not truncate the KV cache of {slot.session_id!r}")
         # llama_decode itself rejects a gap only when the sequence still holds cells; an emptied
         # sequence would silently compute from position ``keep`` without history.
@@ -632,10 +818,14 @@ class LlamaCppEngine(ShardEngine):
         if self._ctx is None:
             return
         try:
-            if not lc.llama_memory_seq_rm(self._mem, seq, keep, -1):
+            cut = self._drop_ahead_sync(seq, keep)
+            if not lc.llama_memory_seq_rm(self._mem, seq, cut, -1):
                 raise EngineFailure(f"llama.cpp could not truncate sequence {seq} at {keep}")
         finally:
-            self._kv_used = self._count_kv_cells()
+            self._count_kv_cells_sync()
+
+    def _count_kv_cells_sync(self) -> None:
+        self._book.commit_count(self._count_kv_cells())
 
     def _count_kv_cells(self) -> int:
         """Cells held by every sequence id of the context (including ones no session owns, so a
@@ -655,7 +845,8 @@ class LlamaCppEngine(ShardEngine):
         self._batch_rows = []
         self._batch_row_seq = None
         self._model = self._ctx = self._mem = self._vocab = self._batch = None
-        self._kv_used = 0
+        self._post(self._book.drop_all())
+        self._book.commit_count(0)
         self._abort_armed = False
         self._natives.close()  # batch, context, model: reverse order of creation
         self._boundary = None  # its eval callback is referenced by no context any more

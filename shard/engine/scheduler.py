@@ -144,6 +144,11 @@ class BatchScheduler:
         self._timed: dict[int, tuple[Slot, float, float]] = {}
         self.tick_seconds = 0.0  # duration of the last tick
 
+    def has_waiting(self) -> bool:
+        """Whether a submitted job waits for a tick. Also read from an engine's native thread,
+        where it is a hint (a copy of the list is taken under the GIL)."""
+        return any(not job.finished for job in list(self._pending))
+
     def new_step(self, slot: Slot, plan: ComputePlan) -> Step:
         self._arrivals += 1
         return Step(slot.seq_id, plan.n_new, self._arrivals, deadline=plan.deadline)

@@ -238,6 +238,28 @@ GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True)
+class Lookahead:
+    """A hint on a prefill or decode: after this step the caller will most likely decode the
+    token the step samples, up to ``steps`` more times, stopping at a token of ``stop_tokens``
+    or (``stop_at_eog``) an end-of-generation token.
+
+    An engine may compute that next step ahead, in its native thread right after this one, and
+    keep the result until the caller's next decode of exactly that token claims it; any other
+    next call (or release) drops it first. Results never depend on the hint; only when work is
+    done does. Engines that do not look ahead ignore it (docs/engine.md, "Look-ahead").
+    """
+
+    steps: int = 1
+    stop_tokens: frozenset[int] = frozenset()
+    stop_at_eog: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError("Lookahead.steps must be an int >= 0")
+        object.__setattr__(self, "stop_tokens", frozenset(self.stop_tokens))
+
+
+@dataclass(frozen=True)
 class PrefillRequest:
     """Write ``tokens`` (first shard) or ``hidden_states`` (later shards) at ``position``.
 
@@ -250,6 +272,8 @@ class PrefillRequest:
     accepts it: if its result is not computed by then it fails with ``StepTimeout`` and is rolled
     back; a batching engine does not put it into a step that cannot end in time because of
     other sessions' work.
+
+    ``lookahead`` (first-and-last shards, token input): see ``Lookahead``.
     """
 
     session_id: str
@@ -261,6 +285,7 @@ class PrefillRequest:
     mtp: MtpRequest | None = None
     aux_state: AuxState | None = None
     step_timeout: float | None = None
+    lookahead: Lookahead | None = None
 
     def __post_init__(self) -> None:
         if self.tokens is not None:
@@ -280,7 +305,7 @@ class PrefillRequest:
 @dataclass(frozen=True)
 class DecodeRequest:
     """Append one token (first shard) or one hidden-state row (later shards) and step once.
-    ``step_timeout`` as for ``PrefillRequest``."""
+    ``step_timeout`` and ``lookahead`` as for ``PrefillRequest``."""
 
     session_id: str
     token: int | None = None
@@ -290,6 +315,7 @@ class DecodeRequest:
     mtp: MtpRequest | None = None
     aux_state: AuxState | None = None
     step_timeout: float | None = None
+    lookahead: Lookahead | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_state is not None:
@@ -407,6 +433,13 @@ class EngineMetrics:
     # Microseconds inside the native step call (llama_decode) of those ticks: a session's step
     # time minus its share of this is what the worker itself costs per step.
     native_step_us_total: int = 0
+    # Look-ahead (docs/engine.md, "Look-ahead"): steps computed ahead in the native thread, how
+    # many a session's next decode claimed, how many were dropped unclaimed (wasted work), and
+    # the cells held now by computed, unclaimed steps (not part of ``kv_cells_used``).
+    lookahead_steps_total: int = 0
+    lookahead_used_total: int = 0
+    lookahead_dropped_total: int = 0
+    lookahead_cells: int = 0
 
 
 # --- Helpers shared by every implementation --------------------------------------------------

@@ -66,6 +66,7 @@ from shard.engine import (
     EngineState,
     InvalidInput,
     KvCacheFull,
+    Lookahead,
     PrefillRequest,
     SamplingParams,
     ShardEngine,
@@ -93,6 +94,9 @@ _FLOAT32_BYTES = 4  # the widest wire dtype: a row never takes more than 4 * n_e
 _TEXT_SLACK = 4
 
 
+LOOKAHEAD_MODES = ("auto", "generate", "off")
+
+
 @dataclass(frozen=True)
 class SessionLimits:
     """Per-stream bounds; test defaults are the production defaults."""
@@ -101,10 +105,16 @@ class SessionLimits:
     max_credit: int = 64  # outstanding step messages a client may grant (channel capacity)
     resume_ttl: float = 30.0  # seconds a retained session keeps its KV cache
     close_linger: float = 5.0  # seconds to wait for the client's half-close after CloseSession
+    #: Which steps ask the engine to compute the next one ahead (docs/engine.md, "Look-ahead"):
+    #: "auto" (Generate, and client steps of a client that decoded the token the worker sampled
+    #: last time), "generate" (Generate only) or "off".
+    lookahead: str = "auto"
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_credit <= self.max_credit:
             raise ValueError("need 1 <= default_credit <= max_credit")
+        if self.lookahead not in LOOKAHEAD_MODES:
+            raise ValueError(f"lookahead must be one of {', '.join(LOOKAHEAD_MODES)}")
         for name in ("resume_ttl", "close_linger"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -240,6 +250,8 @@ class SessionCall:
         self._engine_len = 0  # positions the engine holds (>= _end after a partial resume)
         self._delivered_end = 0  # positions whose results were handed to the transport
         self._next_token: int | None = None  # token chosen by the last logits step
+        # The client's last Decode sent the token the worker had sampled (look-ahead pays).
+        self._follows = False
         self._step_no = 0
         self._totals = pb.Usage()
 
@@ -666,6 +678,7 @@ class SessionCall:
         self._check_row_fits(caps)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
         chunk = p.chunk_tokens or max(n, 1)
+        hint = self._client_hint() if tokens is not None else None
         for offset in range(0, max(n, 1), chunk):
             with self._cancellable():
                 await self._take_credit()
@@ -677,6 +690,7 @@ class SessionCall:
                         None if hidden is None else hidden[offset : offset + chunk],
                         position=position + offset, sampling=sampling,
                         top_k_logprobs=p.top_logprobs,
+                        lookahead=hint if offset + chunk >= n else None,
                     ),
                 )
             await self._send_step(result, position + offset)
@@ -697,10 +711,13 @@ class SessionCall:
         else:
             raise convert.invalid("Decode needs a token or a hidden_state", sid)
         self._check_row_fits(caps)
+        if token is not None:
+            self._follows = self._next_token is not None and token == self._next_token
+        hint = self._client_hint() if token is not None else None
         with self._cancellable():
             await self._take_credit()
             start = self._end
-            result = await self._decode_one(token, hidden, sampling, d.top_logprobs)
+            result = await self._decode_one(token, hidden, sampling, d.top_logprobs, hint)
         await self._send_step(result, start)
         usage.generated_tokens += 1
 
@@ -727,17 +744,24 @@ class SessionCall:
         stop = frozenset(g.stop_tokens)
         emitted = 0
         while True:
+            # The steps that may follow this one: the engine may compute the next ahead.
+            hint = None
+            if self._limits.lookahead != "off" and g.max_tokens - emitted > 1:
+                hint = Lookahead(g.max_tokens - emitted - 1, stop, stop_at_eog=not g.ignore_eos)
             with self._cancellable():
                 await self._take_credit()
                 start = self._end
                 if emitted == 0 and prompt is not None:
                     request = PrefillRequest(
-                        sid, prompt, position=start, sampling=sampling, top_k_logprobs=g.top_logprobs
+                        sid, prompt, position=start, sampling=sampling,
+                        top_k_logprobs=g.top_logprobs, lookahead=hint,
                     )
                     result = await self._engine_call(self._engine.prefill, request)
                 else:
                     assert self._next_token is not None
-                    result = await self._decode_one(self._next_token, None, sampling, g.top_logprobs)
+                    result = await self._decode_one(
+                        self._next_token, None, sampling, g.top_logprobs, hint
+                    )
             assert result.logits is not None
             emitted += 1
             token = result.logits.token_id
@@ -759,8 +783,18 @@ class SessionCall:
             if finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
 
+    def _client_hint(self) -> Lookahead | None:
+        """A client-driven step's look-ahead hint: only for a client that decoded the token the
+        worker sampled last time (a router that samples for itself would waste the work)."""
+        return Lookahead() if self._limits.lookahead == "auto" and self._follows else None
+
     async def _decode_one(
-        self, token: int | None, hidden: np.ndarray | None, sampling: SamplingParams, top_k: int
+        self,
+        token: int | None,
+        hidden: np.ndarray | None,
+        sampling: SamplingParams,
+        top_k: int,
+        lookahead: Lookahead | None = None,
     ) -> StepResult:
         """Append one position at the logical end.
 
@@ -776,6 +810,7 @@ class SessionCall:
                 position=self._end,
                 sampling=sampling,
                 top_k_logprobs=top_k,
+                lookahead=lookahead,
             )
             return await self._engine_call(self._engine.prefill, request)
         return await self._engine_call(
@@ -786,6 +821,7 @@ class SessionCall:
                 hidden_state=hidden,
                 sampling=sampling,
                 top_k_logprobs=top_k,
+                lookahead=lookahead,
             ),
         )
 
