@@ -39,15 +39,16 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 # (category, predicate on one frame string "func (file:line)"), first match from the leaf wins.
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    ("llama_decode (native)", ("llama_decode (llama_cpp/llama_cpp.py", "_compute_sync (shard/engine/llama.py:")),
+    ("llama_decode (native)", ("llama_decode (llama_cpp/llama_cpp.py",)),
     ("socket send/recv (syscalls)", ("trio/_socket.py",)),
     ("thread hand-off (to_thread, wakeup)", ("trio/_threads.py", "trio/_core/_thread_cache.py",
                                              "trio/_core/_entry_queue.py", "trio/_core/_wakeup_socketpair.py",
-                                             "threading.py")),
+                                             "threading.py", "shard/engine/native_thread.py")),
     ("sampling", ("shard/engine/sampling.py",)),
     ("protobuf", ("google/protobuf", "shard/rpc/convert.py", "shard_pb2")),
     ("transport (h2/gRPC framing)", ("shard/rpc/transport.py", "/h2/", "/hpack/", "purerpc")),
-    ("engine bookkeeping", ("shard/engine/base.py", "shard/engine/types.py", "shard/engine/llama.py")),
+    ("engine bookkeeping", ("shard/engine/base.py", "shard/engine/types.py", "shard/engine/llama.py",
+                            "shard/engine/lookahead.py", "shard/engine/scheduler.py")),
     ("session/servicer", ("shard/rpc/session.py", "shard/rpc/servicer.py", "shard/rpc/registry.py")),
     ("trio scheduler", ("trio/_core/",)),
 ]

@@ -211,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-sessions", type=_positive_int,
                        help="most sessions in one batched step; when more are ready they take "
                        "turns, prompts and decodes alike (default: --max-sessions)")
+    serve.add_argument("--lookahead", choices=("auto", "generate", "off"), default="auto",
+                       help="compute a session's next step ahead, in the engine's thread, while "
+                       "the last result is sent: for Generate and for clients that decode the "
+                       "token the worker sampled (auto), for Generate only, or off "
+                       "(docs/engine.md, \"Look-ahead\"; default: auto)")
     serve.add_argument("--no-extra-bufts", dest="extra_bufts", action="store_false",
                        help="load weights without llama.cpp's extra buffer types (repacked and "
                        "AMX layouts): a safe fallback when a native build's AMX kernels trap; "
@@ -484,6 +489,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from shard.models.real import RealModelError, resolve_model
     from shard.rpc.errors import unwrap_single_exception
     from shard.rpc.server import serve
+    from shard.rpc.session import SessionLimits
 
     from shard.rpc.auth import TokenAuthenticator, TokenFileError, binding_refusal, is_loopback
 
@@ -543,6 +549,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                     server = await nursery.start(functools.partial(
                         serve, engine, host=args.host, port=args.port, load=spec,
                         resume_ttl=args.resume_ttl, ssl_context=ssl_context,
+                        limits=SessionLimits(lookahead=args.lookahead),
                         authorize=authenticator, metrics_port=args.metrics_port,
                         metrics_host=args.metrics_host,
                     ))

@@ -161,6 +161,27 @@ def _ensure_native_init() -> None:
             _initialized = True
 
 
+class _GilHeldCalls:
+    """The tiny llama.cpp calls made per step, bound through ``ctypes.PyDLL`` so they keep the
+    GIL. ``ctypes.CDLL`` (llama-cpp-python's binding) releases the GIL around every call, and
+    taking it back waits while the other thread runs Python (up to the switch interval): with
+    a dozen such calls per step, those waits cost more than the calls (bench/profile_server.py).
+    Each of these returns in microseconds and never calls back into Python."""
+
+    def __init__(self) -> None:
+        lib = ctypes.PyDLL(lc._lib._name, handle=lc._lib._handle)
+        for name in (
+            "llama_memory_seq_pos_max", "llama_memory_seq_pos_min", "llama_memory_seq_rm",
+            "llama_get_logits_ith", "llama_vocab_is_eog", "llama_token_to_piece",
+        ):
+            fn, declared = getattr(lib, name), getattr(lc, name)
+            fn.argtypes, fn.restype = declared.argtypes, declared.restype
+            setattr(self, name, fn)
+
+
+_held: Any = _GilHeldCalls()
+
+
 def _native_reason() -> str:
     """The first native error logged since the last clear: usually the most specific one."""
     return f" (llama.cpp: {_recent_native_errors[0]})" if _recent_native_errors else ""
@@ -262,6 +283,7 @@ class LlamaCppEngine(ShardEngine):
         self._batch_rows: list[Any] = []  # per-row seq_id pointers of the batch
         self._batch_row_seq: np.ndarray | None = None
         self._n_batch = 0
+        self._seq_cells: list[int] = []  # KV cells per sequence id (see _count_kv_cells)
         self._n_vocab = 0
         self._n_seq = 0
         # The abort callback: ggml polls it after every graph node of a running llama_decode;
@@ -377,14 +399,14 @@ class LlamaCppEngine(ShardEngine):
         size = 64
         for _ in range(2):
             buf = ctypes.create_string_buffer(size)
-            n = lc.llama_token_to_piece(vocab, token_id, buf, size, 0, False)
+            n = _held.llama_token_to_piece(vocab, token_id, buf, size, 0, False)
             if n >= 0:
                 return buf.raw[:n]
             size = -n
         raise EngineFailure("llama_token_to_piece disagreed with itself about the piece size")
 
     def _impl_is_eog(self, token_id: int) -> bool:
-        return bool(lc.llama_vocab_is_eog(self._require_vocab(), token_id))
+        return bool(_held.llama_vocab_is_eog(self._require_vocab(), token_id))
 
     def _impl_kv_cells_used(self) -> int:
         # Counted by the native thread at the end of every native operation (the context is
@@ -508,6 +530,7 @@ class LlamaCppEngine(ShardEngine):
             self._batch_out = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
             self._batch_rows = [batch.seq_id[i] for i in range(n_batch)]
             self._batch_row_seq = np.full(n_batch, -1, dtype=np.int64)
+            self._seq_cells = [0] * spec.max_sessions
             if not last:
                 self._tick_hidden = np.empty((n_batch, n_embd), dtype=np.float32)
             # Non-last shards never mix a prompt chunk with other sessions' rows: llama.cpp
@@ -607,7 +630,7 @@ class LlamaCppEngine(ShardEngine):
                 if work.hidden_out is not None:
                     work.finish(result=work.hidden_out)
                     continue
-                ptr = lc.llama_get_logits_ith(self._ctx, row - 1)
+                ptr = _held.llama_get_logits_ith(self._ctx, row - 1)
                 if not ptr:
                     work.finish(error=EngineFailure("llama.cpp returned no logits for the last position"))
                     continue
@@ -624,7 +647,7 @@ class LlamaCppEngine(ShardEngine):
                 if not work.finished:
                     work.finish(error=exc)
         finally:
-            self._count_kv_cells_sync()
+            self._count_kv_cells_sync([work.slot.seq_id for work, _ in tick])
         return native
 
     # ---- look-ahead (shard.engine.lookahead; docs/engine.md, "Look-ahead") -------------------
@@ -637,7 +660,7 @@ class LlamaCppEngine(ShardEngine):
         token = sampling.choose_token(logits, plan.sampling, n_past)
         if token in plan.stop_tokens:
             return None
-        if plan.stop_at_eog and lc.llama_vocab_is_eog(self._vocab, token):
+        if plan.stop_at_eog and _held.llama_vocab_is_eog(self._vocab, token):
             return None
         return token
 
@@ -668,7 +691,7 @@ class LlamaCppEngine(ShardEngine):
         results: list[tuple[Ahead, np.ndarray | None]] = []
         rows: list[Ahead] = []
         for rec in recs:
-            held = int(lc.llama_memory_seq_pos_max(self._mem, rec.seq)) + 1
+            held = int(_held.llama_memory_seq_pos_max(self._mem, rec.seq)) + 1
             if held == rec.keep:
                 rows.append(rec)
             else:  # the session moved on meanwhile (cannot happen: drops run in this thread)
@@ -682,17 +705,17 @@ class LlamaCppEngine(ShardEngine):
                 rc = lc.llama_decode(self._ctx, self._batch)
                 native = time.perf_counter() - started
                 for i, rec in enumerate(rows):
-                    ptr = lc.llama_get_logits_ith(self._ctx, i) if rc == 0 else None
+                    ptr = _held.llama_get_logits_ith(self._ctx, i) if rc == 0 else None
                     if ptr:
                         results.append((rec, np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()))
                     else:
-                        lc.llama_memory_seq_rm(self._mem, rec.seq, rec.keep, -1)
+                        _held.llama_memory_seq_rm(self._mem, rec.seq, rec.keep, -1)
                         results.append((rec, None))
         finally:
             for rec in recs:
                 if not any(r is rec for r, _ in results):
                     results.append((rec, None))  # an exception stopped this tick
-            for rec, chain in book.finish(results, self._count_kv_cells()):
+            for rec, chain in book.finish(results, self._count_kv_cells([r.seq for r in recs])):
                 # Already claimed: queue the step after it.
                 assert rec.logits is not None
                 token = self._next_step(rec.logits, chain, rec.keep + 1)
@@ -754,11 +777,11 @@ class LlamaCppEngine(ShardEngine):
         slot, keep = work.slot, work.plan.keep
         work.start()
         cut = self._drop_ahead_sync(slot.seq_id, keep)
-        if not lc.llama_memory_seq_rm(self._mem, slot.seq_id, cut, -1):
+        if not _held.llama_memory_seq_rm(self._mem, slot.seq_id, cut, -1):
             raise EngineFailure(f"llama.cpp could not truncate the KV cache of {slot.session_id!r}")
         # llama_decode itself rejects a gap only when the sequence still holds cells; an emptied
         # sequence would silently compute from position ``keep`` without history.
-        held = int(lc.llama_memory_seq_pos_max(self._mem, slot.seq_id)) + 1
+        held = int(_held.llama_memory_seq_pos_max(self._mem, slot.seq_id)) + 1
         if held != keep:
             raise EngineFailure(f"the KV cache of {slot.session_id!r} holds {held} positions, the session {keep}")
 
@@ -819,25 +842,26 @@ class LlamaCppEngine(ShardEngine):
             return
         try:
             cut = self._drop_ahead_sync(seq, keep)
-            if not lc.llama_memory_seq_rm(self._mem, seq, cut, -1):
+            if not _held.llama_memory_seq_rm(self._mem, seq, cut, -1):
                 raise EngineFailure(f"llama.cpp could not truncate sequence {seq} at {keep}")
         finally:
-            self._count_kv_cells_sync()
+            self._count_kv_cells_sync([seq])
 
-    def _count_kv_cells_sync(self) -> None:
-        self._book.commit_count(self._count_kv_cells())
+    def _count_kv_cells_sync(self, seqs: Any = None) -> None:
+        self._book.commit_count(self._count_kv_cells(seqs))
 
-    def _count_kv_cells(self) -> int:
+    def _count_kv_cells(self, seqs: Any = None) -> int:
         """Cells held by every sequence id of the context (including ones no session owns, so a
-        leak shows up). llama.cpp guarantees positions [pos_min, pos_max] are all present."""
+        leak shows up), read from llama.cpp for ``seqs`` (default: all) after an operation
+        changed them; the others cannot have changed (only this thread changes cells).
+        llama.cpp guarantees positions [pos_min, pos_max] are all present."""
         if self._mem is None:
             return 0
-        used = 0
-        for seq in range(self._n_seq):
-            hi = lc.llama_memory_seq_pos_max(self._mem, seq)
-            if hi >= 0:
-                used += hi - lc.llama_memory_seq_pos_min(self._mem, seq) + 1
-        return used
+        counts = self._seq_cells
+        for seq in range(self._n_seq) if seqs is None else seqs:
+            hi = _held.llama_memory_seq_pos_max(self._mem, seq)
+            counts[seq] = hi - _held.llama_memory_seq_pos_min(self._mem, seq) + 1 if hi >= 0 else 0
+        return sum(counts)
 
     def _close_sync(self) -> None:
         self._batch_tokens = self._batch_pos = self._batch_nseq = self._batch_out = None

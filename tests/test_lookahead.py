@@ -1,0 +1,272 @@
+"""Steps computed one ahead (shard.engine.lookahead) and the native thread that runs them.
+
+The contract suite checks that look-ahead hints never change a result on any engine; here the
+llama engine shows it really computes steps ahead, hands each to the claiming decode, drops
+what nobody claims, steps aside for other work, and that a claim waiting for its step can be
+cancelled. Timing is never asserted: the native thread is held by a call of the test's own
+where an order must be forced.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from shard.engine import DecodeRequest, EngineCancelled, LoadSpec, Lookahead, PrefillRequest, SamplingParams
+from shard.engine import llama as llama_module
+from shard.engine.llama import LlamaCppEngine
+from shard.engine.native_thread import GIL_SWITCH_INTERVAL, NativeThread
+from shard.models import ensure_model
+
+PROMPT = (1, 415, 23, 301, 77, 590, 412)
+
+
+@pytest.fixture(scope="module")
+def tiny_path() -> Path:
+    return ensure_model("tiny")
+
+
+@pytest.fixture
+async def engine(tiny_path: Path) -> AsyncIterator[LlamaCppEngine]:
+    async with LlamaCppEngine() as eng:
+        await eng.load(LoadSpec(model_path=tiny_path, n_ctx=1024, max_sessions=4, n_threads=1))
+        yield eng
+
+
+async def settle(engine: LlamaCppEngine) -> None:
+    """Wait until the native thread finished what it was doing (look-ahead included): a call
+    queued now runs after it."""
+    await engine._native.run(lambda: None)
+
+
+async def greedy(engine: LlamaCppEngine, sid: str, n: int, *, hinted: bool) -> list[int]:
+    res = await engine.prefill(PrefillRequest(sid, tokens=PROMPT, lookahead=Lookahead(n) if hinted else None))
+    assert res.logits is not None
+    out = [res.logits.token_id]
+    for i in range(n):
+        hint = Lookahead(n - i - 1) if hinted and n - i - 1 > 0 else None
+        res = await engine.decode(DecodeRequest(sid, token=out[-1], lookahead=hint))
+        assert res.logits is not None
+        out.append(res.logits.token_id)
+    return out
+
+
+async def test_every_step_of_a_hinted_loop_was_computed_ahead(engine: LlamaCppEngine) -> None:
+    await engine.open_session("plain")
+    plain = await greedy(engine, "plain", 16, hinted=False)
+    await engine.release("plain")
+    assert engine.metrics().lookahead_steps_total == 0  # no hint, no look-ahead
+    await engine.open_session("a")
+    hinted = await greedy(engine, "a", 16, hinted=True)
+    await settle(engine)
+    m = engine.metrics()
+    assert hinted == plain
+    # Every decode claimed the step computed ahead for it; the last hint allowed none more.
+    assert m.lookahead_used_total == 16 and m.lookahead_steps_total == 16
+    assert (m.lookahead_dropped_total, m.lookahead_cells, m.kv_cells_used) == (0, 0, len(PROMPT) + 16)
+
+
+async def test_an_unclaimed_step_is_scratch_until_dropped(engine: LlamaCppEngine) -> None:
+    await engine.open_session("a")
+    res = await engine.prefill(PrefillRequest("a", tokens=PROMPT, lookahead=Lookahead()))
+    await settle(engine)
+    m = engine.metrics()
+    assert (m.lookahead_steps_total, m.lookahead_cells, m.kv_cells_used) == (1, 1, len(PROMPT))
+    assert res.logits is not None
+    await engine.decode(DecodeRequest("a", token=res.logits.token_id + 1))  # not the chosen one
+    m = engine.metrics()
+    assert (m.lookahead_dropped_total, m.lookahead_cells, m.kv_cells_used) == (1, 0, len(PROMPT) + 1)
+
+
+@pytest.mark.parametrize("hint", ["stop token", "eog", "no steps", "context full"])
+async def test_nothing_is_computed_ahead_when_no_step_can_follow(tiny_path: Path, hint: str) -> None:
+    async with LlamaCppEngine() as engine:
+        await engine.load(LoadSpec(model_path=tiny_path, n_ctx=1024, max_sessions=4, n_threads=1))
+        budget = len(PROMPT) + 1 if hint == "context full" else None
+        await engine.open_session("a", kv_budget=budget)
+        first = await engine.prefill(PrefillRequest("a", tokens=PROMPT))
+        assert first.logits is not None
+        # The token the next step will choose: the same session decoding the same token.
+        await engine.open_session("probe")
+        await engine.prefill(PrefillRequest("probe", tokens=PROMPT))
+        probe = await engine.decode(DecodeRequest("probe", token=first.logits.token_id))
+        assert probe.logits is not None
+        await engine.release("probe")
+        lookahead = {
+            "stop token": Lookahead(5, stop_tokens={probe.logits.token_id}),
+            "eog": Lookahead(5, stop_at_eog=True),
+            "no steps": Lookahead(0),
+            "context full": Lookahead(5),
+        }[hint]
+        held = llama_module._held
+        real = held.llama_vocab_is_eog
+        if hint == "eog":  # the engine asks llama.cpp: make every token end generation
+            held.llama_vocab_is_eog = lambda vocab, token: True
+        try:
+            await engine.decode(DecodeRequest("a", token=first.logits.token_id, lookahead=lookahead))
+            await settle(engine)
+        finally:
+            held.llama_vocab_is_eog = real
+        m = engine.metrics()
+        assert (m.lookahead_steps_total, m.lookahead_cells) == (0, 0)
+
+
+async def test_a_claim_waiting_for_its_step_can_be_cancelled(engine: LlamaCppEngine) -> None:
+    """The step computed ahead cannot run while the native thread is held: the decode that
+    claims it waits, is cancelled, leaves the session as it was, and the step (computed once the
+    thread is free) still serves the next decode of that token."""
+    await engine.open_session("a")
+    await engine.open_session("ref")
+    res = await engine.prefill(PrefillRequest("a", tokens=PROMPT))
+    assert res.logits is not None
+    token = res.logits.token_id
+    release = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine._native.run, release.wait)  # holds the thread
+        await trio.sleep(0)
+        # Queue a step ahead by hand, as a finished hinted step would.
+        engine._book.propose(engine._slots["a"].seq_id, len(PROMPT), token)
+        with trio.CancelScope() as scope:
+            async def cancel_when_running() -> None:
+                while engine.session_info("a").state.value != "running":
+                    await trio.lowlevel.checkpoint()
+                for _ in range(10):
+                    await trio.lowlevel.checkpoint()
+                scope.cancel()
+
+            nursery.start_soon(cancel_when_running)
+            await engine.decode(DecodeRequest("a", token=token))
+        assert scope.cancelled_caught
+        info = engine.session_info("a")
+        assert info.n_past == len(PROMPT) and info.state.value == "idle"
+        release.set()
+    await settle(engine)
+    assert engine.metrics().lookahead_cells == 1  # computed, not claimed
+    got = await engine.decode(DecodeRequest("a", token=token))
+    await engine.prefill(PrefillRequest("ref", tokens=PROMPT))
+    ref = await engine.decode(DecodeRequest("ref", token=token))
+    assert got.logits is not None and ref.logits is not None
+    assert got.logits.token_id == ref.logits.token_id and got.n_past == ref.n_past
+    m = engine.metrics()
+    assert (m.lookahead_used_total, m.lookahead_cells) == (1, 0)
+    assert engine.metrics().kv_cells_used == 2 * (len(PROMPT) + 1)
+
+
+async def test_lookahead_steps_aside_for_other_work(engine: LlamaCppEngine) -> None:
+    """A step queued ahead is dropped when another session's step waits for a tick: the claim
+    then computes it with the others (the planner's batching and deadlines apply to it)."""
+    await engine.open_session("a")
+    await engine.open_session("b")
+    res = await engine.prefill(PrefillRequest("a", tokens=PROMPT))
+    assert res.logits is not None
+    release = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine._native.run, release.wait)
+        await trio.sleep(0)
+        engine._book.propose(engine._slots["a"].seq_id, len(PROMPT), res.logits.token_id)
+        nursery.start_soon(engine.prefill, PrefillRequest("b", tokens=PROMPT))
+        while not engine._scheduler.has_waiting():
+            await trio.lowlevel.checkpoint()
+        release.set()
+    step = await engine.decode(DecodeRequest("a", token=res.logits.token_id))
+    m = engine.metrics()
+    assert m.lookahead_steps_total == 0 and m.lookahead_cells == 0
+    assert step.n_past == len(PROMPT) + 1 and m.kv_cells_used == 2 * len(PROMPT) + 1
+
+
+async def test_sampled_generation_is_computed_ahead_with_its_own_sampler(engine: LlamaCppEngine) -> None:
+    params = SamplingParams(temperature=0.9, top_k=40, seed=7)
+    outs = []
+    for sid, hinted in (("plain", False), ("hinted", True)):
+        await engine.open_session(sid)
+        res = await engine.prefill(PrefillRequest(sid, tokens=PROMPT, sampling=params))
+        assert res.logits is not None
+        toks = [res.logits.token_id]
+        for _ in range(12):
+            res = await engine.decode(DecodeRequest(
+                sid, token=toks[-1], sampling=params, lookahead=Lookahead(4) if hinted else None))
+            assert res.logits is not None
+            toks.append(res.logits.token_id)
+        outs.append(toks)
+        await engine.release(sid)
+    assert outs[0] == outs[1]
+    assert engine.metrics().lookahead_used_total >= 11  # the first hinted decode had no step ahead
+
+
+# ---- the native thread ---------------------------------------------------------------------
+
+
+async def test_native_thread_runs_calls_in_order_in_one_thread() -> None:
+    idents: list[int] = []
+    worker = NativeThread("test-native")
+    worker.start()
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(worker.run, lambda i=i: idents.append((i, threading.get_ident())))
+                await trio.sleep(0)
+        assert [i for i, _ in idents] == list(range(20))
+        assert len({t for _, t in idents}) == 1 and idents[0][1] != threading.get_ident()
+        with pytest.raises(ZeroDivisionError):
+            await worker.run(lambda: 1 / 0)
+        assert await worker.run(lambda: 42) == 42  # an exception does not stop the thread
+        assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL
+    finally:
+        await worker.aclose()
+    assert not worker.running
+    with pytest.raises(RuntimeError):
+        await worker.run(lambda: None)
+
+
+async def test_a_cancelled_caller_still_waits_for_its_native_call() -> None:
+    worker = NativeThread("test-native")
+    worker.start()
+    started, release, finished = threading.Event(), threading.Event(), []
+
+    def slow() -> None:
+        started.set()
+        release.wait()
+        finished.append(True)
+
+    try:
+        with trio.move_on_after(0.05) as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(worker.run, slow)
+                await trio.to_thread.run_sync(started.wait)
+                nursery.start_soon(trio.to_thread.run_sync, release.set)  # after the deadline
+        assert finished == [True]  # run() returned only once the call had finished
+        assert scope.cancelled_caught or scope.deadline != float("inf")
+    finally:
+        release.set()
+        await worker.aclose()
+
+
+async def test_background_work_runs_between_calls_and_on_wake() -> None:
+    pending: list[int] = []
+    done: list[int] = []
+
+    def background() -> bool:
+        if not pending:
+            return False
+        done.append(pending.pop())
+        return True
+
+    worker = NativeThread("test-native", background=background)
+    worker.start()
+    try:
+        pending.append(1)
+        await worker.run(lambda: None)  # background is offered after every call
+        await worker.run(lambda: None)
+        assert done == [1]
+        pending.append(2)
+        worker.wake()
+        with trio.fail_after(10):
+            while done != [1, 2]:
+                await trio.sleep(0.001)
+    finally:
+        await worker.aclose()
