@@ -63,6 +63,10 @@ CLEANUP_GRACE = 0.5  # ...and how long it may go on after the caller's deadline
 HOP_DEADLINE_MARGIN = 0.001
 #: ``ShardError.reason`` of a step that got no answer within ``step_timeout`` (client side).
 STEP_DEADLINE = "STEP_DEADLINE"
+#: A replay result covers this many prefill chunks (``chunk_tokens`` each) and may take as many
+#: ``step_timeout``s: small chunks cost a worker more per position (1,024 positions of the tiny
+#: model replayed in 407 ms in chunks of 32, in 38 ms in chunks of 256; docs/pipelines.md).
+REPLAY_CHUNKS = 8
 #: Errors on opening or replaying on a replacement that say "not this replica": try the next.
 REPLICA_REFUSALS = frozenset({
     ErrorCode.INCOMPATIBLE_MODEL, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.SESSION_EXISTS,
@@ -476,17 +480,18 @@ class HopRunner:
         if self.rows is not None and self.session is not None:
             self.rows.append(rows, self.session.hidden_dtype)
 
-    async def _timed(self, call: Callable[[], Awaitable[T]]) -> T:
-        """``call()`` within ``step_timeout``: no answer in time is a ``STEP_DEADLINE`` error
-        (a hung worker), which fails the hop over."""
-        bound = self.gen.step_timeout
-        if bound is None:
+    async def _timed(self, call: Callable[[], Awaitable[T]], steps: int = 1) -> T:
+        """``call()`` within ``steps`` times ``step_timeout``: no answer in time is a
+        ``STEP_DEADLINE`` error (a hung worker), which fails the hop over."""
+        if self.gen.step_timeout is None:
             return await call()
-        with trio.move_on_after(bound):
+        with trio.move_on_after(self.gen.step_timeout * steps):
             return await call()
+        within = f"{steps} x " if steps > 1 else ""
         raise ShardError(
             ErrorCode.DEADLINE_EXCEEDED,
-            f"no answer within step_timeout={bound:g} s (the worker may be hung)",
+            f"no answer within {within}step_timeout={self.gen.step_timeout:g} s (the worker "
+            "may be hung)",
             reason=STEP_DEADLINE,
         )
 
@@ -631,19 +636,19 @@ class HopRunner:
         or a later hop's logged rows (in requests that fit one message, results per chunk)."""
         if self.held == 0:
             return
+        chunk, steps = self.gen.chunk_tokens * REPLAY_CHUNKS, REPLAY_CHUNKS
         last: pb.StepResult | None = None
         if self.first:
             prompt = self.tokens.prompt
             assert prompt is not None
             if isinstance(prompt, str):
-                last = await self._drain(session.prefill_chunks(
-                    text=prompt, chunk_tokens=self.gen.chunk_tokens))
+                last = await self._drain(session.prefill_chunks(text=prompt, chunk_tokens=chunk), steps)
                 if self.tokens.tokens:
-                    last = await self._drain(session.prefill_chunks(
-                        self.tokens.tokens, chunk_tokens=self.gen.chunk_tokens))
+                    last = await self._drain(
+                        session.prefill_chunks(self.tokens.tokens, chunk_tokens=chunk), steps)
             else:
                 last = await self._drain(session.prefill_chunks(
-                    [*prompt, *self.tokens.tokens], chunk_tokens=self.gen.chunk_tokens))
+                    [*prompt, *self.tokens.tokens], chunk_tokens=chunk), steps)
         else:
             assert self.rows is not None and self.replicas.reference is not None
             caps = self.replicas.reference
@@ -653,15 +658,15 @@ class HopRunner:
             position = 0
             for part in self.rows.slices(per_message):
                 last = await self._drain(session.prefill_chunks(
-                    hidden_states=part, position=position, chunk_tokens=self.gen.chunk_tokens))
+                    hidden_states=part, position=position, chunk_tokens=chunk), steps)
                 position += part.shape[0]
         if last is None or last.n_past != self.held:
             got = "nothing" if last is None else f"{last.n_past} positions"
             raise ShardError(ErrorCode.INTERNAL, f"the replay left {got}, not {self.held}")
 
-    async def _drain(self, steps: StepStream) -> pb.StepResult | None:
+    async def _drain(self, results: StepStream, steps: int) -> pb.StepResult | None:
         last = None
-        while (step := await self._timed(lambda: _next(steps))) is not None:
+        while (step := await self._timed(lambda: _next(results), steps)) is not None:
             last = step
         return last
 

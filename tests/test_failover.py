@@ -208,6 +208,27 @@ async def test_a_hop_fails_over_twice_and_token_id_prompts_replay_too() -> None:
         await assert_all_free([whole, a, b3, c])
 
 
+async def test_a_replica_that_hangs_while_replaying_is_skipped() -> None:
+    """The first replica's engine is held, so its replay never answers: after REPLAY_CHUNKS
+    step timeouts it is given up (and its stream reset) and the next replica takes over."""
+    ranges = [LayerRange(0, 4), LayerRange(0, 1), *[LayerRange(1, 3)] * 3, LayerRange(3, 4)]
+    gates = [StepGate() for _ in ranges]
+    async with shards(ranges, gates=gates) as (whole, a, b1, b2, b3, c):
+        want = await reference(whole)
+        gates[3].hold()
+        try:
+            async with Pipeline.connect([a.target, [b1.target, b2.target, b3.target], c.target],
+                                        timeout=TIMEOUT, step_timeout=0.5) as pipe:
+                got, seen = await run_with(lambda: after_steps(gates[2], len(LONG) + 5, b1.stop), pipe)
+        finally:
+            gates[3].release()
+        assert_same(got, want, seen)
+        (f,) = got.failovers
+        assert (f.from_target, f.to_target) == (b1.target, b3.target)
+        await b2.idle()
+        await assert_all_free([whole, a, b2, b3, c])
+
+
 # ---- when it does not fail over --------------------------------------------------------------
 
 
