@@ -124,20 +124,20 @@ def should_fail_over(err: ShardError) -> bool:
     return err.grpc_status == GrpcStatus.UNAVAILABLE or err.reason == STEP_DEADLINE
 
 
-def _deadline(timeout: float | None) -> float:
+def absolute_deadline(timeout: float | None) -> float:
     return math.inf if timeout is None else trio.current_time() + timeout
 
 
-def _left(deadline: float) -> float | None:
+def time_left(deadline: float) -> float | None:
     """Seconds until ``deadline`` (None for none), for a call's ``timeout``."""
     return None if math.isinf(deadline) else deadline - trio.current_time()
 
 
-def _hop_timeout(deadline: float) -> float | None:
+def hop_timeout(deadline: float) -> float | None:
     """A hop stream's timeout: the time left until ``deadline`` less ``HOP_DEADLINE_MARGIN``,
     rounded *down* to what ``grpc-timeout`` carries (whole seconds from 99 s, microseconds
     below), so that the transport, which rounds up, never sends more than the time left."""
-    left = _left(deadline)
+    left = time_left(deadline)
     if left is None:
         return None
     left -= HOP_DEADLINE_MARGIN
@@ -194,8 +194,8 @@ class HopReplicas:
 
         async def probe(replica: Replica) -> None:
             try:
-                replica.client = await self._connect(replica.target, _left(deadline))
-                replica.caps = await replica.client.capabilities(timeout=_left(deadline))
+                replica.client = await self._connect(replica.target, time_left(deadline))
+                replica.caps = await replica.client.capabilities(timeout=time_left(deadline))
             except ShardError as err:
                 errors[replica.target] = err
 
@@ -208,8 +208,8 @@ class HopReplicas:
                 if replica.client is None:
                     continue
                 try:
-                    await replica.client.wait_for_ready(timeout=_left(deadline))
-                    replica.caps = await replica.client.capabilities(timeout=_left(deadline))
+                    await replica.client.wait_for_ready(timeout=time_left(deadline))
+                    replica.caps = await replica.client.capabilities(timeout=time_left(deadline))
                 except ShardError as err:
                     errors[replica.target] = err
                     continue
@@ -541,7 +541,7 @@ class HopRunner:
         return (
             self.session is not None and client is not None and client.going_away
             and not self._handover_failed and self._replayable()
-            and next(self._candidates(), None) is not None  # the serving replica was tried
+            and next(self._candidates(), None) is not None  # (the serving one counts as tried)
         )
 
     async def _hand_over(self) -> None:
@@ -608,7 +608,7 @@ class HopRunner:
         )
 
     def _connect_timeout(self) -> float | None:
-        left = _left(self.gen.deadline)
+        left = time_left(self.gen.deadline)
         bound = self.gen.step_timeout
         if left is None:
             return bound
@@ -618,7 +618,7 @@ class HopRunner:
         """Open the session with the remaining budget, rounded down, as its grpc-timeout."""
         ref = self.replicas.reference
         assert ref is not None and replica.client is not None and replica.caps is not None
-        timeout = _hop_timeout(self.gen.deadline)
+        timeout = hop_timeout(self.gen.deadline)
         if timeout is not None and timeout <= 0:
             raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired")
         want = wire_dtype(replica.caps, self.gen.hidden_dtype)
@@ -717,13 +717,13 @@ async def release_session(
             if client.going_away:
                 return
             try:
-                await client.release(name, timeout=_left(trio.current_effective_deadline()))
+                await client.release(name, timeout=time_left(trio.current_effective_deadline()))
                 return
             except ShardError:
                 if client.connected:
                     raise
         async with ShardClient.connect(
-            replica.target, timeout=_left(trio.current_effective_deadline()),
+            replica.target, timeout=time_left(trio.current_effective_deadline()),
             ssl_context=ssl_context, metadata=metadata,
         ) as fresh:
             await fresh.release(name)

@@ -73,7 +73,7 @@ from shard.hops import (
     HopRunner,
     PipelineError,
     Replica,
-    _deadline,
+    absolute_deadline,
     release_session,
     wire_dtype,
 )
@@ -94,6 +94,7 @@ __all__ = [
     "PipelineError",
     "PipelineResult",
     "check_chain",
+    "hop_targets",
 ]
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ class Pipeline:
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError("step_timeout must be > 0 (or None)")
         hops = hop_targets(targets)
-        deadline = _deadline(timeout)
+        deadline = absolute_deadline(timeout)
         closing = trio.Event()
         with unwrap_single_exception():
             async with trio.open_nursery() as connections:
@@ -315,7 +316,7 @@ class Pipeline:
         self._check_chunk(chunk_tokens)
         if timeout is _DEFAULT:
             timeout = self.timeout
-        deadline = _deadline(timeout)
+        deadline = absolute_deadline(timeout)
         blames = _Blames()
         result = PipelineResult()
         with unwrap_single_exception():
