@@ -229,6 +229,39 @@ async def test_a_replica_that_hangs_while_replaying_is_skipped() -> None:
         await assert_all_free([whole, a, b2, b3, c])
 
 
+async def test_float16_hops_replay_exactly_what_was_sent() -> None:
+    """float16 on the wire is lossy, but the log keeps the rows as sent: a run with a failover
+    gives the same log-probabilities as one without."""
+    async with fleet() as (_, hops, gates):
+        targets = [[w.target for w in ws] for ws in hops]
+        async with Pipeline.connect(targets, timeout=TIMEOUT, hidden_dtype="float16") as pipe:
+            calm, _ = await generate(pipe)
+            gate = gate_of(gates, 2, 0)
+            at = gate.steps + len(LONG) + 1 + 10  # mid-decode of the second run
+            got, seen = await run_with(lambda: after_steps(gate, at, hops[2][0].stop), pipe)
+        assert [f.hop for f in got.failovers] == [2]
+        assert_same(got, calm.steps, seen)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+async def test_whole_model_replicas_fail_over_with_sampling_too(temperature: float) -> None:
+    """One hop, two whole-model workers: the first hop is also the last. Sampling is a pure
+    function of the logits, the seed and the position, so it replays as well."""
+    gates = [StepGate() for _ in range(3)]
+    async with shards([LayerRange(0, 4)] * 3, gates=gates) as (whole, w1, w2):
+        params = pb.SamplingParams(temperature=temperature, seed=5)
+        want = await whole_model_steps(whole.target, LONG, max_tokens=N_TOKENS, ignore_eos=True,
+                                       top_logprobs=5, sampling=params)
+        async with Pipeline.connect([[w1.target, w2.target]], timeout=TIMEOUT) as pipe:
+            got, seen = await run_with(
+                lambda: after_steps(gates[1], len(LONG) + 20, w1.stop), pipe,
+                temperature=temperature, seed=5,
+            )
+        assert_same(got, want, seen)
+        assert [(f.hop, f.to_target) for f in got.failovers] == [(0, w2.target)]
+        await assert_all_free([whole, w2])
+
+
 # ---- when it does not fail over --------------------------------------------------------------
 
 
