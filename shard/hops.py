@@ -61,6 +61,8 @@ CLEANUP_GRACE = 0.5  # ...and how long it may go on after the caller's deadline
 #: Hop streams get the time left minus this, rounded down, as their timeout, so that a hop's
 #: deadline is never after the caller's although the client computes it a moment later.
 HOP_DEADLINE_MARGIN = 0.001
+#: At connect, once one replica of a hop answered, how long the others may still answer.
+PROBE_GRACE = 1.0
 #: ``ShardError.reason`` of a step that got no answer within ``step_timeout`` (client side).
 STEP_DEADLINE = "STEP_DEADLINE"
 #: A replay result covers this many prefill chunks (``chunk_tokens`` each) and may take as many
@@ -189,19 +191,32 @@ class HopReplicas:
     async def attach(self, deadline: float, wait_for_ready: bool) -> None:
         """At connect: ask every replica (concurrently) what it serves and pick the first that
         answers (with ``wait_for_ready``, wait for the first reachable one if none serves yet).
-        A replica that cannot be reached now is not an error while another one answers."""
+        A replica that cannot be reached now is not an error while another one answers; once
+        one did, the others get ``PROBE_GRACE`` seconds more (a silent one is asked again when
+        it is needed)."""
         errors: dict[str, ShardError] = {}
+        answered = trio.Event()
 
         async def probe(replica: Replica) -> None:
             try:
                 replica.client = await self._connect(replica.target, time_left(deadline))
                 replica.caps = await replica.client.capabilities(timeout=time_left(deadline))
+                answered.set()
             except ShardError as err:
                 errors[replica.target] = err
 
         async with trio.open_nursery() as nursery:
-            for replica in self.replicas:
-                nursery.start_soon(probe, replica)
+
+            async def probe_all() -> None:
+                async with trio.open_nursery() as probes:
+                    for replica in self.replicas:
+                        probes.start_soon(probe, replica)
+                nursery.cancel_scope.cancel()  # every replica answered or failed
+
+            nursery.start_soon(probe_all)
+            await answered.wait()
+            await trio.sleep(PROBE_GRACE)  # a silent replica must not hold up the pipeline
+            nursery.cancel_scope.cancel()
         chosen = next((i for i, r in enumerate(self.replicas) if r.caps is not None), None)
         if chosen is None and wait_for_ready:
             for i, replica in enumerate(self.replicas):

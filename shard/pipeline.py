@@ -48,7 +48,6 @@ the bench, and a reference for routers. What it guarantees:
 from __future__ import annotations
 
 import inspect
-import logging
 import secrets
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -96,8 +95,6 @@ __all__ = [
     "check_chain",
     "hop_targets",
 ]
-
-log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 32
 _DEFAULT: Any = object()

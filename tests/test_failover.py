@@ -371,6 +371,24 @@ async def test_an_unreachable_first_replica_is_skipped_at_connect() -> None:
             assert "no replica" not in info.value.message  # one worker: nothing to list
 
 
+async def test_a_silent_replica_does_not_hold_up_connect() -> None:
+    """A replica that accepts TCP but never answers (a hung machine): connect does not wait the
+    whole timeout for it once another replica answered; it is asked again when needed."""
+
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    async with shards([LayerRange(0, 4)]) as (w,), trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, silent, 0)
+        mute = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        with trio.fail_after(15):  # the timeout is 30 s: only the probe grace ends it this soon
+            async with Pipeline.connect([[w.target, mute]], timeout=30) as pipe:
+                assert pipe.hops[0].target == w.target and pipe.replicas[0][1].caps is None
+                got = await pipe.generate(PROMPT, max_tokens=4, ignore_eos=True)
+        assert len(got.tokens) == 4
+        nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize(
     "targets, words",
     [([], "at least one worker"), (["a:1", []], "hop 1 names no worker"),
