@@ -91,6 +91,13 @@ def _layer_range(text: str) -> _Layers:
     return _Layers(int(start), int(end))
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -267,13 +274,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object with 'text', 'tokens' and 'finish_reason' "
                      "instead of streaming (after Ctrl-C: what was received, with "
-                     "'interrupted': true; exit status 130)")
+                     "'interrupted': true; exit status 130); with --pipeline also 'failovers' "
+                     "if a hop moved to a replica (hop, from, to, reason, handover, positions "
+                     "replayed, recovery_ms)")
     gen.add_argument("--hidden-dtype", choices=["float32", "float16"], default="float32",
                      help="with --pipeline: hidden states on the wire; float16 halves the bytes "
                      "on hops whose worker offers it (default: float32)")
     gen.add_argument("--chunk-tokens", type=_positive_int, default=32,
                      help="with --pipeline: prefill chunk size in tokens; shard k+1 computes "
                      "chunk i while shard k computes chunk i+1 (default: 32)")
+    gen.add_argument("--step-timeout", type=_positive_float, metavar="SECONDS",
+                     help="with --pipeline: a worker that answers no step (a decode, a prefill "
+                     "chunk) within this many seconds counts as hung and its hop fails over to a "
+                     "replica (default: no bound but --timeout)")
+    gen.add_argument("--replay-mib", type=_non_negative_float, default=256.0, metavar="MIB",
+                     help="with --pipeline: most MiB of boundary hidden states kept to replay on "
+                     "a replica (hops with replicas only); past it those hops can no longer fail "
+                     "over in this generation (default: 256)")
 
     caps = sub.add_parser("caps", help="show what a running worker serves")
     _add_target(caps)
@@ -348,9 +365,11 @@ def _add_target(p: argparse.ArgumentParser, *, pipeline: bool = False) -> None:
     where.add_argument("--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}",
                        help=f"worker address HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
     if pipeline:
-        where.add_argument("--pipeline", type=_targets, metavar="HOST:PORT,HOST:PORT[,...]",
-                           help="generate through a chain of workers, first shard first (the TLS "
-                           "options apply to every worker)")
+        where.add_argument("--pipeline", type=_targets, metavar="HOST:PORT[|HOST:PORT...],...",
+                           help="generate through a chain of workers, first shard first; a hop "
+                           "may list replicas of the same range separated by '|' (quote the list "
+                           "in a shell), which take over when the serving one fails or drains "
+                           "(the TLS options apply to every worker)")
     p.add_argument("--tls-ca", type=Path, metavar="PEM",
                    help="connect with TLS, trusting this CA bundle")
     p.add_argument("--tls-cert", type=Path, metavar="PEM",
@@ -686,17 +705,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 # ---- generate --pipeline (docs/pipelines.md) -----------------------------------------------
 
 
-def _targets(text: str) -> list[str]:
-    """HOST:PORT,HOST:PORT[,...] for --pipeline: every entry checked like --target."""
-    entries = [entry.strip() for entry in text.split(",")]
-    if any(not entry for entry in entries):
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT[,HOST:PORT...] without empty entries, got {text!r}")
-    for entry in entries:
+def _targets(text: str) -> list[list[str]]:
+    """HOST:PORT[|HOST:PORT...],... for --pipeline: one entry per hop, first hop first, a hop's
+    replicas separated by '|'; every target checked like --target, none listed twice."""
+    hops = [[target.strip() for target in entry.split("|")] for entry in text.split(",")]
+    if any(not target for hop in hops for target in hop):
+        raise argparse.ArgumentTypeError(
+            f"expected HOST:PORT[|HOST:PORT...][,...] without empty entries, got {text!r}")
+    seen: set[str] = set()
+    for target in (t for hop in hops for t in hop):
         try:
-            _target(entry)
+            _target(target)
         except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {entry!r} in {text!r}") from None
-    return entries
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {target!r} in {text!r}") from None
+        if target in seen:
+            raise argparse.ArgumentTypeError(
+                f"{target} is listed twice in {text!r} (a worker serves one hop)")
+        seen.add(target)
+    return hops
 
 
 def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
@@ -728,13 +754,15 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
         async def generate() -> None:
             async with Pipeline.connect(
                 args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
-                wait_for_ready=True, **options,  # type: ignore[arg-type]
+                wait_for_ready=True, step_timeout=args.step_timeout,
+                replay_bytes=int(args.replay_mib * 2**20), **options,  # type: ignore[arg-type]
             ) as pipe:
-                await pipe.generate(
+                result = await pipe.generate(
                     args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                     seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
                     timeout=deadline - trio.current_time(),
                 )
+            out.failovers = [f.as_dict() for f in result.failovers]
 
         return await _until_sigint(generate)
 
@@ -751,6 +779,7 @@ class _GenerateOutput:
         self.text: list[str] = []
         self.tokens: list[int] = []
         self.finish = 0  # FINISH_REASON_UNSPECIFIED until the last token
+        self.failovers: list[dict[str, object]] = []  # a pipeline's hops that moved, if any
 
     def add(self, token_id: int, text: str, finish_reason: int) -> None:
         self.tokens.append(token_id)
@@ -765,7 +794,10 @@ class _GenerateOutput:
 
         if self.as_json:
             reason = pb.FinishReason.Name(self.finish).removeprefix("FINISH_REASON_").lower()
-            result = {"text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason}
+            result: dict[str, object] = {
+                "text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason}
+            if self.failovers:
+                result["failovers"] = self.failovers
             print(json.dumps({**result, "interrupted": True} if interrupted else result))
         else:
             sys.stdout.write("\n")

@@ -142,6 +142,12 @@ class ShardClient:
         """False once the connection broke or was closed: every call on it fails at once."""
         return self._conn.dead is None
 
+    @property
+    def going_away(self) -> bool:
+        """True once the worker sent GOAWAY (it drains or closes the connection): calls already
+        open go on, new ones on this connection fail at once (``NOT_READY``)."""
+        return self._conn.going_away
+
     @classmethod
     @asynccontextmanager
     async def connect(

@@ -35,87 +35,71 @@ the bench, and a reference for routers. What it guarantees:
   shard keeps a session or KV cells. The cleanup takes at most ``RELEASE_TIMEOUT`` seconds and
   never ends later than ``CLEANUP_GRACE`` seconds after the caller's deadline. The error raised
   is a ``PipelineError`` (a ``ShardError``) that names the failing hop: index, target and layer
-  range.
+  range, and for a hop with replicas every replica tried.
+* **Replicas and failover.** A hop may list replicas (``connect([a, [b1, b2], c])``, CLI
+  ``a,b1|b2,c``): workers of the same model and range (checked). When the serving one is lost,
+  unavailable, draining or silent for ``step_timeout``, the hop moves to the next replica, which
+  replays the hop's history (kept by ``shard.hops``/``shard.replay``: token ids for the first
+  hop, boundary rows for the others, bounded by ``replay_bytes``), so the generation goes on
+  where it stopped: the same greedy tokens, each seen once by the caller. A draining worker
+  hands over at the next step without any error. ``PipelineResult.failovers`` says what moved.
 """
 
 from __future__ import annotations
 
 import inspect
-import logging
-import math
 import secrets
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 import trio
 
-from shard.client import ClientSession, ShardClient, sampling
+from shard.client import ShardClient, sampling
+from shard.hops import (
+    CLEANUP_GRACE,
+    HOP_DEADLINE_MARGIN,
+    RELEASE_TIMEOUT,
+    Failover,
+    Generation,
+    Hop,
+    HopOutput,
+    HopReplicas,
+    HopRunner,
+    PipelineError,
+    Replica,
+    absolute_deadline,
+    release_session,
+    wire_dtype,
+)
+from shard.replay import DEFAULT_REPLAY_BYTES, ReplayBudget
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode, ShardError, unwrap_single_exception
 from shard.v1 import shard_pb2 as pb
 
 __all__ = [
+    "CLEANUP_GRACE",
     "DEFAULT_CHUNK_TOKENS",
+    "DEFAULT_REPLAY_BYTES",
+    "HOP_DEADLINE_MARGIN",
+    "RELEASE_TIMEOUT",
+    "Failover",
     "Hop",
     "Pipeline",
     "PipelineError",
     "PipelineResult",
     "check_chain",
+    "hop_targets",
 ]
 
-log = logging.getLogger(__name__)
-
 DEFAULT_CHUNK_TOKENS = 32
-RELEASE_TIMEOUT = 2.0  # seconds the cleanup (Release on every hop, shielded) may take at most...
-CLEANUP_GRACE = 0.5  # ...and how long it may go on after the caller's deadline
-#: Hop streams get the time left minus this, rounded down, as their timeout, so that a hop's
-#: deadline is never after the caller's although the client computes it a moment later.
-HOP_DEADLINE_MARGIN = 0.001
 _DEFAULT: Any = object()
 
 OnToken = Callable[[pb.StepResult], "Awaitable[None] | None"]
-
-
-@dataclass(frozen=True)
-class Hop:
-    """One shard of the chain, as its worker described itself."""
-
-    index: int
-    target: str
-    caps: pb.GetCapabilitiesResponse | None = None
-
-    @property
-    def layers(self) -> tuple[int, int] | None:
-        if self.caps is None:
-            return None
-        return self.caps.layer_range.start, self.caps.layer_range.end
-
-    def __str__(self) -> str:
-        if self.layers is None:
-            return f"hop {self.index} ({self.target})"
-        return f"hop {self.index} ({self.target}, layers [{self.layers[0]}, {self.layers[1]}))"
-
-
-class PipelineError(ShardError):
-    """A ``ShardError`` that says which hop failed (``hop_index``, ``target``)."""
-
-    def __init__(self, hop: Hop, err: ShardError) -> None:
-        super().__init__(
-            err.code,
-            f"{hop}: {err.message}",
-            retryable=err.retryable,
-            session_id=err.session_id,
-            reason=err.reason,
-            supported_versions=err.supported_versions,
-            grpc_status=err.grpc_status,
-        )
-        self.hop_index = hop.index
-        self.target = hop.target
-        self.cause = err
 
 
 def _incompatible(hop: Hop, message: str) -> PipelineError:
@@ -154,10 +138,12 @@ def check_chain(hops: Sequence[Hop]) -> None:
 @dataclass
 class PipelineResult:
     """What ``generate`` produced: the last shard's StepResult per token (``finish_reason`` set
-    on the last one, as a worker's Generate does) and the prompt length."""
+    on the last one, as a worker's Generate does), the prompt length, and every hop that moved
+    to another replica on the way (``failovers``, in order)."""
 
     steps: list[pb.StepResult] = field(default_factory=list)
     prompt_tokens: int = 0
+    failovers: list[Failover] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -168,16 +154,21 @@ class PipelineResult:
         return self.steps[-1].finish_reason if self.steps else pb.FINISH_REASON_UNSPECIFIED
 
 
-def _hidden(step: pb.StepResult, hop: Hop, session: ClientSession) -> tuple[int, np.ndarray]:
-    """Validate a non-last hop's output; return (first position, float32 rows)."""
-    if step.WhichOneof("output") != "hidden_states":
-        raise ShardError(ErrorCode.INTERNAL, "expected hidden states from a non-last shard")
-    assert hop.caps is not None
-    rows = convert.tensor_to_array(
-        step.hidden_states, hop.caps.n_embd, session.session_id,
-        dtype=session.hidden_dtype, rows=step.tokens_processed or None,
-    )
-    return step.n_past - rows.shape[0], rows
+def hop_targets(targets: Sequence[str | Sequence[str]]) -> list[list[str]]:
+    """Every hop's targets (a str: one worker; a sequence: the worker and its replicas, tried
+    in order); a ValueError for an empty chain, an empty hop or a target listed twice."""
+    hops = [[t] if isinstance(t, str) else list(t) for t in targets]
+    if not hops:
+        raise ValueError("a pipeline needs at least one worker")
+    seen: set[str] = set()
+    for i, hop in enumerate(hops):
+        if not hop or not all(hop):
+            raise ValueError(f"hop {i} names no worker")
+        for target in hop:
+            if target in seen:
+                raise ValueError(f"{target} is listed twice (a worker serves one hop)")
+            seen.add(target)
+    return hops
 
 
 class Pipeline:
@@ -185,68 +176,110 @@ class Pipeline:
 
     def __init__(
         self,
-        hops: list[Hop],
-        clients: list[ShardClient],
+        hops: list[list[str]],
+        connect: Callable[[str, float | None], Awaitable[ShardClient]],
         *,
         timeout: float | None,
         hidden_dtype: str,
         ssl_context: ssl.SSLContext | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
+        step_timeout: float | None = None,
+        replay_bytes: int | None = DEFAULT_REPLAY_BYTES,
     ) -> None:
-        self.hops = hops
-        self._clients = clients
+        self._replicas = [HopReplicas(i, targets, connect) for i, targets in enumerate(hops)]
         self.timeout = timeout
         self.hidden_dtype = hidden_dtype
-        self._ssl_context = ssl_context  # to reconnect for a Release (see ``_release``)
+        self.step_timeout = step_timeout
+        self.replay_bytes = replay_bytes
+        self._ssl_context = ssl_context  # to reconnect for a Release (see ``release_session``)
         self._metadata = tuple(metadata)
+
+    @property
+    def hops(self) -> list[Hop]:
+        """Every hop as the replica serving it now describes itself."""
+        return [r.hop() for r in self._replicas]
+
+    @property
+    def replicas(self) -> list[list[Replica]]:
+        """Every hop's replicas, in the order given (the serving one is ``hops[i].target``)."""
+        return [list(r.replicas) for r in self._replicas]
+
+    @property
+    def _clients(self) -> list[ShardClient]:
+        clients = [r.replica.client for r in self._replicas]
+        assert all(c is not None for c in clients)
+        return clients  # type: ignore[return-value]
 
     @classmethod
     @asynccontextmanager
     async def connect(
         cls,
-        targets: Sequence[str],
+        targets: Sequence[str | Sequence[str]],
         *,
         timeout: float | None = 30.0,
         hidden_dtype: str = convert.HIDDEN_DTYPE,
         ssl_context: ssl.SSLContext | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
         wait_for_ready: bool = False,
+        step_timeout: float | None = None,
+        replay_bytes: int | None = DEFAULT_REPLAY_BYTES,
     ) -> AsyncIterator[Pipeline]:
         """Connect to every worker (in order: first shard first) and check the chain.
 
+        ``targets``: one entry per hop, first hop first: ``"HOST:PORT"``, or a sequence of
+        replicas serving the same range of the same model, tried in order (the first that
+        answers serves; the others take over when it fails, see ``generate``).
         ``timeout``: default deadline of each ``generate``, and of connecting (one deadline for
         all hops); None for none. ``hidden_dtype``: "float32" (default) or "float16" on the hops
         whose worker offers it. ``wait_for_ready``: wait (within ``timeout``) for workers that
         are still loading to serve, instead of failing with ``NOT_READY`` at once (see
-        ``ShardClient.wait_for_ready``).
+        ``ShardClient.wait_for_ready``). ``step_timeout``: seconds any one step (a decode, a
+        prefill chunk, an open) may go unanswered before its worker counts as hung and its hop
+        fails over (None: no bound but the deadline). ``replay_bytes``: the boundary rows one
+        generation may keep for replay (None: unbounded; see ``shard.replay``).
         """
         if hidden_dtype not in convert.WIRE_DTYPES:
             raise ValueError(f"hidden_dtype must be one of {sorted(convert.WIRE_DTYPES)}")
-        if not targets:
-            raise ValueError("a pipeline needs at least one worker")
-        deadline = _deadline(timeout)
-        async with AsyncExitStack() as stack:
-            clients: list[ShardClient] = []
-            hops: list[Hop] = []
-            for i, target in enumerate(targets):
+        if step_timeout is not None and not step_timeout > 0:
+            raise ValueError("step_timeout must be > 0 (or None)")
+        hops = hop_targets(targets)
+        deadline = absolute_deadline(timeout)
+        closing = trio.Event()
+        with unwrap_single_exception():
+            async with trio.open_nursery() as connections:
+
+                async def hold(
+                    target: str, connect_timeout: float | None,
+                    task_status: trio.TaskStatus[ShardClient] = trio.TASK_STATUS_IGNORED,
+                ) -> None:
+                    """Own one connection until the pipeline closes (shielded until then, so a
+                    caller cancelled from outside can still release its sessions)."""
+                    async with ShardClient.connect(
+                        target, timeout=connect_timeout, ssl_context=ssl_context,
+                        metadata=metadata,
+                    ) as client:
+                        task_status.started(client)
+                        with trio.CancelScope(shield=True):
+                            await closing.wait()
+
+                async def connect(target: str, connect_timeout: float | None) -> ShardClient:
+                    client: ShardClient = await connections.start(hold, target, connect_timeout)
+                    return client
+
                 try:
-                    client = await stack.enter_async_context(
-                        ShardClient.connect(
-                            target, timeout=timeout, ssl_context=ssl_context, metadata=metadata
-                        )
+                    pipe = cls(
+                        hops, connect, timeout=timeout, hidden_dtype=hidden_dtype,
+                        ssl_context=ssl_context, metadata=metadata, step_timeout=step_timeout,
+                        replay_bytes=replay_bytes,
                     )
-                    if wait_for_ready:
-                        await client.wait_for_ready(timeout=_left(deadline))
-                    caps = await client.capabilities(timeout=_left(deadline))
-                except ShardError as err:
-                    raise PipelineError(Hop(i, target), err) from None
-                clients.append(client)
-                hops.append(Hop(i, target, caps))
-            check_chain(hops)
-            yield cls(
-                hops, clients, timeout=timeout, hidden_dtype=hidden_dtype,
-                ssl_context=ssl_context, metadata=metadata,
-            )
+                    for replicas in pipe._replicas:
+                        await replicas.attach(deadline, wait_for_ready)
+                    check_chain(pipe.hops)
+                    for replicas in pipe._replicas:
+                        replicas.check_alternatives()
+                    yield pipe
+                finally:
+                    closing.set()
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -270,7 +303,8 @@ class Pipeline:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
         whole-model worker's ``Generate``. ``on_token`` (sync or async) sees each token's
-        StepResult as it arrives. Every shard's session is released when this returns or fails.
+        StepResult as it arrives, once, also across failovers. Every shard's session is released
+        when this returns or fails.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -279,139 +313,131 @@ class Pipeline:
         self._check_chunk(chunk_tokens)
         if timeout is _DEFAULT:
             timeout = self.timeout
-        deadline = _deadline(timeout)
-        sid = session_id if session_id is not None else f"p-{secrets.token_hex(8)}"
-        params = sampling(temperature, top_k=top_k, top_p=top_p, seed=seed)
-        sessions: list[ClientSession] = []
-        attempted = 0
+        deadline = absolute_deadline(timeout)
         blames = _Blames()
-        try:
-            with trio.CancelScope(deadline=deadline):  # the caller's deadline, for everything
-                for hop in self.hops:
-                    attempted += 1
-                    sessions.append(await self._open(hop, f"{sid}.{hop.index}", deadline, blames))
-                result = PipelineResult()
-                step = await self._prefill(
-                    sessions, prompt, params, top_logprobs, chunk_tokens, blames
+        result = PipelineResult()
+        with unwrap_single_exception():
+            async with trio.open_nursery() as retirements:  # releases of failed-over sessions
+                gen = Generation(
+                    sid=session_id if session_id is not None else f"p-{secrets.token_hex(8)}",
+                    deadline=deadline,
+                    sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed),
+                    top_logprobs=top_logprobs,
+                    chunk_tokens=chunk_tokens,
+                    hidden_dtype=self.hidden_dtype,
+                    step_timeout=self.step_timeout,
+                    budget=ReplayBudget(self.replay_bytes),
+                    release=partial(
+                        release_session, ssl_context=self._ssl_context, metadata=self._metadata
+                    ),
+                    spawn=retirements.start_soon,
+                    failovers=result.failovers,
                 )
-                result.prompt_tokens = step.n_past
-                capacity = min(s.opened.kv_capacity for s in sessions)
-                stop = frozenset(stop_tokens)
-                while True:
-                    token = step.logits.token_id
-                    if step.logits.is_eog and not ignore_eos:
-                        step.finish_reason = pb.FINISH_REASON_EOG
-                    elif token in stop:
-                        step.finish_reason = pb.FINISH_REASON_STOP_TOKEN
-                    elif len(result.steps) + 1 >= max_tokens:
-                        step.finish_reason = pb.FINISH_REASON_LENGTH
-                    elif step.n_past + 1 > capacity:
-                        step.finish_reason = pb.FINISH_REASON_CONTEXT_FULL
-                    result.steps.append(step)
-                    if on_token is not None:
-                        maybe = on_token(step)
-                        if inspect.isawaitable(maybe):
-                            await maybe
-                    if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                        break
-                    step = await self._decode(sessions, token, params, top_logprobs, blames)
-                for hop, session in zip(self.hops, sessions, strict=True):
-                    with _Blame(hop, blames):
-                        await session.close()
-                return result
-            raise blames.deadline_error(self.hops)  # the scope's deadline passed
-        except BaseException:
-            for session in sessions:
-                session.abort()  # RST_STREAM: the worker stops the step and releases
-            cleanup_deadline = min(trio.current_time() + RELEASE_TIMEOUT, deadline + CLEANUP_GRACE)
-            with trio.CancelScope(shield=True, deadline=cleanup_deadline):
-                await self._release(sid, attempted)
-            raise
+                last = len(self._replicas) - 1
+                runners = [HopRunner(r, gen, last=r.index == last) for r in self._replicas]
+                try:
+                    with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
+                        await self._run(runners, result, prompt, max_tokens, stop_tokens,
+                                        ignore_eos, on_token, blames)
+                        return result
+                    raise blames.deadline_error(self.hops)  # the scope's deadline passed
+                except BaseException:
+                    for runner in runners:
+                        runner.abort()  # RST_STREAM: the worker stops the step and releases
+                    with trio.CancelScope(shield=True, deadline=gen.cleanup_deadline()):
+                        async with trio.open_nursery() as nursery:
+                            for runner in runners:
+                                nursery.start_soon(runner.release)
+                    raise
 
-    def _wire_dtype(self, hop: Hop) -> str:
-        """The dtype asked of ``hop``: the caller's choice if the worker offers it."""
-        assert hop.caps is not None
-        if self.hidden_dtype in hop.caps.hidden_wire_dtypes:
-            return self.hidden_dtype
-        return convert.HIDDEN_DTYPE
+    async def _run(
+        self,
+        runners: list[HopRunner],
+        result: PipelineResult,
+        prompt: str | Sequence[int],
+        max_tokens: int,
+        stop_tokens: Sequence[int],
+        ignore_eos: bool,
+        on_token: OnToken | None,
+        blames: _Blames,
+    ) -> None:
+        for runner in runners:
+            with _Blame(runner, blames):
+                await runner.open()
+        step = await self._prefill(runners, prompt, blames)
+        result.prompt_tokens = step.n_past
+        capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
+        stop = frozenset(stop_tokens)
+        while True:
+            token = step.logits.token_id
+            if step.logits.is_eog and not ignore_eos:
+                step.finish_reason = pb.FINISH_REASON_EOG
+            elif token in stop:
+                step.finish_reason = pb.FINISH_REASON_STOP_TOKEN
+            elif len(result.steps) + 1 >= max_tokens:
+                step.finish_reason = pb.FINISH_REASON_LENGTH
+            elif step.n_past + 1 > capacity:
+                step.finish_reason = pb.FINISH_REASON_CONTEXT_FULL
+            result.steps.append(step)
+            if on_token is not None:
+                maybe = on_token(step)
+                if inspect.isawaitable(maybe):
+                    await maybe
+            if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                break
+            step = await self._decode(runners, token, blames)
+            capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
+        for runner in runners:
+            with _Blame(runner, blames):
+                await runner.close()
 
     def _check_chunk(self, chunk_tokens: int) -> None:
         """A chunk's hidden states must fit in one message of every hop that carries them."""
-        for prev, hop in zip(self.hops, self.hops[1:]):
-            assert hop.caps is not None
-            limit = min(hop.caps.max_message_bytes, prev.caps.max_message_bytes if prev.caps else 0)
-            size = chunk_tokens * hop.caps.n_embd * convert.WIRE_DTYPES[self._wire_dtype(hop)].itemsize
+        def known(replicas: HopReplicas) -> list[pb.GetCapabilitiesResponse]:
+            return [r.caps for r in replicas.replicas if r.caps is not None]
+
+        for prev, hop in zip(self._replicas, self._replicas[1:]):
+            both = known(prev) + known(hop)
+            limit = min((c.max_message_bytes for c in both if c.max_message_bytes), default=0)
+            itemsize = max(convert.WIRE_DTYPES[wire_dtype(c, self.hidden_dtype)].itemsize
+                           for c in known(hop))
+            assert hop.reference is not None
+            size = chunk_tokens * hop.reference.n_embd * itemsize
             if limit and size + 1024 > limit:
-                raise PipelineError(hop, ShardError(
+                raise PipelineError(hop.hop(), ShardError(
                     ErrorCode.INVALID_ARGUMENT,
                     f"chunk_tokens={chunk_tokens} makes {size}-byte hidden-state messages; "
                     f"this chain accepts at most {limit} bytes per message",
                 ))
 
-    async def _open(self, hop: Hop, sid: str, deadline: float, blames: _Blames) -> ClientSession:
-        """Open the hop's session with the remaining budget, rounded down, as its grpc-timeout."""
-        assert hop.caps is not None
-        want = self._wire_dtype(hop)
-        with _Blame(hop, blames):
-            timeout = _hop_timeout(deadline)
-            if timeout is not None and timeout <= 0:
-                raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired")
-            session = await self._clients[hop.index].open_session(
-                sid,
-                expected_model_fingerprint=hop.caps.model_fingerprint,
-                expected_layer_range=hop.layers,
-                # float32 is not asked for, so a v1.0 exchange stays byte for byte the same
-                hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
-                timeout=timeout,
-            )
-        return session
-
     async def _prefill(
-        self,
-        sessions: list[ClientSession],
-        prompt: str | Sequence[int],
-        params: pb.SamplingParams,
-        top_logprobs: int,
-        chunk_tokens: int,
-        blames: _Blames,
+        self, runners: list[HopRunner], prompt: str | Sequence[int], blames: _Blames
     ) -> pb.StepResult:
         """Stream the prompt through the chain in chunks; return the last shard's last result."""
-        hops, n = self.hops, len(self.hops)
+        n = len(runners)
         last: list[pb.StepResult] = []
-        text = prompt if isinstance(prompt, str) else None
-        tokens = None if isinstance(prompt, str) else list(prompt)
+
+        async def forward(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None, o: HopOutput) -> None:
+            if out is None:
+                last[:] = [o.step]
+            else:
+                assert o.rows is not None
+                await out.send((o.start, o.rows))
 
         async def first(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None) -> None:
-            hop, session = hops[0], sessions[0]
-            with _Blame(hop, blames, nursery.cancel_scope):
+            with _Blame(runners[0], blames, nursery.cancel_scope):
                 async with out if out is not None else nullcontext():  # closing ends the next hop
-                    steps = session.prefill_chunks(
-                        tokens, text=text, chunk_tokens=chunk_tokens, sampling=params,
-                        top_logprobs=top_logprobs,
-                    )
-                    async for step in steps:
-                        if out is None:
-                            last[:] = [step]
-                        else:
-                            await out.send(_hidden(step, hop, session))
+                    await runners[0].prefill_prompt(prompt, partial(forward, out))
 
         async def later(
             k: int,
             inbox: trio.MemoryReceiveChannel[tuple[int, np.ndarray]],
             out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None,
         ) -> None:
-            hop, session = hops[k], sessions[k]
-            with _Blame(hop, blames, nursery.cancel_scope):
+            with _Blame(runners[k], blames, nursery.cancel_scope):
                 async with inbox, out if out is not None else nullcontext():
                     async for position, rows in inbox:
-                        step = await session.prefill(
-                            hidden_states=rows, position=position, sampling=params,
-                            top_logprobs=top_logprobs,
-                        )
-                        if out is None:
-                            last[:] = [step]
-                        else:
-                            await out.send(_hidden(step, hop, session))
+                        await forward(out, await runners[k].prefill_rows(position, rows))
 
         with unwrap_single_exception():
             async with trio.open_nursery() as nursery:
@@ -423,86 +449,17 @@ class Pipeline:
         if blames.failures:
             raise blames.failures[0]
         if not last or last[0].WhichOneof("output") != "logits":
-            raise PipelineError(hops[-1], ShardError(ErrorCode.INTERNAL, "no logits after prefill"))
+            raise PipelineError(self.hops[-1], ShardError(ErrorCode.INTERNAL, "no logits after prefill"))
         return last[0]
 
-    async def _decode(
-        self,
-        sessions: list[ClientSession],
-        token: int,
-        params: pb.SamplingParams,
-        top_logprobs: int,
-        blames: _Blames,
-    ) -> pb.StepResult:
+    async def _decode(self, runners: list[HopRunner], token: int, blames: _Blames) -> pb.StepResult:
         """One token through every hop; the last hop's result carries the next token."""
-        rows: np.ndarray | None = None
-        step = pb.StepResult()
-        for hop, session in zip(self.hops, sessions, strict=True):
-            with _Blame(hop, blames):
-                if rows is None:
-                    step = await session.decode(token, sampling=params, top_logprobs=top_logprobs)
-                else:
-                    step = await session.decode(
-                        hidden_state=rows, sampling=params, top_logprobs=top_logprobs
-                    )
-                if hop.index < len(self.hops) - 1:
-                    _, rows = _hidden(step, hop, session)
-        if step.WhichOneof("output") != "logits":
-            raise PipelineError(self.hops[-1], ShardError(ErrorCode.INTERNAL, "no logits from the last shard"))
-        return step
-
-    async def _release(self, sid: str, attempted: int) -> None:
-        """Release the session on every hop that may hold one, concurrently, within the
-        enclosing scope's deadline; never raises.
-
-        A hop whose connection was lost is released through a new connection: a live worker
-        retains a session whose connection dropped (for resume), and nobody would resume it.
-        """
-
-        async def release(hop: Hop) -> None:
-            name = f"{sid}.{hop.index}"
-            client = self._clients[hop.index]
-            try:
-                if client.connected:
-                    try:
-                        await client.release(name, timeout=_left(trio.current_effective_deadline()))
-                        return
-                    except ShardError:
-                        if client.connected:
-                            raise
-                async with ShardClient.connect(
-                    hop.target, timeout=_left(trio.current_effective_deadline()),
-                    ssl_context=self._ssl_context, metadata=self._metadata,
-                ) as fresh:
-                    await fresh.release(name)
-            except Exception as exc:  # a dead worker: it freed the session with its process
-                log.warning("%s: release of %s failed: %s", hop, name, exc)
-
-        async with trio.open_nursery() as nursery:
-            for hop in self.hops[:attempted]:
-                nursery.start_soon(release, hop)
-
-
-def _deadline(timeout: float | None) -> float:
-    return math.inf if timeout is None else trio.current_time() + timeout
-
-
-def _left(deadline: float) -> float | None:
-    """Seconds until ``deadline`` (None for none), for a call's ``timeout``."""
-    return None if math.isinf(deadline) else deadline - trio.current_time()
-
-
-def _hop_timeout(deadline: float) -> float | None:
-    """A hop stream's timeout: the time left until ``deadline`` less ``HOP_DEADLINE_MARGIN``,
-    rounded *down* to what ``grpc-timeout`` carries (whole seconds from 99 s, microseconds
-    below), so that the transport, which rounds up, never sends more than the time left."""
-    left = _left(deadline)
-    if left is None:
-        return None
-    left -= HOP_DEADLINE_MARGIN
-    if left >= 99:
-        return float(math.floor(left))
-    return math.floor(left * 1e6) / 1e6
+        with _Blame(runners[0], blames):
+            out = await runners[0].decode(token=token)
+        for runner in runners[1:]:
+            with _Blame(runner, blames):
+                out = await runner.decode(row=out.rows)
+        return out.step
 
 
 @dataclass
@@ -526,26 +483,26 @@ class _Blames:
 
 
 class _Blame:
-    """Turn a ``ShardError`` inside the block into a ``PipelineError`` naming ``hop``, and note
-    in ``blames`` when a cancellation interrupted the block.
+    """Turn a ``ShardError`` inside the block into a ``PipelineError`` naming the runner's hop,
+    and note in ``blames`` when a cancellation interrupted the block.
 
     In a prefill task (``scope`` given) the first error is recorded in ``blames.failures`` and
     the sibling tasks are cancelled instead of raising, so the caller gets one error, not an
     exception group.
     """
 
-    def __init__(self, hop: Hop, blames: _Blames, scope: trio.CancelScope | None = None) -> None:
-        self._hop, self._blames, self._scope = hop, blames, scope
+    def __init__(self, runner: HopRunner, blames: _Blames, scope: trio.CancelScope | None = None) -> None:
+        self._runner, self._blames, self._scope = runner, blames, scope
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         if isinstance(exc, trio.Cancelled):
-            self._blames.interrupted.append(self._hop.index)
+            self._blames.interrupted.append(self._runner.index)
         if exc is None or not isinstance(exc, ShardError):
             return False
-        err = exc if isinstance(exc, PipelineError) else PipelineError(self._hop, exc)
+        err = exc if isinstance(exc, PipelineError) else PipelineError(self._runner.hop, exc)
         if self._scope is None:
             raise err from None
         if not self._blames.failures:

@@ -8,6 +8,8 @@
 * A ``--quick`` run on the tiny model (a subset of variants, a real ``trio-shard serve``)
   writes the JSON with its environment, ratios, the workers' RSS (a 2-shard pipeline included)
   and the chart.
+* The failover bench kills the middle worker of a real 3-worker chain and its replica replays
+  exactly the prompt's positions.
 """
 
 from __future__ import annotations
@@ -216,4 +218,22 @@ def test_contention_bench_runs_every_scenario(tmp_path: Path) -> None:
             assert value["decode_steps"] >= 1
     huge = results["huge_request"]
     assert huge["text_16mib_refused"] == huge["token_ids_4m_refused"] == "INVALID_ARGUMENT"
+    assert report["environment"]["model"].endswith(".gguf")
+
+
+def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
+    """A smoke run of bench/failover.py on the tiny model: each trial kills the middle worker
+    after the first token and the replica replays exactly the prompt's positions."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.failover", "--preset", "tiny", "--histories", "16,40",
+         "--tokens", "4", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "failover.json").read_text())
+    assert [t["history"] for t in report["trials"]] == [16, 40]
+    for trial in report["trials"]:
+        assert trial["positions_replayed"] == trial["history"]  # killed after the prefill
+        assert trial["log_bytes"] == trial["history"] * 64 * 4  # tiny: n_embd 64, float32
+    assert [m["history"] for m in report["medians"]] == [16, 40]
     assert report["environment"]["model"].endswith(".gguf")

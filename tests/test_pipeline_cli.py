@@ -67,8 +67,14 @@ async def test_generate_pipeline_json_prints_the_single_workers_tokens() -> None
         (["--pipeline", "127.0.0.1:1,localhost"], "expected HOST:PORT, got 'localhost'"),
         (["--pipeline", "127.0.0.1:1,h:99999"], "expected HOST:PORT, got 'h:99999'"),
         (["--pipeline", "127.0.0.1:1", "--target", "127.0.0.1:2"], "not allowed with argument"),
+        (["--pipeline", "127.0.0.1:1,127.0.0.1:2|,127.0.0.1:3"], "without empty entries"),
+        (["--pipeline", "127.0.0.1:1,127.0.0.1:2|localhost"], "expected HOST:PORT, got 'localhost'"),
+        (["--pipeline", "127.0.0.1:1|127.0.0.1:2,127.0.0.1:1"], "127.0.0.1:1 is listed twice"),
+        (["--pipeline", "127.0.0.1:1", "--step-timeout", "0"], "expected a number > 0"),
+        (["--pipeline", "127.0.0.1:1", "--replay-mib", "-1"], "expected a finite number >= 0"),
     ],
-    ids=["empty-entry", "no-port", "bad-port", "with-target"],
+    ids=["empty-entry", "no-port", "bad-port", "with-target", "empty-replica", "bad-replica",
+         "twice", "step-timeout", "replay-mib"],
 )
 def test_malformed_pipeline_lists_are_usage_errors(
     args: list[str], words: str, capsys: pytest.CaptureFixture[str]
@@ -77,6 +83,35 @@ def test_malformed_pipeline_lists_are_usage_errors(
         main(["generate", *args, "hello"])
     assert info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_replicas_are_separated_by_a_bar() -> None:
+    from shard.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["generate", "--pipeline", "a:1, b:2|c:3 ,d:4", "--step-timeout", "2.5", "hi"])
+    assert args.pipeline == [["a:1"], ["b:2", "c:3"], ["d:4"]]
+    assert args.step_timeout == 2.5 and args.replay_mib == 256
+
+
+async def test_a_failing_hop_with_a_replica_fails_over_and_json_reports_it() -> None:
+    """The middle worker fails mid-generation (ENGINE_FAILURE); its replica takes over: the
+    output is the single worker's, plus the failover."""
+    ranges = [LayerRange(0, 4), THREE[0], THREE[1], THREE[1], THREE[2]]
+    async with shards(ranges, fail_at_step={2: 40}) as (whole, a, b1, b2, c):
+        common = ["--json", "--max-tokens", "40", PROMPT]
+        single = await run_cli("generate", "--target", whole.target, *common)
+        piped = await run_cli("generate", "--pipeline", f"{a.target},{b1.target}|{b2.target},{c.target}",
+                              "--step-timeout", "30", *common)
+        await assert_all_free([whole, a, b2, c])
+    assert piped.returncode == 0, piped.stderr.decode()
+    got = json.loads(piped.stdout)
+    (failover,) = got.pop("failovers")
+    assert got == json.loads(single.stdout)
+    assert failover["hop"] == 1 and failover["from"] == b1.target and failover["to"] == b2.target
+    assert failover["reason"] == "ENGINE_FAILURE" and failover["handover"] is False
+    assert failover["positions"] > 0 and failover["recovery_ms"] >= 0
+    assert f"failed over from {b1.target} to {b2.target}" in piped.stderr.decode()
 
 
 async def test_a_refused_chain_is_a_clear_error() -> None:

@@ -1,0 +1,151 @@
+"""Failover recovery time against history length: a 3-hop pipeline whose middle worker dies.
+
+Three ``trio-shard serve --layers`` workers (the model cut in thirds) and a replica of the
+middle range, all on this machine. For each history length L the pipeline prefills an L-token
+prompt, the middle worker is killed (SIGKILL) when the first token arrives, and the next step
+fails over: the replica replays the L positions the middle hop held (docs/pipelines.md,
+"Failover"). Per trial:
+
+* ``recovery_ms``: from the failure reaching the client to the replica holding the history
+  again (``Failover.recovery_ms``: open the session, replay the logged boundary rows);
+* ``stall_ms``: what the caller waited in addition: the gap between tokens 1 and 2 less the
+  median gap between the later tokens;
+* ``prefill_ms``: the time to the first token (the whole chain prefilling L positions), for
+  scale; ``log_bytes``: the middle hop's replay log (L x n_embd x 4 bytes, float32).
+
+Each trial starts a fresh primary (the killed one is gone) and reconnects; the other workers
+stay up. Timing lives here, never in tests.
+
+    python -m bench.failover [--preset bench|tiny] [--histories 16,64,256,1024] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import statistics
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.environment import environment, load_average
+from bench.processes import ShardServer, shard_server, wait_serving
+from shard.pipeline import Pipeline
+from shard.v1 import shard_pb2 as pb
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def thirds(n_layers: int) -> list[str]:
+    bounds = [round(i * n_layers / 3) for i in range(4)]
+    return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])]
+
+
+async def trial(
+    a: str, b1: ShardServer, b2: str, c: str, history: int, tokens: int, chunk: int, seed: int
+) -> dict[str, Any]:
+    for target in (a, b1.target, b2, c):
+        await wait_serving(target)
+    async with Pipeline.connect([a, [b1.target, b2], c], timeout=600) as pipe:
+        caps = pipe.hops[0].caps
+        assert caps is not None
+        rng = random.Random(seed)
+        prompt = [1, *(rng.randrange(3, caps.n_vocab) for _ in range(history - 1))]
+        arrivals: list[float] = []
+
+        def on_token(_: pb.StepResult) -> None:
+            arrivals.append(time.perf_counter())
+            if len(arrivals) == 1:
+                b1.proc.send_signal(signal.SIGKILL)
+                b1.proc.wait()  # dead before the next step is sent
+
+        started = time.perf_counter()
+        result = await pipe.generate(
+            prompt, max_tokens=tokens, ignore_eos=True, chunk_tokens=chunk, on_token=on_token
+        )
+    (failover,) = result.failovers
+    gaps = [y - x for x, y in zip(arrivals, arrivals[1:])]
+    step = statistics.median(gaps[1:])
+    return {
+        "history": history,
+        "positions_replayed": failover.positions,
+        "recovery_ms": round(failover.recovery_ms, 2),
+        "stall_ms": round((gaps[0] - step) * 1e3, 2),
+        "step_ms": round(step * 1e3, 2),
+        "prefill_ms": round((arrivals[0] - started) * 1e3, 1),
+        "log_bytes": failover.positions * caps.n_embd * 4,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="bench", help="model preset: bench (default) or tiny")
+    p.add_argument("--histories", default="16,64,256,1024", help="prompt lengths (positions)")
+    p.add_argument("--rounds", type=int, default=1, help="trials per length (medians reported)")
+    p.add_argument("--tokens", type=int, default=8, help="tokens per trial (>= 4)")
+    p.add_argument("--chunk", type=int, default=32, help="prefill (and replay) chunk_tokens")
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per worker")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    histories = [int(h) for h in args.histories.split(",")]
+    from shard.models import ensure_model
+    from shard.models.write import get_preset
+
+    model = ensure_model(args.preset)
+    ranges = thirds(get_preset(args.preset).n_layer)
+    per_session = max(histories) + args.tokens + 64
+    common = dict(threads=args.threads, ctx=2 * per_session, max_sessions=2)
+    logs = args.out_dir / "logs"
+    env = environment(model, args.threads, argv=["-m", "bench.failover", *(sys.argv[1:] if argv is None else argv)])
+    rows: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        a, b2, c = (
+            stack.enter_context(shard_server(model, log=logs / f"failover-{name}.log",
+                                             extra=["--layers", layers], **common))  # type: ignore[arg-type]
+            for name, layers in (("a", ranges[0]), ("b2", ranges[1]), ("c", ranges[2]))
+        )
+        for r in range(args.rounds):
+            for history in histories:
+                with shard_server(model, log=logs / "failover-b1.log", extra=["--layers", ranges[1]],
+                                  **common) as b1:  # type: ignore[arg-type]
+                    row = trio.run(trial, a.target, b1, b2.target, c.target, history,
+                                   args.tokens, args.chunk, r * 1000 + history)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    env["load_average_after"] = load_average()
+    table = []
+    print(f"\n{'history':>8} {'recovery ms':>12} {'stall ms':>9} {'step ms':>8} {'prefill ms':>11} {'log KiB':>8}")
+    for history in histories:
+        mine = [row for row in rows if row["history"] == history]
+
+        def med(key: str, mine: list[dict[str, Any]] = mine) -> float:
+            return round(statistics.median(row[key] for row in mine), 2)
+
+        line = {"history": history, **{k: med(k) for k in
+                ("recovery_ms", "stall_ms", "step_ms", "prefill_ms", "log_bytes")}}
+        table.append(line)
+        print(f"{history:>8} {line['recovery_ms']:>12.1f} {line['stall_ms']:>9.1f} "
+              f"{line['step_ms']:>8.1f} {line['prefill_ms']:>11.1f} {line['log_bytes'] / 1024:>8.0f}")
+    report = {
+        "environment": env,
+        "settings": {"preset": args.preset, "ranges": [ranges[0], f"{ranges[1]} x2", ranges[2]],
+                     "histories": histories, "rounds": args.rounds, "tokens": args.tokens,
+                     "chunk_tokens": args.chunk, "threads": args.threads},
+        "trials": rows,
+        "medians": table,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / "failover.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

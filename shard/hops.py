@@ -1,0 +1,749 @@
+"""One hop of a pipeline: the workers that can serve it, its session, its replay log, failover.
+
+A hop is a layer range served by one or more interchangeable workers (replicas: same model
+fingerprint, same range). ``HopReplicas`` owns that list for the pipeline's lifetime (which
+replica serves now, their connections and capabilities); ``HopRunner`` drives the hop for one
+``generate``: it opens the session, sends each step, logs what it sent (``shard.replay``) and,
+when the worker fails, moves the hop to the next replica and replays the log there, so its
+caller sees each step's result once, as if nothing had happened. Why a class per hop rather
+than code in the pipeline: the client-relayed pipeline drives one runner per hop, and a
+worker-relayed chain can drive the same runner for the hop it opens itself.
+
+When a hop fails over (``should_fail_over``): the worker is gone or going (the connection
+was lost, a status ``UNAVAILABLE``: ``NOT_READY``, ``DRAINING``, ``ENGINE_FAILURE``) or it
+did not answer one step within ``step_timeout`` (a hung worker). A worker that sends GOAWAY
+(a drain) is handed over at the next step without any error: the replacement replays the
+history first, then the draining worker's session is closed on its still-open stream. Any
+other error (``INVALID_ARGUMENT``, ``INCOMPATIBLE_MODEL``, a full KV budget, the caller's
+deadline) is the request's, not the worker's, and ends the generation at once.
+
+Sessions are never left behind: a failed worker's session is reset (``RST_STREAM``) and, when
+its connection was lost (the worker may be alive and would retain it), released through a new
+connection, in a task of the nursery the generation owns, bounded like every cleanup.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import ssl
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import trio
+
+from shard.client import ClientSession, ShardClient, StepStream
+from shard.replay import ReplayBudget, RowLog, TokenLog
+from shard.rpc import convert
+from shard.rpc.errors import ErrorCode, GrpcStatus, ShardError
+from shard.v1 import shard_pb2 as pb
+
+__all__ = [
+    "STEP_DEADLINE",
+    "Failover",
+    "Generation",
+    "Hop",
+    "HopOutput",
+    "HopReplicas",
+    "HopRunner",
+    "PipelineError",
+    "Replica",
+    "should_fail_over",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RELEASE_TIMEOUT = 2.0  # seconds a cleanup (Release, shielded) may take at most...
+CLEANUP_GRACE = 0.5  # ...and how long it may go on after the caller's deadline
+#: Hop streams get the time left minus this, rounded down, as their timeout, so that a hop's
+#: deadline is never after the caller's although the client computes it a moment later.
+HOP_DEADLINE_MARGIN = 0.001
+#: At connect, once one replica of a hop answered, how long the others may still answer.
+PROBE_GRACE = 1.0
+#: ``ShardError.reason`` of a step that got no answer within ``step_timeout`` (client side).
+STEP_DEADLINE = "STEP_DEADLINE"
+#: A replay result covers this many prefill chunks (``chunk_tokens`` each) and may take as many
+#: ``step_timeout``s: small chunks cost a worker more per position (1,024 positions of the tiny
+#: model replayed in 407 ms in chunks of 32, in 38 ms in chunks of 256; docs/pipelines.md).
+REPLAY_CHUNKS = 8
+#: Errors on opening or replaying on a replacement that say "not this replica": try the next.
+REPLICA_REFUSALS = frozenset({
+    ErrorCode.INCOMPATIBLE_MODEL, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.SESSION_EXISTS,
+    ErrorCode.UNSUPPORTED_VERSION,
+})
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One shard of the chain, as its worker described itself."""
+
+    index: int
+    target: str
+    caps: pb.GetCapabilitiesResponse | None = None
+
+    @property
+    def layers(self) -> tuple[int, int] | None:
+        if self.caps is None:
+            return None
+        return self.caps.layer_range.start, self.caps.layer_range.end
+
+    def __str__(self) -> str:
+        if self.layers is None:
+            return f"hop {self.index} ({self.target})"
+        return f"hop {self.index} ({self.target}, layers [{self.layers[0]}, {self.layers[1]}))"
+
+
+class PipelineError(ShardError):
+    """A ``ShardError`` that says which hop failed (``hop_index``, ``target``) and, for a hop
+    with replicas, every replica tried and why it failed last (``tried``: (target, error)
+    pairs, in the order first tried)."""
+
+    def __init__(
+        self, hop: Hop, err: ShardError, *, tried: Sequence[tuple[str, ShardError]] = (),
+        note: str = "",
+    ) -> None:
+        super().__init__(
+            err.code,
+            f"{hop}: {err.message}" + (f"; {note}" if note else ""),
+            retryable=err.retryable,
+            session_id=err.session_id,
+            reason=err.reason,
+            supported_versions=err.supported_versions,
+            grpc_status=err.grpc_status,
+        )
+        self.hop_index = hop.index
+        self.target = hop.target
+        self.cause = err
+        self.tried = list(tried)
+
+
+def should_fail_over(err: ShardError) -> bool:
+    """Whether ``err`` says the worker is gone, going or hung (another replica may serve),
+    rather than that the request itself cannot be served."""
+    return err.grpc_status == GrpcStatus.UNAVAILABLE or err.reason == STEP_DEADLINE
+
+
+def absolute_deadline(timeout: float | None) -> float:
+    return math.inf if timeout is None else trio.current_time() + timeout
+
+
+def time_left(deadline: float) -> float | None:
+    """Seconds until ``deadline`` (None for none), for a call's ``timeout``."""
+    return None if math.isinf(deadline) else deadline - trio.current_time()
+
+
+def hop_timeout(deadline: float) -> float | None:
+    """A hop stream's timeout: the time left until ``deadline`` less ``HOP_DEADLINE_MARGIN``,
+    rounded *down* to what ``grpc-timeout`` carries (whole seconds from 99 s, microseconds
+    below), so that the transport, which rounds up, never sends more than the time left."""
+    left = time_left(deadline)
+    if left is None:
+        return None
+    left -= HOP_DEADLINE_MARGIN
+    if left >= 99:
+        return float(math.floor(left))
+    return math.floor(left * 1e6) / 1e6
+
+
+def wire_dtype(caps: pb.GetCapabilitiesResponse, asked: str) -> str:
+    """The dtype asked of a worker: the caller's choice if the worker offers it."""
+    return asked if asked in caps.hidden_wire_dtypes else convert.HIDDEN_DTYPE
+
+
+# ---- the replicas of one hop (the pipeline's lifetime) ----------------------------------------
+
+
+@dataclass
+class Replica:
+    """One worker that can serve a hop: its connection and what it reported (None until it
+    answered; a replica unreachable at connect is tried again when it is needed)."""
+
+    target: str
+    client: ShardClient | None = None
+    caps: pb.GetCapabilitiesResponse | None = None
+
+
+#: Opens a connection owned by the pipeline: (target, connect timeout) -> client.
+Connect = Callable[[str, "float | None"], Awaitable[ShardClient]]
+
+
+class HopReplicas:
+    """The workers that serve one hop (one model, one layer range) and which one serves now."""
+
+    def __init__(self, index: int, targets: Sequence[str], connect: Connect) -> None:
+        self.index = index
+        self.replicas = [Replica(t) for t in targets]
+        self.current = 0
+        self.reference: pb.GetCapabilitiesResponse | None = None  # the hop's model and range
+        self._connect = connect
+
+    @property
+    def replica(self) -> Replica:
+        return self.replicas[self.current]
+
+    def hop(self, replica: Replica | None = None) -> Hop:
+        replica = replica if replica is not None else self.replica
+        return Hop(self.index, replica.target, replica.caps or self.reference)
+
+    async def attach(self, deadline: float, wait_for_ready: bool) -> None:
+        """At connect: ask every replica (concurrently) what it serves and pick the first that
+        answers (with ``wait_for_ready``, wait for the first reachable one if none serves yet).
+        A replica that cannot be reached now is not an error while another one answers; once
+        one did, the others get ``PROBE_GRACE`` seconds more (a silent one is asked again when
+        it is needed)."""
+        errors: dict[str, ShardError] = {}
+        answered = trio.Event()
+
+        async def probe(replica: Replica) -> None:
+            try:
+                replica.client = await self._connect(replica.target, time_left(deadline))
+                replica.caps = await replica.client.capabilities(timeout=time_left(deadline))
+                answered.set()
+            except ShardError as err:
+                errors[replica.target] = err
+
+        async with trio.open_nursery() as nursery:
+
+            async def probe_all() -> None:
+                async with trio.open_nursery() as probes:
+                    for replica in self.replicas:
+                        probes.start_soon(probe, replica)
+                nursery.cancel_scope.cancel()  # every replica answered or failed
+
+            nursery.start_soon(probe_all)
+            await answered.wait()
+            await trio.sleep(PROBE_GRACE)  # a silent replica must not hold up the pipeline
+            nursery.cancel_scope.cancel()
+        chosen = next((i for i, r in enumerate(self.replicas) if r.caps is not None), None)
+        if chosen is None and wait_for_ready:
+            for i, replica in enumerate(self.replicas):
+                if replica.client is None:
+                    continue
+                try:
+                    await replica.client.wait_for_ready(timeout=time_left(deadline))
+                    replica.caps = await replica.client.capabilities(timeout=time_left(deadline))
+                except ShardError as err:
+                    errors[replica.target] = err
+                    continue
+                chosen = i
+                break
+        if chosen is None:
+            tried = [(r.target, errors[r.target]) for r in self.replicas]
+            raise PipelineError(
+                Hop(self.index, tried[0][0]), tried[0][1], tried=tried, note=_listing(tried)
+            )
+        self.current = chosen
+        self.reference = self.replicas[chosen].caps
+
+    def check_alternatives(self) -> None:
+        """Refuse a replica that answered for another model or range than the hop's."""
+        for replica in self.replicas:
+            if replica.caps is not None:
+                try:
+                    self.check(replica.caps)
+                except ShardError as err:
+                    raise PipelineError(self.hop(replica), err) from None
+
+    def check(self, caps: pb.GetCapabilitiesResponse) -> None:
+        ref = self.reference
+        assert ref is not None
+        mine = (ref.model_fingerprint, ref.n_layers_total, ref.n_embd,
+                ref.layer_range.start, ref.layer_range.end)
+        theirs = (caps.model_fingerprint, caps.n_layers_total, caps.n_embd,
+                  caps.layer_range.start, caps.layer_range.end)
+        if mine != theirs:
+            raise ShardError(
+                ErrorCode.INCOMPATIBLE_MODEL,
+                f"a replica must serve what the hop serves: model {caps.model_fingerprint} "
+                f"layers [{theirs[3]}, {theirs[4]}) of {caps.n_layers_total} (n_embd "
+                f"{caps.n_embd}), the hop serves {ref.model_fingerprint} layers "
+                f"[{mine[3]}, {mine[4]}) of {ref.n_layers_total} (n_embd {ref.n_embd})",
+            )
+
+    async def ensure(self, replica: Replica, timeout: float | None) -> None:
+        """Make ``replica`` usable for a new session: connected (again, if its connection
+        broke or was told to go away) and checked to serve the hop's model and range."""
+        client = replica.client
+        if client is None or not client.connected or client.going_away:
+            replica.client, replica.caps = await self._connect(replica.target, timeout), None
+        if replica.caps is None:
+            assert replica.client is not None
+            caps = await replica.client.capabilities(timeout=timeout)
+            self.check(caps)
+            replica.caps = caps
+
+
+def _listing(tried: Sequence[tuple[str, ShardError]]) -> str:
+    """What a hop with replicas says when none is left (empty for a hop of one worker)."""
+    if len({target for target, _ in tried}) < 2:
+        return ""
+    return "no replica of the hop is left: tried " + ", ".join(f"{t} ({e})" for t, e in tried)
+
+
+# ---- one generation --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Failover:
+    """A hop that moved to another replica during a generation (``PipelineResult.failovers``).
+
+    ``recovery_ms``: from the failure reaching the client (or the GOAWAY being noticed) to the
+    replacement holding the whole history again; ``positions``: how many it replayed."""
+
+    hop: int
+    from_target: str
+    to_target: str
+    reason: str  # the failure's ErrorCode name (DRAINING for a handover)
+    message: str
+    handover: bool  # a draining worker handed over: no step failed
+    positions: int
+    recovery_ms: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"hop": self.hop, "from": self.from_target, "to": self.to_target,
+                "reason": self.reason, "handover": self.handover, "positions": self.positions,
+                "recovery_ms": round(self.recovery_ms, 1)}
+
+
+#: Releases a session by name on a replica; never raises (the pipeline's, it has the TLS
+#: context and metadata to connect again).
+Release = Callable[[Replica, str], Awaitable[None]]
+
+
+@dataclass
+class Generation:
+    """What every hop of one ``generate`` shares."""
+
+    sid: str
+    deadline: float
+    sampling: pb.SamplingParams
+    top_logprobs: int
+    chunk_tokens: int
+    hidden_dtype: str
+    step_timeout: float | None
+    budget: ReplayBudget
+    release: Release
+    #: ``start_soon`` of the nursery that owns the releases of failed sessions (the
+    #: generation's): they run while it goes on and it waits for them, bounded.
+    spawn: Callable[..., None]
+    failovers: list[Failover] = field(default_factory=list)
+
+    def cleanup_deadline(self) -> float:
+        return min(trio.current_time() + RELEASE_TIMEOUT, self.deadline + CLEANUP_GRACE)
+
+
+@dataclass
+class HopOutput:
+    """One step's result at a hop: the StepResult and, for a non-last hop, its validated
+    float32 boundary rows starting at position ``start``."""
+
+    step: pb.StepResult
+    start: int
+    rows: np.ndarray | None
+
+
+@dataclass
+class _Held:
+    """A session this runner answers for (None: its open was started, outcome unknown)."""
+
+    replica: Replica
+    session: ClientSession | None = None
+
+
+class HopRunner:
+    """One hop of one ``generate``: ``open``, then ``prefill_prompt`` (first hop) or
+    ``prefill_rows``, ``decode``, and ``close``; on failure ``abort`` and ``release``. Every
+    step call fails over by itself (see the module docstring) and returns its result once."""
+
+    def __init__(self, replicas: HopReplicas, gen: Generation, *, last: bool) -> None:
+        self.replicas = replicas
+        self.gen = gen
+        self.index = replicas.index
+        self.first = self.index == 0
+        self.last = last
+        self.name = f"{gen.sid}.{self.index}"
+        self.session: ClientSession | None = None
+        self.replica = replicas.replica
+        self.held = 0  # positions the session holds
+        self.tokens = TokenLog()  # the first hop's input (a few bytes a position)
+        alternatives = len(replicas.replicas) > 1
+        self.rows = RowLog(gen.budget) if alternatives and not self.first else None
+        self.tried: dict[str, ShardError] = {}  # target -> its last error, in order tried
+        self._tried_targets: set[str] = set()
+        self._live: list[_Held] = []
+        self._handover_failed = False
+
+    @property
+    def hop(self) -> Hop:
+        return self.replicas.hop(self.replica)
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open the hop's session on the current replica (or the next that takes it)."""
+        await self._replace(None)
+
+    async def prefill_prompt(
+        self, prompt: str | Sequence[int], emit: Callable[[HopOutput], Awaitable[None]]
+    ) -> None:
+        """First hop: prefill the prompt in chunks, ``emit`` each chunk's output once (after a
+        failover the replacement computes the prompt again; what was emitted is not repeated)."""
+        text = prompt if isinstance(prompt, str) else None
+        tokens = None if isinstance(prompt, str) else list(prompt)
+        emitted = 0
+
+        async def action(session: ClientSession) -> None:
+            nonlocal emitted
+            steps = session.prefill_chunks(
+                tokens, text=text, chunk_tokens=self.gen.chunk_tokens,
+                sampling=self.gen.sampling, top_logprobs=self.gen.top_logprobs,
+            )
+            while (step := await self._timed(lambda: _next(steps))) is not None:
+                out = self._output(step, session)
+                if step.n_past <= emitted:
+                    continue  # already emitted before a failover
+                if out.rows is not None and out.start < emitted:
+                    out = HopOutput(step, emitted, out.rows[emitted - out.start:])
+                emitted = step.n_past
+                await emit(out)
+
+        await self._attempt(action)  # a replacement replays nothing: held stays 0 until here
+        self.tokens.hold_prompt(prompt)
+        self.held = emitted
+
+    async def prefill_rows(self, position: int, rows: np.ndarray) -> HopOutput:
+        """Later hop: prefill boundary ``rows`` at ``position``."""
+        out = await self._attempt(lambda s: self._step(s, lambda: s.prefill(
+            hidden_states=rows, position=position, sampling=self.gen.sampling,
+            top_logprobs=self.gen.top_logprobs,
+        )))
+        self._log_rows(rows)
+        return out
+
+    async def decode(self, *, token: int | None = None, row: np.ndarray | None = None) -> HopOutput:
+        """One position: a token id (first hop) or one boundary row (later hops)."""
+        out = await self._attempt(lambda s: self._step(s, lambda: s.decode(
+            token, hidden_state=row, sampling=self.gen.sampling,
+            top_logprobs=self.gen.top_logprobs,
+        )))
+        if token is not None:
+            self.tokens.append(token)
+        elif row is not None:
+            self._log_rows(row)
+        return out
+
+    async def close(self) -> None:
+        """Close the session (released). A worker that fails now has nothing left to compute:
+        its session is retired like a failed one, without failing over."""
+        for held in list(self._live):
+            if held.session is not self.session or held.session is None:
+                self._retire(held)
+                continue
+            session = held.session
+            try:
+                await self._timed(session.close)
+            except ShardError as err:
+                if not should_fail_over(err):
+                    raise PipelineError(self.hop, err) from None
+                log.info("%s: closing failed (%s); releasing instead", self.hop, err)
+                self._retire(held)
+                continue
+            self._live.remove(held)
+
+    def abort(self) -> None:
+        """Reset every stream this runner holds now (sync: the workers stop and release)."""
+        for held in self._live:
+            if held.session is not None:
+                held.session.abort()
+
+    async def release(self) -> None:
+        """``Release`` on every replica where this runner may hold a session (never raises;
+        the caller bounds and shields it)."""
+        async with trio.open_nursery() as nursery:
+            for held in self._live:
+                nursery.start_soon(self.gen.release, held.replica, self.name)
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    async def _step(
+        self, session: ClientSession, call: Callable[[], Awaitable[pb.StepResult]]
+    ) -> HopOutput:
+        step = await self._timed(call)
+        out = self._output(step, session)
+        self.held = step.n_past
+        return out
+
+    def _output(self, step: pb.StepResult, session: ClientSession) -> HopOutput:
+        """Validate a result: logits from the last hop, well-formed rows from the others."""
+        if self.last:
+            if step.WhichOneof("output") != "logits":
+                raise ShardError(ErrorCode.INTERNAL, "expected logits from the last shard")
+            return HopOutput(step, step.n_past, None)
+        if step.WhichOneof("output") != "hidden_states":
+            raise ShardError(ErrorCode.INTERNAL, "expected hidden states from a non-last shard")
+        assert self.replicas.reference is not None
+        rows = convert.tensor_to_array(
+            step.hidden_states, self.replicas.reference.n_embd, session.session_id,
+            dtype=session.hidden_dtype, rows=step.tokens_processed or None,
+        )
+        return HopOutput(step, step.n_past - rows.shape[0], rows)
+
+    def _log_rows(self, rows: np.ndarray) -> None:
+        if self.rows is not None and self.session is not None:
+            self.rows.append(rows, self.session.hidden_dtype)
+
+    async def _timed(self, call: Callable[[], Awaitable[T]], steps: int = 1) -> T:
+        """``call()`` within ``steps`` times ``step_timeout``: no answer in time is a
+        ``STEP_DEADLINE`` error (a hung worker), which fails the hop over."""
+        if self.gen.step_timeout is None:
+            return await call()
+        with trio.move_on_after(self.gen.step_timeout * steps):
+            return await call()
+        within = f"{steps} x " if steps > 1 else ""
+        raise ShardError(
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"no answer within {within}step_timeout={self.gen.step_timeout:g} s (the worker "
+            "may be hung)",
+            reason=STEP_DEADLINE,
+        )
+
+    async def _attempt(self, action: Callable[[ClientSession], Awaitable[T]]) -> T:
+        """Run ``action`` on the session; when the worker fails, move to another replica,
+        replay, and run it again there."""
+        while True:
+            if self._should_hand_over():
+                await self._hand_over()
+            assert self.session is not None
+            try:
+                return await action(self.session)
+            except PipelineError:
+                raise
+            except ShardError as err:
+                if not should_fail_over(err):
+                    raise PipelineError(self.hop, err) from None
+                await self._fail_over(err)
+
+    def _replayable(self) -> bool:
+        return self.first or self.held == 0 or (self.rows is not None and not self.rows.dropped)
+
+    def _candidates(self) -> Iterator[Replica]:
+        """Untried replicas, the current one first, then the others in the order given."""
+        n = len(self.replicas.replicas)
+        for i in range(n):
+            replica = self.replicas.replicas[(self.replicas.current + i) % n]
+            if replica.target not in self._tried_targets:
+                yield replica
+
+    async def _fail_over(self, err: ShardError) -> None:
+        failed = self.replica
+        log.warning("%s failed: %s", self.hop, err)
+        self.tried[failed.target] = err
+        self._tried_targets.add(failed.target)
+        for held in [h for h in self._live if h.session is self.session]:
+            self._retire(held)
+        self.session = None
+        has_alternative = next(self._candidates(), None) is not None
+        if has_alternative and not self._replayable():
+            raise PipelineError(self.replicas.hop(failed), err, tried=list(self.tried.items()),
+                                note=f"no failover: {self.gen.budget.why_dropped()}")
+        await self._replace(err)
+
+    def _should_hand_over(self) -> bool:
+        client = self.replica.client
+        return (
+            self.session is not None and client is not None and client.going_away
+            and not self._handover_failed and self._replayable()
+            and next(self._candidates(), None) is not None  # (the serving one counts as tried)
+        )
+
+    async def _hand_over(self) -> None:
+        """The worker is draining: replay on another replica, then close the old session
+        gracefully on its stream (it still works after GOAWAY). If no replica takes over,
+        stay on the draining worker (its open streams may finish)."""
+        old = self.replica
+        cause = ShardError(ErrorCode.DRAINING, f"{old.target} sent GOAWAY (draining)")
+        self.tried[old.target] = cause
+        self._tried_targets.add(old.target)
+        keep = [h for h in self._live if h.session is self.session]
+        try:
+            await self._replace(cause, handover=True)
+        except PipelineError as err:
+            log.warning("%s: no replica took over from the draining worker: %s", self.hop, err)
+            self._handover_failed = True
+            return
+        for held in keep:
+            self._retire(held, graceful=True)
+
+    async def _replace(self, cause: ShardError | None, *, handover: bool = False) -> None:
+        """Open a session on the first candidate that takes it and replay the log there."""
+        started = trio.current_time()
+        for replica in self._candidates():
+            self._tried_targets.add(replica.target)
+            held = _Held(replica)
+            self._live.append(held)
+            try:
+                await self._timed(lambda: self.replicas.ensure(replica, self._connect_timeout()))
+                held.session = await self._timed(lambda: self._open_on(replica))
+                await self._replay(held.session)
+            except ShardError as err:
+                if isinstance(err, PipelineError) or not (
+                    should_fail_over(err) or err.code in REPLICA_REFUSALS
+                ):
+                    raise (err if isinstance(err, PipelineError)
+                           else PipelineError(self.replicas.hop(replica), err)) from None
+                log.warning("%s: %s cannot take over: %s", self.hop, replica.target, err)
+                self.tried[replica.target] = err
+                self._retire(held)
+                continue
+            previous = self.replica
+            self.session, self.replica = held.session, replica
+            self.replicas.current = self.replicas.replicas.index(replica)
+            if cause is not None:
+                self._record(cause, previous, replica, handover, started)
+            return
+        # named: the replica that failed (at the first open: the first one asked)
+        cause = cause if cause is not None else self.tried[self.replica.target]
+        tried = list(self.tried.items())
+        raise PipelineError(self.hop, cause, tried=tried, note=_listing(tried))
+
+    def _record(
+        self, cause: ShardError, old: Replica, new: Replica, handover: bool, started: float
+    ) -> None:
+        ms = (trio.current_time() - started) * 1000
+        record = Failover(self.index, old.target, new.target, cause.code.name, cause.message,
+                          handover, self.held, ms)
+        self.gen.failovers.append(record)
+        log.warning(
+            "%s: %s from %s to %s (%s); replayed %d positions in %.1f ms", self.hop,
+            "handed over" if handover else "failed over", old.target, new.target,
+            cause.code.name, self.held, ms,
+        )
+
+    def _connect_timeout(self) -> float | None:
+        left = time_left(self.gen.deadline)
+        bound = self.gen.step_timeout
+        if left is None:
+            return bound
+        return left if bound is None else min(left, bound)
+
+    async def _open_on(self, replica: Replica) -> ClientSession:
+        """Open the session with the remaining budget, rounded down, as its grpc-timeout."""
+        ref = self.replicas.reference
+        assert ref is not None and replica.client is not None and replica.caps is not None
+        timeout = hop_timeout(self.gen.deadline)
+        if timeout is not None and timeout <= 0:
+            raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired")
+        want = wire_dtype(replica.caps, self.gen.hidden_dtype)
+        return await replica.client.open_session(
+            self.name,
+            expected_model_fingerprint=ref.model_fingerprint,
+            expected_layer_range=(ref.layer_range.start, ref.layer_range.end),
+            # float32 is not asked for, so a v1.0 exchange stays byte for byte the same
+            hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
+            timeout=timeout,
+        )
+
+    async def _replay(self, session: ClientSession) -> None:
+        """Bring a new session to what the failed one held: the first hop's prompt and tokens,
+        or a later hop's logged rows (in requests that fit one message, results per chunk)."""
+        if self.held == 0:
+            return
+        chunk, steps = self.gen.chunk_tokens * REPLAY_CHUNKS, REPLAY_CHUNKS
+        last: pb.StepResult | None = None
+        if self.first:
+            prompt = self.tokens.prompt
+            assert prompt is not None
+            if isinstance(prompt, str):
+                last = await self._drain(session.prefill_chunks(text=prompt, chunk_tokens=chunk), steps)
+                if self.tokens.tokens:
+                    last = await self._drain(
+                        session.prefill_chunks(self.tokens.tokens, chunk_tokens=chunk), steps)
+            else:
+                last = await self._drain(session.prefill_chunks(
+                    [*prompt, *self.tokens.tokens], chunk_tokens=chunk), steps)
+        else:
+            assert self.rows is not None and self.replicas.reference is not None
+            caps = self.replicas.reference
+            itemsize = convert.WIRE_DTYPES[session.hidden_dtype].itemsize
+            limit = min(x for x in (caps.max_message_bytes, 16 * 2**20) if x)
+            per_message = max(1, (limit - 1024) // (caps.n_embd * itemsize))
+            position = 0
+            for part in self.rows.slices(per_message):
+                last = await self._drain(session.prefill_chunks(
+                    hidden_states=part, position=position, chunk_tokens=chunk), steps)
+                position += part.shape[0]
+        if last is None or last.n_past != self.held:
+            got = "nothing" if last is None else f"{last.n_past} positions"
+            raise ShardError(ErrorCode.INTERNAL, f"the replay left {got}, not {self.held}")
+
+    async def _drain(self, results: StepStream, steps: int) -> pb.StepResult | None:
+        last = None
+        while (step := await self._timed(lambda: _next(results), steps)) is not None:
+            last = step
+        return last
+
+    def _retire(self, held: _Held, *, graceful: bool = False) -> None:
+        """Give up a session: reset its stream now (the worker stops and releases) or, for a
+        draining worker, close it on its stream; release it through a new connection if the
+        old one was lost (a live worker would retain it), in a task the generation owns."""
+        if held in self._live:
+            self._live.remove(held)
+        if held.session is not None and not graceful:
+            held.session.abort()
+        self.gen.spawn(self._retire_task, held, graceful)
+
+    async def _retire_task(self, held: _Held, graceful: bool) -> None:
+        with trio.CancelScope(shield=True, deadline=self.gen.cleanup_deadline()):
+            if graceful and held.session is not None:
+                try:
+                    await held.session.close()
+                    return
+                except ShardError as err:
+                    log.info("%s: closing the session on %s failed: %s", self.hop,
+                             held.replica.target, err)
+                    held.session.abort()
+            client = held.replica.client
+            if client is None or not client.connected:
+                await self.gen.release(held.replica, self.name)
+
+
+async def _next(steps: StepStream) -> pb.StepResult | None:
+    try:
+        return await steps.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def release_session(
+    replica: Replica, name: str, *, ssl_context: ssl.SSLContext | None,
+    metadata: Sequence[tuple[str, str | bytes]],
+) -> None:
+    """``Release`` session ``name`` on ``replica`` within the enclosing scope's deadline; never
+    raises. Through a new connection where the old one was lost: a live worker retains a
+    session whose connection dropped (for resume), and nobody would resume it. Not on a
+    connection the worker sent GOAWAY on (it refuses new calls there and its listener is
+    closed): the stream reset already released the session."""
+    client = replica.client
+    try:
+        if client is not None and client.connected:
+            if client.going_away:
+                return
+            try:
+                await client.release(name, timeout=time_left(trio.current_effective_deadline()))
+                return
+            except ShardError:
+                if client.connected:
+                    raise
+        async with ShardClient.connect(
+            replica.target, timeout=time_left(trio.current_effective_deadline()),
+            ssl_context=ssl_context, metadata=metadata,
+        ) as fresh:
+            await fresh.release(name)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the cleanup goes on
+        gone = isinstance(exc, ShardError) and exc.reason == "CONNECT_FAILED"
+        # a worker that refuses connections is gone: it freed the session with its process
+        log.log(logging.INFO if gone else logging.WARNING, "%s: release of %s failed: %s",
+                replica.target, name, exc)
