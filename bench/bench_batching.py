@@ -126,10 +126,11 @@ async def bench_arrival(model: Path, threads: int, prompt: int, batch_tokens: in
         ticks: list[tuple[float, float, int]] = []
         tick_sync = engine._tick_sync
 
-        def timed_tick(tick: list) -> None:  # type: ignore[type-arg]
+        def timed_tick(tick: list) -> float:  # type: ignore[type-arg]
             t = time.perf_counter()
-            tick_sync(tick)
+            native = tick_sync(tick)
             ticks.append((t, time.perf_counter(), sum(p.count for _, p in tick)))
+            return native
 
         engine._tick_sync = timed_tick  # type: ignore[method-assign]
         stamps: dict[int, list[float]] = {s: [] for s in range(n_dec)}

@@ -157,26 +157,33 @@ async def test_a_claim_waiting_for_its_step_can_be_cancelled(engine: LlamaCppEng
     assert engine.metrics().kv_cells_used == 2 * (len(PROMPT) + 1)
 
 
-async def test_lookahead_steps_aside_for_other_work(engine: LlamaCppEngine) -> None:
+async def test_lookahead_steps_aside_for_other_work(tiny_path: Path) -> None:
     """A step queued ahead is dropped when another session's step waits for a tick: the claim
-    then computes it with the others (the planner's batching and deadlines apply to it)."""
-    await engine.open_session("a")
-    await engine.open_session("b")
-    res = await engine.prefill(PrefillRequest("a", tokens=PROMPT))
-    assert res.logits is not None
-    release = threading.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine._native.run, release.wait)
-        await trio.sleep(0)
-        engine._book.propose(engine._slots["a"].seq_id, len(PROMPT), res.logits.token_id)
-        nursery.start_soon(engine.prefill, PrefillRequest("b", tokens=PROMPT))
-        while not engine._scheduler.has_waiting():
-            await trio.lowlevel.checkpoint()
-        release.set()
-    step = await engine.decode(DecodeRequest("a", token=res.logits.token_id))
-    m = engine.metrics()
-    assert m.lookahead_steps_total == 0 and m.lookahead_cells == 0
-    assert step.n_past == len(PROMPT) + 1 and m.kv_cells_used == 2 * len(PROMPT) + 1
+    then computes it with the others (the planner's batching and deadlines apply to it). With
+    one session per tick, "c" still waits when the tick of "b" ends, which is when the thread
+    looks for work of its own."""
+    async with LlamaCppEngine() as engine:
+        await engine.load(LoadSpec(model_path=tiny_path, n_ctx=1024, max_sessions=4, n_threads=1,
+                                   max_batch_sessions=1))
+        for sid in "abc":
+            await engine.open_session(sid)
+        res = await engine.prefill(PrefillRequest("a", tokens=PROMPT))
+        assert res.logits is not None
+        release = threading.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine._native.run, release.wait)
+            await trio.sleep(0)
+            engine._book.propose(engine._slots["a"].seq_id, len(PROMPT), res.logits.token_id)
+            nursery.start_soon(engine.prefill, PrefillRequest("b", tokens=PROMPT))
+            nursery.start_soon(engine.prefill, PrefillRequest("c", tokens=PROMPT))
+            with trio.fail_after(30):
+                while not engine._native.calls_waiting():  # the tick of "b" is queued
+                    await trio.lowlevel.checkpoint()
+            release.set()
+        step = await engine.decode(DecodeRequest("a", token=res.logits.token_id))
+        m = engine.metrics()
+        assert m.lookahead_steps_total == 0 and m.lookahead_cells == 0
+        assert step.n_past == len(PROMPT) + 1 and m.kv_cells_used == 3 * len(PROMPT) + 1
 
 
 async def test_sampled_generation_is_computed_ahead_with_its_own_sampler(engine: LlamaCppEngine) -> None:
