@@ -403,3 +403,36 @@ async def test_new_sessions_take_the_lowest_free_sequence_ids() -> None:
             await engine.open_session(name)
         ids = {sid: engine._slots[sid].seq_id for sid in ("a", "b", "c")}  # internal, on purpose
         assert ids == {"a": 1, "b": 3, "c": 4}
+
+
+# ---- one call per tick, or one per row (SplitChooser) --------------------------------------
+
+
+def test_split_chooser_measures_both_ways_then_takes_the_cheaper() -> None:
+    from shard.engine.batching import MAX_SPLIT_ROWS, SplitChooser
+
+    chooser = SplitChooser()
+    assert chooser.choose(1) is False and chooser.choose(MAX_SPLIT_ROWS + 1) is False  # never split
+    first = chooser.choose(2)
+    assert first is False  # nothing measured: one call first
+    chooser.observe(2, False, 0.027)
+    assert chooser.choose(2) is True  # then the other way, once
+    chooser.observe(2, True, 0.019)
+    picks = [chooser.choose(2) for _ in range(SplitChooser.EXPLORE * 2)]
+    # The cheaper way (split), except one exploring tick per EXPLORE ticks of this size.
+    assert picks.count(False) == 2 and picks.count(True) == len(picks) - 2
+    # The costs are moving averages: when split becomes dearer, joined wins again.
+    for _ in range(20):
+        chooser.observe(2, True, 0.05)
+    assert chooser.choose(2) is False
+    # Sizes are independent.
+    assert chooser.choose(3) is False
+
+
+def test_split_chooser_ignores_sizes_it_never_splits() -> None:
+    from shard.engine.batching import MAX_SPLIT_ROWS, SplitChooser
+
+    chooser = SplitChooser()
+    chooser.observe(MAX_SPLIT_ROWS + 1, True, 0.001)
+    chooser.observe(1, True, 0.001)
+    assert chooser.choose(MAX_SPLIT_ROWS + 1) is False and chooser.choose(1) is False

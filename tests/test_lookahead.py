@@ -277,3 +277,29 @@ async def test_background_work_runs_between_calls_and_on_wake() -> None:
                 await trio.sleep(0.001)
     finally:
         await worker.aclose()
+
+
+async def test_a_tick_of_one_row_steps_gives_the_same_results_joined_or_split(tiny_path: Path) -> None:
+    """Two sessions decoding together: their ticks run as one llama_decode and as one per row
+    (the chooser measures both ways first), and every token equals the session's alone."""
+    async with LlamaCppEngine() as engine:
+        await engine.load(LoadSpec(model_path=tiny_path, n_ctx=1024, max_sessions=4, n_threads=1))
+        alone = {}
+        for sid in ("x", "y"):
+            await engine.open_session(sid)
+            alone[sid] = await greedy(engine, sid, 10, hinted=False)
+            await engine.release(sid)
+        together: dict[str, list[int]] = {}
+
+        async def run(sid: str, hinted: bool) -> None:
+            await engine.open_session(sid)
+            together[sid] = await greedy(engine, sid, 10, hinted=hinted)
+
+        for hinted in (False, True):  # ticks of the scheduler, then look-ahead ticks
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "x", hinted)
+                nursery.start_soon(run, "y", hinted)
+            assert together == {"x": alone["x"], "y": alone["y"]}
+            for sid in ("x", "y"):
+                await engine.release(sid)
+        assert (2, False) in engine._split._cost and (2, True) in engine._split._cost

@@ -41,9 +41,11 @@ abort callbacks and the boundary capture (with its eval callback) are attributes
 kept until the context is freed, and the log callback is a module global, so
 none can be collected while native code may call it.
 
-Threading: a llama context is not thread-safe. Every call that touches the context runs in
-``trio.to_thread.run_sync`` under one ``CapacityLimiter(1)`` and is never abandoned (the base
-class shields the work and turns a caller's cancellation into the slot's cancel flag).
+Threading: a llama context is not thread-safe. Every call that touches the context runs in the
+engine's one long-lived native thread (``shard.engine.native_thread``) and is never abandoned
+(the base class shields the work and turns a caller's cancellation into the slot's cancel
+flag); between calls that thread computes steps ahead for sessions that asked for it
+(``shard.engine.lookahead``; docs/engine.md, "Look-ahead and the native thread").
 Tokenization and token pieces only read the immutable vocabulary and run inline.
 
 Batching: concurrent sessions share native steps. ``shard.engine.scheduler`` runs the ticks (a
@@ -90,7 +92,7 @@ from shard.models.header import ModelInfo, SliceError, read_model_info
 
 from . import sampling
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot
-from .batching import Piece, Step, TickPlanner
+from .batching import Piece, SplitChooser, Step, TickPlanner
 from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
 from .llama_capture import BoundaryCapture
 from .lookahead import Ahead, LookaheadBook, LookaheadPlan
@@ -269,6 +271,7 @@ class LlamaCppEngine(ShardEngine):
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._last_ahead: list[Ahead] = []  # the records of the last look-ahead tick
         self._ahead_tick_seconds = 0.0
+        self._split = SplitChooser()  # one call per tick, or one per row (native thread only)
         self._natives = contextlib.ExitStack()
         self._model: lc.llama_model_p | None = None
         self._ctx: lc.llama_context_p | None = None
@@ -314,8 +317,9 @@ class LlamaCppEngine(ShardEngine):
         return await self._native.run(self._load_sync, spec)
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
-        """Submit the plan to the batching scheduler (``shard.engine.scheduler``) and wait for
-        its result; ticks run ``_tick_sync`` in a worker thread under the limiter."""
+        """A step computed ahead for exactly this plan is claimed (``_claim``); otherwise the plan
+        goes to the batching scheduler (``shard.engine.scheduler``), whose ticks run
+        ``_tick_sync`` in the native thread."""
         if (plan.tokens is not None) != self._first:  # the base class checks this per request
             wanted = "token ids, not hidden states" if self._first else "hidden states, not token ids"
             raise EngineFailure(f"this shard takes {wanted}")
@@ -591,6 +595,9 @@ class LlamaCppEngine(ShardEngine):
                 live.append((work, piece))
             if not live:
                 return native
+            single = self._boundary is None and all(p.count == 1 and p.completes for _, p in live)
+            if single and self._split.choose(len(live)):
+                return self._tick_split(live)
             n = self._fill_batch(live)
             # Armed for prompt chunks only: a tick of one-row decodes is short, and every poll
             # takes the GIL (see the module docs).
@@ -610,6 +617,8 @@ class LlamaCppEngine(ShardEngine):
                 for work, _ in live:
                     work.finish(error=self._decode_error(rc, work.slot, len(live)))
                 return native
+            if single:
+                self._split.observe(len(live), False, native)
             if target is not None:
                 try:
                     target.check(n)
@@ -630,24 +639,51 @@ class LlamaCppEngine(ShardEngine):
                 if work.hidden_out is not None:
                     work.finish(result=work.hidden_out)
                     continue
-                ptr = _held.llama_get_logits_ith(self._ctx, row - 1)
-                if not ptr:
-                    work.finish(error=EngineFailure("llama.cpp returned no logits for the last position"))
-                    continue
-                logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
-                work.finish(result=logits)
-                plan = work.plan
-                if plan.lookahead is not None and plan.tokens is not None:
-                    end = plan.keep + plan.n_new
-                    token = self._next_step(logits, plan.lookahead, end)
-                    if token is not None:
-                        self._book.propose(work.slot.seq_id, end, token)
+                self._finish_logits(work, row - 1)
         except Exception as exc:  # noqa: BLE001 - handed to every waiting work; the base class fails the engine
             for work, _ in tick:
                 if not work.finished:
                     work.finish(error=exc)
         finally:
             self._count_kv_cells_sync([work.slot.seq_id for work, _ in tick])
+        return native
+
+    def _finish_logits(self, work: _Work, row: int) -> None:
+        """Finish a completed last-shard step with the logits of batch row ``row``, and queue
+        the step after it when its caller asked for a look-ahead."""
+        ptr = _held.llama_get_logits_ith(self._ctx, row)
+        if not ptr:
+            work.finish(error=EngineFailure("llama.cpp returned no logits for the last position"))
+            return
+        logits = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+        work.finish(result=logits)
+        plan = work.plan
+        if plan.lookahead is not None and plan.tokens is not None:
+            end = plan.keep + plan.n_new
+            token = self._next_step(logits, plan.lookahead, end)
+            if token is not None:
+                self._book.propose(work.slot.seq_id, end, token)
+
+    def _tick_split(self, live: list[tuple[_Work, Piece]]) -> float:
+        """A tick of one-row steps run as one ``llama_decode`` per row (``SplitChooser``): a
+        failed call fails its own step only."""
+        native = 0.0
+        self._arm_abort(False)
+        for work, piece in live:
+            self._fill_batch([(work, piece)])
+            self._decoding = (work.slot.cancel,)
+            started = time.perf_counter()
+            try:
+                rc = lc.llama_decode(self._ctx, self._batch)
+            finally:
+                native += time.perf_counter() - started
+                self._decoding = ()
+            if rc != 0:
+                work.finish(error=self._decode_error(rc, work.slot, 1))
+                continue
+            work.step.done_rows += 1
+            self._finish_logits(work, 0)
+        self._split.observe(len(live), True, native)
         return native
 
     # ---- look-ahead (shard.engine.lookahead; docs/engine.md, "Look-ahead") -------------------
@@ -698,19 +734,23 @@ class LlamaCppEngine(ShardEngine):
                 results.append((rec, None))
         native = 0.0
         try:
-            if rows:
-                self._fill_rows([(r.token, r.keep, r.seq) for r in rows])
-                self._arm_abort(False)
+            self._arm_abort(False)
+            split = self._split.choose(len(rows))
+            # One call for every row, or (split) one per row.
+            for group in ([[r] for r in rows] if split else [rows] if rows else []):
+                self._fill_rows([(r.token, r.keep, r.seq) for r in group])
                 started = time.perf_counter()
                 rc = lc.llama_decode(self._ctx, self._batch)
-                native = time.perf_counter() - started
-                for i, rec in enumerate(rows):
+                native += time.perf_counter() - started
+                for i, rec in enumerate(group):
                     ptr = _held.llama_get_logits_ith(self._ctx, i) if rc == 0 else None
                     if ptr:
                         results.append((rec, np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()))
                     else:
                         _held.llama_memory_seq_rm(self._mem, rec.seq, rec.keep, -1)
                         results.append((rec, None))
+            if rows:
+                self._split.observe(len(rows), split, native)
         finally:
             for rec in recs:
                 if not any(r is rec for r, _ in results):

@@ -114,7 +114,7 @@ class WorkerMetrics:
                 total = None
             if total is not None:
                 worker["kv_cells_total"] = total
-                worker["kv_cells_free"] = max(total - em.kv_cells_used, 0)
+                worker["kv_cells_free"] = max(total - em.kv_cells_used - em.lookahead_cells, 0)
         return convert.metrics_to_proto(em, worker)
 
     def meter(self, engine: ShardEngine) -> ShardEngine:
