@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,29 +18,23 @@ import trio
 
 from shard.engine import DecodeRequest, EngineCancelled, LoadSpec, Lookahead, PrefillRequest, SamplingParams
 from shard.engine import llama as llama_module
+from shard.engine.base import ComputePlan
 from shard.engine.llama import LlamaCppEngine
+from shard.engine.scheduler import Job
 from shard.engine.native_thread import GIL_SWITCH_INTERVAL, NativeThread
-from shard.models import ensure_model
+from test_llama_engine import engine, tiny_path  # noqa: F401 - fixtures
 
 PROMPT = (1, 415, 23, 301, 77, 590, 412)
 
 
-@pytest.fixture(scope="module")
-def tiny_path() -> Path:
-    return ensure_model("tiny")
-
-
-@pytest.fixture
-async def engine(tiny_path: Path) -> AsyncIterator[LlamaCppEngine]:
-    async with LlamaCppEngine() as eng:
-        await eng.load(LoadSpec(model_path=tiny_path, n_ctx=1024, max_sessions=4, n_threads=1))
-        yield eng
-
-
 async def settle(engine: LlamaCppEngine) -> None:
-    """Wait until the native thread finished what it was doing (look-ahead included): a call
-    queued now runs after it."""
-    await engine._native.run(lambda: None)
+    """Wait until the native thread computed every step queued ahead. (One call is not enough:
+    the thread runs queued calls before its own work.)"""
+    with trio.fail_after(60):
+        while True:
+            await engine._native.run(lambda: None)
+            if not engine._book.busy():
+                return
 
 
 async def greedy(engine: LlamaCppEngine, sid: str, n: int, *, hinted: bool) -> list[int]:
@@ -157,33 +150,35 @@ async def test_a_claim_waiting_for_its_step_can_be_cancelled(engine: LlamaCppEng
     assert engine.metrics().kv_cells_used == 2 * (len(PROMPT) + 1)
 
 
-async def test_lookahead_steps_aside_for_other_work(tiny_path: Path) -> None:
-    """A step queued ahead is dropped when another session's step waits for a tick: the claim
-    then computes it with the others (the planner's batching and deadlines apply to it). With
-    one session per tick, "c" still waits when the tick of "b" ends, which is when the thread
-    looks for work of its own."""
-    async with LlamaCppEngine() as engine:
-        await engine.load(LoadSpec(model_path=tiny_path, n_ctx=1024, max_sessions=4, n_threads=1,
-                                   max_batch_sessions=1))
-        for sid in "abc":
-            await engine.open_session(sid)
-        res = await engine.prefill(PrefillRequest("a", tokens=PROMPT))
-        assert res.logits is not None
-        release = threading.Event()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(engine._native.run, release.wait)
-            await trio.sleep(0)
-            engine._book.propose(engine._slots["a"].seq_id, len(PROMPT), res.logits.token_id)
-            nursery.start_soon(engine.prefill, PrefillRequest("b", tokens=PROMPT))
-            nursery.start_soon(engine.prefill, PrefillRequest("c", tokens=PROMPT))
-            with trio.fail_after(30):
-                while not engine._native.calls_waiting():  # the tick of "b" is queued
-                    await trio.lowlevel.checkpoint()
-            release.set()
-        step = await engine.decode(DecodeRequest("a", token=res.logits.token_id))
-        m = engine.metrics()
-        assert m.lookahead_steps_total == 0 and m.lookahead_cells == 0
-        assert step.n_past == len(PROMPT) + 1 and m.kv_cells_used == 3 * len(PROMPT) + 1
+async def test_lookahead_steps_aside_for_other_work(engine: LlamaCppEngine) -> None:
+    """A step queued ahead is dropped when another session's step waits for a tick: its claim
+    then computes it with the others (the planner's batching and deadlines apply to it). The
+    waiting step is put in the scheduler's queue by hand, so the thread's decision does not
+    depend on timing."""
+    await engine.open_session("a")
+    await engine.open_session("b")
+    res = await engine.prefill(PrefillRequest("a", tokens=PROMPT))
+    assert res.logits is not None
+    release = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine._native.run, release.wait)  # nothing runs until the job waits
+        await trio.sleep(0)
+        engine._book.propose(engine._slots["a"].seq_id, len(PROMPT), res.logits.token_id)
+        slot_b = engine._slots["b"]
+        plan = ComputePlan(0, PROMPT, None)
+        waiting = Job(slot_b, plan, engine._scheduler.new_step(slot_b, plan), trio.current_time())
+        engine._scheduler._pending.append(waiting)
+        release.set()
+    try:
+        with trio.fail_after(60):
+            while engine._book.busy():  # the thread looks for work of its own after each call
+                await engine._native.run(lambda: None)
+    finally:
+        engine._scheduler._pending.remove(waiting)
+    m = engine.metrics()
+    assert m.lookahead_steps_total == 0 and m.lookahead_cells == 0 and not engine._book.busy()
+    step = await engine.decode(DecodeRequest("a", token=res.logits.token_id))  # computed as usual
+    assert step.n_past == len(PROMPT) + 1 and engine.metrics().kv_cells_used == len(PROMPT) + 1
 
 
 async def test_sampled_generation_is_computed_ahead_with_its_own_sampler(engine: LlamaCppEngine) -> None:

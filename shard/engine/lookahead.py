@@ -143,6 +143,11 @@ class LookaheadBook:
         with self.lock:
             return any(r.state == DONE and not r.claimed for r in recs)
 
+    def busy(self) -> bool:
+        """Some record is queued or being computed."""
+        with self.lock:
+            return any(r.state in (QUEUED, RUNNING) for recs in self._by_seq.values() for r in recs)
+
     def queued(self) -> bool:
         with self.lock:
             return any(r.state == QUEUED for recs in self._by_seq.values() for r in recs)
