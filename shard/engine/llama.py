@@ -106,7 +106,7 @@ from .errors import (
     InvalidInput,
     KvCacheFull,
 )
-from .types import Capabilities, LoadSpec
+from .types import Capabilities, EngineState, LoadSpec
 
 log = logging.getLogger(__name__)
 native_log = logging.getLogger(__name__ + ".native")
@@ -705,6 +705,9 @@ class LlamaCppEngine(ShardEngine):
         Returns False when there was nothing to do."""
         book = self._book
         if self._ctx is None or not book.queued():
+            return False
+        if self._state is not EngineState.READY:  # failed or closing: compute nothing more
+            self._post(book.drop_queued())
             return False
         if self._scheduler.has_waiting():
             # Other work waits for a tick: step aside; the claims fall back to it and are
