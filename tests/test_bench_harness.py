@@ -10,6 +10,7 @@
   and the chart.
 * The failover bench kills the middle worker of a real 3-worker chain and its replica replays
   exactly the prompt's positions.
+* The network bench runs a 2-hop pipeline through delayed links (bench/links.py).
 """
 
 from __future__ import annotations
@@ -237,3 +238,22 @@ def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
         assert trial["log_bytes"] == trial["history"] * 64 * 4  # tiny: n_embd 64, float32
     assert [m["history"] for m in report["medians"]] == [16, 40]
     assert report["environment"]["model"].endswith(".gguf")
+
+
+def test_pipeline_network_bench_reports_client_mode_per_rtt(tmp_path: Path) -> None:
+    """A ``--quick`` run of bench/pipeline_network.py (tiny model, 2 hops through delayed links):
+    the JSON has its environment and a ``client`` mode row per RTT, and a 20 ms round trip per
+    link delays the first token by at least one round trip (a lower bound, not a speed)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.pipeline_network", "--quick", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "pipeline_network.json").read_text())
+    assert report["environment"]["model"].endswith(".gguf")
+    rows = report["modes"]["client"]
+    assert [(r["hops"], r["rtt_ms"]) for r in rows] == [(2, 0.0), (2, 20.0)]
+    for r in rows:
+        assert r["tokens"] == 8 and r["prefill_tokens"] == 64
+        assert r["tok_s"] > 0 and r["prefill_ms"] > 0
+    assert rows[1]["ttft_ms"] >= rows[0]["ttft_ms"] + 20

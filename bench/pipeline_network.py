@@ -1,0 +1,174 @@
+"""Pipelines over delayed links: tokens/s, time to first token and a long prefill per round trip.
+
+2-, 3- and 4-hop pipelines of the bench model (its blocks split evenly, one ``trio-shard serve
+--layers`` worker per hop, 1 llama.cpp thread each, all on this machine) are driven through
+one simulated link per worker (bench/links.py; round trip r = one-way delay r/2 each way).
+Workers start once per hop count; links are re-created per round trip. Per (hops, RTT):
+
+* ``tok_s``: a greedy generation (``ignore_eos``), tokens after the first over the time
+  between the first and the last token;
+* ``ttft_ms``: from the request to the first token of that generation (short prompt);
+* ``prefill_ms``: ``max_tokens=1`` after a ``--prefill``-token prompt.
+
+Results are keyed by mode: today only ``client`` (the client relays every hop's hidden states,
+``shard/pipeline.py``); later modes sit beside it. With several workers on few cores the
+machine is oversubscribed; the environment records it. Timing lives here, never in tests.
+
+    python -m bench.pipeline_network [--quick] [--hops 2,3,4] [--rtts 0,2,20,50] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from contextlib import AsyncExitStack, ExitStack
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.environment import environment, load_average
+from bench.links import open_link
+from bench.processes import shard_server, wait_serving
+from shard.pipeline import Pipeline
+from shard.v1 import shard_pb2 as pb
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def even_ranges(n_layers: int, hops: int) -> list[str]:
+    bounds = [round(i * n_layers / hops) for i in range(hops + 1)]
+    return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])]
+
+
+async def measure_rtt(targets: list[str], rtt_ms: float, tokens: int, prefill: int) -> dict[str, Any]:
+    """One (hop count, RTT) point of the client-relay mode, through fresh links."""
+    async with AsyncExitStack() as stack:
+        links = [await stack.enter_async_context(open_link(t, one_way_delay_s=rtt_ms / 2000))
+                 for t in targets]
+        pipe = await stack.enter_async_context(Pipeline.connect([lk.target for lk in links], timeout=600))
+        caps = pipe.hops[0].caps
+        assert caps is not None
+        rng = random.Random(prefill)
+        long_prompt = [1, *(rng.randrange(3, caps.n_vocab) for _ in range(prefill - 1))]
+        await pipe.generate(long_prompt[:8], max_tokens=1)  # warm-up: sessions, code paths
+        arrivals: list[float] = []
+
+        def on_token(_: pb.StepResult) -> None:
+            arrivals.append(time.perf_counter())
+
+        start = time.perf_counter()
+        await pipe.generate(long_prompt[:8], max_tokens=tokens, ignore_eos=True, on_token=on_token)
+        ttft = arrivals[0] - start
+        decode = arrivals[-1] - arrivals[0]
+        start = time.perf_counter()
+        await pipe.generate(long_prompt, max_tokens=1)
+        prefill_s = time.perf_counter() - start
+    return {
+        "hops": len(targets), "rtt_ms": rtt_ms, "tokens": len(arrivals),
+        "tok_s": round((len(arrivals) - 1) / decode, 2) if decode > 0 else None,
+        "ms_per_token": round(decode / (len(arrivals) - 1) * 1e3, 2),
+        "ttft_ms": round(ttft * 1e3, 1), "prefill_tokens": prefill,
+        "prefill_ms": round(prefill_s * 1e3, 1),
+    }
+
+
+async def measure_hops(targets: list[str], rtts: list[float], tokens: int, prefill: int) -> list[dict[str, Any]]:
+    for target in targets:
+        await wait_serving(target)
+    rows = []
+    for rtt in rtts:
+        row = await measure_rtt(targets, rtt, tokens, prefill)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> str | None:
+    """PNG of tokens/s against RTT, one line per hop count; returns why not if it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install -e '.[bench]')"
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for hops in sorted({r["hops"] for r in rows}):
+        mine = [r for r in rows if r["hops"] == hops]
+        ax.plot([r["rtt_ms"] for r in mine], [r["tok_s"] for r in mine], marker="o",
+                label=f"client relay, {hops} hops")
+    ax.set_xlabel("round trip per link (ms)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.pipeline_network", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 2 hops, RTT 0 and 20 ms, 8 tokens, 64-token prefill")
+    p.add_argument("--preset", default=None, help="model preset (default: bench; tiny with --quick)")
+    p.add_argument("--hops", default=None, help="hop counts (default 2,3,4)")
+    p.add_argument("--rtts", default=None, help="round trips per link in ms (default 0,2,20,50)")
+    p.add_argument("--tokens", type=int, default=None, help="generated tokens (default 32)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill prompt length (default 1000)")
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per worker")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    q = args.quick
+    preset = args.preset or ("tiny" if q else "bench")
+    hop_counts = [int(h) for h in (args.hops or ("2" if q else "2,3,4")).split(",")]
+    rtts = [float(r) for r in (args.rtts or ("0,20" if q else "0,2,20,50")).split(",")]
+    tokens = args.tokens or (8 if q else 32)
+    prefill = args.prefill or (64 if q else 1000)
+    from shard.models import ensure_model
+    from shard.models.write import get_preset
+
+    model = ensure_model(preset)
+    n_layer = get_preset(preset).n_layer
+    logs = args.out_dir / "logs"
+    env = environment(model, args.threads,
+                      argv=["-m", "bench.pipeline_network", *(sys.argv[1:] if argv is None else argv)])
+    rows: list[dict[str, Any]] = []
+    for hops in hop_counts:
+        ranges = even_ranges(n_layer, hops)
+        with ExitStack() as stack:
+            servers = [stack.enter_context(shard_server(
+                model, threads=args.threads, ctx=2 * (prefill + tokens + 64), max_sessions=2,
+                log=logs / f"pipeline_network-{hops}-{i}.log", extra=["--layers", r]))
+                for i, r in enumerate(ranges)]
+            rows += trio.run(measure_hops, [s.target for s in servers], rtts, tokens, prefill)
+    env["load_average_after"] = load_average()
+    print(f"\n{'mode':<7} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'ms/tok':>7} {'ttft ms':>8} {'prefill ms':>11}")
+    for r in rows:
+        print(f"{'client':<7} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} {r['ms_per_token']:>7} "
+              f"{r['ttft_ms']:>8} {r['prefill_ms']:>11}")
+    report: dict[str, Any] = {
+        "environment": env,
+        "settings": {"preset": preset, "hops": hop_counts, "ranges": {h: even_ranges(n_layer, h) for h in hop_counts},
+                     "rtts_ms": rtts, "tokens": tokens, "prefill_tokens": prefill, "threads": args.threads,
+                     "links": "one bench/links.py Link in front of each worker, one-way delay = rtt/2"},
+        "modes": {"client": rows},
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    why = write_chart(rows, args.out_dir / "pipeline_network.png",
+                      f"{preset} model, client relay, {args.threads} thread/worker, {env['usable_cores']} cores")
+    report["chart"] = why or "pipeline_network.png"
+    path = args.out_dir / "pipeline_network.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {path}" + (f" ({why})" if why else " and pipeline_network.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
