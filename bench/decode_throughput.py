@@ -48,7 +48,7 @@ from typing import Any
 
 import trio
 
-from bench.environment import default_threads, environment, load_average
+from bench.environment import default_threads, environment, load_average, save_chart
 from bench.processes import free_port, http_server, shard_server, stream_sse, wait_serving
 from bench.raw_loops import LlamaBaseline, RawDecoder
 from shard.client import ShardClient
@@ -485,13 +485,7 @@ def write_chart(summary: dict[str, dict[int, dict[str, float]]], path: Path, tit
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent sessions (raw: sequences batched per llama_decode)")
     ax.set_ylabel("aggregate decode tokens/s (median of rounds)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save_chart(fig, ax, path, title)
     return None
 
 

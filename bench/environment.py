@@ -97,3 +97,16 @@ def environment(model: Path, threads: int, *, argv: list[str] | None = None) -> 
         "llama_cpp_build": llama_build(),
         "load_average_before": load_average(),
     }
+
+
+def save_chart(fig: Any, ax: Any, path: Path, title: str) -> None:
+    """Title, grid and legend as every bench chart has them, then write ``path`` and close."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

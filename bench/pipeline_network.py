@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from bench.environment import environment, load_average
+from bench.environment import environment, load_average, save_chart
 from bench.links import open_link
 from bench.processes import shard_server, wait_serving
 from shard.pipeline import Pipeline
@@ -103,13 +103,7 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> str | Non
                 label=f"client relay, {hops} hops")
     ax.set_xlabel("round trip per link (ms)")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save_chart(fig, ax, path, title)
     return None
 
 
