@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object with 'text', 'tokens' and 'finish_reason' "
                      "instead of streaming (after Ctrl-C: what was received, with "
-                     "'interrupted': true; exit status 130); with --pipeline also 'failovers' "
+                     "'interrupted': true; exit status 130); with --pipeline also 'traversals' "
+                     "(passes through the chain) and 'failovers' "
                      "if a hop moved to a replica (hop, from, to, reason, handover, positions "
                      "replayed, recovery_ms)")
     gen.add_argument("--hidden-dtype", choices=["float32", "float16"], default="float32",
@@ -291,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --pipeline: most MiB of boundary hidden states kept to replay on "
                      "a replica (hops with replicas only); past it those hops can no longer fail "
                      "over in this generation (default: 256)")
+    gen.add_argument("--speculate", type=_non_negative_int, default=0, metavar="K",
+                     help="with --pipeline: each pass through the chain also carries up to K "
+                     "tokens drafted by prompt lookup (n-grams of the token-id prompt and of the "
+                     "output so far), verified by the last shard in the same pass: the same "
+                     "tokens, fewer passes when the text repeats itself; --json then reports "
+                     "'traversals', 'drafted_tokens' and 'accepted_tokens' (default: 0, off)")
 
     caps = sub.add_parser("caps", help="show what a running worker serves")
     _add_target(caps)
@@ -670,6 +677,9 @@ async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace:
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.pipeline:
         return _cmd_generate_pipeline(args)
+    if args.speculate:
+        return _fail("--speculate needs --pipeline (a single worker's generate runs on the "
+                     "worker; --pipeline HOST:PORT drives one worker from the client)", 2)
     try:
         options = _client_options(args)
     except (ValueError, OSError, ssl.SSLError) as exc:
@@ -760,9 +770,13 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
                 result = await pipe.generate(
                     args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                     seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
-                    timeout=deadline - trio.current_time(),
+                    timeout=deadline - trio.current_time(), speculate=args.speculate,
                 )
             out.failovers = [f.as_dict() for f in result.failovers]
+            out.stats = {"traversals": result.traversals}
+            if args.speculate:
+                out.stats.update(drafted_tokens=result.drafted_tokens,
+                                 accepted_tokens=result.accepted_tokens)
 
         return await _until_sigint(generate)
 
@@ -780,6 +794,7 @@ class _GenerateOutput:
         self.tokens: list[int] = []
         self.finish = 0  # FINISH_REASON_UNSPECIFIED until the last token
         self.failovers: list[dict[str, object]] = []  # a pipeline's hops that moved, if any
+        self.stats: dict[str, int] = {}  # a pipeline's passes through the chain, drafts
 
     def add(self, token_id: int, text: str, finish_reason: int) -> None:
         self.tokens.append(token_id)
@@ -795,7 +810,8 @@ class _GenerateOutput:
         if self.as_json:
             reason = pb.FinishReason.Name(self.finish).removeprefix("FINISH_REASON_").lower()
             result: dict[str, object] = {
-                "text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason}
+                "text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason,
+                **self.stats}
             if self.failovers:
                 result["failovers"] = self.failovers
             print(json.dumps({**result, "interrupted": True} if interrupted else result))

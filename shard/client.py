@@ -742,8 +742,9 @@ class ClientSession:
         sampling: pb.SamplingParams | None,
         top_logprobs: int,
         chunk_tokens: int = 0,
+        all_logits: bool = False,
     ) -> pb.SessionRequest:
-        p = pb.Prefill(top_logprobs=top_logprobs, chunk_tokens=chunk_tokens)
+        p = pb.Prefill(top_logprobs=top_logprobs, chunk_tokens=chunk_tokens, all_logits=all_logits)
         if tokens is not None:
             p.tokens.ids.extend(tokens)
         elif text is not None:
@@ -765,12 +766,15 @@ class ClientSession:
         position: int | None = None,
         sampling: pb.SamplingParams | None = None,
         top_logprobs: int = 0,
+        all_logits: bool = False,
     ) -> pb.StepResult:
         """Write a prompt (token ids, text, or float32 [n, n_embd] hidden states, sent in
-        ``hidden_dtype``) at ``position`` (default: append at the session's end)."""
-        return await self._one_step(
-            self._prefill_msg(tokens, text, hidden_states, position, sampling, top_logprobs)
-        )
+        ``hidden_dtype``) at ``position`` (default: append at the session's end). ``all_logits``
+        (a last shard reporting ``max_logits_positions``): one ``Logits`` per position in
+        ``position_logits``, for verifying drafted tokens."""
+        return await self._one_step(self._prefill_msg(
+            tokens, text, hidden_states, position, sampling, top_logprobs, all_logits=all_logits
+        ))
 
     def prefill_chunks(
         self,

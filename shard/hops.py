@@ -411,7 +411,7 @@ class HopRunner:
                 await emit(out)
 
         await self._attempt(action)  # a replacement replays nothing: held stays 0 until here
-        self.tokens.hold_prompt(prompt)
+        self.tokens.hold_prompt(prompt, emitted)
         self.held = emitted
 
     async def prefill_rows(self, position: int, rows: np.ndarray) -> HopOutput:
@@ -421,6 +421,30 @@ class HopRunner:
             top_logprobs=self.gen.top_logprobs,
         )))
         self._log_rows(rows)
+        return out
+
+    async def verify(
+        self, position: int, *, tokens: Sequence[int] | None = None, rows: np.ndarray | None = None
+    ) -> HopOutput:
+        """A speculative step at ``position``: token ids (first hop) or boundary rows (later
+        hops) written over whatever the session holds from there (the rejected drafts of the
+        step before, on every hop alike). The last hop returns one ``Logits`` per position
+        (``step.position_logits``, checked)."""
+        n = len(tokens) if tokens is not None else int(rows.shape[0])  # type: ignore[union-attr]
+        out = await self._attempt(lambda s: self._step(s, lambda: s.prefill(
+            tokens, hidden_states=rows, position=position, sampling=self.gen.sampling,
+            top_logprobs=self.gen.top_logprobs, all_logits=self.last,
+        )))
+        if self.last and len(out.step.position_logits) != n:
+            raise PipelineError(self.hop, ShardError(
+                ErrorCode.INTERNAL,
+                f"asked for the logits of {n} positions, got {len(out.step.position_logits)}",
+            ))
+        if tokens is not None:
+            self.tokens.write(position, tokens)
+        elif self.rows is not None and self.session is not None:
+            self.rows.truncate(position)
+            self.rows.append(rows, self.session.hidden_dtype)  # type: ignore[arg-type]
         return out
 
     async def decode(self, *, token: int | None = None, row: np.ndarray | None = None) -> HopOutput:

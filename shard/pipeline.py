@@ -60,6 +60,7 @@ import numpy as np
 import trio
 
 from shard.client import ShardClient, sampling
+from shard.drafting import Drafter, PromptLookup
 from shard.hops import (
     CLEANUP_GRACE,
     HOP_DEADLINE_MARGIN,
@@ -144,6 +145,12 @@ class PipelineResult:
     steps: list[pb.StepResult] = field(default_factory=list)
     prompt_tokens: int = 0
     failovers: list[Failover] = field(default_factory=list)
+    #: Passes through the chain: the prompt's, then one per decode or speculative step (a
+    #: generation without speculation takes one per token).
+    traversals: int = 0
+    #: Speculation (``generate(speculate=K)``): tokens drafted, and those the model agreed with.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -299,18 +306,33 @@ class Pipeline:
         session_id: str | None = None,
         timeout: float | None = _DEFAULT,
         on_token: OnToken | None = None,
+        speculate: int = 0,
+        drafter: Drafter | None = None,
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
         whole-model worker's ``Generate``. ``on_token`` (sync or async) sees each token's
         StepResult as it arrives, once, also across failovers. Every shard's session is released
         when this returns or fails.
+
+        ``speculate=K`` (K >= 1): each pass through the chain carries the next token and up to K
+        tokens drafted by prompt lookup (``shard.drafting``: n-grams of the prompt, when given
+        as token ids, and of the output so far); the last shard returns every position's token
+        and the longest agreeing prefix is kept, the rest rolled back on every hop by the next
+        step. The tokens are the ones plain decoding gives, greedy or sampled (the last shard
+        samples each position as a decode ending there would; see docs/pipelines.md). Needs a
+        last shard that reports ``max_logits_positions`` > K. ``drafter``: any object with
+        ``propose(history, k) -> list[int]`` instead of prompt lookup.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
+        if speculate < 0:
+            raise ValueError("speculate must be >= 0")
         self._check_chunk(chunk_tokens)
+        if speculate:
+            self._check_speculation(speculate)
         if timeout is _DEFAULT:
             timeout = self.timeout
         deadline = absolute_deadline(timeout)
@@ -338,7 +360,8 @@ class Pipeline:
                 try:
                     with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
                         await self._run(runners, result, prompt, max_tokens, stop_tokens,
-                                        ignore_eos, on_token, blames)
+                                        ignore_eos, on_token, blames, speculate,
+                                        drafter or PromptLookup())
                         return result
                     raise blames.deadline_error(self.hops)  # the scope's deadline passed
                 except BaseException:
@@ -360,33 +383,55 @@ class Pipeline:
         ignore_eos: bool,
         on_token: OnToken | None,
         blames: _Blames,
+        speculate: int = 0,
+        drafter: Drafter | None = None,
     ) -> None:
         for runner in runners:
             with _Blame(runner, blames):
                 await runner.open()
         step = await self._prefill(runners, prompt, blames)
         result.prompt_tokens = step.n_past
-        capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
+        result.traversals = 1
         stop = frozenset(stop_tokens)
+        # Drafting reads the prompt's ids when the caller gave them (a text prompt is tokenized
+        # by the first shard only) and every token generated.
+        history = [] if isinstance(prompt, str) else list(prompt)
+        drafter = drafter if speculate else None
+        pending = [step]
         while True:
-            token = step.logits.token_id
-            if step.logits.is_eog and not ignore_eos:
-                step.finish_reason = pb.FINISH_REASON_EOG
-            elif token in stop:
-                step.finish_reason = pb.FINISH_REASON_STOP_TOKEN
-            elif len(result.steps) + 1 >= max_tokens:
-                step.finish_reason = pb.FINISH_REASON_LENGTH
-            elif step.n_past + 1 > capacity:
-                step.finish_reason = pb.FINISH_REASON_CONTEXT_FULL
-            result.steps.append(step)
-            if on_token is not None:
-                maybe = on_token(step)
-                if inspect.isawaitable(maybe):
-                    await maybe
+            capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
+            for step in pending:
+                token = step.logits.token_id
+                if step.logits.is_eog and not ignore_eos:
+                    step.finish_reason = pb.FINISH_REASON_EOG
+                elif token in stop:
+                    step.finish_reason = pb.FINISH_REASON_STOP_TOKEN
+                elif len(result.steps) + 1 >= max_tokens:
+                    step.finish_reason = pb.FINISH_REASON_LENGTH
+                elif step.n_past + 1 > capacity:
+                    step.finish_reason = pb.FINISH_REASON_CONTEXT_FULL
+                result.steps.append(step)
+                history.append(token)
+                if on_token is not None:
+                    maybe = on_token(step)
+                    if inspect.isawaitable(maybe):
+                        await maybe
+                if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    break
             if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 break
-            step = await self._decode(runners, token, blames)
-            capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
+            result.traversals += 1
+            if drafter is None:
+                pending = [await self._decode(runners, token, blames)]
+                continue
+            # Room for drafts: every one kept still leaves a token to emit within max_tokens,
+            # and the step fits every hop's KV budget.
+            room = min(speculate, max_tokens - len(result.steps) - 1, capacity - step.n_past - 1)
+            drafts = drafter.propose(history, room) if room > 0 else []
+            pending = await self._speculate(runners, step.n_past, [token, *drafts], blames)
+            accepted = len(pending) - 1
+            result.drafted_tokens += len(drafts)
+            result.accepted_tokens += accepted
         for runner in runners:
             with _Blame(runner, blames):
                 await runner.close()
@@ -451,6 +496,43 @@ class Pipeline:
         if not last or last[0].WhichOneof("output") != "logits":
             raise PipelineError(self.hops[-1], ShardError(ErrorCode.INTERNAL, "no logits after prefill"))
         return last[0]
+
+    def _check_speculation(self, k: int) -> None:
+        """The last shard must verify k drafted tokens and the next one in one step."""
+        last = self._replicas[-1]
+        for replica in last.replicas:
+            caps = replica.caps
+            if caps is not None and caps.max_logits_positions < k + 1:
+                why = ("does not verify drafted tokens (it reports no max_logits_positions: "
+                       "an older worker)" if not caps.max_logits_positions else
+                       f"verifies at most {caps.max_logits_positions - 1} drafted tokens a step")
+                raise PipelineError(last.hop(replica), ShardError(
+                    ErrorCode.UNSUPPORTED_FEATURE, f"speculate={k}: the last shard {why}"))
+
+    async def _speculate(
+        self, runners: list[HopRunner], position: int, tokens: list[int], blames: _Blames
+    ) -> list[pb.StepResult]:
+        """One pass of ``tokens`` (the next token, then drafts) written at ``position`` on every
+        hop; returns the results to emit: one per draft the model agreed with (in order) and
+        the model's own token after them. A position's result looks like the decode's that
+        would have produced it (its ``logits``, ``n_past``)."""
+        with _Blame(runners[0], blames):
+            out = await runners[0].verify(position, tokens=tokens)
+        for runner in runners[1:]:
+            with _Blame(runner, blames):
+                assert out.rows is not None
+                out = await runner.verify(out.start, rows=out.rows)
+        last = out.step
+        start = last.n_past - len(last.position_logits)
+        emitted: list[pb.StepResult] = []
+        for i, logits in enumerate(last.position_logits):
+            emitted.append(pb.StepResult(
+                step=last.step, n_past=start + i + 1, tokens_processed=1, logits=logits,
+                start_position=start + i,
+            ))
+            if i + 1 >= len(tokens) or logits.token_id != tokens[i + 1]:
+                break  # the model's own token here: the drafts after it are rejected
+        return emitted
 
     async def _decode(self, runners: list[HopRunner], token: int, blames: _Blames) -> pb.StepResult:
         """One token through every hop; the last hop's result carries the next token."""

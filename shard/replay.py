@@ -67,6 +67,11 @@ class ReplayBudget:
         self.used += nbytes
         return True
 
+    def give_back(self, nbytes: int) -> None:
+        """Rows a log forgot (``RowLog.truncate``) no longer count."""
+        if self.exceeded_at is None:
+            self.used = max(0, self.used - nbytes)
+
     def why_dropped(self) -> str:
         return (f"its replay log was dropped when the history reached {self.exceeded_at} "
                 f"positions (replay_bytes={self.limit})")
@@ -77,13 +82,25 @@ class TokenLog:
 
     def __init__(self) -> None:
         self.prompt: str | list[int] | None = None  # set once the prompt is held
+        self.prompt_positions = 0  # what the prompt occupies (a text's token count)
         self.tokens: list[int] = []
 
-    def hold_prompt(self, prompt: str | Sequence[int]) -> None:
+    def hold_prompt(self, prompt: str | Sequence[int], positions: int) -> None:
         self.prompt = prompt if isinstance(prompt, str) else list(prompt)
+        self.prompt_positions = positions
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
+
+    def write(self, position: int, tokens: Sequence[int]) -> None:
+        """``tokens`` written at ``position`` (a speculative step, or the step after one that
+        drops its rejected drafts): everything logged from ``position`` on is replaced."""
+        offset = position - self.prompt_positions
+        if not 0 <= offset <= len(self.tokens):
+            raise ValueError(f"position {position} is outside the logged "
+                             f"[{self.prompt_positions}, {self.prompt_positions + len(self.tokens)}]")
+        del self.tokens[offset:]
+        self.tokens.extend(tokens)
 
     @property
     def empty(self) -> bool:
@@ -113,6 +130,25 @@ class RowLog:
         kept = np.array(rows, dtype=np.dtype(dtype).newbyteorder("<"), copy=True)
         if self._budget.take(kept.nbytes, self.positions):
             self._chunks.append(kept)
+
+    def truncate(self, positions: int) -> None:
+        """Forget every row from position ``positions`` on (a rewind: rejected drafts) and give
+        their bytes back to the budget."""
+        if positions > self.positions:
+            raise ValueError(f"cannot keep {positions} of {self.positions} logged rows")
+        self.positions = positions
+        if self.dropped:
+            return
+        kept, total = [], 0
+        for chunk in self._chunks:
+            if total >= positions:
+                break
+            part = chunk[:positions - total]
+            kept.append(part)
+            total += part.shape[0]
+        freed = self.nbytes - sum(c.nbytes for c in kept)
+        self._chunks = kept
+        self._budget.give_back(freed)
 
     def drop(self) -> None:
         self.dropped = True

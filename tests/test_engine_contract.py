@@ -1,5 +1,5 @@
-"""The ShardEngine contract suite (shard.testing) run on every engine: fake and llama.cpp,
-plus unit tests of the pieces every engine shares (sampling, value types)."""
+"""The ShardEngine contract suite (shard.testing) run on every engine: fake (alone and batched)
+and llama.cpp, plus unit tests of the pieces every engine shares (sampling, value types)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shard.engine import BoundaryResult, DecodeRequest, PrefillRequest, SamplingParams
+from shard.engine.fake import FakeScript
 from shard.engine.sampling import candidate_order, choose_token
 from shard.testing import EngineContractSuite, EngineFactory, fake_factory, llama_factory
 
 # One llama.cpp thread: on a tiny model a second thread buys nothing, and llama.cpp's spinning
 # thread pool turns milliseconds into seconds when other processes compete for the 2 cores
 # (measured: a 12-token prefill took ~1 s with n_threads=2 under load, ~3 ms with 1).
-FACTORIES = [fake_factory(), llama_factory("tiny", n_threads=1)]
+# The batched fake runs the batching scheduler llama.cpp runs (shard.engine.scheduler).
+FACTORIES = [
+    fake_factory(),
+    fake_factory(script=FakeScript(batched=True), name="fake-batched"),
+    llama_factory("tiny", n_threads=1),
+]
 
 
 @pytest.fixture(params=FACTORIES, ids=str)

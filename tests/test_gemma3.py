@@ -112,13 +112,18 @@ def test_pipeline_equals_the_whole_model_worker(
             for r in ranges
         ]
         piped = _generate("--pipeline", ",".join(targets))  # waits for workers still loading
+        speculated = _generate("--pipeline", ",".join(targets), "--speculate", "4")
         for target, r in zip(targets, ranges, strict=True):
             caps = _caps(target)  # (caps does not wait: asked once every worker served)
             assert caps["layer_range"] == [int(x) for x in r.split(":")]
             assert caps["model_fingerprint"] == PIN.sha256  # every shard names the whole model
     want = {k: v for k, v in whole.items() if k != "caps"}
+    assert piped.pop("traversals") == len(want["tokens"])  # one pass per token
     assert piped["tokens"] == want["tokens"]
     assert piped == want  # text and finish reason too
+    # speculative verification: the same text in fewer passes (prompt lookup drafts)
+    assert speculated["tokens"] == want["tokens"] and speculated["text"] == want["text"]
+    assert speculated["traversals"] == len(want["tokens"]) - speculated["accepted_tokens"]
 
 
 def test_decode_bench_runs_on_the_real_model(gemma3: Path, tmp_path: Path) -> None:

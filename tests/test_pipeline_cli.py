@@ -55,6 +55,8 @@ async def test_generate_pipeline_json_prints_the_single_workers_tokens() -> None
         assert all(p.returncode == 0 for p in out.values()), {k: p.stderr for k, p in out.items()}
         want, got = json.loads(out["single"].stdout), json.loads(out["piped"].stdout)
         assert len(want["tokens"]) >= 32 or want["finish_reason"] == "eog"
+        # one pass for the prompt, then one per token after the first
+        assert got.pop("traversals") == len(want["tokens"])
         assert got == want  # tokens, text and finish reason
         assert out["text"].stdout.decode() == want["text"] + "\n"
         await assert_all_free([whole, *chain])
@@ -107,6 +109,7 @@ async def test_a_failing_hop_with_a_replica_fails_over_and_json_reports_it() -> 
     assert piped.returncode == 0, piped.stderr.decode()
     got = json.loads(piped.stdout)
     (failover,) = got.pop("failovers")
+    assert got.pop("traversals") == len(got["tokens"])
     assert got == json.loads(single.stdout)
     assert failover["hop"] == 1 and failover["from"] == b1.target and failover["to"] == b2.target
     assert failover["reason"] == "ENGINE_FAILURE" and failover["handover"] is False

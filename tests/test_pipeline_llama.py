@@ -103,5 +103,39 @@ async def test_llama_generate_pipeline_json_equals_single_worker() -> None:
             [*cli, "--pipeline", ",".join(w.target for w in chain)], capture_stdout=True
         )
     assert isinstance(single, subprocess.CompletedProcess)
-    assert json.loads(piped.stdout)["tokens"] == json.loads(single.stdout)["tokens"]
-    assert json.loads(piped.stdout) == json.loads(single.stdout)
+    got, want = json.loads(piped.stdout), json.loads(single.stdout)
+    assert got["tokens"] == want["tokens"]
+    assert got.pop("traversals") == len(want["tokens"])  # the prompt's pass, one per later token
+    assert got == want
+
+
+@pytest.mark.parametrize("cuts", [[0, 4], *CHAINS.values()], ids=["1-worker", *CHAINS])
+async def test_llama_speculation_gives_the_tokens_of_plain_decoding(cuts: list[int]) -> None:
+    """Speculative verification on llama.cpp shards: drafts accepted and rejected (a scripted
+    drafter), and prompt lookup; greedy tokens equal the whole model's, the last shard's
+    log-probabilities within 1e-3 (a verifying step's rows are one batch), nothing left."""
+    from test_speculation import Scripted
+
+    async with llama_workers([None, *ranges_of(cuts)]) as (whole, *chain):
+        want = await whole_model_steps(
+            whole.target, PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP
+        )
+        tokens = [s.logits.token_id for s in want]
+        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            scripted = await pipe.generate(
+                PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP, speculate=4,
+                drafter=Scripted(tokens, 0, wrong_every=3),
+            )
+            lookup = await pipe.generate(
+                PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP, speculate=4
+            )
+        assert scripted.tokens == tokens == lookup.tokens
+        assert 0 < scripted.accepted_tokens < scripted.drafted_tokens
+        assert scripted.traversals == N_TOKENS - scripted.accepted_tokens
+        for g, w in zip(scripted.steps, want, strict=True):
+            assert g.n_past == w.n_past
+            for a, b in zip(g.logits.top, w.logits.top, strict=True):
+                assert abs(a.logprob - b.logprob) <= 1e-3
+        await assert_all_free([whole, *chain])
+        for w in [whole, *chain]:
+            assert w.engine.metrics().kv_cells_used == 0

@@ -204,6 +204,9 @@ class ComputePlan:
     #: The caller's look-ahead hint, resolved (``shard.engine.lookahead``); implementations
     #: that do not look ahead ignore it.
     lookahead: LookaheadPlan | None = None
+    #: Last shard: return the logits of every evaluated position ([n_new, n_vocab]), not only
+    #: the last one's (``PrefillRequest.all_logits``).
+    all_logits: bool = False
 
     @property
     def n_new(self) -> int:
@@ -483,25 +486,35 @@ class ShardEngine(abc.ABC):
                 f"position {request.position} is outside [0, {slot.n_past}] for this session",
                 session_id=sid,
             )
+        all_logits = bool(request.all_logits) and caps.is_last
+        if all_logits and not 1 <= request.n_tokens <= caps.max_logits_positions:
+            raise InvalidInput(
+                f"all_logits takes 1 to {caps.max_logits_positions} positions, not "
+                f"{request.n_tokens}", session_id=sid,
+            )
         reused = 0
         if has_tokens:
             if not caps.is_first:
                 raise InvalidInput("this shard does not start at layer 0: send hidden states", session_id=sid)
             validate_tokens(request.tokens, caps.n_vocab)
-            if slot.tokens is not None:
+            if slot.tokens is not None and not all_logits:  # every position's logits are asked
                 held = slot.tokens[request.position :]
                 limit = min(len(held), len(request.tokens) - 1)  # recompute at least one position
                 while reused < limit and held[reused] == request.tokens[reused]:
                     reused += 1
             plan = ComputePlan(
                 request.position + reused, request.tokens[reused:], None, deadline,
+                None if all_logits else
                 self._lookahead_plan(request.lookahead, request.sampling, slot, caps),
+                all_logits=all_logits,
             )
         else:
             if caps.is_first:
                 raise InvalidInput("a first shard takes token ids, not hidden states", session_id=sid)
             validate_hidden_states(request.hidden_states, caps.n_embd)
-            plan = ComputePlan(request.position, None, request.hidden_states, deadline)
+            plan = ComputePlan(
+                request.position, None, request.hidden_states, deadline, all_logits=all_logits
+            )
         self._check_length(slot, caps, request.position + request.n_tokens)
         return await self._run(
             slot, plan, request.sampling, request.top_k_logprobs, reused, "prefill_tokens_total"
@@ -761,19 +774,21 @@ class ShardEngine(abc.ABC):
         n_new = plan.n_new
         new_len = plan.keep + n_new
         logits_result = boundary = None
+        per_position: tuple[LogitsResult, ...] = ()
         if caps.is_last:
-            logits = np.asarray(raw, dtype=np.float32).reshape(-1)
-            if logits.shape[0] != caps.n_vocab or not np.isfinite(logits).all():
+            rows = n_new if plan.all_logits else 1
+            logits = np.asarray(raw, dtype=np.float32).reshape(rows, -1)
+            if logits.shape[1] != caps.n_vocab or not np.isfinite(logits).all():
                 raise EngineFailure("engine produced invalid logits")
-            lse = sampling.logsumexp(logits)
-            token = sampling.choose_token(logits, params, new_len)
-            logits_result = LogitsResult(
-                top=sampling.top_logprobs(logits, top_k, lse),
-                token_id=token,
-                logprob=float(logits[token]) - lse,
-                piece=self._impl_token_piece(token),
-                is_eog=self._impl_is_eog(token),
+            # Row i ends at position keep + i: sampled as a decode ending there would be (the
+            # sampler's stream is keyed by the session length), so a verified draft gives the
+            # very tokens plain decoding gives, sampled or greedy.
+            results = tuple(
+                self._logits_result(row, params, top_k, new_len - rows + 1 + i)
+                for i, row in enumerate(logits)
             )
+            logits_result = results[-1]
+            per_position = results if plan.all_logits else ()
         else:
             hidden = np.asarray(raw, dtype=np.float32)
             if hidden.shape != (n_new, caps.n_embd):
@@ -796,6 +811,21 @@ class ShardEngine(abc.ABC):
             reused_tokens=reused,
             logits=logits_result,
             boundary=boundary,
+            position_logits=per_position,
+        )
+
+    def _logits_result(
+        self, logits: np.ndarray, params: SamplingParams, top_k: int, n_past: int
+    ) -> LogitsResult:
+        """The token chosen from one position's ``logits`` for a session of ``n_past``."""
+        lse = sampling.logsumexp(logits)
+        token = sampling.choose_token(logits, params, n_past)
+        return LogitsResult(
+            top=sampling.top_logprobs(logits, top_k, lse),
+            token_id=token,
+            logprob=float(logits[token]) - lse,
+            piece=self._impl_token_piece(token),
+            is_eog=self._impl_is_eog(token),
         )
 
 

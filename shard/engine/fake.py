@@ -236,7 +236,7 @@ class FakeEngine(ShardEngine):
                 cells = self._kv.setdefault(slot.seq_id, [])
                 del cells[plan.keep :]
             outputs.append(self._compute_position(plan, i, cells))
-        return self._output(outputs)
+        return self._output(outputs, plan)
 
     def _cells_to_keep(self, slot: Slot, plan: ComputePlan) -> list[np.ndarray]:
         cells = self._kv.get(slot.seq_id, [])
@@ -260,10 +260,12 @@ class FakeEngine(ShardEngine):
         cells.append(states)
         return hidden
 
-    def _output(self, outputs: list[np.ndarray]) -> np.ndarray:
+    def _output(self, outputs: list[np.ndarray], plan: ComputePlan) -> np.ndarray:
         weights = self._weights
         assert weights is not None
         if weights.head is not None:
+            if plan.all_logits:
+                return np.stack([self._logits(o) for o in outputs])
             return self._logits(outputs[-1])
         return np.stack(outputs)
 
@@ -286,7 +288,7 @@ class FakeEngine(ShardEngine):
                     job.outputs.append(self._compute_position(plan, i, cells))
                 job.step.done_rows += piece.count
                 if piece.completes:
-                    job.finish(result=self._output(job.outputs))
+                    job.finish(result=self._output(job.outputs, job.plan))
             except EngineError as exc:
                 job.finish(error=exc)
             except Exception as exc:  # noqa: BLE001 - the base class turns it into EngineFailure

@@ -190,11 +190,16 @@ def _native_reason() -> str:
 
 
 class _Work(Job):
-    """A job plus the rows a non-last shard captures for it, filled tick by tick."""
+    """A job plus the rows a non-last shard captures for it (or, for an ``all_logits`` step on
+    the last shard, every row's logits), filled tick by tick."""
 
-    def __init__(self, slot: Slot, plan: ComputePlan, step: Step, submitted: float, hidden_out: np.ndarray | None) -> None:
+    def __init__(
+        self, slot: Slot, plan: ComputePlan, step: Step, submitted: float,
+        hidden_out: np.ndarray | None, logits_out: np.ndarray | None = None,
+    ) -> None:
         super().__init__(slot, plan, step, submitted)
         self.hidden_out = hidden_out
+        self.logits_out = logits_out
 
 
 def native_system_info(*, use_extra_bufts: bool = True) -> str:
@@ -328,8 +333,10 @@ class LlamaCppEngine(ShardEngine):
             if logits is not None:
                 return logits
         hidden_out = None if self._last else np.empty((plan.n_new, self._n_embd), dtype=np.float32)
+        logits_out = (np.empty((plan.n_new, self._n_vocab), dtype=np.float32)
+                      if self._last and plan.all_logits else None)
         scheduler = self._scheduler
-        work = _Work(slot, plan, scheduler.new_step(slot, plan), trio.current_time(), hidden_out)
+        work = _Work(slot, plan, scheduler.new_step(slot, plan), trio.current_time(), hidden_out, logits_out)
         await scheduler.compute(work)
         if work.error is not None:
             if isinstance(work.error, _AbortedInStep):
@@ -634,10 +641,15 @@ class LlamaCppEngine(ShardEngine):
                     assert self._tick_hidden is not None
                     work.hidden_out[piece.start : piece.start + piece.count] = self._tick_hidden[row : row + piece.count]
                 row += piece.count
+                if work.logits_out is not None and not self._copy_logits(work, piece, row - piece.count):
+                    continue
                 if not piece.completes:
                     continue
                 if work.hidden_out is not None:
                     work.finish(result=work.hidden_out)
+                    continue
+                if work.logits_out is not None:
+                    work.finish(result=work.logits_out)
                     continue
                 self._finish_logits(work, row - 1)
         except Exception as exc:  # noqa: BLE001 - handed to every waiting work; the base class fails the engine
@@ -647,6 +659,18 @@ class LlamaCppEngine(ShardEngine):
         finally:
             self._count_kv_cells_sync([work.slot.seq_id for work, _ in tick])
         return native
+
+    def _copy_logits(self, work: _Work, piece: Piece, row: int) -> bool:
+        """Copy the logits of batch rows ``row..`` into an ``all_logits`` work's result (False,
+        and the work failed, when llama.cpp has none)."""
+        assert work.logits_out is not None
+        for i in range(piece.count):
+            ptr = _held.llama_get_logits_ith(self._ctx, row + i)
+            if not ptr:
+                work.finish(error=EngineFailure("llama.cpp returned no logits for a position"))
+                return False
+            work.logits_out[piece.start + i] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return True
 
     def _finish_logits(self, work: _Work, row: int) -> None:
         """Finish a completed last-shard step with the logits of batch row ``row``, and queue
@@ -841,7 +865,9 @@ class LlamaCppEngine(ShardEngine):
                 self._embd_input.write(self._batch_embd[row : row + m], plan.hidden[a:b])
             pos0 = plan.keep + a
             self._batch_pos[row : row + m] = np.arange(pos0, pos0 + m, dtype=np.int32)
-            if self._last:
+            if self._last and plan.all_logits:
+                self._batch_out[row : row + m] = 1  # every position's logits were asked for
+            elif self._last:
                 # Logits only for the row whose token the session samples.
                 self._batch_out[row : row + m] = 0
                 if piece.completes:

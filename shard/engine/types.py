@@ -197,6 +197,11 @@ class Capabilities:
         return self.layer_range.end == self.n_layers_total
 
     @property
+    def max_logits_positions(self) -> int:
+        """The most positions one ``all_logits`` prefill may hold (0: not a last shard)."""
+        return MAX_LOGITS_POSITIONS if self.is_last else 0
+
+    @property
     def result_kind(self) -> ResultKind:
         return ResultKind.LOGITS if self.is_last else ResultKind.BOUNDARY
 
@@ -259,6 +264,11 @@ class Lookahead:
         object.__setattr__(self, "stop_tokens", frozenset(self.stop_tokens))
 
 
+#: The most positions of one ``all_logits`` prefill: a speculative step verifies a few drafted
+#: tokens, and each position costs a vocabulary-sized row of logits in the engine's result.
+MAX_LOGITS_POSITIONS = 64
+
+
 @dataclass(frozen=True)
 class PrefillRequest:
     """Write ``tokens`` (first shard) or ``hidden_states`` (later shards) at ``position``.
@@ -274,6 +284,13 @@ class PrefillRequest:
     other sessions' work.
 
     ``lookahead`` (first-and-last shards, token input): see ``Lookahead``.
+
+    ``all_logits`` (last shard; ignored by the others, whose boundary already holds every
+    position): the result carries one ``LogitsResult`` per input position
+    (``StepResult.position_logits``), each sampled as a decode ending at that position would
+    be, so one step verifies several drafted tokens (speculative decoding). At most
+    ``Capabilities.max_logits_positions`` positions; such a step reuses no held prefix (every
+    position's logits are computed).
     """
 
     session_id: str
@@ -286,6 +303,7 @@ class PrefillRequest:
     aux_state: AuxState | None = None
     step_timeout: float | None = None
     lookahead: Lookahead | None = None
+    all_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens is not None:
@@ -364,6 +382,8 @@ class StepResult:
     Exactly one of ``logits`` / ``boundary`` is set, according to ``Capabilities.result_kind``.
     ``tokens_processed`` counts positions actually computed (for usage reporting);
     ``reused_tokens`` counts positions served from the session's existing KV cache.
+    ``position_logits`` (a prefill asked with ``all_logits`` on a last shard): one entry per
+    computed position, in order; the last one is ``logits``.
     """
 
     session_id: str
@@ -372,6 +392,7 @@ class StepResult:
     reused_tokens: int
     logits: LogitsResult | None = None
     boundary: BoundaryResult | None = None
+    position_logits: tuple[LogitsResult, ...] = ()
     mtp: MtpResult | None = None  # reserved
     aux_state: AuxState | None = None  # reserved
 

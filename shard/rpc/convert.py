@@ -18,6 +18,7 @@ from shard.engine import (
     EngineMetrics,
     InvalidInput,
     LayerRange,
+    LogitsResult,
     SamplingParams,
     StepResult,
 )
@@ -150,19 +151,21 @@ def step_to_proto(
         start_position=start_position,
     )
     if result.logits is not None:
-        lg = result.logits
-        msg.logits.CopyFrom(
-            pb.Logits(
-                top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lg.top],
-                token_id=lg.token_id,
-                logprob=lg.logprob,
-                piece=lg.piece,
-                is_eog=lg.is_eog,
-            )
-        )
+        msg.logits.CopyFrom(logits_to_proto(result.logits))
+        msg.position_logits.extend(logits_to_proto(lg) for lg in result.position_logits)
     elif result.boundary is not None:
         msg.hidden_states.CopyFrom(array_to_tensor(result.boundary.hidden_states, hidden_dtype))
     return msg
+
+
+def logits_to_proto(lg: LogitsResult) -> pb.Logits:
+    return pb.Logits(
+        top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lg.top],
+        token_id=lg.token_id,
+        logprob=lg.logprob,
+        piece=lg.piece,
+        is_eog=lg.is_eog,
+    )
 
 
 def layer_range_to_proto(lr: LayerRange) -> pb.LayerRange:
@@ -199,6 +202,7 @@ def capabilities_to_proto(
         system_info=caps.system_info,
         layer_ranges_supported=caps.layer_ranges.supported,
         layer_ranges_detail=caps.layer_ranges.detail,
+        max_logits_positions=caps.max_logits_positions,
     )
 
 

@@ -678,7 +678,7 @@ class SessionCall:
         self._check_row_fits(caps)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
         chunk = p.chunk_tokens or max(n, 1)
-        hint = self._client_hint() if tokens is not None else None
+        hint = self._client_hint() if tokens is not None and not p.all_logits else None
         for offset in range(0, max(n, 1), chunk):
             with self._cancellable():
                 await self._take_credit()
@@ -691,6 +691,7 @@ class SessionCall:
                         position=position + offset, sampling=sampling,
                         top_k_logprobs=p.top_logprobs,
                         lookahead=hint if offset + chunk >= n else None,
+                        all_logits=p.all_logits,
                     ),
                 )
             await self._send_step(result, position + offset)

@@ -98,7 +98,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class GetCapabilitiesResponse(_message.Message):
     SYSTEM_INFO_FIELD_NUMBER: _ClassVar[int]
     LAYER_RANGES_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     LAYER_RANGES_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGITS_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -151,7 +152,8 @@ class GetCapabilitiesResponse(_message.Message):
     system_info: str
     layer_ranges_supported: bool
     layer_ranges_detail: str
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ...) -> None: ...
+    max_logits_positions: int
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("version",)
@@ -324,7 +326,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens")
+    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens", "all_logits")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +334,7 @@ class Prefill(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ALL_LOGITS_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     hidden_states: Tensor
     text: str
@@ -339,7 +342,8 @@ class Prefill(_message.Message):
     sampling: SamplingParams
     top_logprobs: int
     chunk_tokens: int
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
+    all_logits: bool
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ...) -> None: ...
 
 class Decode(_message.Message):
     __slots__ = ("token", "hidden_state", "sampling", "top_logprobs")
@@ -462,7 +466,7 @@ class Logits(_message.Message):
     def __init__(self, top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., piece: _Optional[bytes] = ..., is_eog: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "n_past", "tokens_processed", "reused_tokens", "logits", "hidden_states", "start_position", "finish_reason", "more_chunks")
+    __slots__ = ("step", "n_past", "tokens_processed", "reused_tokens", "logits", "hidden_states", "start_position", "finish_reason", "more_chunks", "position_logits")
     STEP_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
@@ -472,6 +476,7 @@ class StepResult(_message.Message):
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MORE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_LOGITS_FIELD_NUMBER: _ClassVar[int]
     step: int
     n_past: int
     tokens_processed: int
@@ -481,7 +486,8 @@ class StepResult(_message.Message):
     start_position: int
     finish_reason: FinishReason
     more_chunks: bool
-    def __init__(self, step: _Optional[int] = ..., n_past: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., more_chunks: _Optional[bool] = ...) -> None: ...
+    position_logits: _containers.RepeatedCompositeFieldContainer[Logits]
+    def __init__(self, step: _Optional[int] = ..., n_past: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., more_chunks: _Optional[bool] = ..., position_logits: _Optional[_Iterable[_Union[Logits, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "reused_tokens", "n_past")
