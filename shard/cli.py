@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "over in this generation (default: 256)")
     gen.add_argument("--speculate", type=_non_negative_int, default=0, metavar="K",
                      help="with --pipeline: each pass through the chain also carries up to K "
-                     "tokens drafted by prompt lookup (n-grams of the token-id prompt and of the "
+                     "tokens drafted by prompt lookup (n-grams of the prompt and of the "
                      "output so far), verified by the last shard in the same pass: the same "
                      "tokens, fewer passes when the text repeats itself; --json then reports "
                      "'traversals', 'drafted_tokens' and 'accepted_tokens' (default: 0, off)")

@@ -743,8 +743,10 @@ class ClientSession:
         top_logprobs: int,
         chunk_tokens: int = 0,
         all_logits: bool = False,
+        echo_tokens: bool = False,
     ) -> pb.SessionRequest:
-        p = pb.Prefill(top_logprobs=top_logprobs, chunk_tokens=chunk_tokens, all_logits=all_logits)
+        p = pb.Prefill(top_logprobs=top_logprobs, chunk_tokens=chunk_tokens, all_logits=all_logits,
+                       echo_tokens=echo_tokens)
         if tokens is not None:
             p.tokens.ids.extend(tokens)
         elif text is not None:
@@ -786,16 +788,18 @@ class ClientSession:
         position: int | None = None,
         sampling: pb.SamplingParams | None = None,
         top_logprobs: int = 0,
+        echo_tokens: bool = False,
     ) -> StepStream:
         """Like ``prefill``, but the worker computes ``chunk_tokens`` positions at a time and
         sends each chunk's result as soon as it is done: iterate for one ``StepResult`` per
-        chunk (``start_position`` says where it went)."""
+        chunk (``start_position`` says where it went). ``echo_tokens`` with ``text``: the first
+        result's ``input_tokens`` holds the ids the worker tokenized it into."""
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
-        return StepStream(
-            self,
-            self._prefill_msg(tokens, text, hidden_states, position, sampling, top_logprobs, chunk_tokens),
-        )
+        return StepStream(self, self._prefill_msg(
+            tokens, text, hidden_states, position, sampling, top_logprobs, chunk_tokens,
+            echo_tokens=echo_tokens,
+        ))
 
     async def decode(
         self,

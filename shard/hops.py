@@ -369,6 +369,9 @@ class HopRunner:
         self.replica = replicas.replica
         self.held = 0  # positions the session holds
         self.tokens = TokenLog()  # the first hop's input (a few bytes a position)
+        #: The prompt's token ids: the caller's, or a text's as the first shard tokenized it
+        #: (``Prefill.echo_tokens``; None from a worker that does not echo them).
+        self.prompt_ids: list[int] | None = None
         alternatives = len(replicas.replicas) > 1
         self.rows = RowLog(gen.budget) if alternatives and not self.first else None
         self.tried: dict[str, ShardError] = {}  # target -> its last error, in order tried
@@ -400,8 +403,11 @@ class HopRunner:
             steps = session.prefill_chunks(
                 tokens, text=text, chunk_tokens=self.gen.chunk_tokens,
                 sampling=self.gen.sampling, top_logprobs=self.gen.top_logprobs,
+                echo_tokens=text is not None,
             )
             while (step := await self._timed(lambda: _next(steps))) is not None:
+                if step.HasField("input_tokens"):
+                    self.prompt_ids = list(step.input_tokens.ids)
                 out = self._output(step, session)
                 if step.n_past <= emitted:
                     continue  # already emitted before a failover

@@ -316,8 +316,8 @@ class Pipeline:
         when this returns or fails.
 
         ``speculate=K`` (K >= 1): each pass through the chain carries the next token and up to K
-        tokens drafted by prompt lookup (``shard.drafting``: n-grams of the prompt, when given
-        as token ids, and of the output so far); the last shard returns every position's token
+        tokens drafted by prompt lookup (``shard.drafting``: n-grams of the prompt, a text's
+        ids as the first shard echoes them, and of the output so far); the last shard returns every position's token
         and the longest agreeing prefix is kept, the rest rolled back on every hop by the next
         step. The tokens are the ones plain decoding gives, greedy or sampled (the last shard
         samples each position as a decode ending there would; see docs/pipelines.md). Needs a
@@ -393,9 +393,9 @@ class Pipeline:
         result.prompt_tokens = step.n_past
         result.traversals = 1
         stop = frozenset(stop_tokens)
-        # Drafting reads the prompt's ids when the caller gave them (a text prompt is tokenized
-        # by the first shard only) and every token generated.
-        history = [] if isinstance(prompt, str) else list(prompt)
+        # Drafting reads the prompt's ids (a text's as the first shard echoed them; none from a
+        # worker that does not) and every token generated.
+        history = list(prompt) if not isinstance(prompt, str) else list(runners[0].prompt_ids or ())
         drafter = drafter if speculate else None
         pending = [step]
         while True:

@@ -124,7 +124,7 @@ async def test_llama_speculation_gives_the_tokens_of_plain_decoding(cuts: list[i
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
             scripted = await pipe.generate(
                 PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP, speculate=4,
-                drafter=Scripted(tokens, 0, wrong_every=3),
+                drafter=Scripted(tokens, want[0].n_past, wrong_every=3),  # the prompt's ids first
             )
             lookup = await pipe.generate(
                 PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP, speculate=4

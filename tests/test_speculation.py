@@ -144,17 +144,33 @@ async def test_stop_rules_end_inside_a_verified_run(stop_at: int) -> None:
         await assert_all_free([whole, *chain])
 
 
+class Recording(PromptLookup):
+    """Prompt lookup that keeps the first history it was shown."""
+
+    first: list[int] | None = None
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        if self.first is None:
+            self.first = list(history)
+        return super().propose(history, k)
+
+
 async def test_prompt_lookup_on_a_repetitive_prompt_and_a_text_prompt() -> None:
     """The default drafter, end to end: the same tokens as the whole model, for a token-id
-    prompt (drafts from prompt and output) and a text prompt (drafts from the output only)."""
+    prompt and a text prompt, whose ids the first shard echoes (``Prefill.echo_tokens``), so
+    drafts come from the prompt as well as the output."""
+    text = "one two three one two three one two"
     async with shards([LayerRange(0, 4), *THREE]) as (whole, *chain):
+        ids = list(whole.engine.tokenize(text))
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
-            for prompt in (PROMPT_IDS, "one two three one two three one two"):
+            for prompt, prompt_ids in ((PROMPT_IDS, PROMPT_IDS), (text, ids)):
                 want = await reference(whole.target, prompt)
+                drafter = Recording()
                 got = await pipe.generate(prompt, max_tokens=N_TOKENS, ignore_eos=True,
-                                          top_logprobs=5, speculate=4)
+                                          top_logprobs=5, speculate=4, drafter=drafter)
                 assert_same(got, want)
                 assert got.traversals == N_TOKENS - got.accepted_tokens
+                assert drafter.first == [*prompt_ids, want[0].logits.token_id]
         await assert_all_free([whole, *chain])
 
 
@@ -168,8 +184,8 @@ async def test_a_hop_fails_over_during_speculation(hop: int) -> None:
         want = await whole_model_steps(whole.target, LONG, max_tokens=FAILOVER_TOKENS,
                                        ignore_eos=True, top_logprobs=5)
         prompt_len = want[0].n_past
-        # a text prompt: the history holds the generated tokens only
-        drafter = Scripted([s.logits.token_id for s in want], 0, wrong_every=3)
+        # a text prompt: the history starts with its ids, as the first shard echoed them
+        drafter = Scripted([s.logits.token_id for s in want], prompt_len, wrong_every=3)
         primary, _ = hops[hop]
         async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT) as pipe:
             async with trio.open_nursery() as nursery:
@@ -224,6 +240,12 @@ async def test_the_worker_refuses_too_many_positions_and_ignores_the_flag_before
                 step = await s.prefill(PROMPT_IDS[4:8], position=4, all_logits=True)
                 assert len(step.position_logits) == 4 and step.position_logits[-1] == step.logits
                 assert step.start_position == 4 and step.n_past == 8
+                assert not step.HasField("input_tokens")  # ids in, nothing to echo
+            async with client.session() as s:  # a text's ids, on its first result only
+                steps = [r async for r in s.prefill_chunks(text="abcdefgh", chunk_tokens=3,
+                                                           echo_tokens=True)]
+                assert list(steps[0].input_tokens.ids) == list(whole.engine.tokenize("abcdefgh"))
+                assert len(steps) == 3 and not any(r.HasField("input_tokens") for r in steps[1:])
         async with ShardClient.connect(first.target, timeout=TIMEOUT) as client:
             async with client.session() as s:
                 step = await s.prefill(PROMPT_IDS, all_logits=True)

@@ -49,7 +49,7 @@ import enum
 import logging
 import math
 import sys
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -679,6 +679,7 @@ class SessionCall:
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
         chunk = p.chunk_tokens or max(n, 1)
         hint = self._client_hint() if tokens is not None and not p.all_logits else None
+        echo = tokens if which == "text" and p.echo_tokens else None
         for offset in range(0, max(n, 1), chunk):
             with self._cancellable():
                 await self._take_credit()
@@ -694,7 +695,8 @@ class SessionCall:
                         all_logits=p.all_logits,
                     ),
                 )
-            await self._send_step(result, position + offset)
+            await self._send_step(result, position + offset, input_tokens=echo)
+            echo = None
             # Counted once delivered: Usage reports only what the client received.
             usage.prompt_tokens += result.tokens_processed
             usage.reused_tokens += result.reused_tokens
@@ -938,10 +940,13 @@ class SessionCall:
         self._credit_unspent = True
 
     async def _send_step(
-        self, result: StepResult, start: int, finish: int = pb.FINISH_REASON_UNSPECIFIED
+        self, result: StepResult, start: int, finish: int = pb.FINISH_REASON_UNSPECIFIED,
+        input_tokens: Sequence[int] | None = None,
     ) -> None:
         """Send one result (one credit), split into chunks when it exceeds one message."""
         msg = convert.step_to_proto(result, self._step_no + 1, start, self._wire_dtype)
+        if input_tokens is not None:
+            msg.input_tokens.ids.extend(input_tokens)
         self._step_no += 1
         msg.finish_reason = finish  # type: ignore[assignment]
         self._credit_unspent = False  # spent now, even if the stream ends during the send

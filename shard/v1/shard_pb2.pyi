@@ -326,7 +326,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens", "all_logits")
+    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens", "all_logits", "echo_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,7 @@ class Prefill(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ALL_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    ECHO_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     hidden_states: Tensor
     text: str
@@ -343,7 +344,8 @@ class Prefill(_message.Message):
     top_logprobs: int
     chunk_tokens: int
     all_logits: bool
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ...) -> None: ...
+    echo_tokens: bool
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ..., echo_tokens: _Optional[bool] = ...) -> None: ...
 
 class Decode(_message.Message):
     __slots__ = ("token", "hidden_state", "sampling", "top_logprobs")
@@ -466,7 +468,7 @@ class Logits(_message.Message):
     def __init__(self, top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., piece: _Optional[bytes] = ..., is_eog: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "n_past", "tokens_processed", "reused_tokens", "logits", "hidden_states", "start_position", "finish_reason", "more_chunks", "position_logits")
+    __slots__ = ("step", "n_past", "tokens_processed", "reused_tokens", "logits", "hidden_states", "start_position", "finish_reason", "more_chunks", "position_logits", "input_tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
@@ -477,6 +479,7 @@ class StepResult(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     MORE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     POSITION_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     n_past: int
     tokens_processed: int
@@ -487,7 +490,8 @@ class StepResult(_message.Message):
     finish_reason: FinishReason
     more_chunks: bool
     position_logits: _containers.RepeatedCompositeFieldContainer[Logits]
-    def __init__(self, step: _Optional[int] = ..., n_past: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., more_chunks: _Optional[bool] = ..., position_logits: _Optional[_Iterable[_Union[Logits, _Mapping]]] = ...) -> None: ...
+    input_tokens: TokenIds
+    def __init__(self, step: _Optional[int] = ..., n_past: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., more_chunks: _Optional[bool] = ..., position_logits: _Optional[_Iterable[_Union[Logits, _Mapping]]] = ..., input_tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "reused_tokens", "n_past")
