@@ -10,11 +10,16 @@ Workers start once per hop count; links are re-created per round trip. Per (hops
 * ``ttft_ms``: from the request to the first token of that generation (short prompt);
 * ``prefill_ms``: ``max_tokens=1`` after a ``--prefill``-token prompt.
 
-Results are keyed by mode: today only ``client`` (the client relays every hop's hidden states,
-``shard/pipeline.py``); later modes sit beside it. With several workers on few cores the
-machine is oversubscribed; the environment records it. Timing lives here, never in tests.
+Results are keyed by mode: ``client`` (the client relays every hop's hidden states,
+``shard/pipeline.py``) and ``speculate`` (client relay with ``--speculate K``: up to K drafted
+tokens verified per pass, shard/drafting.py). The speculation rows generate from a repetitive
+text prompt (a numbered list, ``REPETITIVE``) twice through the same links, once plain and once
+speculating, and record both rates, the passes through the chain and whether the tokens were
+identical. With several workers on few cores the machine is oversubscribed; the environment
+records it. Timing lives here, never in tests.
 
-    python -m bench.pipeline_network [--quick] [--hops 2,3,4] [--rtts 0,2,20,50] [--out-dir DIR]
+    python -m bench.pipeline_network [--quick] [--model PRESET|gemma3-270m] [--hops 2,3,4]
+        [--rtts 0,2,20,50] [--speculate K] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from shard.pipeline import Pipeline
 from shard.v1 import shard_pb2 as pb
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+#: A prompt that repeats itself, as lists and code do (what prompt lookup drafts from).
+REPETITIVE = ("Shopping list:\n1. apples\n2. bananas\n3. carrots\n4. dates\n5. eggs\n"
+              "6. figs\n7. grapes\n8. ")
 
 
 def even_ranges(n_layers: int, hops: int) -> list[str]:
@@ -76,19 +84,58 @@ async def measure_rtt(targets: list[str], rtt_ms: float, tokens: int, prefill: i
     }
 
 
-async def measure_hops(targets: list[str], rtts: list[float], tokens: int, prefill: int) -> list[dict[str, Any]]:
+async def measure_speculation(targets: list[str], rtt_ms: float, tokens: int, k: int) -> dict[str, Any]:
+    """One (hop count, RTT) point of ``speculate`` against plain client relay, both from
+    ``REPETITIVE`` through the same fresh links (plain first, then speculating)."""
+    async with AsyncExitStack() as stack:
+        links = [await stack.enter_async_context(open_link(t, one_way_delay_s=rtt_ms / 2000))
+                 for t in targets]
+        pipe = await stack.enter_async_context(Pipeline.connect([lk.target for lk in links], timeout=600))
+        await pipe.generate(REPETITIVE, max_tokens=2, speculate=k)  # warm-up
+        rates, results = {}, {}
+        for name, spec in (("plain", 0), ("speculate", k)):
+            arrivals: list[float] = []
+
+            def on_token(_: pb.StepResult, arrivals: list[float] = arrivals) -> None:
+                arrivals.append(time.perf_counter())
+
+            results[name] = await pipe.generate(REPETITIVE, max_tokens=tokens, ignore_eos=True,
+                                                speculate=spec, on_token=on_token)
+            span = arrivals[-1] - arrivals[0]
+            rates[name] = (len(arrivals) - 1) / span if span > 0 else None
+    spec = results["speculate"]
+    return {
+        "hops": len(targets), "rtt_ms": rtt_ms, "tokens": len(spec.tokens), "k": k,
+        "tok_s": round(rates["speculate"], 2) if rates["speculate"] else None,
+        "plain_tok_s": round(rates["plain"], 2) if rates["plain"] else None,
+        "speedup": round(rates["speculate"] / rates["plain"], 2)
+        if rates["speculate"] and rates["plain"] else None,
+        "traversals": spec.traversals, "plain_traversals": results["plain"].traversals,
+        "drafted": spec.drafted_tokens, "accepted": spec.accepted_tokens,
+        "identical_tokens": spec.tokens == results["plain"].tokens,
+    }
+
+
+async def measure_hops(
+    targets: list[str], rtts: list[float], tokens: int, prefill: int, speculate: int
+) -> dict[str, list[dict[str, Any]]]:
     for target in targets:
         await wait_serving(target)
-    rows = []
+    modes: dict[str, list[dict[str, Any]]] = {"client": [], "speculate": []}
     for rtt in rtts:
         row = await measure_rtt(targets, rtt, tokens, prefill)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
+        print(json.dumps({"mode": "client", **row}), flush=True)
+        modes["client"].append(row)
+        if speculate:
+            row = await measure_speculation(targets, rtt, tokens, speculate)
+            print(json.dumps({"mode": "speculate", **row}), flush=True)
+            modes["speculate"].append(row)
+    return modes
 
 
-def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> str | None:
-    """PNG of tokens/s against RTT, one line per hop count; returns why not if it cannot."""
+def write_chart(modes: dict[str, list[dict[str, Any]]], path: Path, title: str) -> str | None:
+    """PNG of tokens/s against RTT, one line per mode and hop count; returns why not if it
+    cannot."""
     try:
         import matplotlib
 
@@ -97,10 +144,13 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> str | Non
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]')"
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for hops in sorted({r["hops"] for r in rows}):
-        mine = [r for r in rows if r["hops"] == hops]
-        ax.plot([r["rtt_ms"] for r in mine], [r["tok_s"] for r in mine], marker="o",
-                label=f"client relay, {hops} hops")
+    styles = {"client": ("o", "-", "client relay"), "speculate": ("s", "--", "client relay + speculate")}
+    for mode, rows in modes.items():
+        marker, line, label = styles.get(mode, ("^", ":", mode))
+        for hops in sorted({r["hops"] for r in rows}):
+            mine = [r for r in rows if r["hops"] == hops]
+            ax.plot([r["rtt_ms"] for r in mine], [r["tok_s"] for r in mine], marker=marker,
+                    linestyle=line, label=f"{label}, {hops} hops")
     ax.set_xlabel("round trip per link (ms)")
     ax.set_ylabel("decode tokens/s")
     save_chart(fig, ax, path, title)
@@ -111,12 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.pipeline_network", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 2 hops, RTT 0 and 20 ms, 8 tokens, 64-token prefill")
-    p.add_argument("--preset", default=None, help="model preset (default: bench; tiny with --quick)")
+    p.add_argument("--preset", "--model", dest="preset", default=None,
+                   help="model preset, or a packaged model's name: gemma3-270m (the real Gemma 3 "
+                   "270M, installed by make models) (default: bench; tiny with --quick)")
     p.add_argument("--hops", default=None, help="hop counts (default 2,3,4)")
     p.add_argument("--rtts", default=None, help="round trips per link in ms (default 0,2,20,50)")
     p.add_argument("--tokens", type=int, default=None, help="generated tokens (default 32)")
     p.add_argument("--prefill", type=int, default=None, help="prefill prompt length (default 1000)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per worker")
+    p.add_argument("--speculate", type=int, default=4, metavar="K",
+                   help="drafted tokens per pass of the speculate mode; 0 leaves it out (default 4)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     q = args.quick
@@ -126,14 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or (8 if q else 32)
     prefill = args.prefill or (64 if q else 1000)
     from shard.models import ensure_model
-    from shard.models.write import get_preset
+    from shard.models.header import read_model_info
+    from shard.models.real import REAL_MODELS, ensure_real_model
 
-    model = ensure_model(preset)
-    n_layer = get_preset(preset).n_layer
+    model = ensure_real_model(preset) if preset in REAL_MODELS else ensure_model(preset)
+    n_layer = read_model_info(model).block_count
     logs = args.out_dir / "logs"
     env = environment(model, args.threads,
                       argv=["-m", "bench.pipeline_network", *(sys.argv[1:] if argv is None else argv)])
-    rows: list[dict[str, Any]] = []
+    modes: dict[str, list[dict[str, Any]]] = {"client": [], "speculate": []}
     for hops in hop_counts:
         ranges = even_ranges(n_layer, hops)
         with ExitStack() as stack:
@@ -141,22 +196,35 @@ def main(argv: list[str] | None = None) -> int:
                 model, threads=args.threads, ctx=2 * (prefill + tokens + 64), max_sessions=2,
                 log=logs / f"pipeline_network-{hops}-{i}.log", extra=["--layers", r]))
                 for i, r in enumerate(ranges)]
-            rows += trio.run(measure_hops, [s.target for s in servers], rtts, tokens, prefill)
+            got = trio.run(measure_hops, [s.target for s in servers], rtts, tokens, prefill,
+                           args.speculate)
+            for mode, rows in got.items():
+                modes[mode] += rows
+    if not modes["speculate"]:
+        del modes["speculate"]
     env["load_average_after"] = load_average()
     print(f"\n{'mode':<7} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'ms/tok':>7} {'ttft ms':>8} {'prefill ms':>11}")
-    for r in rows:
+    for r in modes["client"]:
         print(f"{'client':<7} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} {r['ms_per_token']:>7} "
               f"{r['ttft_ms']:>8} {r['prefill_ms']:>11}")
+    if "speculate" in modes:
+        print(f"\n{'speculate':<9} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'plain':>7} {'x':>5} "
+              f"{'passes':>7} {'plain':>6} {'same':>5}")
+        for r in modes["speculate"]:
+            print(f"{'K=' + str(r['k']):<9} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} "
+                  f"{r['plain_tok_s']:>7} {r['speedup']:>5} {r['traversals']:>7} "
+                  f"{r['plain_traversals']:>6} {str(r['identical_tokens']):>5}")
     report: dict[str, Any] = {
         "environment": env,
         "settings": {"preset": preset, "hops": hop_counts, "ranges": {h: even_ranges(n_layer, h) for h in hop_counts},
                      "rtts_ms": rtts, "tokens": tokens, "prefill_tokens": prefill, "threads": args.threads,
+                     "speculate": args.speculate, "speculate_prompt": REPETITIVE,
                      "links": "one bench/links.py Link in front of each worker, one-way delay = rtt/2"},
-        "modes": {"client": rows},
+        "modes": modes,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    why = write_chart(rows, args.out_dir / "pipeline_network.png",
-                      f"{preset} model, client relay, {args.threads} thread/worker, {env['usable_cores']} cores")
+    why = write_chart(modes, args.out_dir / "pipeline_network.png",
+                      f"{preset} model, {args.threads} thread/worker, {env['usable_cores']} cores")
     report["chart"] = why or "pipeline_network.png"
     path = args.out_dir / "pipeline_network.json"
     path.write_text(json.dumps(report, indent=2) + "\n")

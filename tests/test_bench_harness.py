@@ -242,8 +242,9 @@ def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
 
 def test_pipeline_network_bench_reports_client_mode_per_rtt(tmp_path: Path) -> None:
     """A ``--quick`` run of bench/pipeline_network.py (tiny model, 2 hops through delayed links):
-    the JSON has its environment and a ``client`` mode row per RTT, and a 20 ms round trip per
-    link delays the first token by at least one round trip (a lower bound, not a speed)."""
+    the JSON has its environment, a ``client`` mode row per RTT, and a 20 ms round trip per
+    link delays the first token by at least one round trip (a lower bound, not a speed); the
+    ``speculate`` rows say the speculating run gave the plain run's tokens."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.pipeline_network", "--quick", "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
@@ -257,3 +258,8 @@ def test_pipeline_network_bench_reports_client_mode_per_rtt(tmp_path: Path) -> N
         assert r["tokens"] == 8 and r["prefill_tokens"] == 64
         assert r["tok_s"] > 0 and r["prefill_ms"] > 0
     assert rows[1]["ttft_ms"] >= rows[0]["ttft_ms"] + 20
+    spec = report["modes"]["speculate"]
+    assert [(r["hops"], r["rtt_ms"], r["k"]) for r in spec] == [(2, 0.0, 4), (2, 20.0, 4)]
+    for r in spec:
+        assert r["identical_tokens"] is True and r["tokens"] == 8
+        assert r["plain_traversals"] == 8 >= r["traversals"] == 8 - r["accepted"]
