@@ -397,6 +397,7 @@ class Pipeline:
         # worker that does not) and every token generated.
         history = list(prompt) if not isinstance(prompt, str) else list(runners[0].prompt_ids or ())
         drafter = drafter if speculate else None
+        cap = speculate  # drafts per pass: shrinks to what was accepted, doubles back on success
         pending = [step]
         while True:
             capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
@@ -426,12 +427,14 @@ class Pipeline:
                 continue
             # Room for drafts: every one kept still leaves a token to emit within max_tokens,
             # and the step fits every hop's KV budget.
-            room = min(speculate, max_tokens - len(result.steps) - 1, capacity - step.n_past - 1)
-            drafts = drafter.propose(history, room) if room > 0 else []
+            room = min(cap, max_tokens - len(result.steps) - 1, capacity - step.n_past - 1)
+            drafts = list(drafter.propose(history, room))[:room] if room > 0 else []
             pending = await self._speculate(runners, step.n_past, [token, *drafts], blames)
             accepted = len(pending) - 1
             result.drafted_tokens += len(drafts)
             result.accepted_tokens += accepted
+            if drafts:  # a rejected row costs compute on every hop: draft what was accepted
+                cap = accepted + 1 if accepted < len(drafts) else min(speculate, 2 * cap)
         for runner in runners:
             with _Blame(runner, blames):
                 await runner.close()

@@ -44,9 +44,11 @@ class Scripted:
     def __init__(self, want: Sequence[int], prompt_len: int, wrong_every: int = 0) -> None:
         self.want, self.prompt_len, self.wrong_every = list(want), prompt_len, wrong_every
         self.calls = 0
+        self.asked: list[tuple[int, int]] = []  # (tokens generated, k) per call
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         self.calls += 1
+        self.asked.append((len(history) - self.prompt_len, k))
         done = len(history) - self.prompt_len  # tokens generated so far
         out = []
         for j, token in enumerate(self.want[done:done + k]):
@@ -95,6 +97,29 @@ async def test_speculation_gives_the_tokens_of_plain_decoding(
         assert got.traversals == 1 + (N_TOKENS - 1 - got.accepted_tokens)
         assert got.traversals < N_TOKENS
         await assert_all_free([whole, *chain])
+
+
+async def test_drafts_shrink_to_what_was_accepted_and_grow_back() -> None:
+    """A rejected row costs every hop compute: after a pass that kept ``a`` of its drafts the
+    next pass drafts at most ``a + 1``; a pass that kept all doubles the next, up to K."""
+    async with shards(TWO) as chain:
+        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            plain = await pipe.generate(PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True)
+            drafter = Scripted(plain.tokens, len(PROMPT_IDS), wrong_every=9)
+            got = await pipe.generate(PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True,
+                                      speculate=6, drafter=drafter)
+        assert got.tokens == plain.tokens
+        asked = drafter.asked
+        assert asked[0][1] == 6
+        for (done, k), (done_next, k_next) in zip(asked, asked[1:]):
+            accepted = done_next - done - 1  # tokens emitted by the pass, less the model's own
+            room = N_TOKENS - done_next - 1
+            if accepted < k:  # a rejection (or the end): at most what was kept, plus one
+                assert k_next <= min(accepted + 1, room) or k_next == room
+            else:
+                assert k_next == min(6, 2 * k, room)
+        assert any(k < 6 for _, k in asked[1:-2]) and any(k == 6 for _, k in asked[1:])
+        await assert_all_free(chain)
 
 
 async def test_sampled_speculation_gives_the_tokens_of_plain_sampling() -> None:
@@ -282,13 +307,15 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
     assert d.propose([1, 2, 3, 9, 5, 2, 3, 7, 6, 2, 3], 1) == [7]  # the latest match wins
     assert d.propose([5, 6, 5, 6], 5) == [5, 6, 5, 6, 5]  # a loop goes on
     assert d.propose([1, 2, 3], 4) == [] and d.propose([], 3) == [] and d.propose([1, 1], 0) == []
+    assert d.propose([1, 5, 9, 5], 2) == []  # one repeated token is not context enough...
+    assert PromptLookup(min_ngram=1).propose([1, 5, 9, 5], 2) == [9, 5]  # ...unless asked
     with pytest.raises(ValueError):
         PromptLookup(max_ngram=1, min_ngram=2)
 
 
 @given(st.lists(st.integers(0, 4), max_size=40), st.integers(1, 6))
 def test_a_draft_continues_an_earlier_occurrence_of_the_tail(history: list[int], k: int) -> None:
-    draft = PromptLookup(max_ngram=3).propose(history, k)
+    draft = PromptLookup(max_ngram=3, min_ngram=1).propose(history, k)
     assert len(draft) in (0, k)
     if not draft:  # no earlier occurrence of even the last token
         assert not history or history[-1] not in history[:-1]
