@@ -139,3 +139,31 @@ async def test_llama_speculation_gives_the_tokens_of_plain_decoding(cuts: list[i
         await assert_all_free([whole, *chain])
         for w in [whole, *chain]:
             assert w.engine.metrics().kv_cells_used == 0
+
+
+@pytest.mark.slow
+async def test_bench_model_three_hops_speculation_gives_the_whole_models_tokens() -> None:
+    """The bench-size model (12 blocks, 32,000-token vocabulary) cut 0:4, 4:8, 8:12: the
+    whole model's greedy tokens through client relay and through speculation (prompt lookup
+    and a scripted drafter that is wrong every third position)."""
+    from test_speculation import Scripted
+
+    source = await trio.to_thread.run_sync(ensure_model, "bench")
+    async with AsyncExitStack() as stack:
+        workers = []
+        for lr in (None, *ranges_of([0, 4, 8, 12])):
+            path = source if lr is None else await trio.to_thread.run_sync(ensure_slice, source, lr)
+            spec = LoadSpec(model_path=path, layer_range=lr, n_ctx=512, max_sessions=1, n_threads=1)
+            workers.append(await stack.enter_async_context(worker(engine=LlamaCppEngine(), load=spec)))
+        whole, *chain = workers
+        prompt = [1, *range(300, 320), *range(300, 320)]
+        want = await whole_model_steps(whole.target, prompt, max_tokens=32, ignore_eos=True)
+        tokens = [s.logits.token_id for s in want]
+        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            plain = await pipe.generate(prompt, max_tokens=32, ignore_eos=True)
+            lookup = await pipe.generate(prompt, max_tokens=32, ignore_eos=True, speculate=4)
+            scripted = await pipe.generate(prompt, max_tokens=32, ignore_eos=True, speculate=4,
+                                           drafter=Scripted(tokens, len(prompt), wrong_every=3))
+        assert plain.tokens == lookup.tokens == scripted.tokens == tokens
+        assert 0 < scripted.accepted_tokens < scripted.drafted_tokens
+        await assert_all_free(workers)
