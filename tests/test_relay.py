@@ -461,3 +461,99 @@ async def test_llama_chain_relay_gives_the_client_relays_tokens(cuts: list[int])
             assert c.logits.token_id == r.logits.token_id
             assert abs(c.logits.logprob - r.logits.logprob) < 1e-4
         await assert_all_free(chain)
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+
+async def test_generate_relay_chain_prints_what_client_relay_prints() -> None:
+    import json
+    import subprocess
+    import sys
+
+    async with relay_shards(THREE) as chain:
+        pipeline = ",".join(w.target for w in chain)
+        out = {}
+        for relay in ("client", "chain"):
+            proc = await trio.run_process(
+                [sys.executable, "-m", "shard.cli", "--log-level", "WARNING", "generate",
+                 "--pipeline", pipeline, "--relay", relay, "--json", "--max-tokens", "24", PROMPT],
+                capture_stdout=True, capture_stderr=True, check=False)
+            assert proc.returncode == 0, proc.stderr
+            out[relay] = json.loads(proc.stdout)
+        assert out["chain"] == out["client"] and len(out["chain"]["tokens"]) == 24
+        assert [len(w.calls) for w in chain] == [2, 2, 2]  # the chain run opened hop 0 only
+        proc = await trio.run_process(  # hops 1|replica: refused, saying why
+            [sys.executable, "-m", "shard.cli", "generate", "--relay", "chain", "--pipeline",
+             f"{chain[0].target},{chain[1].target}|127.0.0.1:9,{chain[2].target}", PROMPT],
+            capture_stdout=True, capture_stderr=True, check=False)
+        assert proc.returncode == 1 and b"future work" in proc.stderr
+        await assert_all_free(chain)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--relay-token-file", "t"], "--relay-token-file needs --allow-relay"),
+        (["--relay-tls-ca", "ca.pem"], "--relay-tls-ca needs --allow-relay"),
+        (["--allow-relay", "--relay-tls-cert", "c.pem"], "--relay-tls-cert and --relay-tls-key go together"),
+        (["--allow-relay", "--relay-token-file", "/nonexistent/tokens"], "relay set-up failed"),
+    ],
+    ids=["token-alone", "ca-alone", "cert-without-key", "missing-token-file"],
+)
+def test_serve_relay_options_are_checked(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shard.cli import main
+
+    assert main(["serve", *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_serve_relay_options_build_the_outbound_credentials(tmp_path: Any) -> None:
+    from shard.cli import _relay_options, build_parser
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret relay\n")
+    args = build_parser().parse_args(["serve", "--allow-relay", "--relay-token-file", str(tokens)])
+    options = _relay_options(args)
+    assert options == {"ssl_context": None, "metadata": (("authorization", "Bearer s3cret"),)}
+    assert _relay_options(build_parser().parse_args(["serve"])) is None
+
+
+async def test_the_relays_outbound_token_reaches_a_worker_that_requires_one(tmp_path: Any) -> None:
+    """The next hop requires a bearer token: a relay without one is refused (UNAUTHENTICATED,
+    naming the hop); one given the token (``--relay-token-file``) gets through."""
+    from shard.rpc.auth import TokenAuthenticator, bearer_metadata
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("hop-secret relay\n")
+    ranges = cuts_to_ranges([0, 2, 4])
+    async with AsyncExitStack() as stack:
+        def spec(lr: LayerRange) -> LoadSpec:
+            return LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=lr)
+
+        last = await stack.enter_async_context(worker(
+            engine=FakeEngine(model=MODEL, script=FakeScript()), load=spec(ranges[1]),
+            authorize=TokenAuthenticator(tokens)))
+        bare = await stack.enter_async_context(worker(
+            engine=FakeEngine(model=MODEL, script=FakeScript()), load=spec(ranges[0]),
+            relay=ChainRelay()))
+        keyed = await stack.enter_async_context(worker(
+            engine=FakeEngine(model=MODEL, script=FakeScript()), load=spec(ranges[0]),
+            relay=ChainRelay(metadata=bearer_metadata("hop-secret"))))
+        route = route_of([last], ranges[1:])
+        async with ShardClient.connect(bare.target, timeout=TIMEOUT) as client:
+            with pytest.raises(ShardError) as info:
+                await client.open_session(route=route)
+        assert info.value.code == ErrorCode.UNAUTHENTICATED
+        assert blamed_hop(info.value.message) is not None
+        assert blamed_hop(info.value.message)[0] == last.target  # type: ignore[index]
+        async with ShardClient.connect(keyed.target, timeout=TIMEOUT) as client:
+            async with client.session(route=route) as s:
+                step = await s.prefill(tokens=[1, 2, 3])
+                assert step.HasField("logits") and step.n_past == 3
+        await free_within([bare, keyed])
+        with trio.fail_after(1):  # (its GetMetrics needs the token too: ask the engine)
+            while last.engine.metrics().sessions_active or last.engine.metrics().kv_cells_used:
+                await trio.sleep(0.01)
