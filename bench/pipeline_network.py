@@ -10,11 +10,15 @@ Workers start once per hop count; links are re-created per round trip. Per (hops
 * ``ttft_ms``: from the request to the first token of that generation (short prompt);
 * ``prefill_ms``: ``max_tokens=1`` after a ``--prefill``-token prompt.
 
-Results are keyed by mode: today only ``client`` (the client relays every hop's hidden states,
-``shard/pipeline.py``); later modes sit beside it. With several workers on few cores the
+Results are keyed by mode: ``client`` (the client relays every hop's hidden states,
+``shard/pipeline.py``) and ``chain`` (the workers relay to each other, ``relay="chain"``:
+the client talks to the first hop only, each worker reaches the next one through the link in
+front of it, since the route names the link addresses; workers run ``serve --allow-relay``).
+Modes alternate per round trip on the same workers. With several workers on few cores the
 machine is oversubscribed; the environment records it. Timing lives here, never in tests.
 
-    python -m bench.pipeline_network [--quick] [--hops 2,3,4] [--rtts 0,2,20,50] [--out-dir DIR]
+    python -m bench.pipeline_network [--quick] [--hops 2,3,4] [--rtts 0,2,20,50]
+        [--modes client,chain] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -44,12 +48,18 @@ def even_ranges(n_layers: int, hops: int) -> list[str]:
     return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])]
 
 
-async def measure_rtt(targets: list[str], rtt_ms: float, tokens: int, prefill: int) -> dict[str, Any]:
-    """One (hop count, RTT) point of the client-relay mode, through fresh links."""
+MODES = ("client", "chain")
+
+
+async def measure_rtt(
+    targets: list[str], rtt_ms: float, tokens: int, prefill: int, mode: str = "client"
+) -> dict[str, Any]:
+    """One (mode, hop count, RTT) point, through fresh links."""
     async with AsyncExitStack() as stack:
         links = [await stack.enter_async_context(open_link(t, one_way_delay_s=rtt_ms / 2000))
                  for t in targets]
-        pipe = await stack.enter_async_context(Pipeline.connect([lk.target for lk in links], timeout=600))
+        pipe = await stack.enter_async_context(
+            Pipeline.connect([lk.target for lk in links], timeout=600, relay=mode))
         caps = pipe.hops[0].caps
         assert caps is not None
         rng = random.Random(prefill)
@@ -68,7 +78,7 @@ async def measure_rtt(targets: list[str], rtt_ms: float, tokens: int, prefill: i
         await pipe.generate(long_prompt, max_tokens=1)
         prefill_s = time.perf_counter() - start
     return {
-        "hops": len(targets), "rtt_ms": rtt_ms, "tokens": len(arrivals),
+        "mode": mode, "hops": len(targets), "rtt_ms": rtt_ms, "tokens": len(arrivals),
         "tok_s": round((len(arrivals) - 1) / decode, 2) if decode > 0 else None,
         "ms_per_token": round(decode / (len(arrivals) - 1) * 1e3, 2),
         "ttft_ms": round(ttft * 1e3, 1), "prefill_tokens": prefill,
@@ -76,15 +86,35 @@ async def measure_rtt(targets: list[str], rtt_ms: float, tokens: int, prefill: i
     }
 
 
-async def measure_hops(targets: list[str], rtts: list[float], tokens: int, prefill: int) -> list[dict[str, Any]]:
+async def measure_hops(
+    targets: list[str], rtts: list[float], tokens: int, prefill: int, modes: list[str]
+) -> list[dict[str, Any]]:
     for target in targets:
         await wait_serving(target)
     rows = []
     for rtt in rtts:
-        row = await measure_rtt(targets, rtt, tokens, prefill)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for mode in modes:
+            row = await measure_rtt(targets, rtt, tokens, prefill, mode)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
+
+
+def speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """chain / client tokens/s (and prefill time client / chain) per (hops, RTT)."""
+    out = []
+    for r in rows:
+        if r["mode"] != "chain":
+            continue
+        base = next((c for c in rows if c["mode"] == "client" and c["hops"] == r["hops"]
+                     and c["rtt_ms"] == r["rtt_ms"]), None)
+        if base is None or not base["tok_s"] or not r["tok_s"]:
+            continue
+        out.append({"hops": r["hops"], "rtt_ms": r["rtt_ms"],
+                    "tok_s_chain_over_client": round(r["tok_s"] / base["tok_s"], 2),
+                    "ttft_client_over_chain": round(base["ttft_ms"] / r["ttft_ms"], 2),
+                    "prefill_client_over_chain": round(base["prefill_ms"] / r["prefill_ms"], 2)})
+    return out
 
 
 def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> str | None:
@@ -97,10 +127,14 @@ def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> str | Non
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]')"
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for hops in sorted({r["hops"] for r in rows}):
-        mine = [r for r in rows if r["hops"] == hops]
-        ax.plot([r["rtt_ms"] for r in mine], [r["tok_s"] for r in mine], marker="o",
-                label=f"client relay, {hops} hops")
+    for mode in MODES:
+        for hops in sorted({r["hops"] for r in rows}):
+            mine = [r for r in rows if r["hops"] == hops and r["mode"] == mode]
+            if mine:
+                ax.plot([r["rtt_ms"] for r in mine], [r["tok_s"] for r in mine],
+                        marker="o" if mode == "client" else "s",
+                        linestyle="-" if mode == "client" else "--",
+                        label=f"{mode} relay, {hops} hops")
     ax.set_xlabel("round trip per link (ms)")
     ax.set_ylabel("decode tokens/s")
     save_chart(fig, ax, path, title)
@@ -117,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="generated tokens (default 32)")
     p.add_argument("--prefill", type=int, default=None, help="prefill prompt length (default 1000)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per worker")
+    p.add_argument("--modes", default="client,chain", help="relay modes (default client,chain)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     q = args.quick
@@ -125,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     rtts = [float(r) for r in (args.rtts or ("0,20" if q else "0,2,20,50")).split(",")]
     tokens = args.tokens or (8 if q else 32)
     prefill = args.prefill or (64 if q else 1000)
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes: choose from {', '.join(MODES)}")
     from shard.models import ensure_model
     from shard.models.write import get_preset
 
@@ -139,24 +177,30 @@ def main(argv: list[str] | None = None) -> int:
         with ExitStack() as stack:
             servers = [stack.enter_context(shard_server(
                 model, threads=args.threads, ctx=2 * (prefill + tokens + 64), max_sessions=2,
-                log=logs / f"pipeline_network-{hops}-{i}.log", extra=["--layers", r]))
+                log=logs / f"pipeline_network-{hops}-{i}.log",
+                extra=["--layers", r, "--allow-relay"]))
                 for i, r in enumerate(ranges)]
-            rows += trio.run(measure_hops, [s.target for s in servers], rtts, tokens, prefill)
+            rows += trio.run(measure_hops, [s.target for s in servers], rtts, tokens, prefill, modes)
     env["load_average_after"] = load_average()
     print(f"\n{'mode':<7} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'ms/tok':>7} {'ttft ms':>8} {'prefill ms':>11}")
     for r in rows:
-        print(f"{'client':<7} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} {r['ms_per_token']:>7} "
+        print(f"{r['mode']:<7} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} {r['ms_per_token']:>7} "
               f"{r['ttft_ms']:>8} {r['prefill_ms']:>11}")
     report: dict[str, Any] = {
         "environment": env,
         "settings": {"preset": preset, "hops": hop_counts, "ranges": {h: even_ranges(n_layer, h) for h in hop_counts},
                      "rtts_ms": rtts, "tokens": tokens, "prefill_tokens": prefill, "threads": args.threads,
                      "links": "one bench/links.py Link in front of each worker, one-way delay = rtt/2"},
-        "modes": {"client": rows},
+        "modes": {mode: [{k: v for k, v in r.items() if k != "mode"} for r in rows if r["mode"] == mode]
+                  for mode in modes},
+        "ratios": speedups(rows),
     }
+    for ratio in report["ratios"]:
+        print(f"chain/client tok/s {ratio['tok_s_chain_over_client']:>5}x  ttft {ratio['ttft_client_over_chain']:>5}x  "
+              f"prefill {ratio['prefill_client_over_chain']:>5}x  ({ratio['hops']} hops, {ratio['rtt_ms']:g} ms)")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     why = write_chart(rows, args.out_dir / "pipeline_network.png",
-                      f"{preset} model, client relay, {args.threads} thread/worker, {env['usable_cores']} cores")
+                      f"{preset} model, {' vs '.join(modes)} relay, {args.threads} thread/worker, {env['usable_cores']} cores")
     report["chart"] = why or "pipeline_network.png"
     path = args.out_dir / "pipeline_network.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
