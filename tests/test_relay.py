@@ -213,6 +213,31 @@ async def test_the_first_hops_stream_ending_frees_every_hop_without_the_client(h
         assert all(w.server.registry.counters["sessions_retained_total"] == 0 for w in chain)
 
 
+async def test_a_routed_session_whose_connection_drops_is_released_not_retained() -> None:
+    """A lost connection normally leaves a session retained for resume; a routed one cannot be
+    resumed (the chain behind it is gone), so hop 0 releases it and resets the rest."""
+    from rpc_harness import tcp_proxy
+
+    gates = [StepGate() for _ in THREE]
+    async with relay_shards(THREE, gates=gates, latency=0.002) as chain, \
+            tcp_proxy(chain[0].target) as proxy:
+        async with ShardClient.connect(proxy.target, timeout=TIMEOUT) as client:
+            session = await client.open_session("drop.0", route=route_of(chain[1:], THREE[1:]))
+            with pytest.raises(ShardError), unwrap_single_exception():
+                async with trio.open_nursery() as nursery:
+
+                    async def cut() -> None:
+                        await after_steps(gates[2], 20)
+                        proxy.cut()
+
+                    nursery.start_soon(cut)
+                    await session.prefill(text=PROMPT)
+                    async for _ in session.generate(max_tokens=5000, ignore_eos=True):
+                        pass
+        await free_within(chain)
+        assert all(w.server.registry.counters["sessions_retained_total"] == 0 for w in chain)
+
+
 async def test_a_cancel_rpc_stops_the_step_on_every_hop_and_the_session_goes_on() -> None:
     """Cancel on hop 0 while the step runs downstream: forwarded hop by hop, a step-level
     CANCELLED, and the chained session still serves, holding what it reports."""
@@ -236,10 +261,13 @@ async def test_a_cancel_rpc_stops_the_step_on_every_hop_and_the_session_goes_on(
                             await trio.sleep(0.001)
                     gates[2].release()  # the engine notices at its next position
 
-                with pytest.raises(ShardError) as info, unwrap_single_exception():
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(cancel_when_held)
-                        await s.decode(first.logits.token_id)
+                try:
+                    with pytest.raises(ShardError) as info, unwrap_single_exception():
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(cancel_when_held)
+                            await s.decode(first.logits.token_id)
+                finally:
+                    gates[2].release()  # (also when the test fails: the teardown needs it)
                 assert info.value.code == ErrorCode.CANCELLED
                 assert "relay hop" in info.value.message
                 assert s.usage.n_past == 4  # the step was taken back on every hop
