@@ -11,15 +11,20 @@ Workers start once per hop count; links are re-created per round trip. Per (hops
 * ``prefill_ms``: ``max_tokens=1`` after a ``--prefill``-token prompt.
 
 Results are keyed by mode: ``client`` (the client relays every hop's hidden states,
-``shard/pipeline.py``) and ``speculate`` (client relay with ``--speculate K``: up to K drafted
-tokens verified per pass, shard/drafting.py). The speculation rows generate from a repetitive
-text prompt (a numbered list, ``REPETITIVE``) twice through the same links, once plain and once
-speculating, and record both rates, the passes through the chain and whether the tokens were
-identical. With several workers on few cores the machine is oversubscribed; the environment
-records it. Timing lives here, never in tests.
+``shard/pipeline.py``) and ``chain`` (the workers relay to each other, ``relay="chain"``:
+the client talks to the first hop only, each worker reaches the next one through the link in
+front of it, since the route names the link addresses; workers run ``serve --allow-relay``).
+``speculate`` and ``chain-speculate`` are those two relays with ``--speculate K`` (up to K
+drafted tokens verified per pass, shard/drafting.py): each such row generates from a repetitive
+text prompt (a numbered list, ``REPETITIVE``) twice through the same links, plain and then
+speculating, and records both rates, the passes through the chain and whether the tokens were
+identical. Modes alternate per round trip on the same workers. With several workers on few
+cores the machine is oversubscribed; the environment records it. Timing lives here, never in
+tests.
 
     python -m bench.pipeline_network [--quick] [--model PRESET|gemma3-270m] [--hops 2,3,4]
-        [--rtts 0,2,20,50] [--speculate K] [--out-dir DIR]
+        [--rtts 0,2,20,50] [--modes client,chain,speculate,chain-speculate] [--speculate K]
+        [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -52,12 +57,19 @@ def even_ranges(n_layers: int, hops: int) -> list[str]:
     return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])]
 
 
-async def measure_rtt(targets: list[str], rtt_ms: float, tokens: int, prefill: int) -> dict[str, Any]:
-    """One (hop count, RTT) point of the client-relay mode, through fresh links."""
+MODES = ("client", "chain", "speculate", "chain-speculate")
+SPECULATING = {"speculate": "client", "chain-speculate": "chain"}  # mode -> its relay
+
+
+async def measure_rtt(
+    targets: list[str], rtt_ms: float, tokens: int, prefill: int, mode: str = "client"
+) -> dict[str, Any]:
+    """One (mode, hop count, RTT) point, through fresh links."""
     async with AsyncExitStack() as stack:
         links = [await stack.enter_async_context(open_link(t, one_way_delay_s=rtt_ms / 2000))
                  for t in targets]
-        pipe = await stack.enter_async_context(Pipeline.connect([lk.target for lk in links], timeout=600))
+        pipe = await stack.enter_async_context(
+            Pipeline.connect([lk.target for lk in links], timeout=600, relay=mode))
         caps = pipe.hops[0].caps
         assert caps is not None
         rng = random.Random(prefill)
@@ -76,7 +88,7 @@ async def measure_rtt(targets: list[str], rtt_ms: float, tokens: int, prefill: i
         await pipe.generate(long_prompt, max_tokens=1)
         prefill_s = time.perf_counter() - start
     return {
-        "hops": len(targets), "rtt_ms": rtt_ms, "tokens": len(arrivals),
+        "mode": mode, "hops": len(targets), "rtt_ms": rtt_ms, "tokens": len(arrivals),
         "tok_s": round((len(arrivals) - 1) / decode, 2) if decode > 0 else None,
         "ms_per_token": round(decode / (len(arrivals) - 1) * 1e3, 2),
         "ttft_ms": round(ttft * 1e3, 1), "prefill_tokens": prefill,
@@ -84,13 +96,16 @@ async def measure_rtt(targets: list[str], rtt_ms: float, tokens: int, prefill: i
     }
 
 
-async def measure_speculation(targets: list[str], rtt_ms: float, tokens: int, k: int) -> dict[str, Any]:
-    """One (hop count, RTT) point of ``speculate`` against plain client relay, both from
-    ``REPETITIVE`` through the same fresh links (plain first, then speculating)."""
+async def measure_speculation(
+    targets: list[str], rtt_ms: float, tokens: int, k: int, mode: str
+) -> dict[str, Any]:
+    """One (mode, hop count, RTT) point of a speculating mode against the same relay without
+    speculation, both from ``REPETITIVE`` through the same fresh links (plain first)."""
     async with AsyncExitStack() as stack:
         links = [await stack.enter_async_context(open_link(t, one_way_delay_s=rtt_ms / 2000))
                  for t in targets]
-        pipe = await stack.enter_async_context(Pipeline.connect([lk.target for lk in links], timeout=600))
+        pipe = await stack.enter_async_context(Pipeline.connect(
+            [lk.target for lk in links], timeout=600, relay=SPECULATING[mode]))
         await pipe.generate(REPETITIVE, max_tokens=2, speculate=k)  # warm-up
         rates, results = {}, {}
         for name, spec in (("plain", 0), ("speculate", k)):
@@ -105,7 +120,7 @@ async def measure_speculation(targets: list[str], rtt_ms: float, tokens: int, k:
             rates[name] = (len(arrivals) - 1) / span if span > 0 else None
     spec = results["speculate"]
     return {
-        "hops": len(targets), "rtt_ms": rtt_ms, "tokens": len(spec.tokens), "k": k,
+        "mode": mode, "hops": len(targets), "rtt_ms": rtt_ms, "tokens": len(spec.tokens), "k": k,
         "tok_s": round(rates["speculate"], 2) if rates["speculate"] else None,
         "plain_tok_s": round(rates["plain"], 2) if rates["plain"] else None,
         "speedup": round(rates["speculate"] / rates["plain"], 2)
@@ -117,25 +132,41 @@ async def measure_speculation(targets: list[str], rtt_ms: float, tokens: int, k:
 
 
 async def measure_hops(
-    targets: list[str], rtts: list[float], tokens: int, prefill: int, speculate: int
-) -> dict[str, list[dict[str, Any]]]:
+    targets: list[str], rtts: list[float], tokens: int, prefill: int, modes: list[str], k: int
+) -> list[dict[str, Any]]:
     for target in targets:
         await wait_serving(target)
-    modes: dict[str, list[dict[str, Any]]] = {"client": [], "speculate": []}
+    rows = []
     for rtt in rtts:
-        row = await measure_rtt(targets, rtt, tokens, prefill)
-        print(json.dumps({"mode": "client", **row}), flush=True)
-        modes["client"].append(row)
-        if speculate:
-            row = await measure_speculation(targets, rtt, tokens, speculate)
-            print(json.dumps({"mode": "speculate", **row}), flush=True)
-            modes["speculate"].append(row)
-    return modes
+        for mode in modes:
+            if mode in SPECULATING:
+                row = await measure_speculation(targets, rtt, tokens, k, mode)
+            else:
+                row = await measure_rtt(targets, rtt, tokens, prefill, mode)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
 
 
-def write_chart(modes: dict[str, list[dict[str, Any]]], path: Path, title: str) -> str | None:
-    """PNG of tokens/s against RTT, one line per mode and hop count; returns why not if it
-    cannot."""
+def speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """chain / client tokens/s (and prefill time client / chain) per (hops, RTT)."""
+    out = []
+    for r in rows:
+        if r["mode"] != "chain":
+            continue
+        base = next((c for c in rows if c["mode"] == "client" and c["hops"] == r["hops"]
+                     and c["rtt_ms"] == r["rtt_ms"]), None)
+        if base is None or not base["tok_s"] or not r["tok_s"]:
+            continue
+        out.append({"hops": r["hops"], "rtt_ms": r["rtt_ms"],
+                    "tok_s_chain_over_client": round(r["tok_s"] / base["tok_s"], 2),
+                    "ttft_client_over_chain": round(base["ttft_ms"] / r["ttft_ms"], 2),
+                    "prefill_client_over_chain": round(base["prefill_ms"] / r["prefill_ms"], 2)})
+    return out
+
+
+def write_chart(rows: list[dict[str, Any]], path: Path, title: str) -> str | None:
+    """PNG of tokens/s against RTT, one line per hop count; returns why not if it cannot."""
     try:
         import matplotlib
 
@@ -144,13 +175,17 @@ def write_chart(modes: dict[str, list[dict[str, Any]]], path: Path, title: str) 
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]')"
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    styles = {"client": ("o", "-", "client relay"), "speculate": ("s", "--", "client relay + speculate")}
-    for mode, rows in modes.items():
-        marker, line, label = styles.get(mode, ("^", ":", mode))
+    styles = {"client": ("o", "-"), "chain": ("s", "--"), "speculate": ("^", "-."),
+              "chain-speculate": ("D", ":")}
+    for mode in MODES:
         for hops in sorted({r["hops"] for r in rows}):
-            mine = [r for r in rows if r["hops"] == hops]
-            ax.plot([r["rtt_ms"] for r in mine], [r["tok_s"] for r in mine], marker=marker,
-                    linestyle=line, label=f"{label}, {hops} hops")
+            mine = [r for r in rows if r["hops"] == hops and r["mode"] == mode]
+            if mine:
+                marker, line = styles[mode]
+                label = (f"{SPECULATING[mode]} relay + speculate (list prompt)" if mode in SPECULATING
+                         else f"{mode} relay")
+                ax.plot([r["rtt_ms"] for r in mine], [r["tok_s"] for r in mine],
+                        marker=marker, linestyle=line, label=f"{label}, {hops} hops")
     ax.set_xlabel("round trip per link (ms)")
     ax.set_ylabel("decode tokens/s")
     save_chart(fig, ax, path, title)
@@ -169,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="generated tokens (default 32)")
     p.add_argument("--prefill", type=int, default=None, help="prefill prompt length (default 1000)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per worker")
+    p.add_argument("--modes", default=",".join(MODES), help=f"modes (default {','.join(MODES)})")
     p.add_argument("--speculate", type=int, default=4, metavar="K",
-                   help="drafted tokens per pass of the speculate mode; 0 leaves it out (default 4)")
+                   help="drafted tokens per pass of the speculating modes (default 4)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     q = args.quick
@@ -179,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     rtts = [float(r) for r in (args.rtts or ("0,20" if q else "0,2,20,50")).split(",")]
     tokens = args.tokens or (8 if q else 32)
     prefill = args.prefill or (64 if q else 1000)
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes: choose from {', '.join(MODES)}")
     from shard.models import ensure_model
     from shard.models.header import read_model_info
     from shard.models.real import REAL_MODELS, ensure_real_model
@@ -188,30 +227,28 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.out_dir / "logs"
     env = environment(model, args.threads,
                       argv=["-m", "bench.pipeline_network", *(sys.argv[1:] if argv is None else argv)])
-    modes: dict[str, list[dict[str, Any]]] = {"client": [], "speculate": []}
+    rows: list[dict[str, Any]] = []
     for hops in hop_counts:
         ranges = even_ranges(n_layer, hops)
         with ExitStack() as stack:
             servers = [stack.enter_context(shard_server(
                 model, threads=args.threads, ctx=2 * (prefill + tokens + 64), max_sessions=2,
-                log=logs / f"pipeline_network-{hops}-{i}.log", extra=["--layers", r]))
+                log=logs / f"pipeline_network-{hops}-{i}.log",
+                extra=["--layers", r, "--allow-relay"]))
                 for i, r in enumerate(ranges)]
-            got = trio.run(measure_hops, [s.target for s in servers], rtts, tokens, prefill,
-                           args.speculate)
-            for mode, rows in got.items():
-                modes[mode] += rows
-    if not modes["speculate"]:
-        del modes["speculate"]
+            rows += trio.run(measure_hops, [s.target for s in servers], rtts, tokens, prefill, modes,
+                             args.speculate)
     env["load_average_after"] = load_average()
     print(f"\n{'mode':<7} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'ms/tok':>7} {'ttft ms':>8} {'prefill ms':>11}")
-    for r in modes["client"]:
-        print(f"{'client':<7} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} {r['ms_per_token']:>7} "
-              f"{r['ttft_ms']:>8} {r['prefill_ms']:>11}")
-    if "speculate" in modes:
-        print(f"\n{'speculate':<9} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'plain':>7} {'x':>5} "
-              f"{'passes':>7} {'plain':>6} {'same':>5}")
-        for r in modes["speculate"]:
-            print(f"{'K=' + str(r['k']):<9} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} "
+    for r in rows:
+        if r["mode"] not in SPECULATING:
+            print(f"{r['mode']:<7} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} {r['ms_per_token']:>7} "
+                  f"{r['ttft_ms']:>8} {r['prefill_ms']:>11}")
+    print(f"\n{'speculating':<15} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'plain':>7} {'x':>5} "
+          f"{'passes':>7} {'plain':>6} {'same':>5}")
+    for r in rows:
+        if r["mode"] in SPECULATING:
+            print(f"{r['mode']:<15} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} "
                   f"{r['plain_tok_s']:>7} {r['speedup']:>5} {r['traversals']:>7} "
                   f"{r['plain_traversals']:>6} {str(r['identical_tokens']):>5}")
     report: dict[str, Any] = {
@@ -220,10 +257,15 @@ def main(argv: list[str] | None = None) -> int:
                      "rtts_ms": rtts, "tokens": tokens, "prefill_tokens": prefill, "threads": args.threads,
                      "speculate": args.speculate, "speculate_prompt": REPETITIVE,
                      "links": "one bench/links.py Link in front of each worker, one-way delay = rtt/2"},
-        "modes": modes,
+        "modes": {mode: [{k: v for k, v in r.items() if k != "mode"} for r in rows if r["mode"] == mode]
+                  for mode in modes},
+        "ratios": speedups(rows),
     }
+    for ratio in report["ratios"]:
+        print(f"chain/client tok/s {ratio['tok_s_chain_over_client']:>5}x  ttft {ratio['ttft_client_over_chain']:>5}x  "
+              f"prefill {ratio['prefill_client_over_chain']:>5}x  ({ratio['hops']} hops, {ratio['rtt_ms']:g} ms)")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    why = write_chart(modes, args.out_dir / "pipeline_network.png",
+    why = write_chart(rows, args.out_dir / "pipeline_network.png",
                       f"{preset} model, {args.threads} thread/worker, {env['usable_cores']} cores")
     report["chart"] = why or "pipeline_network.png"
     path = args.out_dir / "pipeline_network.json"

@@ -246,6 +246,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth-token-file", type=Path, metavar="FILE",
                        help="require 'authorization: Bearer TOKEN' on every Shard call; FILE "
                        "holds one 'TOKEN [NAME]' per line, re-read on SIGHUP")
+    serve.add_argument("--allow-relay", action="store_true",
+                       help="chain relay: accept sessions opened with a route (the hops after "
+                       "this worker), open the next hop's session from here and relay the hidden "
+                       "states to it; reported as relay_allowed. Off by default, so that no "
+                       "worker becomes an open relay: a route is then refused with "
+                       "PERMISSION_DENIED (docs/pipelines.md, \"Chain relay\")")
+    serve.add_argument("--relay-tls-ca", type=Path, metavar="PEM",
+                       help="with --allow-relay: connect to the next hops with TLS, trusting this "
+                       "CA bundle")
+    serve.add_argument("--relay-tls-cert", type=Path, metavar="PEM",
+                       help="with --allow-relay: client certificate chain presented to the next "
+                       "hops (mutual TLS, with --relay-tls-key)")
+    serve.add_argument("--relay-tls-key", type=Path, metavar="PEM",
+                       help="private key for --relay-tls-cert")
+    serve.add_argument("--relay-token-file", type=Path, metavar="FILE",
+                       help="with --allow-relay: send the first token in FILE to the next hops as "
+                       "'authorization: Bearer TOKEN'")
     serve.add_argument("--insecure", action="store_true",
                        help="allow plaintext without authentication on a non-loopback --host")
     serve.add_argument("--log-format", choices=["text", "json"], default="text",
@@ -298,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "output so far), verified by the last shard in the same pass: the same "
                      "tokens, fewer passes when the text repeats itself; --json then reports "
                      "'traversals', 'drafted_tokens' and 'accepted_tokens' (default: 0, off)")
+    gen.add_argument("--relay", choices=["client", "chain"], default="client",
+                     help="with --pipeline: who carries the hidden states between hops: this "
+                     "client (client, star) or the workers themselves (chain: the client talks to "
+                     "the first hop only; every hop but the last must run `serve --allow-relay`; "
+                     "no replicas) (default: client)")
 
     caps = sub.add_parser("caps", help="show what a running worker serves")
     _add_target(caps)
@@ -469,6 +491,22 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+def _relay_options(args: argparse.Namespace) -> dict[str, object] | None:
+    """``ChainRelay`` keywords for ``serve --allow-relay`` (outbound TLS and bearer token, as
+    the client commands take them), None without it; ValueError for --relay-* alone."""
+    given = [name for name in ("relay_tls_ca", "relay_tls_cert", "relay_tls_key", "relay_token_file")
+             if getattr(args, name) is not None]
+    if not args.allow_relay:
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --allow-relay")
+        return None
+    outbound = argparse.Namespace(tls_ca=args.relay_tls_ca, tls_cert=args.relay_tls_cert,
+                                  tls_key=args.relay_tls_key, token_file=args.relay_token_file)
+    if (outbound.tls_cert is None) != (outbound.tls_key is None):
+        raise ValueError("--relay-tls-cert and --relay-tls-key go together")
+    return _client_options(outbound)
+
+
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from shard.models import PRESETS, write_model
 
@@ -529,6 +567,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             authenticator = TokenAuthenticator(args.auth_token_file)
         except TokenFileError as exc:
             return _fail(str(exc), 2)
+    try:
+        relay_options = _relay_options(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"relay set-up failed: {exc}", 2)
+    relay = None
+    if relay_options is not None:
+        from shard.relay import ChainRelay
+
+        relay = ChainRelay(**relay_options)  # type: ignore[arg-type]
     refusal = binding_refusal(
         args.host, tls=ssl_context is not None, authenticated=authenticator is not None,
         insecure=args.insecure,
@@ -577,7 +624,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         resume_ttl=args.resume_ttl, ssl_context=ssl_context,
                         limits=SessionLimits(lookahead=args.lookahead),
                         authorize=authenticator, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host,
+                        metrics_host=args.metrics_host, relay=relay,
                     ))
                     nursery.start_soon(_stop_on_signal, server, nursery.cancel_scope, args.grace)
                     if authenticator is not None:
@@ -765,7 +812,8 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
             async with Pipeline.connect(
                 args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
                 wait_for_ready=True, step_timeout=args.step_timeout,
-                replay_bytes=int(args.replay_mib * 2**20), **options,  # type: ignore[arg-type]
+                replay_bytes=int(args.replay_mib * 2**20), relay=args.relay,
+                **options,  # type: ignore[arg-type]
             ) as pipe:
                 result = await pipe.generate(
                     args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -342,6 +342,7 @@ class ShardClient:
         expected_model_fingerprint: str = "",
         expected_layer_range: tuple[int, int] | None = None,
         hidden_wire_dtype: str = "",
+        route: pb.Route | None = None,
         timeout: float | None = _DEFAULT,
     ) -> ClientSession:
         """Open a session stream and return it (prefer ``session()``, which also closes it).
@@ -359,6 +360,8 @@ class ShardClient:
         )
         if cache is not None:
             open_msg.cache.CopyFrom(cache)
+        if route is not None and route.hops:
+            open_msg.route.CopyFrom(route)  # chain relay: the worker opens the next hop itself
         if expected_layer_range is not None:
             open_msg.expected_layer_range.CopyFrom(
                 pb.LayerRange(start=expected_layer_range[0], end=expected_layer_range[1])
@@ -391,6 +394,7 @@ class ShardClient:
         expected_model_fingerprint: str = "",
         expected_layer_range: tuple[int, int] | None = None,
         hidden_wire_dtype: str = "",
+        route: pb.Route | None = None,
         timeout: float | None = _DEFAULT,
     ) -> AsyncIterator[ClientSession]:
         """Open a session stream for the block (``session_id`` defaults to a random id).
@@ -399,6 +403,8 @@ class ShardClient:
         ``session.cache``. ``credit``: results the worker may send ahead (0: its default).
         ``step_timeout``: per-step deadline in seconds. ``hidden_wire_dtype``: ask for
         "float16" hidden states (see ``session.hidden_dtype`` for what the worker agreed to).
+        ``route``: the hops after this worker, for chain relay (a worker that reports
+        ``relay_allowed`` opens them itself; docs/pipelines.md, "Chain relay").
         ``timeout``: deadline of the whole stream. Leaving the block normally closes the session (released, unless
         ``close(retain=True)`` was called); leaving it with an exception or a cancellation
         resets the stream, which releases the session on the worker.
@@ -412,6 +418,7 @@ class ShardClient:
             expected_model_fingerprint=expected_model_fingerprint,
             expected_layer_range=expected_layer_range,
             hidden_wire_dtype=hidden_wire_dtype,
+            route=route,
             timeout=timeout,
         )
         try:
@@ -513,6 +520,11 @@ class ClientSession:
     def hidden_dtype(self) -> str:
         """Wire dtype of this session's hidden states (the worker's answer to the request)."""
         return self.opened.hidden_wire_dtype or convert.HIDDEN_DTYPE
+
+    @property
+    def alive(self) -> bool:
+        """The stream still serves: neither failed, reset nor closed."""
+        return self._dead is None and self.closed is None
 
     @property
     def cache(self) -> pb.CacheResult:

@@ -358,8 +358,13 @@ class HopRunner:
     ``prefill_rows``, ``decode``, and ``close``; on failure ``abort`` and ``release``. Every
     step call fails over by itself (see the module docstring) and returns its result once."""
 
-    def __init__(self, replicas: HopReplicas, gen: Generation, *, last: bool) -> None:
+    def __init__(
+        self, replicas: HopReplicas, gen: Generation, *, last: bool, route: pb.Route | None = None
+    ) -> None:
         self.replicas = replicas
+        #: Chain relay: the hops after this one, opened by its worker (``last`` is then True:
+        #: the worker answers with the last shard's results).
+        self.route = route
         self.gen = gen
         self.index = replicas.index
         self.first = self.index == 0
@@ -464,6 +469,25 @@ class HopRunner:
         elif row is not None:
             self._log_rows(row)
         return out
+
+    async def generate(
+        self, emit: Callable[[pb.StepResult], Awaitable[None]], *, max_tokens: int,
+        stop_tokens: Sequence[int], ignore_eos: bool,
+    ) -> None:
+        """Server-driven decoding from the last result on (a routed first hop: the workers
+        loop, the client only reads); ``emit`` sees each step once, the last with its
+        ``finish_reason``."""
+        async def action(session: ClientSession) -> None:
+            steps = session.generate(
+                max_tokens=max_tokens, sampling=self.gen.sampling, stop_tokens=stop_tokens,
+                ignore_eos=ignore_eos, top_logprobs=self.gen.top_logprobs,
+            )
+            while (step := await self._timed(lambda: _next(steps))) is not None:
+                self._output(step, session)
+                self.held = step.n_past
+                await emit(step)
+
+        await self._attempt(action)
 
     async def close(self) -> None:
         """Close the session (released). A worker that fails now has nothing left to compute:
@@ -673,6 +697,7 @@ class HopRunner:
             expected_layer_range=(ref.layer_range.start, ref.layer_range.end),
             # float32 is not asked for, so a v1.0 exchange stays byte for byte the same
             hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
+            route=self.route,
             timeout=timeout,
         )
 

@@ -43,6 +43,11 @@ the bench, and a reference for routers. What it guarantees:
   hop, boundary rows for the others, bounded by ``replay_bytes``), so the generation goes on
   where it stopped: the same greedy tokens, each seen once by the caller. A draining worker
   hands over at the next step without any error. ``PipelineResult.failovers`` says what moved.
+* **Chain relay** (``relay="chain"``, ``shard.chain``): the client opens only the first hop, with
+  the route of the others; each worker forwards its boundary to the next and the last shard's
+  results come back up the chain, and decoding runs as a ``Generate`` on the first hop, so a
+  token costs no round trip to the client. Needs ``relay_allowed`` on every hop but the last and
+  no replicas (failover with chain relay is future work).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from shard import chain
 from shard.client import ShardClient, sampling
 from shard.drafting import Drafter, PromptLookup
 from shard.hops import (
@@ -98,6 +104,7 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_TOKENS = 32
+RELAY_MODES = ("client", "chain")
 _DEFAULT: Any = object()
 
 OnToken = Callable[[pb.StepResult], "Awaitable[None] | None"]
@@ -192,8 +199,10 @@ class Pipeline:
         metadata: Sequence[tuple[str, str | bytes]] = (),
         step_timeout: float | None = None,
         replay_bytes: int | None = DEFAULT_REPLAY_BYTES,
+        relay: str = "client",
     ) -> None:
         self._replicas = [HopReplicas(i, targets, connect) for i, targets in enumerate(hops)]
+        self.relay = relay
         self.timeout = timeout
         self.hidden_dtype = hidden_dtype
         self.step_timeout = step_timeout
@@ -230,6 +239,7 @@ class Pipeline:
         wait_for_ready: bool = False,
         step_timeout: float | None = None,
         replay_bytes: int | None = DEFAULT_REPLAY_BYTES,
+        relay: str = "client",
     ) -> AsyncIterator[Pipeline]:
         """Connect to every worker (in order: first shard first) and check the chain.
 
@@ -243,13 +253,20 @@ class Pipeline:
         ``ShardClient.wait_for_ready``). ``step_timeout``: seconds any one step (a decode, a
         prefill chunk, an open) may go unanswered before its worker counts as hung and its hop
         fails over (None: no bound but the deadline). ``replay_bytes``: the boundary rows one
-        generation may keep for replay (None: unbounded; see ``shard.replay``).
+        generation may keep for replay (None: unbounded; see ``shard.replay``). ``relay``:
+        "client" (default: the client relays every hop's hidden states) or "chain" (the workers
+        relay to each other; refused, naming the hop, when a hop has replicas or a hop but the
+        last does not report ``relay_allowed``; see ``shard.chain``).
         """
         if hidden_dtype not in convert.WIRE_DTYPES:
             raise ValueError(f"hidden_dtype must be one of {sorted(convert.WIRE_DTYPES)}")
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError("step_timeout must be > 0 (or None)")
+        if relay not in RELAY_MODES:
+            raise ValueError(f"relay must be one of {', '.join(RELAY_MODES)}")
         hops = hop_targets(targets)
+        if relay == "chain":
+            chain.refuse_replicas(hops)
         deadline = absolute_deadline(timeout)
         closing = trio.Event()
         with unwrap_single_exception():
@@ -277,13 +294,15 @@ class Pipeline:
                     pipe = cls(
                         hops, connect, timeout=timeout, hidden_dtype=hidden_dtype,
                         ssl_context=ssl_context, metadata=metadata, step_timeout=step_timeout,
-                        replay_bytes=replay_bytes,
+                        replay_bytes=replay_bytes, relay=relay,
                     )
                     for replicas in pipe._replicas:
                         await replicas.attach(deadline, wait_for_ready)
                     check_chain(pipe.hops)
                     for replicas in pipe._replicas:
                         replicas.check_alternatives()
+                    if relay == "chain":
+                        chain.check_relay_allowed(pipe.hops)
                     yield pipe
                 finally:
                     closing.set()
@@ -356,12 +375,24 @@ class Pipeline:
                     failovers=result.failovers,
                 )
                 last = len(self._replicas) - 1
-                runners = [HopRunner(r, gen, last=r.index == last) for r in self._replicas]
+                chained = self.relay == "chain" and last > 0
+                if chained:  # one runner: the first hop, answering with the last shard's results
+                    runners = [chain.first_hop_runner(self._replicas, gen)]
+                else:
+                    runners = [HopRunner(r, gen, last=r.index == last) for r in self._replicas]
                 try:
                     with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
-                        await self._run(runners, result, prompt, max_tokens, stop_tokens,
-                                        ignore_eos, on_token, blames, speculate,
-                                        drafter or PromptLookup())
+                        if chained and not speculate:  # the workers loop: Generate on hop 0
+                            await chain.run(self._replicas, runners[0], result, prompt,
+                                            max_tokens, stop_tokens, ignore_eos, on_token,
+                                            blames)
+                        else:  # the client steps (a chain's passes go through hop 0's route)
+                            try:
+                                await self._run(runners, result, prompt, max_tokens, stop_tokens,
+                                                ignore_eos, on_token, blames, speculate,
+                                                drafter or PromptLookup())
+                            except PipelineError as err:
+                                raise (chain.reblame(err, self._replicas) if chained else err) from None
                         return result
                     raise blames.deadline_error(self.hops)  # the scope's deadline passed
                 except BaseException:
@@ -371,6 +402,8 @@ class Pipeline:
                         async with trio.open_nursery() as nursery:
                             for runner in runners:
                                 nursery.start_soon(runner.release)
+                            if chained:  # a worker lost mid-chain leaves the next one retaining
+                                chain.release_downstream(nursery, self._replicas, runners[0], gen)
                     raise
 
     async def _run(

@@ -240,11 +240,11 @@ def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
     assert report["environment"]["model"].endswith(".gguf")
 
 
-def test_pipeline_network_bench_reports_client_mode_per_rtt(tmp_path: Path) -> None:
+def test_pipeline_network_bench_reports_client_and_chain_modes_per_rtt(tmp_path: Path) -> None:
     """A ``--quick`` run of bench/pipeline_network.py (tiny model, 2 hops through delayed links):
-    the JSON has its environment, a ``client`` mode row per RTT, and a 20 ms round trip per
-    link delays the first token by at least one round trip (a lower bound, not a speed); the
-    ``speculate`` rows say the speculating run gave the plain run's tokens."""
+    the JSON has its environment and a ``client`` and a ``chain`` mode row per RTT, and a 20 ms
+    round trip per link delays the first token by at least one round trip (a lower bound, not a
+    speed); the speculating modes' rows say they gave the plain run's tokens."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.pipeline_network", "--quick", "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
@@ -252,14 +252,17 @@ def test_pipeline_network_bench_reports_client_mode_per_rtt(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "pipeline_network.json").read_text())
     assert report["environment"]["model"].endswith(".gguf")
-    rows = report["modes"]["client"]
-    assert [(r["hops"], r["rtt_ms"]) for r in rows] == [(2, 0.0), (2, 20.0)]
-    for r in rows:
-        assert r["tokens"] == 8 and r["prefill_tokens"] == 64
-        assert r["tok_s"] > 0 and r["prefill_ms"] > 0
-    assert rows[1]["ttft_ms"] >= rows[0]["ttft_ms"] + 20
-    spec = report["modes"]["speculate"]
-    assert [(r["hops"], r["rtt_ms"], r["k"]) for r in spec] == [(2, 0.0, 4), (2, 20.0, 4)]
-    for r in spec:
-        assert r["identical_tokens"] is True and r["tokens"] == 8
-        assert r["plain_traversals"] == 8 >= r["traversals"] == 8 - r["accepted"]
+    for mode in ("client", "chain"):
+        rows = report["modes"][mode]
+        assert [(r["hops"], r["rtt_ms"]) for r in rows] == [(2, 0.0), (2, 20.0)]
+        for r in rows:
+            assert r["tokens"] == 8 and r["prefill_tokens"] == 64
+            assert r["tok_s"] > 0 and r["prefill_ms"] > 0
+        assert rows[1]["ttft_ms"] >= rows[0]["ttft_ms"] + 20
+    assert [(r["hops"], r["rtt_ms"]) for r in report["ratios"]] == [(2, 0.0), (2, 20.0)]
+    for mode in ("speculate", "chain-speculate"):  # the speculating run gave the plain run's tokens
+        spec = report["modes"][mode]
+        assert [(r["hops"], r["rtt_ms"], r["k"]) for r in spec] == [(2, 0.0, 4), (2, 20.0, 4)]
+        for r in spec:
+            assert r["identical_tokens"] is True and r["tokens"] == 8
+            assert r["plain_traversals"] == 8 >= r["traversals"] == 8 - r["accepted"]

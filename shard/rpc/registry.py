@@ -32,6 +32,7 @@ from shard.engine import EngineError, ShardEngine
 from shard.v1 import shard_pb2 as pb
 
 from .errors import ErrorCode, ShardError
+from .relaying import RelayOpener
 from .session import Retained, SessionCall, SessionLimits, StreamEnd
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,14 @@ log = logging.getLogger(__name__)
 class Registry:
     """Open and retained sessions; the TTL reaper; Cancel/Release lookup; worker counters."""
 
-    def __init__(self, engine: ShardEngine, limits: SessionLimits = SessionLimits()) -> None:
+    def __init__(
+        self, engine: ShardEngine, limits: SessionLimits = SessionLimits(),
+        relay: RelayOpener | None = None,
+    ) -> None:
         self.engine = engine
         self.limits = limits
+        #: Opens the downstream session of a routed session (chain relay); None refuses routes.
+        self.relay = relay
         self.draining = False
         self.counters: collections.Counter[str] = collections.Counter()
         self.streams = AsyncValue(0)  # running SessionCall tasks
@@ -87,6 +93,7 @@ class Registry:
             requests=requests,
             deadline=deadline,
             max_message_bytes=max_message_bytes,
+            relay=self.relay,
         )
         self.counters["rpc_session_total"] += 1
         try:

@@ -33,6 +33,7 @@ from .health import SERVICE_NAME as HEALTH_SERVICE
 from .metrics import WorkerMetrics, serve_metrics
 from .reflection import ReflectionService
 from .registry import Registry
+from .relaying import RelayOpener
 from .servicer import Authorizer, ShardServicer
 from .session import SessionLimits
 from .transport import Server, TransportLimits
@@ -118,6 +119,7 @@ async def serve(
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
     reflection: bool = True,
+    relay: RelayOpener | None = None,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``engine`` on ``host:port`` until cancelled.
@@ -130,7 +132,9 @@ async def serve(
     ``authorize`` is the optional auth hook (see ``servicer.Authorizer``).
     ``metrics_port``: also serve Prometheus ``/metrics`` on ``metrics_host:metrics_port`` (0
     picks a free port, see ``RunningServer.metrics_port``). ``reflection``: serve gRPC server
-    reflection (v1 and v1alpha) next to the Shard and health services.
+    reflection (v1 and v1alpha) next to the Shard and health services. ``relay``: open the
+    downstream sessions of sessions opened with a route (chain relay, ``shard.relay.ChainRelay``;
+    ``serve --allow-relay``) and report ``relay_allowed``; None (default) refuses every route.
     """
     if not (math.isfinite(health_interval) and health_interval > 0):
         raise ValueError("health_interval must be a positive number of seconds")
@@ -138,7 +142,7 @@ async def serve(
         limits = dataclasses.replace(limits, resume_ttl=resume_ttl)
     metrics = WorkerMetrics()
     engine = metrics.meter(engine)  # times every step for the latency histograms
-    registry = Registry(engine, limits)
+    registry = Registry(engine, limits, relay)
     metrics.attach(engine, registry)
     servicer = ShardServicer(
         engine, registry, transport_limits=transport_limits, authorize=authorize, metrics=metrics

@@ -179,12 +179,14 @@ class ShardServicer(_ShardServicerBase):
 
     async def _capabilities(self, _: pb.GetCapabilitiesRequest) -> pb.GetCapabilitiesResponse:
         await trio.lowlevel.checkpoint()
-        return convert.capabilities_to_proto(
+        caps = convert.capabilities_to_proto(
             self.engine.capabilities(),
             max_message_bytes=self._transport_limits.max_message_bytes,
             max_credit=self.limits.max_credit,
             resume_ttl_ms=self.limits.resume_ttl_ms,
         )
+        caps.relay_allowed = self.registry.relay is not None  # unset (no bytes) unless allowed
+        return caps
 
     async def _health(self, _: pb.HealthRequest) -> pb.HealthResponse:
         await trio.lowlevel.checkpoint()

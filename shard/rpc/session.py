@@ -78,6 +78,7 @@ from shard.v1 import shard_pb2 as pb
 
 from . import convert
 from .errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
+from .relaying import Downstream, RelayOpener, RelaySteps, check_route
 from .versions import check_version
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ def _illegal(message: str, session_id: str = "") -> ShardError:
     return ShardError(ErrorCode.ILLEGAL_TRANSITION, message, session_id=session_id)
 
 
-class SessionCall:
+class SessionCall(RelaySteps):
     """The server side of one ``Session`` stream (see the module docstring).
 
     Created and started by ``Registry.start_call``. Public surface for the handler and the
@@ -212,8 +213,11 @@ class SessionCall:
         requests: AsyncIterable[pb.SessionRequest],
         deadline: float = math.inf,
         max_message_bytes: int = 16 * 1024 * 1024,
+        relay: RelayOpener | None = None,
     ) -> None:
         self._engine = engine
+        self._relay = relay  # opens a routed session's downstream (None: routes are refused)
+        self._downstream: Downstream | None = None  # a routed session's next hop
         self._registry = registry
         self._limits = limits
         self._max_message_bytes = max_message_bytes
@@ -277,6 +281,8 @@ class SessionCall:
         self._cancel_requested = True
         if self._step_scope is not None:
             self._step_scope.cancel()
+        if self._downstream is not None:
+            self._downstream.cancel()  # a step in flight downstream stops there too
         return True
 
     def buffered(self) -> int:
@@ -414,6 +420,9 @@ class SessionCall:
         if self._registry.draining:
             raise ShardError(ErrorCode.DRAINING, session_id=sid)
         self._check_model(req, caps, sid)
+        routed = req.HasField("route") and len(req.route.hops) > 0
+        if routed:
+            check_route(self._relay, req, caps, sid)
         wire_dtype = convert.wire_dtype(req.hidden_wire_dtype, sid)
         if req.kv_budget > caps.n_ctx_per_session:
             raise convert.invalid(
@@ -427,6 +436,13 @@ class SessionCall:
         self._wire_dtype = wire_dtype
         self._step_timeout = req.step_timeout_ms / 1000 if req.step_timeout_ms else None
         cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
+        if routed:
+            assert self._relay is not None and self._nursery is not None
+            self._downstream = await self._relay.open(
+                req.route, session_id=sid, deadline=self._deadline, hidden_dtype=wire_dtype,
+                nursery=self._nursery,
+            )
+            self._kv_capacity = min(self._kv_capacity, self._downstream.kv_capacity)
         self._delivered_end = self._end
         credit = min(req.initial_credit or self._limits.default_credit, self._limits.max_credit)
         self.credit.value = credit
@@ -538,6 +554,8 @@ class SessionCall:
         self.phase.value = Phase.CLOSING
         self.credit.value = UNLIMITED_CREDIT  # the client can no longer grant credit
         await self._step_active.wait_value(False)
+        if self._downstream is not None:
+            await self._downstream.close()
         C = pb.SessionClosed
         reason = C.REASON_CLIENT_HALF_CLOSE if half_close else C.REASON_CLIENT_CLOSE
         closed = await self._close(retain=retain, reason=reason)
@@ -552,6 +570,9 @@ class SessionCall:
         sid = self.session_id
         healthy = self._engine.health().state is EngineState.READY
         retained = False
+        if self._downstream is not None:
+            retain = False  # the chain behind it cannot be resumed
+            self._downstream.abort()  # (a no-op after a graceful close)
         if self._owns_engine_session:
             self._owns_engine_session = False
             if retain and healthy:
@@ -608,7 +629,9 @@ class SessionCall:
         err: ShardError | None = None
         try:
             kind = req.WhichOneof("kind")
-            if kind == "prefill":
+            if self._downstream is not None:
+                await self._relay_step(req, usage)
+            elif kind == "prefill":
                 await self._prefill(req.prefill, usage)
             elif kind == "decode":
                 await self._decode(req.decode, usage)

@@ -98,7 +98,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class GetCapabilitiesResponse(_message.Message):
     LAYER_RANGES_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     LAYER_RANGES_DETAIL_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGITS_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ALLOWED_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -153,7 +154,8 @@ class GetCapabilitiesResponse(_message.Message):
     layer_ranges_supported: bool
     layer_ranges_detail: str
     max_logits_positions: int
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ...) -> None: ...
+    relay_allowed: bool
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("version",)
@@ -272,7 +274,7 @@ class CacheExpectation(_message.Message):
     def __init__(self, n_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "expected_model_fingerprint", "expected_layer_range", "kv_budget", "cache", "initial_credit", "step_timeout_ms", "hidden_wire_dtype")
+    __slots__ = ("session_id", "expected_model_fingerprint", "expected_layer_range", "kv_budget", "cache", "initial_credit", "step_timeout_ms", "hidden_wire_dtype", "route")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +283,7 @@ class OpenSession(_message.Message):
     INITIAL_CREDIT_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     expected_model_fingerprint: str
     expected_layer_range: LayerRange
@@ -289,7 +292,24 @@ class OpenSession(_message.Message):
     initial_credit: int
     step_timeout_ms: int
     hidden_wire_dtype: str
-    def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., hidden_wire_dtype: _Optional[str] = ...) -> None: ...
+    route: Route
+    def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., hidden_wire_dtype: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
+
+class Route(_message.Message):
+    __slots__ = ("hops",)
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    hops: _containers.RepeatedCompositeFieldContainer[RouteHop]
+    def __init__(self, hops: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ...) -> None: ...
+
+class RouteHop(_message.Message):
+    __slots__ = ("target", "expected_model_fingerprint", "expected_layer_range")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    expected_model_fingerprint: str
+    expected_layer_range: LayerRange
+    def __init__(self, target: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")

@@ -1,0 +1,166 @@
+"""Chain relay, the client's side: a pipeline whose workers relay to each other.
+
+With ``Pipeline.connect(..., relay="chain")`` the client opens a session on the first hop only,
+with ``OpenSession.route`` naming the others (target, model fingerprint, layer range); that
+worker opens the next hop itself, and so on (``shard.relay``, ``shard.rpc.relaying``). The
+client streams the prompt to the first hop in chunks (each chunk's result is the last shard's,
+come back up the chain) and then asks the first hop for a ``Generate``: the first worker feeds
+each token the last shard chose into its own next step, so a token costs one trip along the
+chain and back, and none to the client. Results, stop rules and errors are the client relay's:
+the same ``PipelineResult``, and a ``PipelineError`` naming the failing hop (read from the
+``relay hop HOST:PORT (layers [A, B))`` prefixes the workers put on what their downstream said).
+
+Why no failover: a replica would have to be opened, and the history replayed, by the worker
+before the failed one; that is future work, so a hop with replicas is refused here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from shard.hops import Generation, Hop, HopOutput, HopReplicas, HopRunner, PipelineError
+from shard.relay import blamed_hop
+from shard.rpc.errors import ErrorCode, ShardError
+from shard.rpc.relaying import relay_session_id
+from shard.v1 import shard_pb2 as pb
+
+if TYPE_CHECKING:
+    from shard.pipeline import PipelineResult, _Blames
+
+__all__ = ["check_relay_allowed", "first_hop_runner", "refuse_replicas", "release_downstream", "run"]
+
+OnToken = Callable[[pb.StepResult], "Awaitable[None] | None"]
+
+
+def refuse_replicas(hops: Sequence[Sequence[str]]) -> None:
+    """Chain relay cannot fail over yet: refuse a hop with replicas, before connecting."""
+    for i, targets in enumerate(hops):
+        if len(targets) > 1:
+            raise PipelineError(Hop(i, targets[0]), ShardError(
+                ErrorCode.UNSUPPORTED_FEATURE,
+                f"lists replicas ({', '.join(targets)}), and chain relay does not fail over "
+                "(failover with chain relay is future work): use relay='client' "
+                "(--relay client) for hops with replicas",
+            ))
+
+
+def check_relay_allowed(hops: Sequence[Hop]) -> None:
+    """Every hop but the last must relay: refuse the chain naming the first that does not."""
+    for hop in hops[:-1]:
+        if hop.caps is not None and not hop.caps.relay_allowed:
+            raise PipelineError(hop, ShardError(
+                ErrorCode.UNSUPPORTED_FEATURE,
+                "does not report relay_allowed (its operator did not start it with `trio-shard "
+                "serve --allow-relay`), so it cannot relay to the next hop: use relay='client' "
+                "(--relay client)",
+            ))
+
+
+def route_after(replicas: Sequence[HopReplicas], index: int) -> pb.Route:
+    """The route the worker of hop ``index`` is given: every hop after it, as checked."""
+    hops = []
+    for r in replicas[index + 1:]:
+        ref = r.reference
+        assert ref is not None
+        hops.append(pb.RouteHop(
+            target=r.replica.target, expected_model_fingerprint=ref.model_fingerprint,
+            expected_layer_range=pb.LayerRange(start=ref.layer_range.start, end=ref.layer_range.end),
+        ))
+    return pb.Route(hops=hops)
+
+
+def first_hop_runner(replicas: Sequence[HopReplicas], gen: Generation) -> HopRunner:
+    """The one runner of a chain-relayed generation: hop 0, answering with logits."""
+    return HopRunner(replicas[0], gen, last=True, route=route_after(replicas, 0))
+
+
+def release_downstream(
+    nursery: trio.Nursery, replicas: Sequence[HopReplicas], runner: HopRunner, gen: Generation
+) -> None:
+    """After a failure: ``Release`` every later hop's session by its relay name (the workers
+    reset them already; this covers a worker lost mid-chain, whose downstream would retain its
+    session for resume)."""
+    name = runner.name
+    for r in replicas[1:]:
+        name = relay_session_id(name)
+        nursery.start_soon(gen.release, r.replica, name)
+
+
+def reblame(err: PipelineError, replicas: Sequence[HopReplicas]) -> PipelineError:
+    """Name the hop a chained error came from: the deepest ``relay hop`` a message names."""
+    found = blamed_hop(err.cause.message)
+    if found is None:
+        return err
+    target, message = found
+    for r in replicas:
+        if r.replica.target == target:
+            cause = err.cause
+            return PipelineError(r.hop(), ShardError(
+                cause.code, message, retryable=cause.retryable, session_id=cause.session_id,
+                reason=cause.reason, supported_versions=cause.supported_versions,
+                grpc_status=cause.grpc_status,
+            ))
+    return err
+
+
+async def run(
+    replicas: Sequence[HopReplicas],
+    runner: HopRunner,
+    result: PipelineResult,
+    prompt: str | Sequence[int],
+    max_tokens: int,
+    stop_tokens: Sequence[int],
+    ignore_eos: bool,
+    on_token: OnToken | None,
+    blames: _Blames,
+) -> None:
+    """``Pipeline.generate`` over a chain relay: the same steps, stop rules and result."""
+    from shard.pipeline import _Blame  # (the pipeline imports this module)
+
+    try:
+        with _Blame(runner, blames):
+            await runner.open()
+            last: list[pb.StepResult] = []
+
+            async def keep(out: HopOutput) -> None:
+                last[:] = [out.step]
+
+            await runner.prefill_prompt(prompt, keep)
+        if not last or last[0].WhichOneof("output") != "logits":
+            raise PipelineError(runner.hop, ShardError(ErrorCode.INTERNAL, "no logits after prefill"))
+        step = last[0]
+        result.prompt_tokens = step.n_past
+        result.traversals = 1  # the prompt's; then one trip along the chain per token
+        assert runner.session is not None
+        capacity = runner.session.opened.kv_capacity  # the chain's least (the workers take the min)
+        stop = frozenset(stop_tokens)
+        token = step.logits.token_id
+        if step.logits.is_eog and not ignore_eos:
+            step.finish_reason = pb.FINISH_REASON_EOG
+        elif token in stop:
+            step.finish_reason = pb.FINISH_REASON_STOP_TOKEN
+        elif max_tokens <= 1:
+            step.finish_reason = pb.FINISH_REASON_LENGTH
+        elif step.n_past + 1 > capacity:
+            step.finish_reason = pb.FINISH_REASON_CONTEXT_FULL
+
+        async def take(step: pb.StepResult) -> None:
+            result.traversals += len(result.steps) > 0
+            result.steps.append(step)
+            if on_token is not None:
+                maybe: Any = on_token(step)
+                if inspect.isawaitable(maybe):
+                    await maybe
+
+        await take(step)
+        with _Blame(runner, blames):
+            if step.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                await runner.generate(take, max_tokens=max_tokens - 1, stop_tokens=stop_tokens,
+                                      ignore_eos=ignore_eos)
+            await runner.close()
+    except PipelineError as err:
+        raise reblame(err, replicas) from None
