@@ -452,6 +452,8 @@ class Pipeline:
                         await maybe
                 if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     break
+                # a caller that cancelled from on_token sees no token of the pass after it
+                await trio.lowlevel.checkpoint_if_cancelled()
             if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 break
             result.traversals += 1

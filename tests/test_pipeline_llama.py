@@ -34,17 +34,21 @@ CHAINS = {"2-workers": [0, 2, 4], "3-workers": [0, 1, 3, 4]}
 
 
 @asynccontextmanager
-async def llama_workers(ranges: Sequence[LayerRange | None]) -> AsyncIterator[list[Worker]]:
-    """One live LlamaCppEngine worker per range (None: the whole tiny model)."""
+async def llama_workers(
+    ranges: Sequence[LayerRange | None], *, relay: bool = False
+) -> AsyncIterator[list[Worker]]:
+    """One live LlamaCppEngine worker per range (None: the whole tiny model); ``relay``: each
+    one relays routes (``serve --allow-relay``)."""
+    from shard.relay import ChainRelay
+
     source = ensure_model("tiny")
     async with AsyncExitStack() as stack:
         workers = []
         for lr in ranges:
             path = source if lr is None else await trio.to_thread.run_sync(ensure_slice, source, lr)
             spec = LoadSpec(model_path=path, layer_range=lr, n_ctx=1024, max_sessions=2, n_threads=1)
-            workers.append(
-                await stack.enter_async_context(worker(engine=LlamaCppEngine(), load=spec))
-            )
+            workers.append(await stack.enter_async_context(worker(
+                engine=LlamaCppEngine(), load=spec, relay=ChainRelay() if relay else None)))
         yield workers
 
 
@@ -116,7 +120,7 @@ async def test_llama_speculation_gives_the_tokens_of_plain_decoding(cuts: list[i
     log-probabilities within 1e-3 (a verifying step's rows are one batch), nothing left."""
     from test_speculation import Scripted
 
-    async with llama_workers([None, *ranges_of(cuts)]) as (whole, *chain):
+    async with llama_workers([None, *ranges_of(cuts)], relay=True) as (whole, *chain):
         want = await whole_model_steps(
             whole.target, PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP
         )
@@ -129,7 +133,14 @@ async def test_llama_speculation_gives_the_tokens_of_plain_decoding(cuts: list[i
             lookup = await pipe.generate(
                 PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP, speculate=4
             )
-        assert scripted.tokens == tokens == lookup.tokens
+        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT,
+                                    relay="chain" if len(chain) > 1 else "client") as pipe:
+            chained = await pipe.generate(
+                PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP, speculate=4,
+                drafter=Scripted(tokens, want[0].n_past, wrong_every=3),
+            )
+        assert scripted.tokens == tokens == lookup.tokens == chained.tokens
+        assert chained.traversals == scripted.traversals
         assert 0 < scripted.accepted_tokens < scripted.drafted_tokens
         assert scripted.traversals == N_TOKENS - scripted.accepted_tokens
         for g, w in zip(scripted.steps, want, strict=True):
@@ -144,8 +155,9 @@ async def test_llama_speculation_gives_the_tokens_of_plain_decoding(cuts: list[i
 @pytest.mark.slow
 async def test_bench_model_three_hops_speculation_gives_the_whole_models_tokens() -> None:
     """The bench-size model (12 blocks, 32,000-token vocabulary) cut 0:4, 4:8, 8:12: the
-    whole model's greedy tokens through client relay and through speculation (prompt lookup
-    and a scripted drafter that is wrong every third position)."""
+    whole model's greedy tokens through client relay, chain relay, and speculation over both
+    (prompt lookup, and a scripted drafter that is wrong every third position)."""
+    from shard.relay import ChainRelay
     from test_speculation import Scripted
 
     source = await trio.to_thread.run_sync(ensure_model, "bench")
@@ -154,16 +166,18 @@ async def test_bench_model_three_hops_speculation_gives_the_whole_models_tokens(
         for lr in (None, *ranges_of([0, 4, 8, 12])):
             path = source if lr is None else await trio.to_thread.run_sync(ensure_slice, source, lr)
             spec = LoadSpec(model_path=path, layer_range=lr, n_ctx=512, max_sessions=1, n_threads=1)
-            workers.append(await stack.enter_async_context(worker(engine=LlamaCppEngine(), load=spec)))
+            workers.append(await stack.enter_async_context(
+                worker(engine=LlamaCppEngine(), load=spec, relay=ChainRelay())))
         whole, *chain = workers
         prompt = [1, *range(300, 320), *range(300, 320)]
         want = await whole_model_steps(whole.target, prompt, max_tokens=32, ignore_eos=True)
         tokens = [s.logits.token_id for s in want]
-        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
-            plain = await pipe.generate(prompt, max_tokens=32, ignore_eos=True)
-            lookup = await pipe.generate(prompt, max_tokens=32, ignore_eos=True, speculate=4)
-            scripted = await pipe.generate(prompt, max_tokens=32, ignore_eos=True, speculate=4,
-                                           drafter=Scripted(tokens, len(prompt), wrong_every=3))
-        assert plain.tokens == lookup.tokens == scripted.tokens == tokens
-        assert 0 < scripted.accepted_tokens < scripted.drafted_tokens
+        for relay in ("client", "chain"):
+            async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay=relay) as pipe:
+                plain = await pipe.generate(prompt, max_tokens=32, ignore_eos=True)
+                lookup = await pipe.generate(prompt, max_tokens=32, ignore_eos=True, speculate=4)
+                scripted = await pipe.generate(prompt, max_tokens=32, ignore_eos=True, speculate=4,
+                                               drafter=Scripted(tokens, len(prompt), wrong_every=3))
+            assert plain.tokens == lookup.tokens == scripted.tokens == tokens, relay
+            assert 0 < scripted.accepted_tokens < scripted.drafted_tokens
         await assert_all_free(workers)

@@ -351,3 +351,56 @@ def test_logs_forget_what_a_rewind_overwrote() -> None:
     assert got.tolist() == [*a[:3].tolist(), (a[0] + 100).tolist()]
     with pytest.raises(ValueError):
         rows.truncate(5)
+
+
+# ---- over a chain relay (the workers carry the hidden states) --------------------------------
+
+
+@pytest.mark.parametrize("ranges", [TWO, THREE], ids=["2", "3"])
+@pytest.mark.parametrize("drafting", ["scripted", "lookup"])
+async def test_speculation_over_a_chain_relay_gives_the_same_results(
+    ranges: list[LayerRange], drafting: str
+) -> None:
+    """Client relay, chain relay, and speculation over each: the whole model's tokens,
+    log-probabilities and positions, bit for bit; each verification pass is one trip along the
+    chain (the relays forward ``all_logits`` to the last shard), and nothing stays behind."""
+    from test_relay import relay_shards
+
+    async with relay_shards([LayerRange(0, 4), *ranges]) as (whole, *chain):
+        want = await reference(whole.target)
+        tokens = [s.logits.token_id for s in want]
+        got = {}
+        for relay in ("client", "chain"):
+            async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay=relay) as pipe:
+                for k in (0, 4):
+                    drafter = Scripted(tokens, len(PROMPT_IDS), wrong_every=3) if drafting == "scripted" else None
+                    got[relay, k] = await pipe.generate(
+                        PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=5,
+                        speculate=k, drafter=drafter)
+        for result in got.values():
+            assert_same(result, want)
+        spec = got["chain", 4]
+        assert spec.traversals == N_TOKENS - spec.accepted_tokens < N_TOKENS == got["chain", 0].traversals
+        if drafting == "scripted":
+            assert 0 < spec.accepted_tokens < spec.drafted_tokens
+        await assert_all_free([whole, *chain])
+
+
+async def test_cancelling_a_speculating_chain_frees_every_hop_within_a_second() -> None:
+    from test_relay import free_within, relay_shards
+
+    async with relay_shards(THREE, latency=0.002) as chain:
+        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay="chain") as pipe:
+            seen = 0
+
+            def count(_: pb.StepResult) -> None:
+                nonlocal seen
+                seen += 1
+                if seen == 12:
+                    scope.cancel()
+
+            with trio.CancelScope() as scope:
+                await pipe.generate(PROMPT_IDS, max_tokens=200, ignore_eos=True, speculate=4,
+                                    on_token=count)
+        assert scope.cancelled_caught and seen == 12
+        await free_within(chain)
