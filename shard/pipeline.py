@@ -431,6 +431,7 @@ class Pipeline:
         history = list(prompt) if not isinstance(prompt, str) else list(runners[0].prompt_ids or ())
         drafter = drafter if speculate else None
         cap = speculate  # drafts per pass: shrinks to what was accepted, doubles back on success
+        synced = True  # every hop holds exactly the positions before ``token`` (none rejected)
         pending = [step]
         while True:
             capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
@@ -464,8 +465,12 @@ class Pipeline:
             # and the step fits every hop's KV budget.
             room = min(cap, max_tokens - len(result.steps) - 1, capacity - step.n_past - 1)
             drafts = list(drafter.propose(history, room))[:room] if room > 0 else []
+            if not drafts and synced:  # nothing to verify or roll back: a plain decode step
+                pending = [await self._decode(runners, token, blames)]
+                continue
             pending = await self._speculate(runners, step.n_past, [token, *drafts], blames)
             accepted = len(pending) - 1
+            synced = accepted == len(drafts)  # else the hops hold rejected positions
             result.drafted_tokens += len(drafts)
             result.accepted_tokens += accepted
             if drafts:  # a rejected row costs compute on every hop: draft what was accepted
