@@ -164,26 +164,11 @@ class RelaySteps:
     async def _relay_prefill(self: SessionCall, p: pb.Prefill, usage: pb.Usage) -> None:
         """Pipelined as the client relay is: this engine computes chunk i+1 while the
         downstream takes chunk i (a channel of one chunk between the two tasks)."""
-        caps, sid = self._require_caps(), self.session_id
-        position = p.position.value if p.HasField("position") else self._end
-        if position > self._end:
-            raise convert.invalid(f"position {position} is beyond the session end {self._end}", sid)
-        sampling = convert.sampling_from_proto(p.sampling, sid)
-        which = p.WhichOneof("input")
-        tokens = hidden = None
-        if which == "tokens":
-            self._check_room(position, len(p.tokens.ids))
-            tokens = tuple(p.tokens.ids)
-        elif which == "text":
-            tokens = await self._tokenize(p.text, add_bos=position == 0, position=position)
-        elif which == "hidden_states":
-            hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid, dtype=self._wire_dtype)
-        else:
-            raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
-        self._check_row_fits(caps)
-        n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        sid = self.session_id
+        position, sampling, tokens, hidden, n = await self._prefill_input(p)
         chunk = p.chunk_tokens or max(n, 1)
-        echo = list(tokens) if which == "text" and p.echo_tokens and tokens is not None else None
+        echo = (list(tokens) if p.WhichOneof("input") == "text" and p.echo_tokens
+                and tokens is not None else None)
         failed: list[ShardError] = []
         counts = {"taken": 0, "sent": 0}
         send, recv = trio.open_memory_channel[tuple[StepResult, int]](1)
@@ -235,18 +220,7 @@ class RelaySteps:
             raise failed[0]
 
     async def _relay_decode(self: SessionCall, d: pb.Decode, usage: pb.Usage) -> None:
-        caps, sid = self._require_caps(), self.session_id
-        sampling = convert.sampling_from_proto(d.sampling, sid)
-        which = d.WhichOneof("input")
-        if which == "token":
-            token, hidden = d.token, None
-        elif which == "hidden_state":
-            token, hidden = None, convert.tensor_to_array(
-                d.hidden_state, caps.n_embd, sid, dtype=self._wire_dtype, rows=1
-            )
-        else:
-            raise convert.invalid("Decode needs a token or a hidden_state", sid)
-        self._check_row_fits(caps)
+        sampling, token, hidden = self._decode_input(d)
         with self._cancellable():
             await self._take_credit()
             start = self._end
@@ -267,21 +241,7 @@ class RelaySteps:
                 ErrorCode.UNSUPPORTED_FEATURE,
                 "Generate on a routed session needs the first shard", session_id=sid,
             )
-        if g.max_tokens == 0:
-            raise convert.invalid("Generate.max_tokens must be >= 1", sid)
-        sampling = convert.sampling_from_proto(g.sampling, sid)
-        which = g.WhichOneof("prompt")
-        prompt: tuple[int, ...] | None = None
-        if which == "tokens":
-            self._check_room(self._end, len(g.tokens.ids))
-            prompt = tuple(g.tokens.ids)
-        elif which == "text":
-            prompt = await self._tokenize(g.text, add_bos=self._end == 0, position=self._end)
-        elif self._next_token is None:
-            raise ShardError(
-                ErrorCode.ILLEGAL_TRANSITION,
-                "Generate without a prompt needs a previous step to continue from", session_id=sid,
-            )
+        sampling, prompt = await self._generate_input(g)
         stop = frozenset(g.stop_tokens)
         emitted = 0
         while True:
@@ -306,17 +266,7 @@ class RelaySteps:
                 call = lambda dn: dn.decode(rows, g.sampling, g.top_logprobs)  # noqa: E731
             final = await self._forward(call, start)
             emitted += 1
-            token = final.logits.token_id
-            if final.logits.is_eog and not g.ignore_eos:
-                finish = pb.FINISH_REASON_EOG
-            elif token in stop:
-                finish = pb.FINISH_REASON_STOP_TOKEN
-            elif emitted >= g.max_tokens:
-                finish = pb.FINISH_REASON_LENGTH
-            elif self._end + 1 > self._kv_capacity:
-                finish = pb.FINISH_REASON_CONTEXT_FULL
-            else:
-                finish = pb.FINISH_REASON_UNSPECIFIED
+            finish = self._finish_reason(final.logits.token_id, final.logits.is_eog, g, stop, emitted)
             await self._send_forwarded(final, start, result, finish)
             if emitted == 1 and prompt is not None:
                 usage.prompt_tokens += result.tokens_processed

@@ -679,9 +679,11 @@ class SessionCall(RelaySteps):
                 ErrorCode.CANCELLED, "the step was cancelled (Cancel RPC)", session_id=self.session_id
             )
 
-    async def _prefill(self, p: pb.Prefill, usage: pb.Usage) -> None:
-        """One StepResult for the whole input, or one per ``chunk_tokens`` positions, each sent
-        as soon as it is computed (a failed chunk leaves the earlier chunks in the session)."""
+    async def _prefill_input(
+        self, p: pb.Prefill
+    ) -> tuple[int, SamplingParams, tuple[int, ...] | None, np.ndarray | None, int]:
+        """A Prefill's checked input, before any engine work: (position, sampling, tokens or
+        hidden rows, positions). Shared with the relaying path (``shard.rpc.relaying``)."""
         caps, sid = self._require_caps(), self.session_id
         position = p.position.value if p.HasField("position") else self._end
         if position > self._end:
@@ -700,9 +702,34 @@ class SessionCall(RelaySteps):
             raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
         self._check_row_fits(caps)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        return position, sampling, tokens, hidden, n
+
+    def _decode_input(
+        self, d: pb.Decode
+    ) -> tuple[SamplingParams, int | None, np.ndarray | None]:
+        """A Decode's checked input: (sampling, token or one hidden row)."""
+        caps, sid = self._require_caps(), self.session_id
+        sampling = convert.sampling_from_proto(d.sampling, sid)
+        which = d.WhichOneof("input")
+        if which == "token":
+            token, hidden = d.token, None
+        elif which == "hidden_state":
+            token, hidden = None, convert.tensor_to_array(
+                d.hidden_state, caps.n_embd, sid, dtype=self._wire_dtype, rows=1
+            )
+        else:
+            raise convert.invalid("Decode needs a token or a hidden_state", sid)
+        self._check_row_fits(caps)
+        return sampling, token, hidden
+
+    async def _prefill(self, p: pb.Prefill, usage: pb.Usage) -> None:
+        """One StepResult for the whole input, or one per ``chunk_tokens`` positions, each sent
+        as soon as it is computed (a failed chunk leaves the earlier chunks in the session)."""
+        sid = self.session_id
+        position, sampling, tokens, hidden, n = await self._prefill_input(p)
         chunk = p.chunk_tokens or max(n, 1)
         hint = self._client_hint() if tokens is not None and not p.all_logits else None
-        echo = tokens if which == "text" and p.echo_tokens else None
+        echo = tokens if p.WhichOneof("input") == "text" and p.echo_tokens else None
         for offset in range(0, max(n, 1), chunk):
             with self._cancellable():
                 await self._take_credit()
@@ -725,18 +752,7 @@ class SessionCall(RelaySteps):
             usage.reused_tokens += result.reused_tokens
 
     async def _decode(self, d: pb.Decode, usage: pb.Usage) -> None:
-        caps, sid = self._require_caps(), self.session_id
-        sampling = convert.sampling_from_proto(d.sampling, sid)
-        which = d.WhichOneof("input")
-        if which == "token":
-            token, hidden = d.token, None
-        elif which == "hidden_state":
-            token, hidden = None, convert.tensor_to_array(
-                d.hidden_state, caps.n_embd, sid, dtype=self._wire_dtype, rows=1
-            )
-        else:
-            raise convert.invalid("Decode needs a token or a hidden_state", sid)
-        self._check_row_fits(caps)
+        sampling, token, hidden = self._decode_input(d)
         if token is not None:
             self._follows = self._next_token is not None and token == self._next_token
         hint = self._client_hint() if token is not None else None
@@ -755,18 +771,7 @@ class SessionCall(RelaySteps):
                 "Generate needs a worker that serves the whole model (first and last shard)",
                 session_id=sid,
             )
-        if g.max_tokens == 0:
-            raise convert.invalid("Generate.max_tokens must be >= 1", sid)
-        sampling = convert.sampling_from_proto(g.sampling, sid)
-        which = g.WhichOneof("prompt")
-        prompt: tuple[int, ...] | None = None
-        if which == "tokens":
-            self._check_room(self._end, len(g.tokens.ids))
-            prompt = tuple(g.tokens.ids)
-        elif which == "text":
-            prompt = await self._tokenize(g.text, add_bos=self._end == 0, position=self._end)
-        elif self._next_token is None:
-            raise _illegal("Generate without a prompt needs a previous step to continue from", sid)
+        sampling, prompt = await self._generate_input(g)
         stop = frozenset(g.stop_tokens)
         emitted = 0
         while True:
@@ -790,17 +795,7 @@ class SessionCall(RelaySteps):
                     )
             assert result.logits is not None
             emitted += 1
-            token = result.logits.token_id
-            if result.logits.is_eog and not g.ignore_eos:
-                finish = pb.FINISH_REASON_EOG
-            elif token in stop:
-                finish = pb.FINISH_REASON_STOP_TOKEN
-            elif emitted >= g.max_tokens:
-                finish = pb.FINISH_REASON_LENGTH
-            elif self._end + 1 > self._kv_capacity:
-                finish = pb.FINISH_REASON_CONTEXT_FULL
-            else:
-                finish = pb.FINISH_REASON_UNSPECIFIED
+            finish = self._finish_reason(result.logits.token_id, result.logits.is_eog, g, stop, emitted)
             await self._send_step(result, start, finish)
             if emitted == 1 and prompt is not None:
                 usage.prompt_tokens += result.tokens_processed
@@ -808,6 +803,38 @@ class SessionCall(RelaySteps):
             usage.generated_tokens += 1
             if finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
+
+    async def _generate_input(self, g: pb.Generate) -> tuple[SamplingParams, tuple[int, ...] | None]:
+        """A Generate's checked input: (sampling, prompt ids; None: continue from the token
+        the previous step chose). Shared with the relaying path."""
+        sid = self.session_id
+        if g.max_tokens == 0:
+            raise convert.invalid("Generate.max_tokens must be >= 1", sid)
+        sampling = convert.sampling_from_proto(g.sampling, sid)
+        which = g.WhichOneof("prompt")
+        prompt: tuple[int, ...] | None = None
+        if which == "tokens":
+            self._check_room(self._end, len(g.tokens.ids))
+            prompt = tuple(g.tokens.ids)
+        elif which == "text":
+            prompt = await self._tokenize(g.text, add_bos=self._end == 0, position=self._end)
+        elif self._next_token is None:
+            raise _illegal("Generate without a prompt needs a previous step to continue from", sid)
+        return sampling, prompt
+
+    def _finish_reason(
+        self, token: int, is_eog: bool, g: pb.Generate, stop: frozenset[int], emitted: int
+    ) -> int:
+        """Whether a Generate ends with this token: the worker's stop rules, in order."""
+        if is_eog and not g.ignore_eos:
+            return pb.FINISH_REASON_EOG
+        if token in stop:
+            return pb.FINISH_REASON_STOP_TOKEN
+        if emitted >= g.max_tokens:
+            return pb.FINISH_REASON_LENGTH
+        if self._end + 1 > self._kv_capacity:
+            return pb.FINISH_REASON_CONTEXT_FULL
+        return pb.FINISH_REASON_UNSPECIFIED
 
     def _client_hint(self) -> Lookahead | None:
         """A client-driven step's look-ahead hint: only for a client that decoded the token the
