@@ -70,7 +70,12 @@ def route_after(replicas: Sequence[HopReplicas], index: int) -> pb.Route:
             target=r.replica.target, expected_model_fingerprint=ref.model_fingerprint,
             expected_layer_range=pb.LayerRange(start=ref.layer_range.start, end=ref.layer_range.end),
         ))
-    return pb.Route(hops=hops)
+    route = pb.Route(hops=hops)
+    if index == 0 and len(hops) >= 2:
+        # direct return: the last hop hands each token to the first one straight away (the
+        # workers take part only if every hop reports relay_return; docs/pipelines.md)
+        route.return_to.target = replicas[0].replica.target
+    return route
 
 
 def first_hop_runner(replicas: Sequence[HopReplicas], gen: Generation) -> HopRunner:

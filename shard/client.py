@@ -321,6 +321,20 @@ class ShardClient:
             pb.CancelResponse, timeout,
         )
 
+    async def return_step(
+        self, address: pb.ReturnAddress, tag: int, step: pb.StepResult, *,
+        timeout: float | None = _DEFAULT,
+    ) -> bool:
+        """Hand a routed session's result to its first hop (chain relay's direct return, sent by
+        the last hop's worker); False when no step there waited for it."""
+        reply = await self._unary(
+            "Return", pb.ReturnRequest(
+                version=self.version, session_id=address.session_id, secret=address.secret,
+                relay_tag=tag, step=step,
+            ), pb.ReturnResponse, timeout,
+        )
+        return reply.accepted
+
     async def release(self, session_id: str, *, timeout: float | None = _DEFAULT) -> bool:
         """Free the session's KV cache now (streaming or retained); False if it did not exist."""
         reply = await self._unary(
@@ -360,7 +374,7 @@ class ShardClient:
         )
         if cache is not None:
             open_msg.cache.CopyFrom(cache)
-        if route is not None and route.hops:
+        if route is not None and (route.hops or route.HasField("return_to")):
             open_msg.route.CopyFrom(route)  # chain relay: the worker opens the next hop itself
         if expected_layer_range is not None:
             open_msg.expected_layer_range.CopyFrom(
@@ -820,16 +834,72 @@ class ClientSession:
         hidden_state: np.ndarray | None = None,
         sampling: pb.SamplingParams | None = None,
         top_logprobs: int = 0,
+        relay_tag: int = 0,
     ) -> pb.StepResult:
-        """Append one token (or one hidden-state row [1, n_embd]) and compute one step."""
-        d = pb.Decode(top_logprobs=top_logprobs)
+        """Append one token (or one hidden-state row [1, n_embd]) and compute one step
+        (``relay_tag``: a chain relay's direct return, see ``send_ahead``)."""
+        return await self._one_step(
+            self._decode_msg(token, hidden_state, sampling, top_logprobs, relay_tag)
+        )
+
+    def _decode_msg(
+        self, token: int | None, hidden_state: np.ndarray | None,
+        sampling: pb.SamplingParams | None, top_logprobs: int, relay_tag: int,
+    ) -> pb.SessionRequest:
+        d = pb.Decode(top_logprobs=top_logprobs, relay_tag=relay_tag)
         if token is not None:
             d.token = token
         elif hidden_state is not None:
             d.hidden_state.CopyFrom(convert.array_to_tensor(hidden_state, self.hidden_dtype))
         if sampling is not None:
             d.sampling.CopyFrom(sampling)
-        return await self._one_step(self._request(decode=d))
+        return self._request(decode=d)
+
+    # ---- steps sent ahead (chain relay's direct return) ------------------------------------
+
+    async def send_ahead(
+        self, *, hidden_state: np.ndarray, sampling: pb.SamplingParams | None = None,
+        top_logprobs: int = 0, relay_tag: int = 0,
+    ) -> None:
+        """Send a Decode without reading its answer (``read_ahead`` does, in order).
+
+        Only for a session opened with a filled-in ``route.return_to``: such a worker queues one
+        step behind the running one, so at most two may be unanswered (another worker ends the
+        stream with ILLEGAL_TRANSITION). One task sends, another may read; the ordinary step
+        calls must not be mixed in while an answer is outstanding.
+        """
+        if self._pending:
+            raise ShardError(ErrorCode.ILLEGAL_TRANSITION, "a step is pending on this session",
+                             session_id=self.session_id)
+        await self._top_up()
+        await self._send(self._decode_msg(None, hidden_state, sampling, top_logprobs, relay_tag))
+
+    async def read_ahead(self) -> pb.StepResult:
+        """The answer to the oldest unanswered ``send_ahead``; its step error is raised."""
+        step: pb.StepResult | None = None
+        error: ShardError | None = None
+        while True:
+            msg = await self._next()
+            kind = msg.WhichOneof("kind")
+            if kind == "step":
+                if msg.step.more_chunks:  # a Decode's logits always fit one message
+                    self._fail_result(ShardError(ErrorCode.INVALID_ARGUMENT,
+                                                 "a chunked answer to a Decode"))
+                self._outstanding -= 1
+                step = msg.step
+            elif kind == "error":
+                error = ShardError.from_proto(msg.error)
+            elif kind == "usage":
+                self.usage = msg.usage
+                if error is not None:
+                    raise error
+                if step is None:
+                    raise ShardError(ErrorCode.INTERNAL, "the step produced no result",
+                                     session_id=self.session_id)
+                return step
+            elif kind == "closed":
+                raise ShardError(ErrorCode.SESSION_NOT_FOUND, "the session was released",
+                                 session_id=self.session_id)
 
     def generate(
         self,

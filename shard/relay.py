@@ -40,7 +40,7 @@ from shard.rpc.errors import ErrorCode, ShardError, unwrap_single_exception
 from shard.rpc.relaying import relay_session_id
 from shard.v1 import shard_pb2 as pb
 
-__all__ = ["RELAY_CALL_TIMEOUT", "ChainRelay", "DownstreamHop", "blamed_hop", "name_of"]
+__all__ = ["RELAY_CALL_TIMEOUT", "ChainRelay", "DownstreamHop", "ReturnPusher", "blamed_hop", "name_of"]
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +79,16 @@ class DownstreamHop:
 
     def __init__(
         self, hop: pb.RouteHop, client: ShardClient, session: ClientSession, nursery: trio.Nursery,
+        *, pipelined: bool = False,
     ) -> None:
         self.name = name_of(hop)
         self.target = hop.target
         self.kv_capacity = session.opened.kv_capacity
+        self.pipelined = pipelined  # it took the route's return address (queues one step)
         self._client = client
         self._session = session
         self._nursery = nursery
-        self._busy = False
+        self._busy = 0  # steps in flight downstream
         self.done = trio.Event()  # the holder task may end (closed or reset)
 
     async def prefill(
@@ -102,14 +104,28 @@ class DownstreamHop:
             )
 
     async def decode(
-        self, row: np.ndarray | None, sampling: pb.SamplingParams, top_logprobs: int
+        self, row: np.ndarray | None, sampling: pb.SamplingParams, top_logprobs: int,
+        relay_tag: int = 0,
     ) -> pb.StepResult:
         if row is None:
             raise ShardError(ErrorCode.INTERNAL, "no boundary row to relay")
         with self._in_flight():
             return await self._session.decode(
-                hidden_state=row, sampling=sampling, top_logprobs=top_logprobs
+                hidden_state=row, sampling=sampling, top_logprobs=top_logprobs, relay_tag=relay_tag
             )
+
+    async def send_decode(
+        self, row: np.ndarray, sampling: pb.SamplingParams, top_logprobs: int, relay_tag: int,
+    ) -> None:
+        await self._session.send_ahead(hidden_state=row, sampling=sampling,
+                                       top_logprobs=top_logprobs, relay_tag=relay_tag)
+        self._busy += 1
+
+    async def read_answer(self) -> pb.StepResult:
+        try:
+            return await self._session.read_ahead()
+        finally:
+            self._busy -= 1
 
     def _in_flight(self) -> _Busy:
         return _Busy(self)
@@ -154,10 +170,10 @@ class _Busy:
         self._hop = hop
 
     def __enter__(self) -> None:
-        self._hop._busy = True
+        self._hop._busy += 1
 
     def __exit__(self, *exc: object) -> None:
-        self._hop._busy = False
+        self._hop._busy -= 1
 
 
 class ChainRelay:
@@ -173,17 +189,26 @@ class ChainRelay:
 
     async def open(
         self, route: pb.Route, *, session_id: str, deadline: float, hidden_dtype: str,
-        nursery: trio.Nursery,
+        nursery: trio.Nursery, return_to: pb.ReturnAddress | None = None,
     ) -> DownstreamHop:
         with unwrap_single_exception():
             down: DownstreamHop = await nursery.start(
-                self._hold, route, session_id, deadline, hidden_dtype, nursery
+                self._hold, route, session_id, deadline, hidden_dtype, nursery, return_to
             )
         return down
 
+    async def open_return(
+        self, address: pb.ReturnAddress, *, deadline: float, nursery: trio.Nursery
+    ) -> ReturnPusher:
+        pusher = ReturnPusher(address, self, deadline)
+        nursery.start_soon(pusher.run)
+        await trio.lowlevel.checkpoint()
+        return pusher
+
     async def _hold(
         self, route: pb.Route, session_id: str, deadline: float, hidden_dtype: str,
-        nursery: trio.Nursery, task_status: trio.TaskStatus[DownstreamHop],
+        nursery: trio.Nursery, return_to: pb.ReturnAddress | None,
+        task_status: trio.TaskStatus[DownstreamHop],
     ) -> None:
         """Own the connection and the session until the upstream stream ends."""
         hop, rest = route.hops[0], list(route.hops[1:])
@@ -201,15 +226,21 @@ class ChainRelay:
                     raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the deadline expired")
                 want = wire_dtype(caps, hidden_dtype)
                 r = hop.expected_layer_range
+                # a return address goes only to a hop that takes part (an older one would refuse
+                # the queued steps); without it the answers come back up the chain as before
+                returning = return_to is not None and caps.relay_return
+                down_route = pb.Route(hops=rest)
+                if returning:
+                    down_route.return_to.CopyFrom(return_to)
                 session = await client.open_session(
                     relay_session_id(session_id),
                     expected_model_fingerprint=hop.expected_model_fingerprint,
                     expected_layer_range=(r.start, r.end) if hop.HasField("expected_layer_range") else None,
                     hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
-                    route=pb.Route(hops=rest) if rest else None,
+                    route=down_route if rest or returning else None,
                     timeout=timeout,
                 )
-                down = DownstreamHop(hop, client, session, nursery)
+                down = DownstreamHop(hop, client, session, nursery, pipelined=returning)
                 try:
                     task_status.started(down)
                     started = True
@@ -228,6 +259,56 @@ class ChainRelay:
             if not started:
                 raise
             log.exception("%s: the relay task failed after the session ended", name)
+
+
+class ReturnPusher:
+    """A last hop's direct return (``Returner``): hands each tagged result to the route's first
+    hop with the ``Return`` RPC, over a connection of its own (the relay's outbound
+    credentials). Never in the step's way: results wait in a small queue, a full queue drops
+    one, and a return address that cannot be reached is logged once and then ignored (the
+    chain's answers carry every result anyway)."""
+
+    #: Results waiting to be handed over (each Return waits for its answer, one at a time).
+    QUEUE = 4
+
+    def __init__(self, address: pb.ReturnAddress, relay: ChainRelay, deadline: float) -> None:
+        self.address = address
+        self._relay = relay
+        self._deadline = deadline
+        self._send, self._recv = trio.open_memory_channel[tuple[int, pb.StepResult]](self.QUEUE)
+        self.pushed = self.dropped = 0
+        self._scope = trio.CancelScope()
+
+    def push(self, tag: int, step: pb.StepResult) -> None:
+        try:
+            self._send.send_nowait((tag, step))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.dropped += 1
+
+    def close(self) -> None:
+        self._send.close()
+        self._scope.cancel()  # a connect or a Return in flight is of no use any more
+
+    async def run(self) -> None:
+        """Own the connection until the session closes (``close``) or its stream ends."""
+        with self._scope:
+            await self._push_all()
+
+    async def _push_all(self) -> None:
+        target = self.address.target
+        try:
+            async with ShardClient.connect(
+                target, timeout=_bounded(self._deadline), ssl_context=self._relay.ssl_context,
+                metadata=self._relay.metadata,
+            ) as client, self._recv:
+                async for tag, step in self._recv:
+                    await client.return_step(self.address, tag, step,
+                                             timeout=_bounded(self._deadline))
+                    self.pushed += 1
+        except ShardError as err:
+            log.info("direct return to %s stopped (results go up the chain): %s", target, err)
+        finally:
+            self._send.close()  # later pushes are dropped
 
 
 def _check(caps: pb.GetCapabilitiesResponse, hop: pb.RouteHop, rest: Sequence[pb.RouteHop]) -> None:

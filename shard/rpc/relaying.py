@@ -24,17 +24,19 @@ resume. A downstream whose session ended ends this stream with its error, naming
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import trio
 
-from shard.engine import Capabilities, PrefillRequest, StepResult
+from shard.engine import Capabilities, PrefillRequest, SamplingParams, StepResult
 from shard.v1 import shard_pb2 as pb
 
 from . import convert
 from .errors import ErrorCode, ShardError, unwrap_single_exception
+from .returns import Slot
 
 if TYPE_CHECKING:
     from .session import SessionCall
@@ -70,8 +72,22 @@ class Downstream(Protocol):
     ) -> pb.StepResult: ...
 
     async def decode(
-        self, row: np.ndarray, sampling: pb.SamplingParams, top_logprobs: int
+        self, row: np.ndarray, sampling: pb.SamplingParams, top_logprobs: int, relay_tag: int = 0,
     ) -> pb.StepResult: ...
+
+    #: The downstream took the route's return address (it reports relay_return): its session
+    #: queues one step behind the running one, so ``send_decode`` may run one step ahead.
+    pipelined: bool
+
+    async def send_decode(
+        self, row: np.ndarray, sampling: pb.SamplingParams, top_logprobs: int, relay_tag: int,
+    ) -> None:
+        """Send a Decode without waiting for its answer (at most two unanswered)."""
+        ...
+
+    async def read_answer(self) -> pb.StepResult:
+        """The answer to the oldest unanswered ``send_decode`` (raises its step error)."""
+        ...
 
     def alive(self) -> bool:
         """The downstream session still serves (False once its stream ended)."""
@@ -94,16 +110,37 @@ class Downstream(Protocol):
         ...
 
 
+class Returner(Protocol):
+    """A last hop's sender of tagged results to the route's return address."""
+
+    def push(self, tag: int, step: pb.StepResult) -> None:
+        """Hand one result over, never blocking the step (a full queue drops it: the chain's
+        own answer still carries it)."""
+        ...
+
+    def close(self) -> None:
+        """No more results: the pusher's task ends (sync, idempotent)."""
+        ...
+
+
 class RelayOpener(Protocol):
     """Opens a routed session's downstream session (``serve(relay=...)``)."""
 
     async def open(
         self, route: pb.Route, *, session_id: str, deadline: float, hidden_dtype: str,
-        nursery: trio.Nursery,
+        nursery: trio.Nursery, return_to: pb.ReturnAddress | None = None,
     ) -> Downstream:
         """Open a session on ``route.hops[0]`` with the rest of the route, held by a task in
-        ``nursery`` (the session stream's), within ``deadline`` (trio clock). Raises
-        ``ShardError`` naming the hop."""
+        ``nursery`` (the session stream's), within ``deadline`` (trio clock); ``return_to``
+        goes down the route to hops that take part in a direct return. Raises ``ShardError``
+        naming the hop."""
+        ...
+
+    async def open_return(
+        self, address: pb.ReturnAddress, *, deadline: float, nursery: trio.Nursery
+    ) -> Returner:
+        """A pusher to ``address``, held by a task in ``nursery`` (connects in the
+        background: a return address that cannot be reached only costs the head start)."""
         ...
 
 
@@ -133,6 +170,21 @@ def check_route(
                    f"worker's layers end at {caps.layer_range.end}")
     if problem:
         raise convert.invalid(f"route: {problem}", sid)
+
+
+def check_return(
+    opener: RelayOpener | None, req: pb.OpenSession, caps: Capabilities, sid: str
+) -> None:
+    """Refuse a return address on a session that names no hops unless this worker is a last
+    shard allowed to connect out (its pushes go to an address a caller chose)."""
+    if opener is None:
+        raise ShardError(ErrorCode.PERMISSION_DENIED, NOT_ALLOWED, session_id=sid,
+                         reason="RELAY_NOT_ALLOWED")
+    if not caps.is_last:
+        raise convert.invalid("route: a return address without hops needs the last shard "
+                              "(this worker's hops would have to be named)", sid)
+    if not req.route.return_to.target:
+        raise convert.invalid("route: return_to needs a target", sid)
 
 
 def _rows(result: StepResult) -> np.ndarray:
@@ -226,7 +278,7 @@ class RelaySteps:
             start = self._end
             result = await self._decode_one(token, hidden, sampling, d.top_logprobs)
         final = await self._forward(
-            lambda dn: dn.decode(_rows(result), d.sampling, d.top_logprobs), start
+            lambda dn: dn.decode(_rows(result), d.sampling, d.top_logprobs, d.relay_tag), start
         )
         await self._send_forwarded(final, start, result)
         usage.generated_tokens += 1
@@ -245,6 +297,9 @@ class RelaySteps:
         stop = frozenset(g.stop_tokens)
         emitted = 0
         while True:
+            if self.direct_returns is not None and (emitted > 0 or prompt is None):
+                await self._relay_generate_ahead(g, usage, sampling, stop, emitted)
+                return
             with self._cancellable():
                 await self._take_credit()
                 start = self._end
@@ -275,6 +330,114 @@ class RelaySteps:
             if finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
 
+    async def _relay_generate_ahead(
+        self: SessionCall, g: pb.Generate, usage: pb.Usage, sampling: SamplingParams,
+        stop: frozenset[int], emitted: int,
+    ) -> None:
+        """``_relay_generate``'s decode loop with a direct return: each step goes on with the
+        first copy of the last hop's result to arrive (``Return`` or the chain's answer), so the
+        next step is sent before the previous one's answer came back up the chain (its session
+        queues it). Results reach the client in order, each once the chain's answer confirmed
+        the copy used; a chain error (a Cancel, a failed hop) stops the loop, every step sent is
+        answered, and the session moves back to what the downstream holds, as in ``_forward``."""
+        returns, down = self.direct_returns, self._down()
+        assert returns is not None
+        inflight: deque[Slot] = deque()  # sent downstream, not delivered yet (oldest first)
+        mine: dict[int, StepResult] = {}  # this worker's own result per tag (its accounting)
+        finish_of: dict[int, int] = {}  # tags the loop went on with, and their finish reasons
+        counts = {"taken": 0, "sent": 0}
+        chain_errors: list[ShardError] = []  # what the downstream answered, named, in order
+        own_errors: list[ShardError] = []  # this worker's own step's (a Cancel, its engine)
+        last: list[tuple[int, int]] = []  # (position, token) of the last step delivered
+        send, recv = trio.open_memory_channel[Slot](2)
+
+        async def read_answers() -> None:
+            async with recv:
+                async for slot in recv:
+                    try:
+                        slot.answer(await down.read_answer(), None)
+                    except ShardError as err:
+                        slot.answer(None, _named(down, err))
+
+        async def deliver(slot: Slot) -> bool:
+            """Send the oldest step on once its chain answer arrived; False: it failed."""
+            await slot.answered.wait()
+            inflight.popleft()
+            returns.forget(slot)
+            if slot.chain_error is not None:
+                chain_errors.append(slot.chain_error)
+                return False
+            if slot.tag not in finish_of:  # answered, but after a failure the loop stopped at
+                return False
+            answer, used = slot.chain, slot.used
+            assert answer is not None and used is not None
+            if answer.WhichOneof("output") != "logits" or answer.logits.token_id != used.logits.token_id:
+                self._fail(ShardError(ErrorCode.INTERNAL, f"{down.name}: the result handed back "
+                                      "directly disagrees with the chain's answer"))
+                await trio.lowlevel.checkpoint()
+            await self._send_forwarded(answer, slot.start, mine.pop(slot.tag),
+                                       finish_of[slot.tag], end=slot.start + 1)
+            counts["sent"] += 1
+            usage.generated_tokens += 1
+            last[:] = [(slot.start, answer.logits.token_id)]
+            return True
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_answers)
+                async with send:
+                    try:
+                        while True:
+                            with self._cancellable():
+                                await self._take_credit()
+                                counts["taken"] += 1
+                                start = self._end
+                                assert self._next_token is not None
+                                result = await self._decode_one(
+                                    self._next_token, None, sampling, g.top_logprobs
+                                )
+                            slot = returns.expect(start)
+                            mine[slot.tag] = result
+                            await down.send_decode(_rows(result), g.sampling, g.top_logprobs,
+                                                   slot.tag)
+                            inflight.append(slot)
+                            await send.send(slot)
+                            await slot.first.wait()
+                            used = slot.used
+                            if used is None:  # the chain's answer came first, and is an error
+                                break
+                            self._next_token = used.logits.token_id
+                            emitted += 1
+                            finish = self._finish_reason(used.logits.token_id, used.logits.is_eog,
+                                                         g, stop, emitted)
+                            finish_of[slot.tag] = finish
+                            while inflight[0] is not slot and inflight[0].answered.is_set():
+                                if not await deliver(inflight[0]):
+                                    break
+                            if chain_errors or finish != pb.FINISH_REASON_UNSPECIFIED:
+                                break
+                    except ShardError as err:
+                        own_errors.append(err)
+                    while inflight:  # every step sent is answered; deliver what the chain kept
+                        await deliver(inflight[0])
+        finally:
+            self._credit_unspent = False  # every credit taken for a result not sent goes back
+            if counts["taken"] > counts["sent"]:
+                self._grant(counts["taken"] - counts["sent"])
+        if not (chain_errors or own_errors):
+            return
+        err = (chain_errors or own_errors)[0]
+        held = down.held() if down.alive() else None
+        if held is None:
+            self._fail(err)
+            await trio.lowlevel.checkpoint()
+            raise AssertionError("unreachable")
+        if held < self._end:
+            self._end = held
+            self._delivered_end = min(self._delivered_end, held)
+            self._next_token = last[0][1] if last and last[0][0] == held - 1 else None
+        raise err
+
     async def _forward(
         self: SessionCall, call: Callable[[Downstream], Awaitable[pb.StepResult]], start: int
     ) -> pb.StepResult:
@@ -284,11 +447,7 @@ class RelaySteps:
         try:
             final = await call(down)
         except ShardError as err:
-            named = ShardError(
-                err.code, f"{down.name}: {err.message}", retryable=err.retryable,
-                reason=err.reason, supported_versions=err.supported_versions,
-                grpc_status=err.grpc_status,
-            )
+            named = _named(down, err)
             held = down.held() if down.alive() else None
             if held is None:
                 self._fail(named)
@@ -310,6 +469,7 @@ class RelaySteps:
     async def _send_forwarded(
         self: SessionCall, final: pb.StepResult, start: int, mine: StepResult,
         finish: int = pb.FINISH_REASON_UNSPECIFIED, input_tokens: Sequence[int] | None = None,
+        end: int | None = None,
     ) -> None:
         """Answer the step with the last shard's result, numbered as this session's step, with
         this worker's own input accounting (positions computed here, reused here)."""
@@ -327,7 +487,15 @@ class RelaySteps:
         self._credit_unspent = False
         await self._send(pb.SessionResponse(step=msg))
         self._registry.count("steps_sent_total")
-        self._delivered_end = self._end
+        self._delivered_end = self._end if end is None else end
+
+
+def _named(down: Downstream, err: ShardError) -> ShardError:
+    """A downstream's error as this worker reports it: prefixed with the hop's name."""
+    return ShardError(
+        err.code, f"{down.name}: {err.message}", retryable=err.retryable, reason=err.reason,
+        supported_versions=err.supported_versions, grpc_status=err.grpc_status,
+    )
 
 
 __all__ = [
@@ -337,6 +505,8 @@ __all__ = [
     "Downstream",
     "RelayOpener",
     "RelaySteps",
+    "Returner",
+    "check_return",
     "check_route",
     "relay_session_id",
 ]

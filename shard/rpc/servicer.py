@@ -138,6 +138,9 @@ class ShardServicer(_ShardServicerBase):
     async def GetMetrics(self, input_message: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
         return await self._unary(input_message, self._metrics)
 
+    async def Return(self, input_message: pb.ReturnRequest) -> pb.ReturnResponse:
+        return await self._unary(input_message, self._return)
+
     async def _unary(self, request: Req, handler: Callable[[Req], Awaitable[Resp]]) -> Resp:
         ctx = current_call()
         self.registry.count(f"rpc_{ctx.method.rsplit('/', 1)[-1]}_total")
@@ -185,7 +188,7 @@ class ShardServicer(_ShardServicerBase):
             max_credit=self.limits.max_credit,
             resume_ttl_ms=self.limits.resume_ttl_ms,
         )
-        caps.relay_allowed = self.registry.relay is not None  # unset (no bytes) unless allowed
+        caps.relay_allowed = caps.relay_return = self.registry.relay is not None  # unset unless allowed
         return caps
 
     async def _health(self, _: pb.HealthRequest) -> pb.HealthResponse:
@@ -225,6 +228,20 @@ class ShardServicer(_ShardServicerBase):
         released = await self.registry.release(req.session_id)
         lifecycle.event("release", req.session_id, released=released)
         return pb.ReleaseResponse(released=released)
+
+    async def _return(self, req: pb.ReturnRequest) -> pb.ReturnResponse:
+        """A routed session's last hop hands over one result (chain relay's direct return)."""
+        await trio.lowlevel.checkpoint()
+        call = self.registry.live(req.session_id)
+        returns = None if call is None else call.direct_returns
+        if returns is None:  # no such routed session here (or it ended): nobody to hand it to
+            raise ShardError(ErrorCode.PERMISSION_DENIED,
+                             "Return: no routed session of this worker has that return address",
+                             session_id=req.session_id, reason="RETURN_REFUSED")
+        accepted = returns.offer(req.secret, req.relay_tag, req.step)
+        # used: a step went on with it; late: the chain's answer had come first
+        self.registry.count("direct_returns_used_total" if accepted else "direct_returns_late_total")
+        return pb.ReturnResponse(accepted=accepted)
 
     async def _metrics(self, _: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
         await trio.lowlevel.checkpoint()

@@ -14,7 +14,8 @@ State machine (``Phase``)::
 
 Anything else is a protocol violation and ends the stream with ILLEGAL_TRANSITION (a message
 before OpenSession, a second OpenSession, a step while a step runs, anything after
-CloseSession). Request-level problems (bad token ids, wrong hidden-state shape or dtype, a full
+CloseSession; the one exception is a session opened with a filled-in ``route.return_to``,
+where one step may queue behind the running one, see ``shard.rpc.relaying``). Request-level problems (bad token ids, wrong hidden-state shape or dtype, a full
 KV budget, a step deadline, an out-of-band Cancel) are *step-level*: reported in-stream as
 ``SessionResponse.error`` and the session stays usable. Every Prefill/Decode/Generate is answered
 by zero or more ``StepResult``, an optional ``Error``, then exactly one ``Usage``.
@@ -78,7 +79,8 @@ from shard.v1 import shard_pb2 as pb
 
 from . import convert
 from .errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
-from .relaying import Downstream, RelayOpener, RelaySteps, check_route
+from .relaying import Downstream, RelayOpener, RelaySteps, Returner, check_return, check_route
+from .returns import DirectReturns
 from .versions import check_version
 
 log = logging.getLogger(__name__)
@@ -218,6 +220,11 @@ class SessionCall(RelaySteps):
         self._engine = engine
         self._relay = relay  # opens a routed session's downstream (None: routes are refused)
         self._downstream: Downstream | None = None  # a routed session's next hop
+        #: A routed first hop's return address (the Return RPC hands results to it), if any.
+        self.direct_returns: DirectReturns | None = None
+        self._returner: Returner | None = None  # a last hop's pusher to the return address
+        self._queue_ok = False  # on a route with a return address: one step may queue
+        self._queued: pb.SessionRequest | None = None  # the step queued behind the running one
         self._registry = registry
         self._limits = limits
         self._max_message_bytes = max_message_bytes
@@ -390,6 +397,9 @@ class SessionCall(RelaySteps):
         elif kind == "close":
             await self._close_requested(retain=req.close.retain, half_close=False)
         elif phase is Phase.RUNNING:
+            if self._queue_ok and self._queued is None:
+                self._queued = req  # a direct-return route's next step: run when this one ends
+                return
             raise _illegal(f"{kind} while a step is running (steps never interleave)", sid)
         else:
             assert self._nursery is not None
@@ -423,6 +433,9 @@ class SessionCall(RelaySteps):
         routed = req.HasField("route") and len(req.route.hops) > 0
         if routed:
             check_route(self._relay, req, caps, sid)
+        returning = req.HasField("route") and bool(req.route.return_to.session_id)
+        if returning and not routed:
+            check_return(self._relay, req, caps, sid)
         wire_dtype = convert.wire_dtype(req.hidden_wire_dtype, sid)
         if req.kv_budget > caps.n_ctx_per_session:
             raise convert.invalid(
@@ -438,11 +451,24 @@ class SessionCall(RelaySteps):
         cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
         if routed:
             assert self._relay is not None and self._nursery is not None
+            return_to = req.route.return_to if returning else None
+            if req.route.return_to.target and not returning and len(req.route.hops) >= 2:
+                # the client asks for a direct return to this (first) hop: this worker owns it
+                self.direct_returns = DirectReturns(sid)
+                return_to = self.direct_returns.address(req.route.return_to.target)
             self._downstream = await self._relay.open(
                 req.route, session_id=sid, deadline=self._deadline, hidden_dtype=wire_dtype,
-                nursery=self._nursery,
+                nursery=self._nursery, return_to=return_to,
             )
+            if not self._downstream.pipelined:
+                self.direct_returns = None  # the next hop takes no part: answers come up the chain
             self._kv_capacity = min(self._kv_capacity, self._downstream.kv_capacity)
+        elif returning:
+            assert self._relay is not None and self._nursery is not None
+            self._returner = await self._relay.open_return(
+                req.route.return_to, deadline=self._deadline, nursery=self._nursery
+            )
+        self._queue_ok = returning
         self._delivered_end = self._end
         credit = min(req.initial_credit or self._limits.default_credit, self._limits.max_credit)
         self.credit.value = credit
@@ -573,6 +599,9 @@ class SessionCall(RelaySteps):
         if self._downstream is not None:
             retain = False  # the chain behind it cannot be resumed
             self._downstream.abort()  # (a no-op after a graceful close)
+        if self._returner is not None:
+            retain = False  # a hop of a chain, which cannot be resumed
+            self._returner.close()  # its task ends with the stream
         if self._owns_engine_session:
             self._owns_engine_session = False
             if retain and healthy:
@@ -658,6 +687,22 @@ class SessionCall(RelaySteps):
         if self._version >= (1, 1):
             usage.n_past = self._end  # what the session holds now, also after a failed step
         await self._send(pb.SessionResponse(usage=usage))
+        queued, self._queued = self._queued, None
+        if queued is not None and self.phase.value is Phase.RUNNING:
+            if err is None:
+                assert self._nursery is not None
+                self._cancel_requested = self._step_finishing = False
+                self._nursery.start_soon(self._guarded, lambda: self._run_step(queued))
+                return
+            # it was sent for the state the failed step would have left: it must not run
+            await self._send(pb.SessionResponse(error=ShardError(
+                ErrorCode.CANCELLED, "not run: the step queued before it failed",
+                session_id=self.session_id, reason="QUEUED_STEP_DROPPED",
+            ).to_proto()))
+            dropped = pb.Usage()
+            if self._version >= (1, 1):
+                dropped.n_past = self._end
+            await self._send(pb.SessionResponse(usage=dropped))
         if self.phase.value is Phase.RUNNING:
             self.phase.value = Phase.IDLE
         self._step_active.value = False
@@ -760,6 +805,10 @@ class SessionCall(RelaySteps):
             await self._take_credit()
             start = self._end
             result = await self._decode_one(token, hidden, sampling, d.top_logprobs, hint)
+        if self._returner is not None and d.relay_tag and result.logits is not None:
+            # the chain's first hop may start its next step before this reaches it up the chain
+            self._returner.push(d.relay_tag, convert.step_to_proto(
+                result, self._step_no + 1, start, self._wire_dtype))
         await self._send_step(result, start)
         usage.generated_tokens += 1
 

@@ -17,7 +17,8 @@ from .errors import ErrorCode, ShardError
 #: Every (major, minor) this worker serves, oldest first. Minor versions are additive: a v1.N
 #: worker serves v1.0..v1.N requests.
 #: 1.1 adds ``Usage.n_past``, ``GetCapabilitiesResponse.layer_ranges_supported`` and
-#: ``layer_ranges_detail``, chain relay (``OpenSession.route``, ``relay_allowed``) and
+#: ``layer_ranges_detail``, chain relay (``OpenSession.route``, ``relay_allowed``; its direct
+#: return: ``Route.return_to``, ``Decode.relay_tag``, the ``Return`` RPC, ``relay_return``) and
 #: verification (``Prefill.all_logits``/``echo_tokens``, ``StepResult.position_logits``/
 #: ``input_tokens``, ``max_logits_positions``); clients gate the last two on capabilities.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1))

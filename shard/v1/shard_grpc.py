@@ -21,6 +21,9 @@ class ShardServicer(purerpc.Servicer):
     async def GetMetrics(self, input_message):
         raise NotImplementedError()
 
+    async def Return(self, input_message):
+        raise NotImplementedError()
+
     @property
     def service(self) -> purerpc.Service:
         service_obj = purerpc.Service(
@@ -80,6 +83,15 @@ class ShardServicer(purerpc.Servicer):
                 shard_dot_v1_dot_shard__pb2.GetMetricsResponse,
             )
         )
+        service_obj.add_method(
+            "Return",
+            self.Return,
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                shard_dot_v1_dot_shard__pb2.ReturnRequest,
+                shard_dot_v1_dot_shard__pb2.ReturnResponse,
+            )
+        )
         return service_obj
 
 
@@ -135,5 +147,13 @@ class ShardStub:
                 purerpc.Cardinality.UNARY_UNARY,
                 shard_dot_v1_dot_shard__pb2.GetMetricsRequest,
                 shard_dot_v1_dot_shard__pb2.GetMetricsResponse,
+            )
+        )
+        self.Return = self._client.get_method_stub(
+            "Return",
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                shard_dot_v1_dot_shard__pb2.ReturnRequest,
+                shard_dot_v1_dot_shard__pb2.ReturnResponse,
             )
         )

@@ -98,7 +98,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class GetCapabilitiesResponse(_message.Message):
     LAYER_RANGES_DETAIL_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGITS_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     RELAY_ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    RELAY_RETURN_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -155,7 +156,8 @@ class GetCapabilitiesResponse(_message.Message):
     layer_ranges_detail: str
     max_logits_positions: int
     relay_allowed: bool
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ...) -> None: ...
+    relay_return: bool
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("version",)
@@ -296,10 +298,22 @@ class OpenSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., hidden_wire_dtype: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("hops",)
+    __slots__ = ("hops", "return_to")
     HOPS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TO_FIELD_NUMBER: _ClassVar[int]
     hops: _containers.RepeatedCompositeFieldContainer[RouteHop]
-    def __init__(self, hops: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ...) -> None: ...
+    return_to: ReturnAddress
+    def __init__(self, hops: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ..., return_to: _Optional[_Union[ReturnAddress, _Mapping]] = ...) -> None: ...
+
+class ReturnAddress(_message.Message):
+    __slots__ = ("target", "session_id", "secret")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    session_id: str
+    secret: bytes
+    def __init__(self, target: _Optional[str] = ..., session_id: _Optional[str] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class RouteHop(_message.Message):
     __slots__ = ("target", "expected_model_fingerprint", "expected_layer_range")
@@ -368,16 +382,18 @@ class Prefill(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ..., echo_tokens: _Optional[bool] = ...) -> None: ...
 
 class Decode(_message.Message):
-    __slots__ = ("token", "hidden_state", "sampling", "top_logprobs")
+    __slots__ = ("token", "hidden_state", "sampling", "top_logprobs", "relay_tag")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TAG_FIELD_NUMBER: _ClassVar[int]
     token: int
     hidden_state: Tensor
     sampling: SamplingParams
     top_logprobs: int
-    def __init__(self, token: _Optional[int] = ..., hidden_state: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    relay_tag: int
+    def __init__(self, token: _Optional[int] = ..., hidden_state: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., relay_tag: _Optional[int] = ...) -> None: ...
 
 class Generate(_message.Message):
     __slots__ = ("tokens", "text", "sampling", "max_tokens", "stop_tokens", "ignore_eos", "top_logprobs")
@@ -550,3 +566,23 @@ class SessionClosed(_message.Message):
     kv_retained: bool
     resume_ttl_ms: int
     def __init__(self, reason: _Optional[_Union[SessionClosed.Reason, str]] = ..., totals: _Optional[_Union[Usage, _Mapping]] = ..., kv_retained: _Optional[bool] = ..., resume_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReturnRequest(_message.Message):
+    __slots__ = ("version", "session_id", "secret", "relay_tag", "step")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TAG_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    version: ProtocolVersion
+    session_id: str
+    secret: bytes
+    relay_tag: int
+    step: StepResult
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., session_id: _Optional[str] = ..., secret: _Optional[bytes] = ..., relay_tag: _Optional[int] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
+
+class ReturnResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
