@@ -249,9 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-relay", action="store_true",
                        help="chain relay: accept sessions opened with a route (the hops after "
                        "this worker), open the next hop's session from here and relay the hidden "
-                       "states to it; reported as relay_allowed. Off by default, so that no "
-                       "worker becomes an open relay: a route is then refused with "
-                       "PERMISSION_DENIED (docs/pipelines.md, \"Chain relay\")")
+                       "states to it; as the last hop of a chain, hand each token straight back "
+                       "to the first hop (direct return); reported as relay_allowed and "
+                       "relay_return. Off by default, so that no worker becomes an open relay: "
+                       "a route is then refused with PERMISSION_DENIED (docs/pipelines.md, "
+                       "\"Chain relay\")")
     serve.add_argument("--relay-tls-ca", type=Path, metavar="PEM",
                        help="with --allow-relay: connect to the next hops with TLS, trusting this "
                        "CA bundle")
@@ -318,8 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--relay", choices=["client", "chain"], default="client",
                      help="with --pipeline: who carries the hidden states between hops: this "
                      "client (client, star) or the workers themselves (chain: the client talks to "
-                     "the first hop only; every hop but the last must run `serve --allow-relay`; "
-                     "no replicas) (default: client)")
+                     "the first hop only; every hop but the last must run `serve --allow-relay`, "
+                     "the last too for its tokens to come straight back to the first hop; no "
+                     "replicas) (default: client)")
 
     caps = sub.add_parser("caps", help="show what a running worker serves")
     _add_target(caps)

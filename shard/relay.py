@@ -18,6 +18,10 @@ Deadlines: the downstream session's ``grpc-timeout`` is the upstream's remaining
 ``shard.hops.HOP_DEADLINE_MARGIN``, rounded down (``hop_timeout``), so deadlines shrink along the
 route and every hop's ends before the one above it.
 
+Direct return: a last hop given a return address (``Route.return_to``) hands each tagged result
+to the first hop through a ``ReturnPusher`` (its own connection, the same outbound credentials);
+a middle hop passes the address on only to a next hop that reports ``relay_return``.
+
 Errors: everything a hop reports is prefixed ``relay hop HOST:PORT (layers [A, B))`` by the worker
 before it (``name_of``); a client reads the deepest such prefix to name the failing hop
 (``blamed_hop``).

@@ -252,3 +252,17 @@ async def test_a_return_address_on_a_worker_that_may_not_connect_out_is_refused(
             assert info.value.code == ErrorCode.PERMISSION_DENIED
             assert "--allow-relay" in info.value.message
         await free_within(chain)
+
+
+async def test_running_ahead_within_a_credit_of_one() -> None:
+    """The first hop takes a credit per step before computing it, one step ahead of what it
+    delivered: with a window of one it must deliver the step in flight first (no deadlock)."""
+    async with relay_shards(THREE) as chain:
+        want = await reference(IDS, 12)
+        async with ShardClient.connect(chain[0].target, timeout=TIMEOUT) as client:
+            async with client.session("k.0", route=returning_route(chain), credit=1) as s:
+                with trio.fail_after(20):
+                    got = [step async for step in s.generate(IDS, max_tokens=12, ignore_eos=True)]
+        assert [g.logits for g in got] == [w.logits for w in want]
+        assert await used(chain[0]) > 0
+        await free_within(chain)

@@ -20,6 +20,15 @@ Consistency: a step the downstream did not take (its step-level error, a Cancel)
 worker's engine ahead; the session's logical end is moved back to what the downstream holds
 (its ``Usage.n_past``), and the next step rewrites the surplus positions, as after a partial
 resume. A downstream whose session ended ends this stream with its error, naming the hop.
+
+Direct return (``Route.return_to``, ``shard.rpc.returns``): on a route of two or more hops the
+first hop's ``Generate`` tags each decode step; the last hop hands the tagged result straight
+back (the ``Return`` RPC), and the first hop goes on with the first copy to arrive, sending the
+next step before the previous answer came up the chain. So a hop given a return address queues
+one step behind the running one (and drops it, answered ``CANCELLED``, if the running one
+fails); the chain's answers are still read, in order, checked against the copy used and only
+then delivered. A token then costs one trip around the ring of workers instead of a trip down
+the chain and back.
 """
 
 from __future__ import annotations
@@ -388,6 +397,13 @@ class RelaySteps:
                 async with send:
                     try:
                         while True:
+                            # with no credit left, the client waits for a result that is still
+                            # in flight: deliver it first (its answer comes without us)
+                            while inflight and self.credit.value <= 0:
+                                if not await deliver(inflight[0]):
+                                    break
+                            if chain_errors:
+                                break
                             with self._cancellable():
                                 await self._take_credit()
                                 counts["taken"] += 1
