@@ -11,6 +11,7 @@
 * The failover bench kills the middle worker of a real 3-worker chain and its replica replays
   exactly the prompt's positions.
 * The network bench runs a 2-hop pipeline through delayed links (bench/links.py).
+* The hot-path bench reads two workers' CPU and native time per pass, alternating them.
 """
 
 from __future__ import annotations
@@ -266,3 +267,28 @@ def test_pipeline_network_bench_reports_client_and_chain_modes_per_rtt(tmp_path:
         for r in spec:
             assert r["identical_tokens"] is True and r["tokens"] == 8
             assert r["plain_traversals"] == 8 >= r["traversals"] == 8 - r["accepted"]
+
+
+def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None:
+    """A ``--quick`` run of bench/hot_path.py against this checkout twice (``--worker-root``):
+    every timed pass of both workers generated its tokens, read the engine's native time (the
+    counter moved) and the worker's CPU, and the ratios compare the two."""
+    out = tmp_path / "hot_path.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.hot_path", "--quick", "--worker-root", str(ROOT),
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["passes"]) == {"this", "other"}
+    for per_mode in report["passes"].values():
+        assert set(per_mode) == {"generate", "decode"}
+        for rows in per_mode.values():
+            assert len(rows) == report["settings"]["rounds"] == 1
+            for row in rows:
+                assert row["tokens"] == 64
+                assert row["native_us"] > 0 and row["wall_us"] > row["native_us"]
+                assert row["engine_cpu_us"] > 0
+    assert set(report["ratios"]) == {"generate", "decode"}
+    assert report["environment"]["model"].endswith(".gguf")

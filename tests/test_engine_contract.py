@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shard.engine import BoundaryResult, DecodeRequest, PrefillRequest, SamplingParams
 from shard.engine.fake import FakeScript
-from shard.engine.sampling import candidate_order, choose_token
+from shard.engine.sampling import candidate_order, choose_token, logsumexp
 from shard.testing import EngineContractSuite, EngineFactory, fake_factory, llama_factory
 
 # One llama.cpp thread: on a tiny model a second thread buys nothing, and llama.cpp's spinning
@@ -108,6 +108,26 @@ def test_top_k_sampling_only_picks_candidates() -> None:
     picks = {choose_token(logits, SamplingParams(temperature=50.0, top_k=2, seed=s), 3)
              for s in range(200)}
     assert picks == {1, 2}  # the three-way tie at 5.0 keeps the two lowest ids
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.floats(-60.0, 60.0, width=32), min_size=1, max_size=3000),
+    banned=st.integers(0, 5),
+)
+def test_logsumexp_summed_in_float32_matches_float64(values: list[float], banned: int) -> None:
+    """The in-place float32 sum (shard/engine/sampling.py) stays within float32 rounding of a
+    float64 reference, with or without the row's maximum given, also with -inf entries (tokens
+    a sampler ruled out); the row itself is never modified."""
+    row = np.array(values, dtype=np.float32)
+    row[: min(banned, len(row) - 1)] = -np.inf
+    before = row.copy()
+    x = row.astype(np.float64)
+    m = x.max()
+    want = m + np.log(np.exp(x - m).sum())
+    for got in (logsumexp(row), logsumexp(row, row[int(np.argmax(row))])):
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want))
+    assert np.array_equal(row, before)
 
 
 def test_arrays_in_requests_and_results_are_immutable_and_unaliased() -> None:

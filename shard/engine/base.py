@@ -818,8 +818,9 @@ class ShardEngine(abc.ABC):
         self, logits: np.ndarray, params: SamplingParams, top_k: int, n_past: int
     ) -> LogitsResult:
         """The token chosen from one position's ``logits`` for a session of ``n_past``."""
-        lse = sampling.logsumexp(logits)
         token = sampling.choose_token(logits, params, n_past)
+        # greedy chose the (first) maximum: the row's largest value is known
+        lse = sampling.logsumexp(logits, logits[token] if params.greedy else None)
         return LogitsResult(
             top=sampling.top_logprobs(logits, top_k, lse),
             token_id=token,

@@ -293,6 +293,7 @@ class LlamaCppEngine(ShardEngine):
         self._n_batch = 0
         self._seq_cells: list[int] = []  # KV cells per sequence id (see _count_kv_cells)
         self._n_vocab = 0
+        self._pieces: dict[int, bytes] = {}  # token id -> piece, filled as tokens are seen
         self._n_seq = 0
         # The abort callback: ggml polls it after every graph node of a running llama_decode;
         # it aborts only when every session of the running tick is cancelled.
@@ -406,13 +407,17 @@ class LlamaCppEngine(ShardEngine):
     def _impl_token_piece(self, token_id: int) -> bytes:
         if not (self._first or self._last):
             raise IllegalTransition("a middle shard holds no vocabulary (its slice has a stub)")
+        piece = self._pieces.get(token_id)  # a token's piece never changes: one call per token
+        if piece is not None:
+            return piece
         vocab = self._require_vocab()
         size = 64
         for _ in range(2):
             buf = ctypes.create_string_buffer(size)
             n = _held.llama_token_to_piece(vocab, token_id, buf, size, 0, False)
             if n >= 0:
-                return buf.raw[:n]
+                self._pieces[token_id] = piece = buf.raw[:n]
+                return piece
             size = -n
         raise EngineFailure("llama_token_to_piece disagreed with itself about the piece size")
 
@@ -938,6 +943,7 @@ class LlamaCppEngine(ShardEngine):
         self._batch_rows = []
         self._batch_row_seq = None
         self._model = self._ctx = self._mem = self._vocab = self._batch = None
+        self._pieces = {}
         self._post(self._book.drop_all())
         self._book.commit_count(0)
         self._abort_armed = False

@@ -8,19 +8,29 @@ session with the same seed reproduces it, and no sampler state needs to survive 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .types import SamplingParams, TokenLogprob
 
 
-def logsumexp(logits: np.ndarray) -> float:
+def logsumexp(logits: np.ndarray, maximum: float | None = None) -> float:
     """``log(sum(exp(logits)))``, stable; ``logits[i] - logsumexp(logits)`` is a log-probability.
 
     A scalar instead of a full log-softmax array keeps the per-step cost to one pass over the
-    vocabulary.
+    vocabulary; ``maximum`` (the row's largest value, when the caller has it) saves another.
+    The exponentials are summed in the row's own dtype, in place, by numpy's pairwise sum: for
+    float32 rows the relative error stays near 1e-6 (the wire's log-probabilities are float32),
+    and accumulating in float64 instead cost more than the rest of the step's token choice
+    (a cast of every element: 64 against 33 us for a 32,000-token row, measured).
     """
-    m = float(np.max(logits))
-    return m + float(np.log(np.sum(np.exp(logits - np.float32(m)), dtype=np.float64)))
+    m = float(np.max(logits)) if maximum is None else float(maximum)
+    if not math.isfinite(m):  # every value -inf (nothing possible), or a NaN/inf row
+        return m
+    shifted = np.subtract(logits, logits.dtype.type(m))
+    np.exp(shifted, out=shifted)
+    return m + math.log(float(shifted.sum()))
 
 
 def top_logprobs(logits: np.ndarray, k: int, lse: float) -> tuple[TokenLogprob, ...]:

@@ -939,7 +939,9 @@ class SessionCall(RelaySteps):
         position = getattr(request, "position", None)
         start = self._engine_len if position is None else position
         try:
-            result = await fn(dataclasses.replace(request, step_timeout=self._step_timeout))
+            if request.step_timeout != self._step_timeout:  # (a copy per step only when needed)
+                request = dataclasses.replace(request, step_timeout=self._step_timeout)
+            result = await fn(request)
         except StepTimeout as exc:
             self._resync()
             assert self._step_timeout is not None

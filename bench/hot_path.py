@@ -1,0 +1,174 @@
+"""What a served token costs the worker's CPU outside ``llama_decode``, thread by thread.
+
+Decode throughput at 2 threads is bounded by the Python work per token: every ggml thread has a
+core, so whatever the worker's event loop and engine thread run per token competes with them
+(docs/benchmarks.md, "Where the rest goes"). This bench measures that work directly, as CPU
+time, which is far steadier than tokens/s on a shared machine: a live ``trio-shard serve``
+generates ``--tokens`` tokens per pass (server-driven ``Generate``, then one client-driven
+``Decode`` per token), and the worker's CPU time is read from ``/proc`` per thread before and
+after each pass, next to the engine's own ``native_step_us_total`` (time inside
+``llama_decode``). Per token it reports:
+
+  main_cpu_us     the event loop's thread (transport, session, engine bookkeeping, results)
+  engine_cpu_us   the engine's native thread, llama_decode included
+  native_us       inside llama_decode (wall time; at 1 thread about its CPU time)
+  outside_us      the whole process's CPU minus native_us: the Python work per token
+
+With ``--worker-root DIR`` a second worker runs from another checkout and the two alternate
+pass by pass (A, B, B, A, ...), so drift hits both alike; ``ratios`` divides this checkout's
+median by the other's (below 1: this checkout spends less). CPU times come in clock ticks
+(``SC_CLK_TCK``, usually 10 ms): keep ``--tokens`` x the per-token cost well above that.
+
+    python -m bench.hot_path [--quick] [--model PATH] [--tokens 400] [--rounds 3] [--threads 1]
+                             [--worker-root OTHER_CHECKOUT] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.environment import environment
+from bench.processes import shard_server, wait_serving
+from shard.client import ShardClient
+
+V10 = (1, 0)  # understood by every worker version, so an older checkout can be measured too
+PROMPT = [1, *range(300, 319)]  # word pieces of the generated vocabularies (tiny: 812 tokens)
+MODES = ("generate", "decode")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "hot_path.json"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, by thread id."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        fields = raw.rsplit(")", 1)[1].split()
+        out[tid] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
+async def _native_seconds(client: ShardClient) -> float:
+    return (await client.metrics()).engine["native_step_us_total"] / 1e6
+
+
+async def one_pass(client: ShardClient, pid: int, mode: str, tokens: int) -> dict[str, float]:
+    """One pass of ``tokens`` tokens; CPU and native time per token in microseconds."""
+    before, native0, t0 = thread_cpu(pid), await _native_seconds(client), time.perf_counter()
+    if mode == "generate":
+        n = 0
+        async for _ in client.generate(PROMPT, max_tokens=tokens + 1, ignore_eos=True):
+            n += 1
+        assert n == tokens + 1, n
+    else:
+        async with client.session(f"hot-{time.monotonic_ns()}") as s:
+            token = (await s.prefill(PROMPT)).logits.token_id
+            for _ in range(tokens):
+                token = (await s.decode(token=token)).logits.token_id
+    wall, after, native1 = time.perf_counter() - t0, thread_cpu(pid), await _native_seconds(client)
+    spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    main = spent.get(str(pid), 0.0)  # the main thread's id is the process id
+    busiest_other = max((v for tid, v in spent.items() if tid != str(pid)), default=0.0)
+    native = native1 - native0
+    per = 1e6 / tokens
+    return {
+        "tokens": tokens,
+        "wall_us": wall * per,
+        "main_cpu_us": main * per,
+        "engine_cpu_us": busiest_other * per,
+        "native_us": native * per,
+        "outside_us": (sum(spent.values()) - native) * per,
+    }
+
+
+def _median(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]}
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    roots: dict[str, Path | None] = {"this": None}
+    if args.worker_root is not None:
+        roots["other"] = args.worker_root
+    passes: dict[str, dict[str, list[dict[str, float]]]] = {
+        name: {m: [] for m in MODES} for name in roots
+    }
+    servers = {}
+    with ExitStack() as stack:
+        for name, root in roots.items():
+            servers[name] = stack.enter_context(shard_server(
+                args.model, threads=args.threads, ctx=2 * (args.tokens + 128), max_sessions=2,
+                log=args.out.parent / f"hot_path_{name}.log", root=root))
+        for srv in servers.values():
+            await wait_serving(srv.target, version=V10)
+        order = list(roots)
+        for round_no in range(args.rounds + 1):  # round 0 warms up and is dropped
+            names = order if round_no % 2 == 0 else order[::-1]
+            for name in names:
+                srv = servers[name]
+                async with ShardClient.connect(srv.target, timeout=600, version=V10) as client:
+                    for mode in MODES:
+                        row = await one_pass(client, srv.proc.pid, mode,
+                                             8 if round_no == 0 else args.tokens)
+                        if round_no:
+                            passes[name][mode].append(row)
+                            print(f"round {round_no} {name:5} {mode:8} "
+                                  + " ".join(f"{k}={v:.0f}" for k, v in row.items()), flush=True)
+    medians = {name: {m: _median(rows) for m, rows in per.items()} for name, per in passes.items()}
+    result: dict[str, Any] = {"passes": passes, "medians": medians}
+    if "other" in medians:
+        result["ratios"] = {
+            m: {k: round(medians["this"][m][k] / medians["other"][m][k], 3)
+                for k in ("main_cpu_us", "engine_cpu_us", "outside_us") if medians["other"][m][k]}
+            for m in MODES
+        }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.hot_path", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, help="GGUF file (default: the bench preset, written if missing)")
+    p.add_argument("--tokens", type=int, default=400, help="tokens per pass (default 400)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
+    p.add_argument("--worker-root", type=Path, help="also run a worker from this checkout, alternating")
+    p.add_argument("--quick", action="store_true", help="tiny model, 64 tokens, 1 round")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tokens, args.rounds = 64, 1
+    if args.model is None:
+        from shard.models import ensure_model
+        args.model = ensure_model("tiny" if args.quick else "bench", progress=sys.stderr.isatty())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = trio.run(measure, args)
+    report = {
+        "environment": environment(args.model, args.threads, argv=sys.argv if argv is None else argv),
+        "settings": {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
+                     "worker_root": str(args.worker_root) if args.worker_root else None},
+        **result,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for name, per in result["medians"].items():
+        for mode, row in per.items():
+            print(f"median {name:5} {mode:8} " + " ".join(f"{k}={v}" for k, v in row.items()))
+    for mode, row in result.get("ratios", {}).items():
+        print(f"ratio this/other {mode:8} " + " ".join(f"{k}={v}" for k, v in row.items()))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
