@@ -20,7 +20,7 @@ median by the other's (below 1: this checkout spends less). CPU times come in cl
 (``SC_CLK_TCK``, usually 10 ms): keep ``--tokens`` x the per-token cost well above that.
 
     python -m bench.hot_path [--quick] [--model PATH] [--tokens 400] [--rounds 3] [--threads 1]
-                             [--worker-root OTHER_CHECKOUT] [--out FILE]
+                             [--worker-root OTHER_CHECKOUT] [--out FILE] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         for name, root in roots.items():
             servers[name] = stack.enter_context(shard_server(
                 args.model, threads=args.threads, ctx=2 * (args.tokens + 128), max_sessions=2,
-                log=args.out.parent / f"hot_path_{name}.log", root=root))
+                log=args.logs / f"hot_path_{name}.log", root=root))
         for srv in servers.values():
             await wait_serving(srv.target, version=V10)
         order = list(roots)
@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-root", type=Path, help="also run a worker from this checkout, alternating")
     p.add_argument("--quick", action="store_true", help="tiny model, 64 tokens, 1 round")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--logs", type=Path, default=DEFAULT_OUT.parent / "logs",
+                   help="the workers' log files (default: bench/results/logs)")
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.rounds = 64, 1

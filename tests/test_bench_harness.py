@@ -276,7 +276,7 @@ def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None
     out = tmp_path / "hot_path.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.hot_path", "--quick", "--worker-root", str(ROOT),
-         "--out", str(out)],
+         "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
