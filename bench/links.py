@@ -108,11 +108,13 @@ async def open_link(
                 queue_chunks, seed, _rng=random.Random(seed))
     async with trio.open_nursery() as nursery:
         (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        async with listener:
-            host, port = listener.socket.getsockname()[:2]
-            link.target = f"{host}:{port}"
-            nursery.start_soon(partial(trio.serve_listeners, link._handle, [listener]))
-            try:
+        try:
+            async with listener:
+                host, port = listener.socket.getsockname()[:2]
+                link.target = f"{host}:{port}"
+                nursery.start_soon(partial(trio.serve_listeners, link._handle, [listener]))
                 yield link
-            finally:
-                nursery.cancel_scope.cancel()
+        finally:
+            # Only after the listener closed: cancelling first made its close raise Cancelled,
+            # which the nursery then caught, and an error of the block vanished with it.
+            nursery.cancel_scope.cancel()

@@ -110,3 +110,23 @@ async def test_grpc_through_a_delayed_link() -> None:
         async with ShardClient.connect(link.target, timeout=10) as client:
             assert (await client.health()).status == pb.HealthResponse.STATUS_SERVING
             assert (await client.capabilities()).engine == "fake"
+
+
+async def test_an_error_in_the_block_propagates() -> None:
+    """An error of the code inside the link's block reaches the caller: closing the listener
+    after the link's nursery was cancelled used to raise Cancelled over it, which the nursery
+    caught, and the block's error vanished (a bench then failed later, elsewhere)."""
+    async with echo_server() as target:
+        try:
+            async with open_link(target):
+                raise LookupError("from the block")
+        except BaseException as exc:  # the error, maybe inside an exception group
+            caught = exc
+        else:
+            caught = None
+    assert caught is not None
+    if isinstance(caught, BaseExceptionGroup):
+        match, _ = caught.split(LookupError)
+        assert match is not None
+    else:
+        assert isinstance(caught, LookupError)

@@ -53,16 +53,24 @@ def _spec(path: Path, *, n_batch: int = 8, layer_range: LayerRange | None = None
 
 
 def spy_outputs(engine: LlamaCppEngine) -> list[np.ndarray]:
-    """Record every raw result of ``_impl_compute`` (logits or hidden states), unchanged."""
+    """Record every raw result of a step (logits or hidden states), unchanged: from
+    ``_impl_compute``, or from ``_impl_claim`` when the step was computed ahead."""
     seen: list[np.ndarray] = []
-    inner = engine._impl_compute
+    compute, claim = engine._impl_compute, engine._impl_claim
 
-    async def spy(slot, plan):  # type: ignore[no-untyped-def]
-        raw = await inner(slot, plan)
+    async def spy_compute(slot, plan):  # type: ignore[no-untyped-def]
+        raw = await compute(slot, plan)
         seen.append(np.array(raw, copy=True))
         return raw
 
-    engine._impl_compute = spy  # type: ignore[method-assign]
+    async def spy_claim(slot, plan):  # type: ignore[no-untyped-def]
+        raw = await claim(slot, plan)
+        if raw is not None:
+            seen.append(np.array(raw, copy=True))
+        return raw
+
+    engine._impl_compute = spy_compute  # type: ignore[method-assign]
+    engine._impl_claim = spy_claim  # type: ignore[method-assign]
     return seen
 
 

@@ -112,7 +112,8 @@ async def test_nothing_is_computed_ahead_when_no_step_can_follow(tiny_path: Path
 async def test_a_claim_waiting_for_its_step_can_be_cancelled(engine: LlamaCppEngine) -> None:
     """The step computed ahead cannot run while the native thread is held: the decode that
     claims it waits, is cancelled, leaves the session as it was, and the step (computed once the
-    thread is free) still serves the next decode of that token."""
+    thread is free) still serves the next decode of that token. The cancelled claim gave the
+    step back: the thread chains no step after it for the hint the cancelled decode carried."""
     await engine.open_session("a")
     await engine.open_session("ref")
     res = await engine.prefill(PrefillRequest("a", tokens=PROMPT))
@@ -133,13 +134,14 @@ async def test_a_claim_waiting_for_its_step_can_be_cancelled(engine: LlamaCppEng
                 scope.cancel()
 
             nursery.start_soon(cancel_when_running)
-            await engine.decode(DecodeRequest("a", token=token))
+            await engine.decode(DecodeRequest("a", token=token, lookahead=Lookahead(5)))
         assert scope.cancelled_caught
         info = engine.session_info("a")
         assert info.n_past == len(PROMPT) and info.state.value == "idle"
         release.set()
     await settle(engine)
-    assert engine.metrics().lookahead_cells == 1  # computed, not claimed
+    m = engine.metrics()
+    assert (m.lookahead_steps_total, m.lookahead_cells) == (1, 1)  # computed, not claimed
     got = await engine.decode(DecodeRequest("a", token=token))
     await engine.prefill(PrefillRequest("ref", tokens=PROMPT))
     ref = await engine.decode(DecodeRequest("ref", token=token))

@@ -42,6 +42,15 @@ class SteppedLlama(LlamaCppEngine):
         await self.gate()
         return await super()._impl_compute(slot, plan)
 
+    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
+        """A step claimed from the look-ahead is a step too (counted and delayed alike)."""
+        raw = await super()._impl_claim(slot, plan)
+        if raw is not None:
+            if self.latency:
+                await trio.sleep(self.latency)
+            await self.gate()
+        return raw
+
 
 @asynccontextmanager
 async def llama_live(latency: float = 0.0, **kwargs: Any) -> AsyncIterator[Live]:

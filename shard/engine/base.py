@@ -246,6 +246,16 @@ class ShardEngine(abc.ABC):
         """Execute ``plan`` for ``slot``. Check ``slot.cancel`` between steps and raise
         ``EngineCancelled`` when set. Must not return before native work on the slot stops."""
 
+    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
+        """The result of ``plan`` if the implementation computes it already (a step computed
+        ahead), waiting for it; None when it does not (``_impl_compute`` then runs).
+
+        Runs in the caller's cancel scope, unshielded and in the caller's task (no nursery, no
+        extra task: this is the path of every generated token), so it must own no native work:
+        a claim cancelled while it waits leaves the step to its owner, ready for a later claim.
+        It ends early, with ``slot.cancel``'s error, when that flag is set."""
+        return None
+
     @abc.abstractmethod
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         """Remove the slot's KV cells at positions ``>= keep`` (``keep=0``: all of them)."""
@@ -673,7 +683,9 @@ class ShardEngine(abc.ABC):
         slot.idle = trio.Event()
         committed = False
         try:
-            raw = await self._run_guarded(slot, lambda: self._impl_compute(slot, plan), plan.deadline)
+            raw = await self._claim(slot, plan)
+            if raw is None:
+                raw = await self._run_guarded(slot, lambda: self._impl_compute(slot, plan), plan.deadline)
             if slot.cancel.is_set() and not slot.cancel.timed_out:
                 raise slot.cancel.error(slot.session_id)
             try:
@@ -724,6 +736,13 @@ class ShardEngine(abc.ABC):
                 slot.state = SessionState.IDLE
                 slot.idle.set()
 
+    async def _claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
+        """``_impl_claim`` within the step's deadline (past it: ``StepTimeout``)."""
+        with trio.move_on_at(plan.deadline):
+            return await self._guard_impl(self._impl_claim(slot, plan))
+        slot.cancel.set_timeout()
+        raise slot.cancel.error(slot.session_id)
+
     async def _run_guarded(
         self, slot: Slot, fn: Callable[[], Awaitable[T]], deadline: float = math.inf
     ) -> T:
@@ -734,30 +753,28 @@ class ShardEngine(abc.ABC):
         to stop (flag) and waited for, then ``trio.Cancelled`` propagates to the caller.
         """
         box: list[outcome.Outcome] = []
-        caller_cancelled = False
+        done = trio.Event()
         async with trio.open_nursery() as nursery:
 
             async def worker() -> None:
                 with trio.CancelScope(shield=True):
                     box.append(await outcome.acapture(self._guard_impl, fn()))
-                nursery.cancel_scope.cancel()
-
-            async def expire() -> None:
-                await trio.sleep_until(deadline)
-                slot.cancel.set_timeout()
+                done.set()
 
             nursery.start_soon(worker)
-            if math.isfinite(deadline):
-                nursery.start_soon(expire)
+            # An event, not the nursery's cancellation, ends the wait: no Cancelled is raised
+            # and caught per step, and the deadline needs no task of its own.
             try:
-                await trio.sleep_forever()
+                if math.isfinite(deadline):
+                    with trio.move_on_at(deadline):
+                        await done.wait()
+                    if not done.is_set():
+                        slot.cancel.set_timeout()
+                await done.wait()
             except trio.Cancelled:
                 if not box:
-                    caller_cancelled = True
                     slot.cancel.set()
-                raise
-        if caller_cancelled:
-            await trio.lowlevel.checkpoint()  # re-raise the caller's own cancellation
+                raise  # once the shielded work is done: the nursery waits for it
         return box[0].unwrap()
 
     def _make_result(

@@ -323,16 +323,12 @@ class LlamaCppEngine(ShardEngine):
         return await self._native.run(self._load_sync, spec)
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
-        """A step computed ahead for exactly this plan is claimed (``_claim``); otherwise the plan
-        goes to the batching scheduler (``shard.engine.scheduler``), whose ticks run
-        ``_tick_sync`` in the native thread."""
+        """The plan goes to the batching scheduler (``shard.engine.scheduler``), whose ticks run
+        ``_tick_sync`` in the native thread (a step computed ahead was claimed before this, by
+        ``_impl_claim``)."""
         if (plan.tokens is not None) != self._first:  # the base class checks this per request
             wanted = "token ids, not hidden states" if self._first else "hidden states, not token ids"
             raise EngineFailure(f"this shard takes {wanted}")
-        if plan.tokens is not None and len(plan.tokens) == 1 and self._book.has(slot.seq_id):
-            logits = await self._claim(slot, plan)
-            if logits is not None:
-                return logits
         hidden_out = None if self._last else np.empty((plan.n_new, self._n_embd), dtype=np.float32)
         logits_out = (np.empty((plan.n_new, self._n_vocab), dtype=np.float32)
                       if self._last and plan.all_logits else None)
@@ -346,10 +342,15 @@ class LlamaCppEngine(ShardEngine):
         assert work.result is not None
         return work.result
 
-    async def _claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
+    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
         """The logits of this exact step if it was computed ahead (waiting for it while it
-        runs); None when there is no such step (the caller computes it the usual way)."""
-        assert plan.tokens is not None
+        runs); None when there is no such step (the caller computes it the usual way).
+
+        The native thread owns the step computed ahead, not the claim: a claim cancelled while
+        it waits (its caller's scope, or its deadline) gives the record back unclaimed."""
+        if not (self._first and plan.tokens is not None and len(plan.tokens) == 1
+                and self._book.has(slot.seq_id)):
+            return None
         rec = self._book.claim(slot.seq_id, plan.keep, plan.tokens[0], plan.lookahead)
         if rec is None:
             return None
@@ -360,6 +361,9 @@ class LlamaCppEngine(ShardEngine):
             flag.add_watcher(wake)
             try:
                 await wake.wait()
+            except BaseException:  # the caller's cancellation: the step stays for a later claim
+                self._book.unclaim(rec)
+                raise
             finally:
                 flag.remove_watcher(wake)
                 if wake in rec.watchers:
