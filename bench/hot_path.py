@@ -14,13 +14,18 @@ after each pass, next to the engine's own ``native_step_us_total`` (time inside
   native_us       inside llama_decode (wall time; at 1 thread about its CPU time)
   outside_us      the whole process's CPU minus native_us: the Python work per token
 
+With ``--scheduler`` the workers run under ``bench/scheduler_counts.py`` and every pass also
+reports ``passes_per_token`` (scheduler passes, one ``epoll_wait`` each) and
+``steps_per_token`` (task steps, with the busiest tasks apart): counts, nearly exact from one
+pass to the next, where the CPU times above move by 10-20% on a shared machine.
+
 With ``--worker-root DIR`` a second worker runs from another checkout and the two alternate
 pass by pass (A, B, B, A, ...), so drift hits both alike; ``ratios`` divides this checkout's
 median by the other's (below 1: this checkout spends less). CPU times come in clock ticks
 (``SC_CLK_TCK``, usually 10 ms): keep ``--tokens`` x the per-token cost well above that.
 
     python -m bench.hot_path [--quick] [--model PATH] [--tokens 400] [--rounds 3] [--threads 1]
-                             [--worker-root OTHER_CHECKOUT] [--out FILE] [--logs DIR]
+                             [--worker-root OTHER_CHECKOUT] [--scheduler] [--out FILE] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -46,6 +52,24 @@ PROMPT = [1, *range(300, 319)]  # word pieces of the generated vocabularies (tin
 MODES = ("generate", "decode")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "hot_path.json"
 _TICK = os.sysconf("SC_CLK_TCK")
+_COUNTER = Path(__file__).resolve().parent / "scheduler_counts.py"
+_BUSIEST = 4  # tasks reported by name in steps_per_token
+
+
+class SchedulerCounts:
+    """Snapshots of a worker's scheduler counts (``bench/scheduler_counts.py``), by SIGUSR1."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def read(self, pid: int) -> dict[str, Any]:
+        self.path.unlink(missing_ok=True)
+        os.kill(pid, signal.SIGUSR1)
+        with trio.fail_after(10):
+            while not self.path.exists():
+                await trio.sleep(0.005)
+        data: dict[str, Any] = json.loads(self.path.read_text())
+        return data
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -65,8 +89,12 @@ async def _native_seconds(client: ShardClient) -> float:
     return (await client.metrics()).engine["native_step_us_total"] / 1e6
 
 
-async def one_pass(client: ShardClient, pid: int, mode: str, tokens: int) -> dict[str, float]:
-    """One pass of ``tokens`` tokens; CPU and native time per token in microseconds."""
+async def one_pass(
+    client: ShardClient, pid: int, mode: str, tokens: int, counts: SchedulerCounts | None = None
+) -> dict[str, Any]:
+    """One pass of ``tokens`` tokens; CPU and native time per token in microseconds (and the
+    scheduler's passes and task steps per token, with ``counts``)."""
+    sched0 = await counts.read(pid) if counts is not None else None
     before, native0, t0 = thread_cpu(pid), await _native_seconds(client), time.perf_counter()
     if mode == "generate":
         n = 0
@@ -84,7 +112,7 @@ async def one_pass(client: ShardClient, pid: int, mode: str, tokens: int) -> dic
     busiest_other = max((v for tid, v in spent.items() if tid != str(pid)), default=0.0)
     native = native1 - native0
     per = 1e6 / tokens
-    return {
+    row: dict[str, Any] = {
         "tokens": tokens,
         "wall_us": wall * per,
         "main_cpu_us": main * per,
@@ -92,10 +120,20 @@ async def one_pass(client: ShardClient, pid: int, mode: str, tokens: int) -> dic
         "native_us": native * per,
         "outside_us": (sum(spent.values()) - native) * per,
     }
+    if counts is not None and sched0 is not None:
+        sched1 = await counts.read(pid)
+        steps = {name: (n - sched0["steps"].get(name, 0)) / tokens
+                 for name, n in sched1["steps"].items()}
+        busiest = sorted(steps.items(), key=lambda kv: -kv[1])[:_BUSIEST]
+        row["passes_per_token"] = (sched1["passes"] - sched0["passes"]) / tokens
+        row["steps_per_token"] = sum(steps.values())
+        row["steps_by_task"] = {name: round(n, 2) for name, n in busiest}
+    return row
 
 
-def _median(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]}
+def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {k: round(statistics.median(r[k] for r in rows), 2 if "per_token" in k else 1)
+            for k in rows[0] if not isinstance(rows[0][k], dict)}
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,11 +144,16 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         name: {m: [] for m in MODES} for name in roots
     }
     servers = {}
+    counts: dict[str, SchedulerCounts | None] = {name: None for name in roots}
     with ExitStack() as stack:
         for name, root in roots.items():
+            wrap: list[str] = []
+            if args.scheduler:
+                counts[name] = SchedulerCounts(args.logs / f"hot_path_{name}.counts.json")
+                wrap = [sys.executable, str(_COUNTER), str(counts[name].path), "--"]
             servers[name] = stack.enter_context(shard_server(
                 args.model, threads=args.threads, ctx=2 * (args.tokens + 128), max_sessions=2,
-                log=args.logs / f"hot_path_{name}.log", root=root))
+                log=args.logs / f"hot_path_{name}.log", root=root, wrap=wrap))
         for srv in servers.values():
             await wait_serving(srv.target, version=V10)
         order = list(roots)
@@ -121,17 +164,20 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 async with ShardClient.connect(srv.target, timeout=600, version=V10) as client:
                     for mode in MODES:
                         row = await one_pass(client, srv.proc.pid, mode,
-                                             8 if round_no == 0 else args.tokens)
+                                             8 if round_no == 0 else args.tokens, counts[name])
                         if round_no:
                             passes[name][mode].append(row)
                             print(f"round {round_no} {name:5} {mode:8} "
-                                  + " ".join(f"{k}={v:.0f}" for k, v in row.items()), flush=True)
+                                  + " ".join(f"{k}={v:.0f}" if "per_token" not in k else f"{k}={v:.2f}"
+                                             for k, v in row.items() if not isinstance(v, dict)),
+                                  flush=True)
     medians = {name: {m: _median(rows) for m, rows in per.items()} for name, per in passes.items()}
     result: dict[str, Any] = {"passes": passes, "medians": medians}
     if "other" in medians:
         result["ratios"] = {
             m: {k: round(medians["this"][m][k] / medians["other"][m][k], 3)
-                for k in ("main_cpu_us", "engine_cpu_us", "outside_us") if medians["other"][m][k]}
+                for k in ("main_cpu_us", "engine_cpu_us", "outside_us", "passes_per_token",
+                          "steps_per_token") if medians["other"][m].get(k)}
             for m in MODES
         }
     return result
@@ -144,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
     p.add_argument("--worker-root", type=Path, help="also run a worker from this checkout, alternating")
+    p.add_argument("--scheduler", action="store_true",
+                   help="also count scheduler passes and task steps per token (bench/scheduler_counts.py)")
     p.add_argument("--quick", action="store_true", help="tiny model, 64 tokens, 1 round")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--logs", type=Path, default=DEFAULT_OUT.parent / "logs",
@@ -159,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "environment": environment(args.model, args.threads, argv=sys.argv if argv is None else argv),
         "settings": {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
-                     "worker_root": str(args.worker_root) if args.worker_root else None},
+                     "worker_root": str(args.worker_root) if args.worker_root else None,
+                     "scheduler": args.scheduler},
         **result,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")

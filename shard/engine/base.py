@@ -738,6 +738,8 @@ class ShardEngine(abc.ABC):
 
     async def _claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
         """``_impl_claim`` within the step's deadline (past it: ``StepTimeout``)."""
+        if plan.deadline == math.inf:  # no step timeout: no cancel scope per token
+            return await self._guard_impl(self._impl_claim(slot, plan))
         with trio.move_on_at(plan.deadline):
             return await self._guard_impl(self._impl_claim(slot, plan))
         slot.cancel.set_timeout()

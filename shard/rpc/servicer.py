@@ -270,7 +270,7 @@ class ShardServicer(_ShardServicerBase):
             raise self._refuse(err) from None
         finished = False
         try:
-            async for message in call.responses:
+            while (message := await _next_response(call.responses)) is not None:
                 watch.response(message)
                 yield message
             finished = True
@@ -298,6 +298,30 @@ class ShardServicer(_ShardServicerBase):
         if err.code in (ErrorCode.ENGINE_FAILURE, ErrorCode.NOT_READY) and self.on_health_change:
             self.on_health_change()
         return status_error(err)
+
+
+async def _next_response(
+    responses: trio.MemoryReceiveChannel[pb.SessionResponse],
+) -> pb.SessionResponse | None:
+    """The session's next response (None once it sent its last); one already queued is taken
+    without a scheduler pass.
+
+    Why: a step's result and its ``Usage`` are queued together (``SessionCall._send``); taken
+    one scheduler pass apart, the transport's writer would send each in a socket write of its
+    own (and wake the client twice). The channel is bounded, so a full one is drained in a
+    bounded run. (A plain function, not an async generator inside this one, which would be
+    finalized by the garbage collector when the call ends mid-stream.)
+    """
+    try:
+        return responses.receive_nowait()
+    except trio.WouldBlock:
+        pass
+    except trio.EndOfChannel:
+        return None
+    try:
+        return await responses.receive()
+    except trio.EndOfChannel:
+        return None
 
 
 def _note_end(ctx: CallContext) -> None:

@@ -790,7 +790,8 @@ class SessionCall(RelaySteps):
                         all_logits=p.all_logits,
                     ),
                 )
-            await self._send_step(result, position + offset, input_tokens=echo)
+            await self._send_step(result, position + offset, input_tokens=echo,
+                                  usage_follows=offset + chunk >= n)
             echo = None
             # Counted once delivered: Usage reports only what the client received.
             usage.prompt_tokens += result.tokens_processed
@@ -809,7 +810,7 @@ class SessionCall(RelaySteps):
             # the chain's first hop may start its next step before this reaches it up the chain
             self._returner.push(d.relay_tag, convert.step_to_proto(
                 result, self._step_no + 1, start, self._wire_dtype))
-        await self._send_step(result, start)
+        await self._send_step(result, start, usage_follows=True)
         usage.generated_tokens += 1
 
     async def _generate(self, g: pb.Generate, usage: pb.Usage) -> None:
@@ -845,7 +846,8 @@ class SessionCall(RelaySteps):
             assert result.logits is not None
             emitted += 1
             finish = self._finish_reason(result.logits.token_id, result.logits.is_eog, g, stop, emitted)
-            await self._send_step(result, start, finish)
+            await self._send_step(result, start, finish,
+                                  usage_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
             if emitted == 1 and prompt is not None:
                 usage.prompt_tokens += result.tokens_processed
                 usage.reused_tokens += result.reused_tokens
@@ -1042,9 +1044,10 @@ class SessionCall(RelaySteps):
 
     async def _send_step(
         self, result: StepResult, start: int, finish: int = pb.FINISH_REASON_UNSPECIFIED,
-        input_tokens: Sequence[int] | None = None,
+        input_tokens: Sequence[int] | None = None, *, usage_follows: bool = False,
     ) -> None:
-        """Send one result (one credit), split into chunks when it exceeds one message."""
+        """Send one result (one credit), split into chunks when it exceeds one message.
+        ``usage_follows``: the step's ``Usage`` comes next (see ``_send``)."""
         msg = convert.step_to_proto(result, self._step_no + 1, start, self._wire_dtype)
         if input_tokens is not None:
             msg.input_tokens.ids.extend(input_tokens)
@@ -1052,13 +1055,24 @@ class SessionCall(RelaySteps):
         msg.finish_reason = finish  # type: ignore[assignment]
         self._credit_unspent = False  # spent now, even if the stream ends during the send
         for chunk in _chunks(msg, self._max_message_bytes - _CHUNK_OVERHEAD):
-            await self._send(pb.SessionResponse(step=chunk))
+            await self._send(pb.SessionResponse(step=chunk), more_follows=usage_follows)
         self._registry.count("steps_sent_total")
         self._delivered_end = result.n_past
 
-    async def _send(self, msg: pb.SessionResponse) -> None:
-        """Hand a response to the transport; blocks while the bounded channel is full."""
+    async def _send(self, msg: pb.SessionResponse, *, more_follows: bool = False) -> None:
+        """Hand a response to the transport; blocks while the bounded channel is full.
+
+        ``more_follows``: this task sends another response right after this one (a step's
+        result, then its ``Usage``). It is queued without a scheduler pass when there is room,
+        so the transport finds both and frames them into one socket write (the next ``_send``
+        is the schedule point)."""
         try:
+            if more_follows:
+                try:
+                    self._outbox.send_nowait(msg)
+                    return
+                except trio.WouldBlock:
+                    pass
             await self._outbox.send(msg)
         except trio.BrokenResourceError:
             # The handler stopped reading without telling us why: the connection is gone.

@@ -352,8 +352,11 @@ class _Connection:
 
     async def flush(self, idle: float = math.inf) -> bool:
         """Queue h2's output; a handler waits here while the peer reads slowly. False if
-        nothing was written for ``idle`` seconds."""
-        return await self._outbox.flush(self.h2, idle)
+        nothing was written for ``idle`` seconds.
+
+        No scheduler pass of its own: the handler's next await is one (the next response, or
+        the end of the call), and a response queued meanwhile joins the same socket write."""
+        return await self._outbox.flush(self.h2, idle, schedule=False)
 
     async def _write_loop(self) -> None:
         try:

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -255,12 +256,16 @@ class Outbox:
             self._data += data
             self._wake.set()
 
-    async def flush(self, h2: Any, idle: float = math.inf) -> bool:
+    async def flush(self, h2: Any, idle: float = math.inf, *, schedule: bool = True) -> bool:
         """Queue what ``h2`` produced, then wait while more than ``OUTBOX_HIGH_WATER`` bytes
         are unsent (the peer reads slowly): the back-pressure of both connection kinds.
-        False if nothing was written for ``idle`` seconds (see ``wait_below``)."""
+        False if nothing was written for ``idle`` seconds (see ``wait_below``).
+
+        ``schedule=False``: no scheduler pass unless it must wait, for a caller whose next
+        await is one anyway; what it queues next then goes out in the same socket write."""
         self.push(h2.data_to_send())
-        await trio.lowlevel.checkpoint()
+        if schedule:
+            await trio.lowlevel.checkpoint()
         return await self.wait_below(OUTBOX_HIGH_WATER, idle)
 
     async def wait_below(self, limit: int, idle: float = math.inf) -> bool:
@@ -275,13 +280,17 @@ class Outbox:
 
     async def write_forever(self, stream: trio.abc.SendStream) -> None:
         """The writer task; socket errors propagate to the caller, which owns the reaction."""
+        send = _plain_sender(stream)
         try:
             while True:
                 await self._wake.wait()
                 self._wake = trio.Event()
                 while self._data:
                     data = bytes(self._data)
-                    await stream.send_all(data)
+                    if send is None:
+                        await stream.send_all(data)
+                    else:
+                        await send(data)
                     del self._data[: len(data)]
                     self._drained.set()
                     self._drained = trio.Event()
@@ -290,6 +299,34 @@ class Outbox:
         finally:
             self._broken = True
             self._drained.set()  # wake every waiter: nothing more will drain
+
+
+def _plain_sender(stream: trio.abc.SendStream) -> Callable[[bytes], Awaitable[None]] | None:
+    """``send_all`` for a plain TCP ``SocketStream``, writing to its descriptor directly; None
+    for any other stream (TLS), which keeps its own ``send_all``.
+
+    Why: the outbox has a single writer, so ``SocketStream.send_all``'s conflict detector and
+    its two checkpoints per write buy nothing here, and on the served token's path they cost
+    a scheduler pass of their own (a write that fits in the socket buffer, nearly every one,
+    now finishes without yielding; the caller's ``_wake.wait()`` is the schedule point). Errors
+    are translated as ``SocketStream`` translates them."""
+    if type(stream) is not trio.SocketStream:
+        return None
+    sock = stream.socket
+
+    async def send(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(sock.fileno(), view):]
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+            except OSError as exc:
+                if sock.fileno() == -1:
+                    raise trio.ClosedResourceError("the socket was closed") from None
+                raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+
+    return send
 
 
 def goaway_frame(last_stream_id: int, error_code: int = 0) -> bytes:

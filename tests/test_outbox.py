@@ -1,0 +1,96 @@
+"""The connection outbox's writer (shard.rpc.transport.wire.Outbox): on a plain TCP stream it
+writes to the descriptor itself; every byte must still arrive, in order, through full socket
+buffers, and socket errors must surface as the stream errors ``SocketStream`` raises."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import trio
+import trio.testing
+
+from shard.rpc.transport import wire
+
+
+async def _stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    a, b = trio.socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    # a small send buffer: most writes below meet a full socket and must wait for the reader
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    return trio.SocketStream(a), trio.SocketStream(b)
+
+
+async def test_a_plain_socket_gets_every_byte_in_order_through_full_buffers() -> None:
+    ours, peer = await _stream_pair()
+    assert wire._plain_sender(ours) is not None  # the direct path is the one under test
+    outbox = wire.Outbox()
+    pieces = [bytes([i % 251]) * (1000 + 37 * i) for i in range(200)]
+    expected = b"".join(pieces)
+    received = bytearray()
+    waits = 0
+
+    async def write_pieces() -> None:
+        nonlocal waits
+        for piece in pieces:
+            outbox.push(piece)
+            waits += len(outbox) > 0  # still queued: the writer met a full socket
+            assert await outbox.wait_below(64 * 1024)
+            await trio.sleep(0)
+
+    async with ours, peer:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outbox.write_forever, ours)
+            nursery.start_soon(write_pieces)
+            with trio.fail_after(30):
+                while len(received) < len(expected):
+                    chunk = await peer.receive_some(1500)
+                    assert chunk
+                    received.extend(chunk)
+                    await trio.sleep(0)  # let the writer meet a full buffer again
+            nursery.cancel_scope.cancel()
+    assert bytes(received) == expected
+    assert waits > 0
+
+
+async def test_a_peer_that_went_away_is_a_broken_stream() -> None:
+    ours, peer = await _stream_pair()
+    await peer.aclose()
+    outbox = wire.Outbox()
+    outbox.push(b"x" * 100_000)
+    async with ours:
+        with pytest.raises(trio.BrokenResourceError):
+            await outbox.write_forever(ours)
+    assert await outbox.wait_below(0)  # the broken writer releases every waiter
+
+
+async def test_closing_our_socket_while_the_writer_waits_is_a_closed_stream() -> None:
+    ours, peer = await _stream_pair()
+    outbox = wire.Outbox()
+    outbox.push(b"y" * 1_000_000)  # far more than the buffers hold: the writer must wait
+    caught: list[BaseException] = []
+
+    async def write() -> None:
+        try:
+            await outbox.write_forever(ours)
+        except trio.ClosedResourceError as exc:
+            caught.append(exc)
+
+    async with peer:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write)
+            await trio.testing.wait_all_tasks_blocked()
+            await ours.aclose()
+    assert len(caught) == 1
+
+
+async def test_other_streams_keep_their_own_send_all() -> None:
+    send, receive = trio.testing.memory_stream_pair()
+    assert wire._plain_sender(send) is None
+    outbox = wire.Outbox()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(outbox.write_forever, send)
+        outbox.push(b"hello")
+        assert await receive.receive_some(5) == b"hello"
+        nursery.cancel_scope.cancel()
+    await send.aclose()
+    await receive.aclose()
