@@ -1,10 +1,12 @@
 """The connection outbox's writer (shard.rpc.transport.wire.Outbox): on a plain TCP stream it
 writes to the descriptor itself; every byte must still arrive, in order, through full socket
-buffers, and socket errors must surface as the stream errors ``SocketStream`` raises."""
+buffers, and socket errors must surface as the stream errors ``SocketStream`` raises. And a
+served step's result and its Usage leave the worker in one write."""
 
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import pytest
 import trio
@@ -94,3 +96,41 @@ async def test_other_streams_keep_their_own_send_all() -> None:
         nursery.cancel_scope.cancel()
     await send.aclose()
     await receive.aclose()
+
+
+async def test_a_decode_result_and_its_usage_leave_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client-driven step's StepResult and the Usage after it are framed together and go out
+    in one socket write (they used to take two, and wake the client twice)."""
+    from rpc_harness import worker
+
+    from shard.client import ShardClient
+
+    server_writes: list[bytes] = []
+    real = wire._plain_sender
+    port = 0
+
+    def counting(stream: trio.abc.SendStream) -> Any:
+        send = real(stream)
+        if send is None or not isinstance(stream, trio.SocketStream):
+            return send
+        local_port = stream.socket.getsockname()[1]
+
+        async def counted(data: bytes) -> None:
+            if local_port == port:  # the worker's side of the connection
+                server_writes.append(data)
+            await send(data)
+
+        return counted
+
+    monkeypatch.setattr(wire, "_plain_sender", counting)
+    async with worker() as w:
+        port = int(w.target.rsplit(":", 1)[1])
+        async with ShardClient.connect(w.target, timeout=10) as client:
+            async with client.session(session_id="one-write") as s:
+                token = (await s.prefill([1, 72, 101, 108])).logits.token_id
+                before = len(server_writes)
+                for _ in range(20):
+                    token = (await s.decode(token=token)).logits.token_id
+                decode_writes = len(server_writes) - before
+            await w.idle()
+    assert 20 <= decode_writes <= 22, decode_writes  # one per step, slack for a PING or SETTINGS ack

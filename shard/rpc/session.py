@@ -1055,7 +1055,9 @@ class SessionCall(RelaySteps):
         msg.finish_reason = finish  # type: ignore[assignment]
         self._credit_unspent = False  # spent now, even if the stream ends during the send
         for chunk in _chunks(msg, self._max_message_bytes - _CHUNK_OVERHEAD):
-            await self._send(pb.SessionResponse(step=chunk), more_follows=usage_follows)
+            # only the last chunk: chunks are far larger than one write, and each waits its turn
+            await self._send(pb.SessionResponse(step=chunk),
+                             more_follows=usage_follows and not chunk.more_chunks)
         self._registry.count("steps_sent_total")
         self._delivered_end = result.n_past
 
@@ -1065,7 +1067,9 @@ class SessionCall(RelaySteps):
         ``more_follows``: this task sends another response right after this one (a step's
         result, then its ``Usage``). It is queued without a scheduler pass when there is room,
         so the transport finds both and frames them into one socket write (the next ``_send``
-        is the schedule point)."""
+        is the schedule point). ``send_nowait`` is no cancel point: a result may be queued
+        just after the stream ended, and is then counted as delivered, as ``_send_step`` does
+        for any result handed over."""
         try:
             if more_follows:
                 try:

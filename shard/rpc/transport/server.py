@@ -354,8 +354,9 @@ class _Connection:
         """Queue h2's output; a handler waits here while the peer reads slowly. False if
         nothing was written for ``idle`` seconds.
 
-        No scheduler pass of its own: the handler's next await is one (the next response, or
-        the end of the call), and a response queued meanwhile joins the same socket write."""
+        No scheduler pass of its own, so responses already queued join the same socket write:
+        a handler frames at most what its source holds (a session's bounded channel) before it
+        waits, and never more than ``OUTBOX_HIGH_WATER`` unsent bytes or the peer's window."""
         return await self._outbox.flush(self.h2, idle, schedule=False)
 
     async def _write_loop(self) -> None:

@@ -309,7 +309,9 @@ def _plain_sender(stream: trio.abc.SendStream) -> Callable[[bytes], Awaitable[No
     its two checkpoints per write buy nothing here, and on the served token's path they cost
     a scheduler pass of their own (a write that fits in the socket buffer, nearly every one,
     now finishes without yielding; the caller's ``_wake.wait()`` is the schedule point). Errors
-    are translated as ``SocketStream`` translates them."""
+    are translated as ``SocketStream`` translates them. A peer gone is EPIPE, not SIGPIPE:
+    CPython ignores SIGPIPE at startup, which trio's own ``send`` relies on too. (POSIX only,
+    as the worker is.)"""
     if type(stream) is not trio.SocketStream:
         return None
     sock = stream.socket
@@ -318,9 +320,10 @@ def _plain_sender(stream: trio.abc.SendStream) -> Callable[[bytes], Awaitable[No
         view = memoryview(data)
         while view:
             try:
-                view = view[os.write(sock.fileno(), view):]
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)
+                try:
+                    view = view[os.write(sock.fileno(), view):]
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
             except OSError as exc:
                 if sock.fileno() == -1:
                     raise trio.ClosedResourceError("the socket was closed") from None
