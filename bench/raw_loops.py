@@ -1,7 +1,8 @@
 """The ceilings: greedy decode straight on llama-cpp-python, without the worker.
 
 * ``RawDecoder``: llama-cpp-python's low-level (ctypes) API, one context configured like the
-  worker's (``n_seq_max`` sequences, one KV stream each). ``run(n_seq, n_tokens)`` prefills
+  worker's (``n_seq_max`` sequences, one KV stream each, with more than one thread the
+  worker's compute thread pool). ``run(n_seq, n_tokens)`` prefills
   ``n_seq`` sequences, then times ``n_tokens`` steps that each advance every sequence by one
   token in **one** ``llama_decode`` (1 sequence: the plain single-stream ceiling; N sequences:
   what batching concurrent sessions could reach).
@@ -71,6 +72,7 @@ class RawDecoder:
         self.n_ctx_seq = 0
         self._model = self._ctx = None
         self._batch = None
+        self._threads = None
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
         self._model = lc.llama_model_load_from_file(os.fsencode(model), mparams)
@@ -89,6 +91,11 @@ class RawDecoder:
             self._ctx = lc.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise RuntimeError("llama.cpp could not create a context")
+            if threads > 1:  # the worker's compute threads (docs/engine.md, "Compute threads")
+                from shard.engine.llama_threads import ComputeThreads
+
+                self._threads = ComputeThreads(threads)
+                self._threads.attach(self._ctx)
             self.n_ctx_seq = int(lc.llama_n_ctx_seq(self._ctx))
             self._vocab = lc.llama_model_get_vocab(self._model)
             self.n_vocab = int(lc.llama_vocab_n_tokens(self._vocab))
@@ -112,6 +119,9 @@ class RawDecoder:
         if self._ctx:
             lc.llama_free(self._ctx)
             self._ctx = None
+        if self._threads is not None:  # after the context that computed on it
+            self._threads.close()
+            self._threads = None
         if self._model:
             lc.llama_model_free(self._model)
             self._model = None

@@ -68,11 +68,14 @@ PROFILES = ("portable", "baseline", "native")
 RECIPE_VERSION = 1
 
 # Options common to every profile: CPU backend only, no runtime-loaded backends (so no variant
-# with AMX can be picked at run time), and no multimodal library (the worker never uses it and it
-# is a large part of the compile time).
+# with AMX can be picked at run time), no multimodal library (the worker never uses it and it
+# is a large part of the compile time), and no OpenMP: ggml's own thread pool instead, whose
+# threads the engine lets sleep between steps (shard/engine/llama_threads.py; libgomp's spin
+# after every step took the cores of every other process on the box).
 _COMMON = (
     "-DGGML_BACKEND_DL=OFF",
     "-DGGML_CPU_ALL_VARIANTS=OFF",
+    "-DGGML_OPENMP=OFF",
     "-DLLAVA_BUILD=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",

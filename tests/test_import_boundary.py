@@ -1,5 +1,6 @@
 """llama.cpp, ctypes and ggml may be imported only by the llama.cpp engine's modules
-(shard/engine/llama.py and its boundary capture, shard/engine/llama_capture.py); purerpc's
+(shard/engine/llama.py, its boundary capture shard/engine/llama_capture.py and its compute threads
+shard/engine/llama_threads.py); purerpc's
 internals, h2 and its frame libraries only by the shard/rpc/transport package.
 
 Everything else talks to the engine through the project-owned contract (shard.engine), so the
@@ -17,7 +18,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "shard"
-ALLOWED = {Path("shard/engine/llama.py"), Path("shard/engine/llama_capture.py")}
+ALLOWED = {
+    Path("shard/engine/llama.py"),
+    Path("shard/engine/llama_capture.py"),
+    Path("shard/engine/llama_threads.py"),
+}
 FORBIDDEN = ("llama_cpp", "ctypes", "ggml")
 
 

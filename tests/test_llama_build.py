@@ -50,6 +50,8 @@ def test_installed_libraries_are_the_recorded_wheel() -> None:
 def test_system_info_agrees_with_the_profile() -> None:
     record = _record()
     info = lc.llama_print_system_info().decode()
+    # Every profile: ggml's own thread pool, no OpenMP team (shard/engine/llama_threads.py).
+    assert "OPENMP" not in info, info
     if record["profile"] == "native":
         return  # whatever this CPU offers: nothing to hold it to
     assert "AMX" not in info and "AVX512" not in info, info
@@ -64,6 +66,7 @@ def test_profiles_and_cache_keys() -> None:
     assert "-DGGML_NATIVE=OFF" in portable and "-DGGML_NATIVE=ON" in native
     assert not any(a.startswith(("-DGGML_AMX", "-DGGML_AVX512")) and a.endswith("=ON") for a in portable)
     assert "-DGGML_BACKEND_DL=OFF" in portable  # no runtime variant loading (no AMX variant)
+    assert all("-DGGML_OPENMP=OFF" in llama_build.cmake_args(p) for p in llama_build.PROFILES)
     keys = {llama_build.plan(p)["key"] for p in llama_build.PROFILES}
     assert len(keys) == len(llama_build.PROFILES)  # a wheel is never reused across flags
     assert llama_build.plan("portable") == llama_build.plan("portable")  # stable

@@ -7,8 +7,10 @@ import-boundary rule applies to ``shard/`` only).
 from __future__ import annotations
 
 import hashlib
+import os
 import random
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import llama_cpp
@@ -33,7 +35,7 @@ from shard.engine import (
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model
 
-N_THREADS = 1  # robust on a busy 2-core machine (ggml OpenMP workers spin at barriers)
+N_THREADS = 1  # robust on a busy 2-core machine (ggml's threads spin at barriers inside a step)
 PROMPTS = ("hello world, the quick brown fox", "Once upon a time there was a little dog named")
 
 
@@ -330,12 +332,16 @@ async def test_hidden_state_plan_is_an_engine_failure(engine: LlamaCppEngine) ->
 
 
 @pytest.mark.slow
-async def test_abort_callback_stops_a_single_decode() -> None:
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads-pool"])
+async def test_abort_callback_stops_a_single_decode(threads: int) -> None:
+    # With 2 threads the step runs on the context's ggml pool: the abort polled on the calling
+    # thread must stop the pool's thread too (llama_decode returns only when both stopped).
     path = await trio.to_thread.run_sync(ensure_model, "bench")
     async with LlamaCppEngine() as eng:
         caps = await eng.load(
-            LoadSpec(model_path=path, n_ctx=4096, max_sessions=1, n_batch=2048, n_threads=N_THREADS)
+            LoadSpec(model_path=path, n_ctx=4096, max_sessions=1, n_batch=2048, n_threads=threads)
         )
+        assert (eng._threads is not None) == (threads > 1)
         assert caps.n_vocab == 32000
         await eng.open_session("big")
         rng = random.Random(1)
@@ -367,6 +373,48 @@ async def test_abort_callback_stops_a_single_decode() -> None:
         res = await eng.prefill(PrefillRequest("big", tokens=prompt[:8]))
         assert res.n_past == 8 and res.logits is not None
         assert eng.metrics().kv_cells_used == 8
+
+
+def _native_threads() -> set[int]:
+    """Ids of this process's OS threads that Python did not start (ggml's pool threads)."""
+    python = {t.native_id for t in threading.enumerate()}
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - python
+
+
+async def _settled_native_threads(expect: Callable[[set[int]], bool]) -> set[int]:
+    """The native threads once ``expect`` holds (a Python thread that is exiting has left
+    ``threading.enumerate()`` a moment before its OS thread ends); the last sample otherwise."""
+    for _ in range(200):
+        found = _native_threads()
+        if expect(found):
+            return found
+        await trio.sleep(0.01)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+async def test_more_than_one_thread_computes_on_a_pool_freed_with_the_context(tiny_path: Path) -> None:
+    """n_threads=2: the context gets one ggml pool (one extra OS thread besides the caller's),
+    which computes the same tokens as one thread and is joined when the engine closes."""
+    prompt = PROMPTS[1]
+    async with LlamaCppEngine() as one:
+        await one.load(LoadSpec(model_path=tiny_path, n_ctx=2048, max_sessions=1, n_threads=1))
+        assert one._threads is None  # one thread computes on the calling thread, no pool
+        await one.open_session("s")
+        expected = await _generate(one, "s", one.tokenize(prompt), 24)
+    before = _native_threads()
+    eng = LlamaCppEngine()
+    async with eng:
+        await eng.load(LoadSpec(model_path=tiny_path, n_ctx=2048, max_sessions=1, n_threads=2))
+        pool = eng._threads
+        assert pool is not None and pool.open and pool.n_threads == 2 and pool.poll == 0
+        added = await _settled_native_threads(lambda now: len(now - before) == 1) - before
+        assert len(added) == 1  # the pool's one thread (the native thread computes too)
+        await eng.open_session("s")
+        assert await _generate(eng, "s", eng.tokenize(prompt), 24) == expected
+        assert _native_threads() - before == added  # steps reuse the pool, they create no threads
+    assert not pool.open and eng._threads is None
+    assert not await _settled_native_threads(lambda now: not now & added) & added  # joined
 
 
 # ---- long prefill in one native step (bench model) ---------------------------------------------

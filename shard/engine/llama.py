@@ -1,7 +1,8 @@
 """ShardEngine on llama.cpp through llama-cpp-python's low-level (ctypes) API.
 
-With its boundary capture (``shard.engine.llama_capture``), this is the only module in the
-project that imports ``llama_cpp`` or ``ctypes``: everything that crosses the engine contract is
+With its boundary capture (``shard.engine.llama_capture``) and its compute threads
+(``shard.engine.llama_threads``), this is the only module in the project that imports
+``llama_cpp`` or ``ctypes``: everything that crosses the engine contract is
 a project type, and every llama.cpp return code is translated into the typed errors of
 ``shard.engine.errors`` here.
 
@@ -95,6 +96,7 @@ from .base import CancelFlag, ComputePlan, ShardEngine, Slot
 from .batching import Piece, SplitChooser, Step, TickPlanner
 from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
 from .llama_capture import BoundaryCapture
+from .llama_threads import ComputeThreads
 from .lookahead import Ahead, LookaheadBook, LookaheadPlan
 from .native_thread import NativeThread
 from .scheduler import MAX_GATHER_SECONDS, BatchScheduler, Job
@@ -216,8 +218,8 @@ def native_system_info(*, use_extra_bufts: bool = True) -> str:
 
 def _default_threads() -> int:
     """Half the usable CPUs (physical cores on SMT machines; llama-cpp-python's default too),
-    at most 8. Headroom matters: ggml's OpenMP workers spin at barriers. Measured on 2 cores
-    (bench model): idle machine, 2 threads ~105 tokens/s vs 1 thread ~60; with one other busy
+    at most 8. Headroom matters: ggml's threads spin at barriers inside a step. Measured on 2
+    cores (bench model, OpenMP build): idle machine, 2 threads ~105 tokens/s vs 1 thread ~60; with one other busy
     process, 2 threads fell to 4-24 tokens/s while 1 thread kept 31-54."""
     try:
         n = len(os.sched_getaffinity(0))
@@ -314,6 +316,8 @@ class LlamaCppEngine(ShardEngine):
         self._n_embd = 0
         self._embd_input = EmbdInput(None)
         self._boundary: BoundaryCapture | None = None
+        # The context's ggml thread pool (shard.engine.llama_threads), with more than one thread.
+        self._threads: ComputeThreads | None = None
 
     # ---- hooks -------------------------------------------------------------------------------
 
@@ -515,10 +519,16 @@ class LlamaCppEngine(ShardEngine):
                 cparams.flash_attn_type = (
                     lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self._flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
                 )
+            # The pool outlives the context that computes on it: registered first, freed last.
+            pool = ComputeThreads(threads) if threads > 1 else None
+            if pool is not None:
+                natives.callback(pool.close)
             ctx = lc.llama_init_from_model(model, cparams)
             if not ctx:
                 raise EngineFailure(f"llama.cpp could not create a context{_native_reason()}")
             natives.callback(lc.llama_free, ctx)
+            if pool is not None:
+                pool.attach(ctx)
 
             n_ctx_seq = int(lc.llama_n_ctx_seq(ctx))
             if n_ctx_seq < n_ctx_per_session:
@@ -539,6 +549,7 @@ class LlamaCppEngine(ShardEngine):
             self._n_batch, self._n_vocab, self._n_seq = n_batch, n_vocab, spec.max_sessions
             self._first, self._last, self._n_embd = first, last, n_embd
             self._boundary = boundary
+            self._threads = pool
             self._embd_input = EmbdInput.for_model(info, first=first)
             if first:
                 self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
@@ -951,8 +962,9 @@ class LlamaCppEngine(ShardEngine):
         self._post(self._book.drop_all())
         self._book.commit_count(0)
         self._abort_armed = False
-        self._natives.close()  # batch, context, model: reverse order of creation
+        self._natives.close()  # batch, context, model, thread pool: reverse order of creation
         self._boundary = None  # its eval callback is referenced by no context any more
+        self._threads = None
 
     # ---- helpers -----------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ returns false, which stops the graph: the output norm and the LM head never run.
 happen inside the blocks, before that node. Every builder of the architectures the table
 supports names each block's output ``l_out`` (``cb(cur, "l_out", il)``).
 
-One of the two modules allowed to use ``ctypes`` and ``llama_cpp`` (with ``shard.engine.llama``).
+One of the modules allowed to use ``ctypes`` and ``llama_cpp`` (tests/test_import_boundary.py).
 llama-cpp-python binds llama.h only; the three ggml calls the capture needs live in
 libggml-base, next to libllama in llama_cpp's ``lib/`` directory (libllama already loaded it, so
 ``CDLL`` returns the same handle).
