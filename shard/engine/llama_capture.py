@@ -10,7 +10,7 @@ supports names each block's output ``l_out`` (``cb(cur, "l_out", il)``).
 
 One of the modules allowed to use ``ctypes`` and ``llama_cpp`` (tests/test_import_boundary.py).
 llama-cpp-python binds llama.h only; the three ggml calls the capture needs live in
-libggml-base, next to libllama in llama_cpp's ``lib/`` directory (libllama already loaded it, so
+libggml-base, next to libllama (``llama_threads.native_library_dir``; libllama already loaded it, so
 ``CDLL`` returns the same handle).
 """
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from .errors import EngineFailure
+from .llama_threads import native_library_dir
 
 _GGML_TYPE_F32 = 0  # enum ggml_type; ``type`` is the first member of struct ggml_tensor
 
@@ -46,7 +46,7 @@ def ggml_api() -> GgmlApi:
     global _api
     with _api_lock:
         if _api is None:
-            lib_dir = Path(lc.__file__).parent / "lib"
+            lib_dir = native_library_dir()
             found = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("ggml-base.*"))
             if not found:
                 raise EngineFailure(f"libggml-base not found in {lib_dir}: cannot capture hidden states")

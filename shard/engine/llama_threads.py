@@ -23,6 +23,7 @@ is made: ggml then computes on the calling thread.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,14 @@ _api: _PoolApi | None = None
 _api_lock = threading.Lock()
 
 
+def native_library_dir() -> Path:
+    """Where llama_cpp loaded libllama from, found as llama_cpp finds it (its
+    ``LLAMA_CPP_LIB_PATH`` override, else its package's ``lib/``): ggml's functions must come
+    from the very libraries the context runs on."""
+    override = os.environ.get("LLAMA_CPP_LIB_PATH")
+    return Path(override) if override else Path(lc.__file__).parent / "lib"
+
+
 def _library(lib_dir: Path, stem: str) -> ctypes.CDLL:
     found = sorted(lib_dir.glob(f"lib{stem}.*")) or sorted(lib_dir.glob(f"{stem}.*"))
     if not found:
@@ -75,7 +84,7 @@ def _pool_api() -> _PoolApi:
     global _api
     with _api_lock:
         if _api is None:
-            lib_dir = Path(lc.__file__).parent / "lib"
+            lib_dir = native_library_dir()
             base, cpu = _library(lib_dir, "ggml-base"), _library(lib_dir, "ggml-cpu")
             llama = _library(lib_dir, "llama")  # llama-cpp-python does not bind the attach call
             base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_PoolParams), ctypes.c_int]
@@ -126,4 +135,4 @@ class ComputeThreads:
             self._api.free(handle)
 
 
-__all__ = ["POLL_LEVEL", "ComputeThreads"]
+__all__ = ["POLL_LEVEL", "ComputeThreads", "native_library_dir"]
