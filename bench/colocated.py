@@ -1,0 +1,208 @@
+"""Workers sharing one machine: a whole-model worker and a two-worker pipeline, side by side,
+optionally next to busy processes, and optionally against another checkout.
+
+What a worker's idle threads cost its neighbours shows only when several processes share the
+cores: a one-box pipeline (one worker computes while the other waits for its hidden states), a
+router or a second worker on the box. Per round, for each checkout, this measures, in ms per
+generated token:
+
+  generate    one server-driven ``Generate`` on the whole-model worker
+  decode      one client-driven ``Decode`` per token on it
+  sessions4   four concurrent ``Generate`` streams on it (aggregate: wall time / all tokens)
+  pipeline    one token stream through two ``--layers`` workers (``shard.pipeline``, client relay)
+
+All of a checkout's workers are started once and stay up; checkouts alternate round by round
+(A, B, B, A, ...) so drift hits both alike, and the first round warms up and is dropped.
+``--busy N`` keeps N busy-looping processes running during the timed rounds (the neighbour).
+``--worker-root DIR`` runs the second set of workers from another checkout; a checkout whose
+directory holds its own ``llama_cpp`` package (a copy of the installed one, with its own
+``lib/``) runs on those native libraries, e.g. another llama.cpp build. ``ratios`` divides the
+other checkout's median by this one's (above 1: this checkout is faster).
+
+    python -m bench.colocated [--quick] [--model PATH] [--threads 2] [--tokens 64] [--rounds 6]
+                              [--busy N] [--worker-root OTHER_CHECKOUT] [--out FILE] [--logs DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.environment import environment
+from bench.processes import shard_server, wait_serving
+from shard.client import ShardClient
+from shard.pipeline import Pipeline
+
+PROMPT = [1, *range(300, 319)]
+MODES = ("generate", "decode", "sessions4", "pipeline")
+WARM = 4  # tokens of each stream not timed (the prompt's and the first steps')
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "colocated.json"
+
+
+async def _generate(target: str, tokens: int, streams: int) -> tuple[float, int]:
+    async with ShardClient.connect(target, timeout=600) as client:
+        counts = [0] * streams
+        started: list[float] = []
+
+        async def one(i: int) -> None:
+            async for _ in client.generate(PROMPT, max_tokens=tokens + WARM, ignore_eos=True):
+                counts[i] += 1
+                if counts[i] == WARM:
+                    started.append(time.perf_counter())
+
+        async with trio.open_nursery() as nursery:
+            for i in range(streams):
+                nursery.start_soon(one, i)
+        wall = time.perf_counter() - min(started)
+        timed = sum(c - WARM for c in counts)
+        return wall * 1e3 / timed, timed
+
+
+async def _decode(target: str, tokens: int) -> tuple[float, int]:
+    async with ShardClient.connect(target, timeout=600) as client:
+        async with client.session(f"colocated-{time.monotonic_ns()}") as s:
+            token = (await s.prefill(PROMPT)).logits.token_id
+            for _ in range(WARM - 1):
+                token = (await s.decode(token=token)).logits.token_id
+            t0, n = time.perf_counter(), 0
+            for _ in range(tokens):
+                token = (await s.decode(token=token)).logits.token_id
+                n += 1
+            return (time.perf_counter() - t0) * 1e3 / n, n
+
+
+async def _pipeline(targets: list[str], tokens: int) -> tuple[float, int]:
+    arrivals: list[float] = []
+    async with Pipeline.connect(targets, timeout=600) as pipe:
+        await pipe.generate(PROMPT, max_tokens=tokens + WARM, ignore_eos=True,
+                            on_token=lambda _: arrivals.append(time.perf_counter()))
+    timed = arrivals[WARM - 1:]
+    return (timed[-1] - timed[0]) * 1e3 / (len(timed) - 1), len(timed) - 1
+
+
+@contextmanager
+def busy(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` processes spinning on a core each until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def _ranges(model: Path) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The pipeline's two halves of the model's blocks."""
+    from shard.models import read_model_info
+
+    n = read_model_info(model).block_count
+    return (0, n // 2), (n // 2, n)
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    roots: dict[str, Path | None] = {"this": None}
+    if args.worker_root is not None:
+        roots["other"] = args.worker_root
+    halves = _ranges(args.model)
+    rows: dict[str, dict[str, list[float]]] = {name: {m: [] for m in MODES} for name in roots}
+    counted: dict[str, dict[str, list[int]]] = {name: {m: [] for m in MODES} for name in roots}
+    system_info: dict[str, str] = {}
+    with ExitStack() as stack:
+        sets: dict[str, tuple[str, list[str]]] = {}
+        for name, root in roots.items():
+            ctx = 4 * 2 * (args.tokens + 64)
+            whole = stack.enter_context(shard_server(
+                args.model, threads=args.threads, ctx=ctx, max_sessions=4,
+                log=args.logs / f"colocated_{name}_whole.log", root=root))
+            hops = [stack.enter_context(shard_server(
+                args.model, threads=args.threads, ctx=2 * (args.tokens + 64), max_sessions=1,
+                log=args.logs / f"colocated_{name}_{a}_{b}.log", root=root, extra=["--layers", f"{a}:{b}"]))
+                for a, b in halves]
+            for srv in (whole, *hops):
+                await wait_serving(srv.target)
+            async with ShardClient.connect(whole.target, timeout=60) as client:
+                system_info[name] = (await client.capabilities()).system_info
+            sets[name] = (whole.target, [h.target for h in hops])
+        order = list(roots)
+        neighbours: list[subprocess.Popen[bytes]] = []
+        for round_no in range(args.rounds + 1):  # round 0 warms up and is dropped
+            if round_no == 1:
+                neighbours = stack.enter_context(busy(args.busy))
+            tokens = 8 if round_no == 0 else args.tokens
+            for name in (order if round_no % 2 == 0 else order[::-1]):
+                whole_target, hop_targets = sets[name]
+                results = {
+                    "generate": await _generate(whole_target, tokens, 1),
+                    "decode": await _decode(whole_target, tokens),
+                    "sessions4": await _generate(whole_target, tokens, 4),
+                    "pipeline": await _pipeline(hop_targets, tokens),
+                }
+                if round_no:
+                    for mode, (ms, n) in results.items():
+                        rows[name][mode].append(round(ms, 3))
+                        counted[name][mode].append(n)
+                    print(f"round {round_no} {name:5} " + " ".join(
+                        f"{m}={ms:.1f}" for m, (ms, _) in results.items()), flush=True)
+        assert all(p.poll() is None for p in neighbours), "a busy neighbour died during the run"
+    medians = {name: {m: round(statistics.median(v), 2) for m, v in per.items()} for name, per in rows.items()}
+    result: dict[str, Any] = {
+        "ms_per_token": rows, "tokens_timed": counted, "medians": medians, "system_info": system_info,
+        "pipeline_vs_whole": {name: round(m["generate"] / m["pipeline"], 3) for name, m in medians.items()},
+    }
+    if "other" in medians:
+        result["ratios"] = {m: round(medians["other"][m] / medians["this"][m], 3) for m in MODES}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.colocated", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, help="GGUF file (default: the bench preset, written if missing)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads per worker (default 2)")
+    p.add_argument("--tokens", type=int, default=64, help="timed tokens per stream (default 64)")
+    p.add_argument("--rounds", type=int, default=6, help="timed rounds (default 6)")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="busy-looping processes running during the timed rounds (default 0)")
+    p.add_argument("--worker-root", type=Path, help="also run the workers from this checkout, alternating")
+    p.add_argument("--quick", action="store_true", help="tiny model, 16 tokens, 1 round")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--logs", type=Path, default=DEFAULT_OUT.parent / "logs",
+                   help="the workers' log files (default: bench/results/logs)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tokens, args.rounds = 16, 1
+    if args.model is None:
+        from shard.models import ensure_model
+        args.model = ensure_model("tiny" if args.quick else "bench", progress=sys.stderr.isatty())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = trio.run(measure, args)
+    report = {
+        "environment": environment(args.model, args.threads, argv=sys.argv if argv is None else argv),
+        "settings": {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
+                     "busy": args.busy, "worker_root": str(args.worker_root) if args.worker_root else None},
+        **result,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for name, row in result["medians"].items():
+        print(f"median {name:5} " + " ".join(f"{m}={v}" for m, v in row.items())
+              + f"  pipeline/whole tok/s {result['pipeline_vs_whole'][name]}")
+    if "ratios" in result:
+        print("ratio other/this (time; above 1: this checkout faster) "
+              + " ".join(f"{m}={v}" for m, v in result["ratios"].items()))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
