@@ -38,7 +38,7 @@ from typing import Any
 
 import trio
 
-from bench.environment import environment
+from bench.environment import environment, load_average
 from bench.processes import shard_server, wait_serving
 from shard.client import ShardClient
 from shard.pipeline import Pipeline
@@ -186,9 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         from shard.models import ensure_model
         args.model = ensure_model("tiny" if args.quick else "bench", progress=sys.stderr.isatty())
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    env = environment(args.model, args.threads, argv=sys.argv if argv is None else argv)
     result = trio.run(measure, args)
+    env["load_average_after"] = load_average()
     report = {
-        "environment": environment(args.model, args.threads, argv=sys.argv if argv is None else argv),
+        "environment": env,
         "settings": {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
                      "busy": args.busy, "worker_root": str(args.worker_root) if args.worker_root else None},
         **result,

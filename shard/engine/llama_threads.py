@@ -8,16 +8,16 @@ busy one computed on. The project builds llama.cpp without OpenMP (``shard.llama
 ggml runs its own pool; with no pool attached it would create and join a pool per graph whose
 threads poll for work (polling level 50), which measured even worse. This pool is created once,
 with polling level 0: its threads wait on a condition variable between graphs and spin only
-inside one (ggml's barriers). Measured on 2 cores at 2 threads (bench model, A/B in one run):
-a two-worker pipeline took 21.7-24.4 ms per token against 25.9-27.9 with OpenMP, one whole
-worker the same within noise; next to one busy process, the pipeline took 47 against 99 ms and
-four sessions 31 against 41 ms per token (docs/engine.md, "Compute threads").
+inside one (ggml's barriers). Measured on 2 cores at 2 threads (bench/colocated.py, bench model,
+against the OpenMP build in one run): a two-worker pipeline took 22.6 against 29.0 ms per token,
+one worker about the same; next to one busy process the pipeline took 46.7 against 94.7 ms and
+four sessions 26.1 against 32.3 ms per token (docs/engine.md, "Compute threads").
 
 One of the modules allowed to use ``ctypes`` and ``llama_cpp`` (tests/test_import_boundary.py):
 llama-cpp-python binds neither the pool functions (libggml-base, libggml-cpu) nor
 ``llama_attach_threadpool`` (libllama); all three libraries sit in llama_cpp's ``lib/``
-directory, already loaded, so ``CDLL`` returns the same handles. With a single thread no pool
-is made: ggml then computes on the calling thread.
+directory (or its ``LLAMA_CPP_LIB_PATH``), already loaded, so ``CDLL`` returns the same
+handles. With a single thread no pool is made: ggml then computes on the calling thread.
 """
 
 from __future__ import annotations
