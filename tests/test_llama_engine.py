@@ -398,14 +398,16 @@ async def test_more_than_one_thread_computes_on_a_pool_freed_with_the_context(ti
     which computes the same tokens as one thread and is joined when the engine closes."""
     prompt = PROMPTS[1]
     async with LlamaCppEngine() as one:
-        await one.load(LoadSpec(model_path=tiny_path, n_ctx=2048, max_sessions=1, n_threads=1))
+        caps = await one.load(LoadSpec(model_path=tiny_path, n_ctx=2048, max_sessions=1, n_threads=1))
+        assert "threads 1 (the native thread)" in caps.system_info
         assert one._threads is None  # one thread computes on the calling thread, no pool
         await one.open_session("s")
         expected = await _generate(one, "s", one.tokenize(prompt), 24)
     before = _native_threads()
     eng = LlamaCppEngine()
     async with eng:
-        await eng.load(LoadSpec(model_path=tiny_path, n_ctx=2048, max_sessions=1, n_threads=2))
+        caps = await eng.load(LoadSpec(model_path=tiny_path, n_ctx=2048, max_sessions=1, n_threads=2))
+        assert "threads 2 (one ggml pool)" in caps.system_info  # what `caps` and health show
         pool = eng._threads
         assert pool is not None and pool.open and pool.n_threads == 2 and pool.poll == 0
         added = await _settled_native_threads(lambda now: len(now - before) == 1) - before

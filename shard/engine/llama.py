@@ -204,15 +204,20 @@ class _Work(Job):
         self.logits_out = logits_out
 
 
-def native_system_info(*, use_extra_bufts: bool = True) -> str:
+def native_system_info(*, use_extra_bufts: bool = True, threads: int | None = None) -> str:
     """One line naming the native code that runs: the llama-cpp-python version, the build profile
     it was installed with (``shard.llama_build``), whether extra buffer types (repacked / AMX
-    weight layouts) are used, and llama.cpp's system info (the CPU features it was compiled for).
+    weight layouts) are used, how many threads compute (``threads``, when known: more than one
+    run on the context's ggml pool, ``shard.engine.llama_threads``), and llama.cpp's system info
+    (the CPU features it was compiled for).
     """
     build = installed_build()
     origin = f"build {build['key']}" if build else "build not recorded (not installed by shard.llama_build)"
     info = " ".join(lc.llama_print_system_info().decode("utf-8", "replace").split())
     bufts = "on" if use_extra_bufts else "off"
+    if threads is not None:
+        where = "one ggml pool" if threads > 1 else "the native thread"
+        bufts += f"; threads {threads} ({where})"
     return f"llama-cpp-python {llama_cpp.__version__}; {origin}; extra bufts {bufts}; {info}"
 
 
@@ -597,7 +602,7 @@ class LlamaCppEngine(ShardEngine):
             max_sessions=spec.max_sessions,
             bos_token_id=None if bos == _LLAMA_TOKEN_NULL else bos,
             eos_token_id=None if eos == _LLAMA_TOKEN_NULL else eos,
-            system_info=native_system_info(use_extra_bufts=spec.use_extra_bufts),
+            system_info=native_system_info(use_extra_bufts=spec.use_extra_bufts, threads=threads),
             max_token_bytes=max_token_bytes,
             layer_ranges=range_support(info, arch),
         )
