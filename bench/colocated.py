@@ -8,8 +8,13 @@ generated token:
 
   generate    one server-driven ``Generate`` on the whole-model worker
   decode      one client-driven ``Decode`` per token on it
-  sessions4   four concurrent ``Generate`` streams on it (aggregate: wall time / all tokens)
+  sessions4   four concurrent ``Generate`` streams on it (aggregate over the streams)
   pipeline    one token stream through two ``--layers`` workers (``shard.pipeline``, client relay)
+
+Each stream's first ``WARM`` tokens are not timed; the clock runs while every stream of a mode
+decodes (from the last stream's ``WARM``-th token to the first stream's last) and counts every
+token that arrives meanwhile (``tokens_timed``). ``tokens_agree`` says whether ``Generate``,
+``Decode`` and the pipeline chose the same greedy tokens in every round.
 
 All of a checkout's workers are started once and stay up; checkouts alternate round by round
 (A, B, B, A, ...) so drift hits both alike, and the first round warms up and is dropped.
@@ -49,45 +54,55 @@ WARM = 4  # tokens of each stream not timed (the prompt's and the first steps')
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "colocated.json"
 
 
-async def _generate(target: str, tokens: int, streams: int) -> tuple[float, int]:
+def _window(streams: list[list[float]]) -> tuple[float, int]:
+    """ms per token while every stream decodes: from the last stream's ``WARM``-th token to the
+    first stream's last one, counting every stream's tokens in between."""
+    start = max(t[WARM - 1] for t in streams)
+    end = min(t[-1] for t in streams)
+    n = sum(1 for t in streams for x in t if start < x <= end)
+    return (end - start) * 1e3 / n, n
+
+
+async def _generate(target: str, tokens: int, streams: int) -> tuple[float, int, list[int]]:
     async with ShardClient.connect(target, timeout=600) as client:
-        counts = [0] * streams
-        started: list[float] = []
+        arrivals: list[list[float]] = [[] for _ in range(streams)]
+        chosen: list[int] = []
 
         async def one(i: int) -> None:
-            async for _ in client.generate(PROMPT, max_tokens=tokens + WARM, ignore_eos=True):
-                counts[i] += 1
-                if counts[i] == WARM:
-                    started.append(time.perf_counter())
+            async for step in client.generate(PROMPT, max_tokens=tokens + WARM, ignore_eos=True):
+                arrivals[i].append(time.perf_counter())
+                if i == 0:
+                    chosen.append(step.logits.token_id)
 
         async with trio.open_nursery() as nursery:
             for i in range(streams):
                 nursery.start_soon(one, i)
-        wall = time.perf_counter() - min(started)
-        timed = sum(c - WARM for c in counts)
-        return wall * 1e3 / timed, timed
+        return (*_window(arrivals), chosen)
 
 
-async def _decode(target: str, tokens: int) -> tuple[float, int]:
+async def _decode(target: str, tokens: int) -> tuple[float, int, list[int]]:
     async with ShardClient.connect(target, timeout=600) as client:
         async with client.session(f"colocated-{time.monotonic_ns()}") as s:
             token = (await s.prefill(PROMPT)).logits.token_id
-            for _ in range(WARM - 1):
+            arrivals, chosen = [time.perf_counter()], [token]
+            for _ in range(tokens + WARM - 1):
                 token = (await s.decode(token=token)).logits.token_id
-            t0, n = time.perf_counter(), 0
-            for _ in range(tokens):
-                token = (await s.decode(token=token)).logits.token_id
-                n += 1
-            return (time.perf_counter() - t0) * 1e3 / n, n
+                arrivals.append(time.perf_counter())
+                chosen.append(token)
+            return (*_window([arrivals]), chosen)
 
 
-async def _pipeline(targets: list[str], tokens: int) -> tuple[float, int]:
+async def _pipeline(targets: list[str], tokens: int) -> tuple[float, int, list[int]]:
     arrivals: list[float] = []
+    chosen: list[int] = []
+
+    def on_token(step: Any) -> None:
+        arrivals.append(time.perf_counter())
+        chosen.append(step.logits.token_id)
+
     async with Pipeline.connect(targets, timeout=600) as pipe:
-        await pipe.generate(PROMPT, max_tokens=tokens + WARM, ignore_eos=True,
-                            on_token=lambda _: arrivals.append(time.perf_counter()))
-    timed = arrivals[WARM - 1:]
-    return (timed[-1] - timed[0]) * 1e3 / (len(timed) - 1), len(timed) - 1
+        await pipe.generate(PROMPT, max_tokens=tokens + WARM, ignore_eos=True, on_token=on_token)
+    return (*_window([arrivals]), chosen)
 
 
 @contextmanager
@@ -119,6 +134,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, dict[str, list[float]]] = {name: {m: [] for m in MODES} for name in roots}
     counted: dict[str, dict[str, list[int]]] = {name: {m: [] for m in MODES} for name in roots}
     system_info: dict[str, str] = {}
+    agree: dict[str, list[bool]] = {name: [] for name in roots}  # greedy tokens, three ways
     with ExitStack() as stack:
         sets: dict[str, tuple[str, list[str]]] = {}
         for name, root in roots.items():
@@ -150,15 +166,18 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "pipeline": await _pipeline(hop_targets, tokens),
                 }
                 if round_no:
-                    for mode, (ms, n) in results.items():
+                    for mode, (ms, n, _) in results.items():
                         rows[name][mode].append(round(ms, 3))
                         counted[name][mode].append(n)
+                    same = [results[m][2] for m in ("generate", "decode", "pipeline")]
+                    agree[name].append(same[0] == same[1] == same[2])
                     print(f"round {round_no} {name:5} " + " ".join(
-                        f"{m}={ms:.1f}" for m, (ms, _) in results.items()), flush=True)
+                        f"{m}={ms:.1f}" for m, (ms, _, _) in results.items()), flush=True)
         assert all(p.poll() is None for p in neighbours), "a busy neighbour died during the run"
     medians = {name: {m: round(statistics.median(v), 2) for m, v in per.items()} for name, per in rows.items()}
     result: dict[str, Any] = {
         "ms_per_token": rows, "tokens_timed": counted, "medians": medians, "system_info": system_info,
+        "tokens_agree": {name: all(v) for name, v in agree.items()},
         "pipeline_vs_whole": {name: round(m["generate"] / m["pipeline"], 3) for name, m in medians.items()},
     }
     if "other" in medians:

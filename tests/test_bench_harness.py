@@ -296,8 +296,8 @@ def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None
 
 def test_colocated_bench_times_every_mode_next_to_a_busy_neighbour(tmp_path: Path) -> None:
     """A ``--quick`` run of bench/colocated.py with one busy process: every mode timed the
-    tokens it claims (four streams for ``sessions4``) on a whole worker and a two-worker
-    pipeline, and the report names the native build each set of workers ran."""
+    tokens it claims (counted from arrivals; four streams for ``sessions4``), the whole worker
+    and the two-worker pipeline chose the same tokens, and the report names the native build."""
     out = tmp_path / "colocated.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.colocated", "--quick", "--busy", "1",
@@ -307,8 +307,9 @@ def test_colocated_bench_times_every_mode_next_to_a_busy_neighbour(tmp_path: Pat
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["settings"]["busy"] == 1 and report["settings"]["tokens"] == 16
-    assert report["tokens_timed"] == {"this": {"generate": [16], "decode": [16], "sessions4": [64], "pipeline": [16]}}
-    assert all(ms > 0 for per in report["ms_per_token"]["this"].values() for ms in per)
-    assert report["pipeline_vs_whole"]["this"] > 0
+    timed = report["tokens_timed"]["this"]
+    assert timed["generate"] == timed["decode"] == timed["pipeline"] == [16]
+    assert 16 < timed["sessions4"][0] <= 64  # four streams, counted while all of them decode
+    assert report["tokens_agree"] == {"this": True}  # the same greedy tokens three ways
     assert "llama-cpp-python" in report["system_info"]["this"]
     assert "ratios" not in report  # one checkout: nothing to compare

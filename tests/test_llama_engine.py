@@ -381,6 +381,25 @@ def _native_threads() -> set[int]:
     return {int(tid) for tid in os.listdir("/proc/self/task")} - python
 
 
+def _cpu_ticks(tid: int) -> int:
+    """User + system clock ticks one thread of this process ran."""
+    fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def _ggml_copies() -> dict[str, list[str]]:
+    """Native libraries of llama_cpp mapped twice under different file names (the wheel ships
+    ``libggml-cpu.so`` and ``libggml-cpu.so.0`` as separate copies)."""
+    lib_dir = (Path(llama_cpp.__file__).parent / "lib").resolve()
+    names: dict[str, set[str]] = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and Path(fields[5]).parent == lib_dir:
+            name = Path(fields[5]).name
+            names.setdefault(name.split(".so")[0], set()).add(name)
+    return {stem: sorted(files) for stem, files in names.items() if len(files) > 1}
+
+
 async def _settled_native_threads(expect: Callable[[set[int]], bool]) -> set[int]:
     """The native threads once ``expect`` holds (a Python thread that is exiting has left
     ``threading.enumerate()`` a moment before its OS thread ends); the last sample otherwise."""
@@ -406,15 +425,25 @@ async def test_more_than_one_thread_computes_on_a_pool_freed_with_the_context(ti
     before = _native_threads()
     eng = LlamaCppEngine()
     async with eng:
-        caps = await eng.load(LoadSpec(model_path=tiny_path, n_ctx=2048, max_sessions=1, n_threads=2))
+        caps = await eng.load(LoadSpec(model_path=tiny_path, n_ctx=4096, max_sessions=2, n_threads=2))
         assert "threads 2 (one ggml pool)" in caps.system_info  # what `caps` and health show
         pool = eng._threads
         assert pool is not None and pool.open and pool.n_threads == 2 and pool.poll == 0
         added = await _settled_native_threads(lambda now: len(now - before) == 1) - before
         assert len(added) == 1  # the pool's one thread (the native thread computes too)
+        (pool_tid,) = added
         await eng.open_session("s")
         assert await _generate(eng, "s", eng.tokenize(prompt), 24) == expected
-        assert _native_threads() - before == added  # steps reuse the pool, they create no threads
+        # The context computes on this pool (attached): its thread works during a long prefill.
+        # Unattached, ggml would make and join a pool per graph and this thread would stay idle.
+        rng = random.Random(5)
+        spent = _cpu_ticks(pool_tid)
+        await eng.open_session("long")
+        await eng.prefill(PrefillRequest("long", tokens=(1, *(rng.randrange(3, 800) for _ in range(1500)))))
+        assert _cpu_ticks(pool_tid) > spent
+        # steps reuse the pool, they create no threads
+        assert await _settled_native_threads(lambda now: now - before == added) - before == added
+        assert _ggml_copies() == {}  # ggml's functions came from the copies libllama loaded
     assert not pool.open and eng._threads is None
     assert not await _settled_native_threads(lambda now: not now & added) & added  # joined
 

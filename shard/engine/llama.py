@@ -524,7 +524,7 @@ class LlamaCppEngine(ShardEngine):
                 cparams.flash_attn_type = (
                     lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self._flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
                 )
-            # The pool outlives the context that computes on it: registered first, freed last.
+            # The pool outlives the context that computes on it: registered before it, freed after it.
             pool = ComputeThreads(threads) if threads > 1 else None
             if pool is not None:
                 natives.callback(pool.close)
@@ -967,7 +967,7 @@ class LlamaCppEngine(ShardEngine):
         self._post(self._book.drop_all())
         self._book.commit_count(0)
         self._abort_armed = False
-        self._natives.close()  # batch, context, model, thread pool: reverse order of creation
+        self._natives.close()  # batch, context, thread pool, model: reverse order of creation
         self._boundary = None  # its eval callback is referenced by no context any more
         self._threads = None
 

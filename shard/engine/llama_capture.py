@@ -25,7 +25,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 
 from .errors import EngineFailure
-from .llama_threads import native_library_dir
+from .llama_threads import load_library, native_library_dir
 
 _GGML_TYPE_F32 = 0  # enum ggml_type; ``type`` is the first member of struct ggml_tensor
 
@@ -46,11 +46,7 @@ def ggml_api() -> GgmlApi:
     global _api
     with _api_lock:
         if _api is None:
-            lib_dir = native_library_dir()
-            found = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("ggml-base.*"))
-            if not found:
-                raise EngineFailure(f"libggml-base not found in {lib_dir}: cannot capture hidden states")
-            lib = ctypes.CDLL(str(found[0]))
+            lib = load_library(native_library_dir(), "ggml-base")
             lib.ggml_get_name.argtypes = [ctypes.c_void_p]
             lib.ggml_get_name.restype = ctypes.c_char_p
             lib.ggml_nbytes.argtypes = [ctypes.c_void_p]

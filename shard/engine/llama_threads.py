@@ -16,8 +16,8 @@ four sessions 26.1 against 32.3 ms per token (docs/engine.md, "Compute threads")
 One of the modules allowed to use ``ctypes`` and ``llama_cpp`` (tests/test_import_boundary.py):
 llama-cpp-python binds neither the pool functions (libggml-base, libggml-cpu) nor
 ``llama_attach_threadpool`` (libllama); all three libraries sit in llama_cpp's ``lib/``
-directory (or its ``LLAMA_CPP_LIB_PATH``), already loaded, so ``CDLL`` returns the same
-handles. With a single thread no pool is made: ggml then computes on the calling thread.
+directory (or its ``LLAMA_CPP_LIB_PATH``), already loaded: ``load_library`` opens the very
+files libllama mapped, so ``CDLL`` returns the same handles. With a single thread no pool is made: ggml then computes on the calling thread.
 """
 
 from __future__ import annotations
@@ -72,11 +72,35 @@ def native_library_dir() -> Path:
     return Path(override) if override else Path(lc.__file__).parent / "lib"
 
 
-def _library(lib_dir: Path, stem: str) -> ctypes.CDLL:
-    found = sorted(lib_dir.glob(f"lib{stem}.*")) or sorted(lib_dir.glob(f"{stem}.*"))
-    if not found:
-        raise EngineFailure(f"lib{stem} not found in {lib_dir}: cannot create the compute threads")
-    return ctypes.CDLL(str(found[0]))
+def _loaded(lib_dir: Path, stem: str) -> Path | None:
+    """The file of ``lib<stem>`` that this process already mapped from ``lib_dir``. The wheel
+    ships ``libggml-cpu.so`` and ``libggml-cpu.so.0`` as separate copies; libllama loaded the
+    second (its soname), and opening the first would map a second ggml whose private state was
+    never initialised."""
+    try:
+        with open("/proc/self/maps") as maps:
+            fields = (line.split(None, 5) for line in maps)
+            paths = {f[5].strip() for f in fields if len(f) == 6}  # anonymous maps name no file
+    except OSError:  # pragma: no cover - no /proc
+        return None
+    lib_dir = lib_dir.resolve()
+    for raw in sorted(paths):
+        path = Path(raw)
+        if path.parent == lib_dir and path.name.startswith(f"lib{stem}.so"):
+            return path
+    return None
+
+
+def load_library(lib_dir: Path, stem: str) -> ctypes.CDLL:
+    """``lib<stem>`` from ``lib_dir``: the very copy already loaded when there is one (``CDLL``
+    then returns its handle), else the first file of that name."""
+    found = _loaded(lib_dir, stem)
+    if found is None:
+        candidates = sorted(lib_dir.glob(f"lib{stem}.*")) or sorted(lib_dir.glob(f"{stem}.*"))
+        if not candidates:
+            raise EngineFailure(f"lib{stem} not found in {lib_dir}: cannot reach llama.cpp's ggml")
+        found = candidates[0]
+    return ctypes.CDLL(str(found))
 
 
 def _pool_api() -> _PoolApi:
@@ -85,8 +109,8 @@ def _pool_api() -> _PoolApi:
     with _api_lock:
         if _api is None:
             lib_dir = native_library_dir()
-            base, cpu = _library(lib_dir, "ggml-base"), _library(lib_dir, "ggml-cpu")
-            llama = _library(lib_dir, "llama")  # llama-cpp-python does not bind the attach call
+            base, cpu = load_library(lib_dir, "ggml-base"), load_library(lib_dir, "ggml-cpu")
+            llama = load_library(lib_dir, "llama")  # llama-cpp-python does not bind the attach call
             base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_PoolParams), ctypes.c_int]
             base.ggml_threadpool_params_init.restype = None
             cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_PoolParams)]
@@ -135,4 +159,4 @@ class ComputeThreads:
             self._api.free(handle)
 
 
-__all__ = ["POLL_LEVEL", "ComputeThreads", "native_library_dir"]
+__all__ = ["POLL_LEVEL", "ComputeThreads", "load_library", "native_library_dir"]
