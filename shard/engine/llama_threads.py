@@ -9,9 +9,9 @@ ggml runs its own pool; with no pool attached it would create and join a pool pe
 threads poll for work (polling level 50), which measured even worse. This pool is created once,
 with polling level 0: its threads wait on a condition variable between graphs and spin only
 inside one (ggml's barriers). Measured on 2 cores at 2 threads (bench/colocated.py, bench model,
-against the OpenMP build in one run): a two-worker pipeline took 22.6 against 29.0 ms per token,
-one worker about the same; next to one busy process the pipeline took 46.7 against 94.7 ms and
-four sessions 26.1 against 32.3 ms per token (docs/engine.md, "Compute threads").
+against the OpenMP build in one run): a two-worker pipeline took 22.5 against 28.3 ms per token,
+one worker the same; next to one busy process the pipeline took 42.5 against 87.3 ms and four
+sessions 25.7 against 30.2 ms per token (docs/engine.md, "Compute threads").
 
 One of the modules allowed to use ``ctypes`` and ``llama_cpp`` (tests/test_import_boundary.py):
 llama-cpp-python binds neither the pool functions (libggml-base, libggml-cpu) nor
