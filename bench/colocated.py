@@ -43,6 +43,7 @@ from typing import Any
 
 import trio
 
+from bench import options
 from bench.environment import environment, load_average
 from bench.processes import shard_server, wait_serving
 from shard.client import ShardClient
@@ -187,24 +188,16 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.colocated", description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, help="GGUF file (default: the bench preset, written if missing)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads per worker (default 2)")
     p.add_argument("--tokens", type=int, default=64, help="timed tokens per stream (default 64)")
     p.add_argument("--rounds", type=int, default=6, help="timed rounds (default 6)")
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="busy-looping processes running during the timed rounds (default 0)")
-    p.add_argument("--worker-root", type=Path, help="also run the workers from this checkout, alternating")
-    p.add_argument("--quick", action="store_true", help="tiny model, 16 tokens, 1 round")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--logs", type=Path, default=DEFAULT_OUT.parent / "logs",
-                   help="the workers' log files (default: bench/results/logs)")
+    options.add_common(p, DEFAULT_OUT, quick="tiny model, 16 tokens, 1 round")
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.rounds = 16, 1
-    if args.model is None:
-        from shard.models import ensure_model
-        args.model = ensure_model("tiny" if args.quick else "bench", progress=sys.stderr.isatty())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    options.resolve(args)
     env = environment(args.model, args.threads, argv=sys.argv if argv is None else argv)
     result = trio.run(measure, args)
     env["load_average_after"] = load_average()

@@ -448,6 +448,18 @@ async def test_more_than_one_thread_computes_on_a_pool_freed_with_the_context(ti
     assert not await _settled_native_threads(lambda now: not now & added) & added  # joined
 
 
+def test_missing_pool_functions_are_an_engine_failure(tmp_path: Path) -> None:
+    """A llama_cpp whose library directory lacks ggml's pool functions fails the load with a
+    typed error (the load's ExitStack then frees what it made), never an AttributeError."""
+    from shard.engine import llama_threads
+
+    (tmp_path / "libggml-base.so.0").write_bytes(b"not a library")
+    with pytest.raises(EngineFailure, match="thread pool functions are not available|not found"):
+        llama_threads._resolve(tmp_path)
+    with pytest.raises(EngineFailure, match="not found"):
+        llama_threads._resolve(tmp_path / "empty")
+
+
 # ---- long prefill in one native step (bench model) ---------------------------------------------
 
 

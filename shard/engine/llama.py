@@ -224,8 +224,8 @@ def native_system_info(*, use_extra_bufts: bool = True, threads: int | None = No
 def _default_threads() -> int:
     """Half the usable CPUs (physical cores on SMT machines; llama-cpp-python's default too),
     at most 8. Headroom matters: ggml's threads spin at barriers inside a step. Measured on 2
-    cores (bench model, OpenMP build): idle machine, 2 threads ~105 tokens/s vs 1 thread ~60; with one other busy
-    process, 2 threads fell to 4-24 tokens/s while 1 thread kept 31-54."""
+    cores (bench model, OpenMP build): idle machine, 2 threads ~105 tokens/s vs 1 thread ~60;
+    with one other busy process, 2 threads fell to 4-24 tokens/s while 1 thread kept 31-54."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux

@@ -17,7 +17,8 @@ One of the modules allowed to use ``ctypes`` and ``llama_cpp`` (tests/test_impor
 llama-cpp-python binds neither the pool functions (libggml-base, libggml-cpu) nor
 ``llama_attach_threadpool`` (libllama); all three libraries sit in llama_cpp's ``lib/``
 directory (or its ``LLAMA_CPP_LIB_PATH``), already loaded: ``load_library`` opens the very
-files libllama mapped, so ``CDLL`` returns the same handles. With a single thread no pool is made: ggml then computes on the calling thread.
+files libllama mapped, so ``CDLL`` returns the same handles. With a single thread no pool is
+made: ggml then computes on the calling thread.
 """
 
 from __future__ import annotations
@@ -108,21 +109,34 @@ def _pool_api() -> _PoolApi:
     global _api
     with _api_lock:
         if _api is None:
-            lib_dir = native_library_dir()
-            base, cpu = load_library(lib_dir, "ggml-base"), load_library(lib_dir, "ggml-cpu")
-            llama = load_library(lib_dir, "llama")  # llama-cpp-python does not bind the attach call
-            base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_PoolParams), ctypes.c_int]
-            base.ggml_threadpool_params_init.restype = None
-            cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(_PoolParams)]
-            cpu.ggml_threadpool_new.restype = ctypes.c_void_p
-            cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
-            cpu.ggml_threadpool_free.restype = None
-            attach = llama.llama_attach_threadpool
-            attach.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            attach.restype = None
-            _api = _PoolApi(base.ggml_threadpool_params_init, cpu.ggml_threadpool_new,
-                            cpu.ggml_threadpool_free, attach)
+            _api = _declare(_resolve(native_library_dir()))
         return _api
+
+
+def _resolve(lib_dir: Path) -> _PoolApi:
+    """The four functions from ``lib_dir``'s libraries (EngineFailure when any is missing)."""
+    try:
+        base, cpu = load_library(lib_dir, "ggml-base"), load_library(lib_dir, "ggml-cpu")
+        llama = load_library(lib_dir, "llama")  # llama-cpp-python does not bind the attach call
+        return _PoolApi(base.ggml_threadpool_params_init, cpu.ggml_threadpool_new,
+                        cpu.ggml_threadpool_free, llama.llama_attach_threadpool)
+    except (OSError, AttributeError) as exc:  # a library that will not load, a missing symbol
+        raise EngineFailure(
+            f"llama.cpp's thread pool functions are not available in {lib_dir}: {exc}"
+        ) from None
+
+
+def _declare(api: _PoolApi) -> _PoolApi:
+    """Give the functions their C signatures (ctypes would pass and return ints otherwise)."""
+    api.params_init.argtypes = [ctypes.POINTER(_PoolParams), ctypes.c_int]
+    api.params_init.restype = None
+    api.new.argtypes = [ctypes.POINTER(_PoolParams)]
+    api.new.restype = ctypes.c_void_p
+    api.free.argtypes = [ctypes.c_void_p]
+    api.free.restype = None
+    api.attach.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    api.attach.restype = None
+    return api
 
 
 class ComputeThreads:
