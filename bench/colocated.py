@@ -14,7 +14,10 @@ generated token:
 Each stream's first ``WARM`` tokens are not timed; the clock runs while every stream of a mode
 decodes (from the last stream's ``WARM``-th token to the first stream's last) and counts every
 token that arrives meanwhile (``tokens_timed``). ``tokens_agree`` says whether ``Generate``,
-``Decode`` and the pipeline chose the same greedy tokens in every round.
+``Decode`` and the pipeline chose the same greedy tokens in every round. ``native_ms_per_step``
+is the time inside ``llama_decode`` per tick (the workers' ``native_step_us_total``): the whole
+worker's during ``generate`` and each hop's during ``pipeline``, so the pipeline's cost beyond
+its two halves' compute shows (``null`` for a worker that does not report it).
 
 All of a checkout's workers are started once and stay up; checkouts alternate round by round
 (A, B, B, A, ...) so drift hits both alike, and the first round warms up and is dropped.
@@ -106,6 +109,22 @@ async def _pipeline(targets: list[str], tokens: int) -> tuple[float, int, list[i
     return (*_window([arrivals]), chosen)
 
 
+async def _native(target: str) -> tuple[int, int]:
+    """The worker's ``native_step_us_total`` and ``batch_ticks_total`` (0 when not reported)."""
+    async with ShardClient.connect(target, timeout=60) as client:
+        engine = (await client.metrics()).engine
+        return engine.get("native_step_us_total", 0), engine.get("batch_ticks_total", 0)
+
+
+async def _native_ms(targets: list[str], before: list[tuple[int, int]]) -> list[float | None]:
+    """ms inside ``llama_decode`` per tick of each worker since ``before``."""
+    out: list[float | None] = []
+    for target, (us0, ticks0) in zip(targets, before):
+        us1, ticks1 = await _native(target)
+        out.append(round((us1 - us0) / (ticks1 - ticks0) / 1e3, 3) if ticks1 > ticks0 and us1 > us0 else None)
+    return out
+
+
 @contextmanager
 def busy(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     """``n`` processes spinning on a core each until the block ends."""
@@ -136,6 +155,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     counted: dict[str, dict[str, list[int]]] = {name: {m: [] for m in MODES} for name in roots}
     system_info: dict[str, str] = {}
     agree: dict[str, list[bool]] = {name: [] for name in roots}  # greedy tokens, three ways
+    # ms inside llama_decode per tick: the whole worker during Generate, each hop during the pipeline
+    native: dict[str, dict[str, list[Any]]] = {name: {"generate": [], "pipeline_hops": []} for name in roots}
     with ExitStack() as stack:
         sets: dict[str, tuple[str, list[str]]] = {}
         for name, root in roots.items():
@@ -160,18 +181,22 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             tokens = 8 if round_no == 0 else args.tokens
             for name in (order if round_no % 2 == 0 else order[::-1]):
                 whole_target, hop_targets = sets[name]
-                results = {
-                    "generate": await _generate(whole_target, tokens, 1),
-                    "decode": await _decode(whole_target, tokens),
-                    "sessions4": await _generate(whole_target, tokens, 4),
-                    "pipeline": await _pipeline(hop_targets, tokens),
-                }
+                before = [await _native(whole_target)]
+                results = {"generate": await _generate(whole_target, tokens, 1)}
+                whole_native = await _native_ms([whole_target], before)
+                results["decode"] = await _decode(whole_target, tokens)
+                results["sessions4"] = await _generate(whole_target, tokens, 4)
+                before = [await _native(t) for t in hop_targets]
+                results["pipeline"] = await _pipeline(hop_targets, tokens)
+                hops_native = await _native_ms(hop_targets, before)
                 if round_no:
                     for mode, (ms, n, _) in results.items():
                         rows[name][mode].append(round(ms, 3))
                         counted[name][mode].append(n)
                     same = [results[m][2] for m in ("generate", "decode", "pipeline")]
                     agree[name].append(same[0] == same[1] == same[2])
+                    native[name]["generate"].append(whole_native[0])
+                    native[name]["pipeline_hops"].append(hops_native)
                     print(f"round {round_no} {name:5} " + " ".join(
                         f"{m}={ms:.1f}" for m, (ms, _, _) in results.items()), flush=True)
         assert all(p.poll() is None for p in neighbours), "a busy neighbour died during the run"
@@ -179,6 +204,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "ms_per_token": rows, "tokens_timed": counted, "medians": medians, "system_info": system_info,
         "tokens_agree": {name: all(v) for name, v in agree.items()},
+        "native_ms_per_step": native,
         "pipeline_vs_whole": {name: round(m["generate"] / m["pipeline"], 3) for name, m in medians.items()},
     }
     if "other" in medians:

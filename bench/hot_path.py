@@ -13,6 +13,15 @@ after each pass, next to the engine's own ``native_step_us_total`` (time inside
   engine_cpu_us   the engine's native thread, llama_decode included
   native_us       inside llama_decode (wall time; at 1 thread about its CPU time)
   outside_us      the whole process's CPU minus native_us: the Python work per token
+  client_cpu_us   the bench's own process, the client (``ShardClient``) that reads the tokens
+
+With ``--grpcio`` every round also reads one ``Generate`` with the official ``grpcio`` client
+(``generate_grpcio``, bench/grpcio_stream.py): HTTP/2 in C, so its ``client_cpu_us`` is what a
+gRPC client costs without our Python transport. With ``--llama-server PATH`` every round also streams the same number of tokens from
+llama.cpp's ``llama-server`` (one slot, the same threads) with the server-sent-event client of
+bench/decode_throughput.py, and reports its ``client_cpu_us`` and ``server_cpu_us`` (the whole
+server process, its compute included): what the other stack's client costs next to ours
+(bench/cpu_budget.py prices that CPU when every core runs a ggml thread).
 
 With ``--scheduler`` the workers run under ``bench/scheduler_counts.py`` and every pass also
 reports ``passes_per_token`` (scheduler passes, one ``epoll_wait`` each) and
@@ -25,7 +34,8 @@ median by the other's (below 1: this checkout spends less). CPU times come in cl
 (``SC_CLK_TCK``, usually 10 ms): keep ``--tokens`` x the per-token cost well above that.
 
     python -m bench.hot_path [--quick] [--model PATH] [--tokens 400] [--rounds 3] [--threads 1]
-                             [--worker-root OTHER_CHECKOUT] [--scheduler] [--out FILE] [--logs DIR]
+                             [--worker-root OTHER_CHECKOUT] [--scheduler] [--llama-server PATH] [--grpcio]
+                             [--out FILE] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -43,13 +53,14 @@ from typing import Any
 
 import trio
 
-from bench import options
+from bench import grpcio_stream, options
 from bench.environment import environment
-from bench.processes import shard_server, wait_serving
+from bench.processes import free_port, http_server, shard_server, stream_sse, wait_serving
 from shard.client import ShardClient
 
 V10 = (1, 0)  # understood by every worker version, so an older checkout can be measured too
 PROMPT = [1, *range(300, 319)]  # word pieces of the generated vocabularies (tiny: 812 tokens)
+# (llama-server is given the same token ids: /completion takes a prompt as a list of ids)
 MODES = ("generate", "decode")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "hot_path.json"
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -91,23 +102,29 @@ async def _native_seconds(client: ShardClient) -> float:
 
 
 async def one_pass(
-    client: ShardClient, pid: int, mode: str, tokens: int, counts: SchedulerCounts | None = None
+    client: ShardClient, pid: int, mode: str, tokens: int, counts: SchedulerCounts | None = None,
+    target: str = "",
 ) -> dict[str, Any]:
     """One pass of ``tokens`` tokens; CPU and native time per token in microseconds (and the
     scheduler's passes and task steps per token, with ``counts``)."""
     sched0 = await counts.read(pid) if counts is not None else None
-    before, native0, t0 = thread_cpu(pid), await _native_seconds(client), time.perf_counter()
+    before, native0 = thread_cpu(pid), await _native_seconds(client)
+    t0, c0 = time.perf_counter(), time.process_time()
     if mode == "generate":
         n = 0
         async for _ in client.generate(PROMPT, max_tokens=tokens + 1, ignore_eos=True):
             n += 1
+        assert n == tokens + 1, n
+    elif mode == "generate_grpcio":  # the same stream read by grpcio (in a thread: it blocks)
+        n = len(await trio.to_thread.run_sync(grpcio_stream.generate, target, PROMPT, tokens + 1))
         assert n == tokens + 1, n
     else:
         async with client.session(f"hot-{time.monotonic_ns()}") as s:
             token = (await s.prefill(PROMPT)).logits.token_id
             for _ in range(tokens):
                 token = (await s.decode(token=token)).logits.token_id
-    wall, after, native1 = time.perf_counter() - t0, thread_cpu(pid), await _native_seconds(client)
+    wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
+    after, native1 = thread_cpu(pid), await _native_seconds(client)
     spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
     main = spent.get(str(pid), 0.0)  # the main thread's id is the process id
     busiest_other = max((v for tid, v in spent.items() if tid != str(pid)), default=0.0)
@@ -120,6 +137,7 @@ async def one_pass(
         "engine_cpu_us": busiest_other * per,
         "native_us": native * per,
         "outside_us": (sum(spent.values()) - native) * per,
+        "client_cpu_us": client_cpu * per,
     }
     if counts is not None and sched0 is not None:
         sched1 = await counts.read(pid)
@@ -132,6 +150,21 @@ async def one_pass(
     return row
 
 
+def llama_server_pass(port: int, pid: int, tokens: int) -> dict[str, Any]:
+    """``tokens`` greedy tokens from llama-server (EOS ignored) read by the SSE client: CPU per
+    token of this process (the client) and of the whole server process."""
+    body = {"prompt": PROMPT, "n_predict": tokens + 1, "temperature": 0, "top_k": 1, "stream": True,
+            "ignore_eos": True, "cache_prompt": False}
+    before, t0, c0 = thread_cpu(pid), time.perf_counter(), time.process_time()
+    _, events = stream_sse(port, "/completion", body)
+    wall, client_cpu, after = time.perf_counter() - t0, time.process_time() - c0, thread_cpu(pid)
+    if int(events[-1][1].get("tokens_predicted", 0)) != tokens + 1:
+        raise RuntimeError(f"llama-server streamed {events[-1][1].get('tokens_predicted')} tokens, expected {tokens + 1}")
+    per = 1e6 / tokens
+    return {"tokens": tokens, "wall_us": wall * per, "client_cpu_us": client_cpu * per,
+            "server_cpu_us": sum(after[t] - before.get(t, 0.0) for t in after) * per}
+
+
 def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {k: round(statistics.median(r[k] for r in rows), 2 if "per_token" in k else 1)
             for k in rows[0] if not isinstance(rows[0][k], dict)}
@@ -141,9 +174,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     roots: dict[str, Path | None] = {"this": None}
     if args.worker_root is not None:
         roots["other"] = args.worker_root
+    modes = (*MODES, "generate_grpcio") if args.grpcio else MODES
     passes: dict[str, dict[str, list[dict[str, float]]]] = {
-        name: {m: [] for m in MODES} for name in roots
+        name: {m: [] for m in modes} for name in roots
     }
+    if args.llama_server is not None:
+        passes["llama_server"] = {"generate": []}
     servers = {}
     counts: dict[str, SchedulerCounts | None] = {name: None for name in roots}
     with ExitStack() as stack:
@@ -155,6 +191,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             servers[name] = stack.enter_context(shard_server(
                 args.model, threads=args.threads, ctx=2 * (args.tokens + 128), max_sessions=2,
                 log=args.logs / f"hot_path_{name}.log", root=root, wrap=wrap))
+        ls = None
+        if args.llama_server is not None:
+            port = free_port()
+            ls = stack.enter_context(http_server(
+                [str(args.llama_server), "-m", str(args.model), "--host", "127.0.0.1", "--port", str(port),
+                 "-t", str(args.threads), "-tb", str(args.threads), "-c", str(2 * (args.tokens + 128)),
+                 "-np", "1", "--no-warmup"],
+                port=port, ready_path="/health", log=args.logs / "hot_path_llama_server.log"))
         for srv in servers.values():
             await wait_serving(srv.target, version=V10)
         order = list(roots)
@@ -163,15 +207,22 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             for name in names:
                 srv = servers[name]
                 async with ShardClient.connect(srv.target, timeout=600, version=V10) as client:
-                    for mode in MODES:
+                    for mode in modes:
                         row = await one_pass(client, srv.proc.pid, mode,
-                                             8 if round_no == 0 else args.tokens, counts[name])
+                                             8 if round_no == 0 else args.tokens, counts[name],
+                                             srv.target)
                         if round_no:
                             passes[name][mode].append(row)
                             print(f"round {round_no} {name:5} {mode:8} "
                                   + " ".join(f"{k}={v:.0f}" if "per_token" not in k else f"{k}={v:.2f}"
                                              for k, v in row.items() if not isinstance(v, dict)),
                                   flush=True)
+            if ls is not None:  # blocking, between passes: nothing else runs meanwhile
+                row = llama_server_pass(ls.port, ls.proc.pid, 8 if round_no == 0 else args.tokens)
+                if round_no:
+                    passes["llama_server"]["generate"].append(row)
+                    print(f"round {round_no} llama-server " + " ".join(f"{k}={v:.0f}" for k, v in row.items()),
+                          flush=True)
     medians = {name: {m: _median(rows) for m, rows in per.items()} for name, per in passes.items()}
     result: dict[str, Any] = {"passes": passes, "medians": medians}
     if "other" in medians:
@@ -179,7 +230,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             m: {k: round(medians["this"][m][k] / medians["other"][m][k], 3)
                 for k in ("main_cpu_us", "engine_cpu_us", "outside_us", "passes_per_token",
                           "steps_per_token") if medians["other"][m].get(k)}
-            for m in MODES
+            for m in modes
         }
     return result
 
@@ -189,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=400, help="tokens per pass (default 400)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
+    p.add_argument("--llama-server", type=Path, metavar="PATH",
+                   help="also stream from llama.cpp's llama-server each round (client and server CPU per token)")
+    p.add_argument("--grpcio", action="store_true",
+                   help="also read the Generate stream with the official grpcio client (generate_grpcio)")
     p.add_argument("--scheduler", action="store_true",
                    help="also count scheduler passes and task steps per token (bench/scheduler_counts.py)")
     options.add_common(p, DEFAULT_OUT, quick="tiny model, 64 tokens, 1 round")
@@ -201,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(args.model, args.threads, argv=sys.argv if argv is None else argv),
         "settings": {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
                      "worker_root": str(args.worker_root) if args.worker_root else None,
-                     "scheduler": args.scheduler},
+                     "scheduler": args.scheduler,
+                     "llama_server": str(args.llama_server) if args.llama_server else None,
+                     "grpcio": args.grpcio},
         **result,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")

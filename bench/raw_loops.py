@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,9 +155,12 @@ class RawDecoder:
         ptr = self._lc.llama_get_logits_ith(self._ctx, row)
         return int(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).argmax())
 
-    def run(self, prompt: list[int], n_seq: int, n_tokens: int) -> LoopResult:
+    def run(
+        self, prompt: list[int], n_seq: int, n_tokens: int, *, after_step: Callable[[], None] | None = None
+    ) -> LoopResult:
         """Prefill ``n_seq`` sequences with ``prompt`` (untimed), then time ``n_tokens`` steps
-        of one ``llama_decode`` each advancing all of them; greedy (argmax) sampling."""
+        of one ``llama_decode`` each advancing all of them; greedy (argmax) sampling.
+        ``after_step`` runs after every timed step's tokens are chosen (bench/cpu_budget.py)."""
         if not 1 <= n_seq <= self.n_seq_max:
             raise ValueError(f"n_seq must be in [1, {self.n_seq_max}]")
         if len(prompt) + n_tokens > self.n_ctx_seq:
@@ -179,6 +183,8 @@ class RawDecoder:
             nxt = [self._argmax(s) for s in range(n_seq)]
             history.append(nxt[0])
             pos += 1
+            if after_step is not None:
+                after_step()
         seconds = time.perf_counter() - start
         evaluated = _evaluated(lc, self._ctx) - before
         lc.llama_memory_clear(mem, True)

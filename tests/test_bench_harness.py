@@ -11,7 +11,9 @@
 * The failover bench kills the middle worker of a real 3-worker chain and its replica replays
   exactly the prompt's positions.
 * The network bench runs a 2-hop pipeline through delayed links (bench/links.py).
-* The hot-path bench reads two workers' CPU and native time per pass, alternating them.
+* The hot-path bench reads two workers' CPU and native time per pass, alternating them, and
+  the client's CPU (ours and grpcio's).
+* The CPU-budget bench's burner really spends, in CPU time, what every token asks of it.
 """
 
 from __future__ import annotations
@@ -271,11 +273,12 @@ def test_pipeline_network_bench_reports_client_and_chain_modes_per_rtt(tmp_path:
 
 def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None:
     """A ``--quick`` run of bench/hot_path.py against this checkout twice (``--worker-root``):
-    every timed pass of both workers generated its tokens, read the engine's native time (the
-    counter moved) and the worker's CPU, and the ratios compare the two."""
+    every timed pass of both workers (``Generate`` read by ``ShardClient`` and by grpcio, and
+    ``Decode``) generated its tokens, read the engine's native time (the counter moved), the
+    worker's CPU and the client's, and the ratios compare the two."""
     out = tmp_path / "hot_path.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.hot_path", "--quick", "--worker-root", str(ROOT),
+        [sys.executable, "-m", "bench.hot_path", "--quick", "--grpcio", "--worker-root", str(ROOT),
          "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
     )
@@ -283,14 +286,14 @@ def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None
     report = json.loads(out.read_text())
     assert set(report["passes"]) == {"this", "other"}
     for per_mode in report["passes"].values():
-        assert set(per_mode) == {"generate", "decode"}
+        assert set(per_mode) == {"generate", "decode", "generate_grpcio"}
         for rows in per_mode.values():
             assert len(rows) == report["settings"]["rounds"] == 1
             for row in rows:
                 assert row["tokens"] == 64
                 assert row["native_us"] > 0 and row["wall_us"] > row["native_us"]
-                assert row["engine_cpu_us"] > 0
-    assert set(report["ratios"]) == {"generate", "decode"}
+                assert row["engine_cpu_us"] > 0 and row["client_cpu_us"] > 0
+    assert set(report["ratios"]) == {"generate", "decode", "generate_grpcio"}
     assert report["environment"]["model"].endswith(".gguf")
 
 
@@ -311,5 +314,21 @@ def test_colocated_bench_times_every_mode_next_to_a_busy_neighbour(tmp_path: Pat
     assert timed["generate"] == timed["decode"] == timed["pipeline"] == [16]
     assert 16 < timed["sessions4"][0] <= 64  # four streams, counted while all of them decode
     assert report["tokens_agree"] == {"this": True}  # the same greedy tokens three ways
+    native = report["native_ms_per_step"]["this"]
+    assert native["generate"][0] > 0 and len(native["pipeline_hops"][0]) == 2
+    assert all(ms > 0 for ms in native["pipeline_hops"][0])  # both hops computed
     assert "llama-cpp-python" in report["system_info"]["this"]
     assert "ratios" not in report  # one checkout: nothing to compare
+
+
+def test_cpu_budget_burner_spends_what_each_token_asks(tiny: Path) -> None:
+    """bench/cpu_budget.py: every timed loop evaluates its tokens, and the burner process really
+    spends the CPU time it was asked for after each of them (its own rusage, read at exit)."""
+    from bench.cpu_budget import run_threads
+
+    result = run_threads(tiny, 1, [0, 20_000], n_tokens=8, rounds=2)
+    assert [row["evaluated"] for row in result["rows"]] == [[8, 8], [8, 8]]
+    asked = result["burner_asked_s"]
+    assert asked == pytest.approx(2 * 8 * 20_000 / 1e6)  # well above a start-up's CPU
+    assert 0.9 * asked <= result["burner_cpu_s"] <= asked + 1.0  # spun, not slept
+    assert result["rows"][1]["budget_us"] == 20_000 and "cost_per_cpu_us" in result["rows"][1]
