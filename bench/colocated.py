@@ -15,9 +15,11 @@ Each stream's first ``WARM`` tokens are not timed; the clock runs while every st
 decodes (from the last stream's ``WARM``-th token to the first stream's last) and counts every
 token that arrives meanwhile (``tokens_timed``). ``tokens_agree`` says whether ``Generate``,
 ``Decode`` and the pipeline chose the same greedy tokens in every round. ``native_ms_per_step``
-is the time inside ``llama_decode`` per tick (the workers' ``native_step_us_total``): the whole
-worker's during ``generate`` and each hop's during ``pipeline``, so the pipeline's cost beyond
-its two halves' compute shows (``null`` for a worker that does not report it).
+is the time inside ``llama_decode`` per tick (the workers' ``native_step_us_total``), over the
+same steady stretch as the ms per token (from the stream's ``WARM``-th token on): the whole
+worker's during ``generate`` and each hop's during ``pipeline`` (one tick per token there), so
+the pipeline's cost beyond its two halves' compute shows (``null`` for a worker that does not
+report it).
 
 All of a checkout's workers are started once and stay up; checkouts alternate round by round
 (A, B, B, A, ...) so drift hits both alike, and the first round warms up and is dropped.
@@ -39,10 +41,10 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -56,6 +58,7 @@ PROMPT = [1, *range(300, 319)]
 MODES = ("generate", "decode", "sessions4", "pipeline")
 WARM = 4  # tokens of each stream not timed (the prompt's and the first steps')
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "colocated.json"
+T = TypeVar("T")
 
 
 def _window(streams: list[list[float]]) -> tuple[float, int]:
@@ -67,7 +70,9 @@ def _window(streams: list[list[float]]) -> tuple[float, int]:
     return (end - start) * 1e3 / n, n
 
 
-async def _generate(target: str, tokens: int, streams: int) -> tuple[float, int, list[int]]:
+async def _generate(
+    target: str, tokens: int, streams: int, warm: Callable[[], None] = lambda: None
+) -> tuple[float, int, list[int]]:
     async with ShardClient.connect(target, timeout=600) as client:
         arrivals: list[list[float]] = [[] for _ in range(streams)]
         chosen: list[int] = []
@@ -77,6 +82,8 @@ async def _generate(target: str, tokens: int, streams: int) -> tuple[float, int,
                 arrivals[i].append(time.perf_counter())
                 if i == 0:
                     chosen.append(step.logits.token_id)
+                    if len(chosen) == WARM:
+                        warm()
 
         async with trio.open_nursery() as nursery:
             for i in range(streams):
@@ -96,13 +103,17 @@ async def _decode(target: str, tokens: int) -> tuple[float, int, list[int]]:
             return (*_window([arrivals]), chosen)
 
 
-async def _pipeline(targets: list[str], tokens: int) -> tuple[float, int, list[int]]:
+async def _pipeline(
+    targets: list[str], tokens: int, warm: Callable[[], None] = lambda: None
+) -> tuple[float, int, list[int]]:
     arrivals: list[float] = []
     chosen: list[int] = []
 
     def on_token(step: Any) -> None:
         arrivals.append(time.perf_counter())
         chosen.append(step.logits.token_id)
+        if len(chosen) == WARM:
+            warm()
 
     async with Pipeline.connect(targets, timeout=600) as pipe:
         await pipe.generate(PROMPT, max_tokens=tokens + WARM, ignore_eos=True, on_token=on_token)
@@ -116,13 +127,30 @@ async def _native(target: str) -> tuple[int, int]:
         return engine.get("native_step_us_total", 0), engine.get("batch_ticks_total", 0)
 
 
-async def _native_ms(targets: list[str], before: list[tuple[int, int]]) -> list[float | None]:
-    """ms inside ``llama_decode`` per tick of each worker since ``before``."""
+async def _with_native(
+    targets: list[str], run: Callable[[Callable[[], None]], Awaitable[T]]
+) -> tuple[T, list[float | None]]:
+    """``run(warm)``, and the ms inside ``llama_decode`` per tick of each worker from the moment
+    ``run`` calls ``warm`` (its stream's ``WARM``-th token: the prompt's tick and the untimed
+    steps are left out, as in the ms per token) to its end."""
+    mark = trio.Event()
+    before: list[tuple[int, int]] = []
+
+    async def snapshot() -> None:
+        await mark.wait()
+        before.extend([await _native(t) for t in targets])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(snapshot)
+        try:
+            result = await run(mark.set)
+        finally:
+            mark.set()  # a stream shorter than WARM: the snapshot is taken now (no ticks: None)
     out: list[float | None] = []
     for target, (us0, ticks0) in zip(targets, before):
         us1, ticks1 = await _native(target)
         out.append(round((us1 - us0) / (ticks1 - ticks0) / 1e3, 3) if ticks1 > ticks0 and us1 > us0 else None)
-    return out
+    return result, out
 
 
 @contextmanager
@@ -181,14 +209,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             tokens = 8 if round_no == 0 else args.tokens
             for name in (order if round_no % 2 == 0 else order[::-1]):
                 whole_target, hop_targets = sets[name]
-                before = [await _native(whole_target)]
-                results = {"generate": await _generate(whole_target, tokens, 1)}
-                whole_native = await _native_ms([whole_target], before)
+                results = {}
+                results["generate"], whole_native = await _with_native(
+                    [whole_target], lambda warm: _generate(whole_target, tokens, 1, warm))
                 results["decode"] = await _decode(whole_target, tokens)
                 results["sessions4"] = await _generate(whole_target, tokens, 4)
-                before = [await _native(t) for t in hop_targets]
-                results["pipeline"] = await _pipeline(hop_targets, tokens)
-                hops_native = await _native_ms(hop_targets, before)
+                results["pipeline"], hops_native = await _with_native(
+                    hop_targets, lambda warm: _pipeline(hop_targets, tokens, warm))
                 if round_no:
                     for mode, (ms, n, _) in results.items():
                         rows[name][mode].append(round(ms, 3))

@@ -18,6 +18,9 @@ served stream can reach at best, and how little Python per token a target needs.
 
     python -m bench.cpu_budget [--quick] [--model PATH] [--threads 1,2] [--budgets 0,250,500,1000,2000]
                                [--tokens 64] [--rounds 5] [--out FILE]
+
+``--quick`` (tiny model, 16 tokens, 1 round, budgets 0,500) only checks the harness: the tiny
+model's steps are shorter than the budgets.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,26 +41,33 @@ PROMPT = [1, *range(300, 319)]  # word pieces of the generated vocabularies (tin
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cpu_budget.json"
 
 
-def burn_forever() -> None:
-    """The burner: for every 4-byte budget (microseconds, little-endian) read from stdin, spin
-    that much of this process's CPU time; a zero-length read (the loop closed the pipe) ends it."""
-    stdin = sys.stdin.buffer
-    while len(data := stdin.read(4)) == 4:
-        end = time.process_time() + int.from_bytes(data, "little") / 1e6
-        while time.process_time() < end:
-            pass
+#: The burner, as small as a Python process gets (no imports beyond ``sys`` and ``time``, so its
+#: start-up is over before the first loop): it writes one byte once ready, then, for every 4-byte
+#: budget (microseconds, little-endian) read from stdin, spins that much of its own CPU time; a
+#: zero-length read (the loop closed the pipe) ends it.
+BURNER = """
+import sys, time
+out, stdin = sys.stdout.buffer, sys.stdin.buffer
+out.write(b"r"); out.flush()
+while len(data := stdin.read(4)) == 4:
+    end = time.process_time() + int.from_bytes(data, "little") / 1e6
+    while time.process_time() < end:
+        pass
+"""
 
 
 class Burner:
     """A burner process (a context manager); ``notify(us)`` asks it to spin ``us`` microseconds."""
 
     def __init__(self) -> None:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from bench.cpu_budget import burn_forever; burn_forever()"],
-            stdin=subprocess.PIPE, cwd=Path(__file__).resolve().parent.parent,
-        )
-        assert self._proc.stdin is not None
+        self._proc = subprocess.Popen([sys.executable, "-c", BURNER], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin = self._proc.stdin
+        if self._proc.stdout.read(1) != b"r":  # started: nothing of its start-up overlaps a loop
+            self._proc.kill()
+            self._proc.communicate()  # reaps it and closes both pipes
+            raise RuntimeError("the burner did not start")
         self.asked_us = 0  # every budget notified
         self.burned_s: float | None = None  # the burner's CPU time, known once it ended
 
@@ -73,10 +82,17 @@ class Burner:
     def __exit__(self, *exc: object) -> None:
         """Close the pipe and reap the burner, keeping its CPU time (``burned_s``): the report
         shows the burner really spent what it was asked to."""
-        self._stdin.close()
+        try:
+            self._stdin.close()
+        except BrokenPipeError:  # it died: its exit status says so below
+            pass
+        assert self._proc.stdout is not None
+        self._proc.stdout.close()
         _, status, usage = os.wait4(self._proc.pid, 0)
-        self._proc.returncode = os.waitstatus_to_exitcode(status)
+        self._proc.returncode = code = os.waitstatus_to_exitcode(status)
         self.burned_s = usage.ru_utime + usage.ru_stime
+        if code != 0 and exc[0] is None:
+            raise RuntimeError(f"the burner exited with status {code}")
 
 
 def measure(decoder: RawDecoder, burner: Burner, budget_us: int, n_tokens: int) -> tuple[float, int]:

@@ -54,9 +54,10 @@ from typing import Any
 import trio
 
 from bench import grpcio_stream, options
-from bench.environment import environment
+from bench.environment import environment, load_average
 from bench.processes import free_port, http_server, shard_server, stream_sse, wait_serving
 from shard.client import ShardClient
+from shard.v1 import shard_pb2 as pb
 
 V10 = (1, 0)  # understood by every worker version, so an older checkout can be measured too
 PROMPT = [1, *range(300, 319)]  # word pieces of the generated vocabularies (tiny: 812 tokens)
@@ -103,10 +104,11 @@ async def _native_seconds(client: ShardClient) -> float:
 
 async def one_pass(
     client: ShardClient, pid: int, mode: str, tokens: int, counts: SchedulerCounts | None = None,
-    target: str = "",
+    channel: Any = None,
 ) -> dict[str, Any]:
     """One pass of ``tokens`` tokens; CPU and native time per token in microseconds (and the
-    scheduler's passes and task steps per token, with ``counts``)."""
+    scheduler's passes and task steps per token, with ``counts``). ``channel``: a connected
+    grpcio channel, for ``generate_grpcio``."""
     sched0 = await counts.read(pid) if counts is not None else None
     before, native0 = thread_cpu(pid), await _native_seconds(client)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -116,7 +118,9 @@ async def one_pass(
             n += 1
         assert n == tokens + 1, n
     elif mode == "generate_grpcio":  # the same stream read by grpcio (in a thread: it blocks)
-        n = len(await trio.to_thread.run_sync(grpcio_stream.generate, target, PROMPT, tokens + 1))
+        assert channel is not None
+        n = len(await trio.to_thread.run_sync(lambda: grpcio_stream.generate(
+            channel, PROMPT, tokens + 1, version=pb.ProtocolVersion(major=V10[0], minor=V10[1]))))
         assert n == tokens + 1, n
     else:
         async with client.session(f"hot-{time.monotonic_ns()}") as s:
@@ -158,8 +162,9 @@ def llama_server_pass(port: int, pid: int, tokens: int) -> dict[str, Any]:
     before, t0, c0 = thread_cpu(pid), time.perf_counter(), time.process_time()
     _, events = stream_sse(port, "/completion", body)
     wall, client_cpu, after = time.perf_counter() - t0, time.process_time() - c0, thread_cpu(pid)
-    if int(events[-1][1].get("tokens_predicted", 0)) != tokens + 1:
-        raise RuntimeError(f"llama-server streamed {events[-1][1].get('tokens_predicted')} tokens, expected {tokens + 1}")
+    streamed = int(events[-1][1].get("tokens_predicted", 0)) if events else 0
+    if streamed != tokens + 1:
+        raise RuntimeError(f"llama-server streamed {streamed} tokens, expected {tokens + 1}")
     per = 1e6 / tokens
     return {"tokens": tokens, "wall_us": wall * per, "client_cpu_us": client_cpu * per,
             "server_cpu_us": sum(after[t] - before.get(t, 0.0) for t in after) * per}
@@ -206,17 +211,22 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             names = order if round_no % 2 == 0 else order[::-1]
             for name in names:
                 srv = servers[name]
-                async with ShardClient.connect(srv.target, timeout=600, version=V10) as client:
-                    for mode in modes:
-                        row = await one_pass(client, srv.proc.pid, mode,
-                                             8 if round_no == 0 else args.tokens, counts[name],
-                                             srv.target)
-                        if round_no:
-                            passes[name][mode].append(row)
-                            print(f"round {round_no} {name:5} {mode:8} "
-                                  + " ".join(f"{k}={v:.0f}" if "per_token" not in k else f"{k}={v:.2f}"
-                                             for k, v in row.items() if not isinstance(v, dict)),
-                                  flush=True)
+                channel = grpcio_stream.connect(srv.target) if args.grpcio else None
+                try:
+                    async with ShardClient.connect(srv.target, timeout=600, version=V10) as client:
+                        for mode in modes:
+                            row = await one_pass(client, srv.proc.pid, mode,
+                                                 8 if round_no == 0 else args.tokens, counts[name],
+                                                 channel)
+                            if round_no:
+                                passes[name][mode].append(row)
+                                print(f"round {round_no} {name:5} {mode:8} "
+                                      + " ".join(f"{k}={v:.0f}" if "per_token" not in k else f"{k}={v:.2f}"
+                                                 for k, v in row.items() if not isinstance(v, dict)),
+                                      flush=True)
+                finally:
+                    if channel is not None:
+                        channel.close()
             if ls is not None:  # blocking, between passes: nothing else runs meanwhile
                 row = llama_server_pass(ls.port, ls.proc.pid, 8 if round_no == 0 else args.tokens)
                 if round_no:
@@ -251,9 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.tokens, args.rounds = 64, 1
     options.resolve(args)
+    env = environment(args.model, args.threads, argv=sys.argv if argv is None else argv)  # load before
     result = trio.run(measure, args)
+    env["load_average_after"] = load_average()
     report = {
-        "environment": environment(args.model, args.threads, argv=sys.argv if argv is None else argv),
+        "environment": env,
         "settings": {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
                      "worker_root": str(args.worker_root) if args.worker_root else None,
                      "scheduler": args.scheduler,

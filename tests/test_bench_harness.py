@@ -292,7 +292,8 @@ def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None
             for row in rows:
                 assert row["tokens"] == 64
                 assert row["native_us"] > 0 and row["wall_us"] > row["native_us"]
-                assert row["engine_cpu_us"] > 0 and row["client_cpu_us"] > 0
+                assert row["engine_cpu_us"] > 0
+                assert 10 < row["client_cpu_us"] < 5 * row["wall_us"]  # per token, not per pass
     assert set(report["ratios"]) == {"generate", "decode", "generate_grpcio"}
     assert report["environment"]["model"].endswith(".gguf")
 
@@ -326,9 +327,9 @@ def test_cpu_budget_burner_spends_what_each_token_asks(tiny: Path) -> None:
     spends the CPU time it was asked for after each of them (its own rusage, read at exit)."""
     from bench.cpu_budget import run_threads
 
-    result = run_threads(tiny, 1, [0, 20_000], n_tokens=8, rounds=2)
+    result = run_threads(tiny, 1, [0, 50_000], n_tokens=8, rounds=2)
     assert [row["evaluated"] for row in result["rows"]] == [[8, 8], [8, 8]]
     asked = result["burner_asked_s"]
-    assert asked == pytest.approx(2 * 8 * 20_000 / 1e6)  # well above a start-up's CPU
+    assert asked == pytest.approx(2 * 8 * 50_000 / 1e6)  # far above its start-up's CPU
     assert 0.9 * asked <= result["burner_cpu_s"] <= asked + 1.0  # spun, not slept
-    assert result["rows"][1]["budget_us"] == 20_000 and "cost_per_cpu_us" in result["rows"][1]
+    assert result["rows"][1]["budget_us"] == 50_000 and "cost_per_cpu_us" in result["rows"][1]
