@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="microseconds burned per token, comma-separated; include 0 (default 0,250,500,1000,2000)")
     p.add_argument("--tokens", type=int, default=64, help="timed tokens per loop (default 64)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the result JSON (default: bench/results/cpu_budget.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.rounds, args.budgets = 16, 1, "0,500"
