@@ -106,9 +106,12 @@ def test_generate_json_and_streaming_agree(worker: str) -> None:
 
 def test_sigterm_drains_a_running_generate_before_stopping() -> None:
     with running_worker("--grace", "60") as (target, server):
+        # Unbuffered: ``read(1)`` takes one byte off the pipe. A buffered reader would take
+        # whatever the pipe held, keep all but one byte in its own buffer, and ``communicate``
+        # (which reads the descriptor) would never see them: text lost by the test, not the CLI.
         gen = subprocess.Popen(
             [*CLI, "generate", "--target", target, "--max-tokens", "1000", "hello"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
         )
         assert gen.stdout is not None
         first = gen.stdout.read(1)  # text is streaming: the generate is running
