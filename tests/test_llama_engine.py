@@ -460,6 +460,18 @@ def test_missing_pool_functions_are_an_engine_failure(tmp_path: Path) -> None:
         llama_threads._resolve(tmp_path / "empty")
 
 
+def test_missing_capture_functions_are_an_engine_failure(tmp_path: Path) -> None:
+    """The same for the functions a non-last shard captures hidden states with: a library that
+    will not load, or none at all, is an EngineFailure, never an OSError."""
+    from shard.engine import llama_capture
+
+    (tmp_path / "libggml-base.so.0").write_bytes(b"not a library")
+    with pytest.raises(EngineFailure, match="tensor functions are not available"):
+        llama_capture._resolve(tmp_path)
+    with pytest.raises(EngineFailure, match="not found"):
+        llama_capture._resolve(tmp_path / "empty")
+
+
 # ---- long prefill in one native step (bench model) ---------------------------------------------
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import llama_cpp.llama_cpp as lc
@@ -46,17 +47,28 @@ def ggml_api() -> GgmlApi:
     global _api
     with _api_lock:
         if _api is None:
-            lib = load_library(native_library_dir(), "ggml-base")
-            lib.ggml_get_name.argtypes = [ctypes.c_void_p]
-            lib.ggml_get_name.restype = ctypes.c_char_p
-            lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
-            lib.ggml_nbytes.restype = ctypes.c_size_t
-            lib.ggml_backend_tensor_get.argtypes = [
-                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
-            ]
-            lib.ggml_backend_tensor_get.restype = None
-            _api = GgmlApi(lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get)
+            _api = _resolve(native_library_dir())
         return _api
+
+
+def _resolve(lib_dir: Path) -> GgmlApi:
+    """The three functions from ``lib_dir``'s libggml-base, with their C signatures; a library
+    that will not load or lacks a symbol is an EngineFailure, like a missing one."""
+    try:
+        lib = load_library(lib_dir, "ggml-base")
+        get_name, nbytes, tensor_get = lib.ggml_get_name, lib.ggml_nbytes, lib.ggml_backend_tensor_get
+    except (OSError, AttributeError) as exc:
+        raise EngineFailure(
+            f"ggml's tensor functions are not available in {lib_dir}: {exc} "
+            "(cannot capture hidden states)"
+        ) from None
+    get_name.argtypes = [ctypes.c_void_p]
+    get_name.restype = ctypes.c_char_p
+    nbytes.argtypes = [ctypes.c_void_p]
+    nbytes.restype = ctypes.c_size_t
+    tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    tensor_get.restype = None
+    return GgmlApi(get_name, nbytes, tensor_get)
 
 
 class CaptureTarget:
