@@ -479,6 +479,36 @@ class ShardEngine(abc.ABC):
                 self._counters["sessions_released_total"] += 1
         return True
 
+    async def truncate(self, session_id: str, keep: int) -> SessionInfo:
+        """Drop the session's positions from ``keep`` on, computing nothing (``keep`` at or past
+        its end: nothing changes). The session then holds ``[0, keep)`` exactly as before, and
+        its next decode appends at ``keep``; a step computed ahead is dropped with the cells.
+
+        Why a call of its own: a prefill at an earlier position also drops what follows it, but
+        reuses a held prefix and must compute at least one position; a chain relay that failed
+        to forward a step must give back exactly the positions its next hop does not hold.
+        Completes even if the caller is cancelled meanwhile (shielded: the cells and the
+        session's count never disagree)."""
+        self._require_ready()
+        slot = self._slot(session_id)
+        if not _is_int(keep) or keep < 0:
+            raise InvalidInput(f"keep must be an integer >= 0, got {keep!r}", session_id=session_id)
+        if keep >= slot.n_past:
+            await trio.lowlevel.checkpoint()
+            return slot.info()
+        slot.state = SessionState.RUNNING
+        slot.idle = trio.Event()
+        try:
+            with trio.CancelScope(shield=True):
+                slot.n_past = keep
+                if slot.tokens is not None:
+                    del slot.tokens[keep:]
+                await self._guard_impl(self._impl_truncate(slot, keep))
+        finally:
+            slot.state = SessionState.IDLE
+            slot.idle.set()
+        return slot.info()
+
     async def prefill(self, request: PrefillRequest) -> StepResult:
         """Write prompt tokens or hidden states at ``request.position`` (see PrefillRequest)."""
         caps = self._require_ready()

@@ -657,6 +657,39 @@ class EngineContractSuite:
             assert info.n_past == 8 and info.tokens == history[:8]
             assert engine.metrics().kv_cells_used == 8
 
+    async def test_truncate_keeps_a_prefix_and_the_session_goes_on_from_it(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """``truncate(keep)`` leaves ``[0, keep)`` exactly as it was (a decode after it equals a
+        fresh session's over that prefix), frees the cells, drops a step computed ahead with
+        them, and changes nothing for ``keep`` at or past the end."""
+        async with engine_factory.open() as engine:
+            await engine.open_session("s")
+            history = prompt_tokens(engine, 16, salt=6)
+            first = await prefill(engine, "s", history, lookahead=Lookahead())
+            assert first.logits is not None
+            await decode(engine, "s", first.logits.token_id, lookahead=Lookahead())  # one ahead
+            info = await engine.truncate("s", 10)
+            assert (info.n_past, info.tokens, info.state) == (10, history[:10], SessionState.IDLE)
+            assert engine.metrics().kv_cells_used == 10
+            assert engine.metrics().lookahead_cells == 0
+            for keep in (10, 99):
+                assert (await engine.truncate("s", keep)).n_past == 10
+            after = await decode(engine, "s", history[10])
+            await engine.open_session("ref")
+            await prefill(engine, "ref", history[:10])
+            ref = await decode(engine, "ref", history[10])
+            assert after.n_past == ref.n_past == 11
+            assert_same_logits(after, ref)
+            with pytest.raises(InvalidInput):
+                await engine.truncate("s", -1)
+            with pytest.raises(UnknownSession):
+                await engine.truncate("nope", 0)
+            assert (await engine.truncate("s", 0)).n_past == 0
+            assert engine.metrics().kv_cells_used == 11  # "ref"'s only
+            await engine.release("ref")
+            await engine.release("s")
+
     async def test_a_step_whose_caller_was_already_cancelled_never_starts(
         self, engine_factory: EngineFactory
     ) -> None:
