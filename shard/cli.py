@@ -23,7 +23,7 @@ import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
     from collections.abc import Awaitable
@@ -31,8 +31,6 @@ if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
     import trio
 
     from shard.client import ShardClient
-
-    from shard.rpc.auth import TokenAuthenticator
     from shard.rpc.server import RunningServer
 
 DEFAULT_PORT = 50051
@@ -252,19 +250,32 @@ def build_parser() -> argparse.ArgumentParser:
                        "states to it; as the last hop of a chain, hand each token straight back "
                        "to the first hop (direct return); reported as relay_allowed and "
                        "relay_return. Off by default, so that no worker becomes an open relay: "
-                       "a route is then refused with PERMISSION_DENIED (docs/pipelines.md, "
-                       "\"Chain relay\")")
+                       "a route is then refused with PERMISSION_DENIED. It connects only to "
+                       "--relay-peers (docs/operations.md, \"Chain relay\")")
+    serve.add_argument("--relay-peers", metavar="PEERS",
+                       help="with --allow-relay: where this worker may connect: addresses, CIDR "
+                       "blocks or HOST:PORT names, separated by commas ('10.0.0.0/24,10.0.1.5:"
+                       "50051', 'loopback'), or @FILE for a file of them re-read on SIGHUP; a "
+                       "route hop or return address outside them is refused with "
+                       "PERMISSION_DENIED before any connection (default: loopback)")
+    serve.add_argument("--advertise", metavar="HOST:PORT",
+                       help="with --allow-relay: the address later hops of a chain reach this "
+                       "worker at, sent down the route for the direct return (default: --host:"
+                       "--port, unless --host is a wildcard address: then no direct return)")
     serve.add_argument("--relay-tls-ca", type=Path, metavar="PEM",
                        help="with --allow-relay: connect to the next hops with TLS, trusting this "
                        "CA bundle")
     serve.add_argument("--relay-tls-cert", type=Path, metavar="PEM",
-                       help="with --allow-relay: client certificate chain presented to the next "
-                       "hops (mutual TLS, with --relay-tls-key)")
+                       help="with --allow-relay and --relay-tls-ca: client certificate chain "
+                       "presented to the next hops (mutual TLS, with --relay-tls-key)")
     serve.add_argument("--relay-tls-key", type=Path, metavar="PEM",
                        help="private key for --relay-tls-cert")
     serve.add_argument("--relay-token-file", type=Path, metavar="FILE",
-                       help="with --allow-relay: send the first token in FILE to the next hops as "
-                       "'authorization: Bearer TOKEN'")
+                       help="with --allow-relay and --relay-tls-ca: send the first token in FILE "
+                       "to the next hops as 'authorization: Bearer TOKEN'")
+    serve.add_argument("--relay-plaintext-loopback", action="store_true",
+                       help="with --relay-token-file: send the token without TLS, and then relay "
+                       "to loopback peers only (a chain of workers on one machine)")
     serve.add_argument("--insecure", action="store_true",
                        help="allow plaintext without authentication on a non-loopback --host")
     serve.add_argument("--log-format", choices=["text", "json"], default="text",
@@ -494,11 +505,15 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+_RELAY_OPTIONS = ("relay_peers", "advertise", "relay_tls_ca", "relay_tls_cert", "relay_tls_key",
+                  "relay_token_file", "relay_plaintext_loopback")
+
+
 def _relay_options(args: argparse.Namespace) -> dict[str, object] | None:
-    """``ChainRelay`` keywords for ``serve --allow-relay`` (outbound TLS and bearer token, as
-    the client commands take them), None without it; ValueError for --relay-* alone."""
-    given = [name for name in ("relay_tls_ca", "relay_tls_cert", "relay_tls_key", "relay_token_file")
-             if getattr(args, name) is not None]
+    """``ChainRelay`` keywords for ``serve --allow-relay`` (where it may connect, its advertised
+    address, outbound TLS and bearer token as the client commands take them), None without it;
+    ValueError for a --relay-* option alone or a credential the relay would send unprotected."""
+    given = [name for name in _RELAY_OPTIONS if getattr(args, name) not in (None, False)]
     if not args.allow_relay:
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} needs --allow-relay")
@@ -507,7 +522,19 @@ def _relay_options(args: argparse.Namespace) -> dict[str, object] | None:
                                   tls_key=args.relay_tls_key, token_file=args.relay_token_file)
     if (outbound.tls_cert is None) != (outbound.tls_key is None):
         raise ValueError("--relay-tls-cert and --relay-tls-key go together")
-    return _client_options(outbound)
+    if outbound.tls_cert is not None and outbound.tls_ca is None:
+        raise ValueError("--relay-tls-cert needs --relay-tls-ca (the CA the next hops' "
+                         "certificates are checked against; the system CAs are never trusted "
+                         "for a relay)")
+    if outbound.token_file is not None and outbound.tls_ca is None and not args.relay_plaintext_loopback:
+        raise ValueError("--relay-token-file needs TLS to the next hops (--relay-tls-ca), or "
+                         "--relay-plaintext-loopback to send it in plaintext to loopback peers only")
+    if args.relay_plaintext_loopback and outbound.token_file is None:
+        raise ValueError("--relay-plaintext-loopback goes with --relay-token-file")
+    options = _client_options(outbound)
+    options.update(peers=args.relay_peers, advertise=args.advertise,
+                   plaintext_loopback=args.relay_plaintext_loopback)
+    return options
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -570,15 +597,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             authenticator = TokenAuthenticator(args.auth_token_file)
         except TokenFileError as exc:
             return _fail(str(exc), 2)
+    relay = None
     try:
         relay_options = _relay_options(args)
+        if relay_options is not None:
+            from shard.relay import ChainRelay
+
+            relay = ChainRelay(**relay_options)  # type: ignore[arg-type]
     except (ValueError, OSError, ssl.SSLError) as exc:
         return _fail(f"relay set-up failed: {exc}", 2)
-    relay = None
-    if relay_options is not None:
-        from shard.relay import ChainRelay
-
-        relay = ChainRelay(**relay_options)  # type: ignore[arg-type]
     refusal = binding_refusal(
         args.host, tls=ssl_context is not None, authenticated=authenticator is not None,
         insecure=args.insecure,
@@ -621,6 +648,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         async with LlamaCppEngine() as engine:
             with unwrap_single_exception():  # report OSError / EngineError, not a group
                 async with trio.open_nursery() as nursery:
+                    reloadable = [x for x in (authenticator, relay and relay.peers) if x is not None]
+                    if reloadable:  # (listening before the port is bound: no SIGHUP kills it)
+                        await nursery.start(_reload_on_sighup, reloadable)
                     # The port is bound first (health NOT_READY while loading), then the load.
                     server = await nursery.start(functools.partial(
                         serve, engine, host=args.host, port=args.port, load=spec,
@@ -630,8 +660,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         metrics_host=args.metrics_host, relay=relay,
                     ))
                     nursery.start_soon(_stop_on_signal, server, nursery.cancel_scope, args.grace)
-                    if authenticator is not None:
-                        nursery.start_soon(_reload_on_sighup, authenticator)
 
     try:
         trio.run(run)
@@ -686,15 +714,24 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise KeyError(name)
 
 
-async def _reload_on_sighup(authenticator: TokenAuthenticator) -> None:
-    """SIGHUP re-reads the token file (a broken file keeps the tokens in force)."""
+class _Reloadable(Protocol):
+    def reload(self) -> bool: ...
+
+
+async def _reload_on_sighup(
+    files: Sequence[_Reloadable], *, task_status: trio.TaskStatus[None]
+) -> None:
+    """SIGHUP re-reads the token file and the relay peer file (a broken file keeps what is in
+    force)."""
     import signal
 
     import trio
 
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        task_status.started()
         async for _ in signals:
-            authenticator.reload()
+            for each in files:
+                each.reload()
 
 
 async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace: float) -> None:

@@ -159,6 +159,7 @@ class ShardClient:
         metadata: Sequence[tuple[str, str | bytes]] = (),
         version: tuple[int, int] | None = None,
         max_result_bytes: int | None = None,
+        address: str | None = None,
     ) -> AsyncIterator[ShardClient]:
         """Connect to ``HOST:PORT``.
 
@@ -170,12 +171,15 @@ class ShardClient:
         older worker in a fleet being upgraded); a version given here is sent as is. ``max_result_bytes``: the most
         hidden-state bytes one result sent in chunks may add up to (None: bounded only by the
         session's KV capacity); a larger one fails its session with ``RESOURCE_EXHAUSTED``.
+        ``address``: the IP address to connect to, already resolved (and checked) by the
+        caller, instead of a fresh lookup of the target's host, which still names the server
+        for TLS and the ``:authority`` header.
         """
         host, port = _parse_target(target)
         with unwrap_single_exception():
             try:
                 with trio.fail_after(timeout if timeout is not None else math.inf):
-                    stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+                    stream: trio.abc.Stream = await trio.open_tcp_stream(address or host, port)
                     if ssl_context is not None:
                         ssl_context.set_alpn_protocols(["h2"])
                         tls = trio.SSLStream(stream, ssl_context, server_hostname=host)
@@ -854,6 +858,16 @@ class ClientSession:
         if sampling is not None:
             d.sampling.CopyFrom(sampling)
         return self._request(decode=d)
+
+    async def rewind(self, position: int) -> int:
+        """Drop the session's positions from ``position`` on, computing nothing (a worker that
+        reports ``session_rewind``); returns what it holds afterwards (``Usage.n_past``)."""
+        with self._exclusive():
+            serial = await self._begin(self._request(rewind=pb.Rewind(position=position)))
+            if await self._read_result(serial) is not None:
+                raise ShardError(ErrorCode.INTERNAL, "a Rewind produced a result",
+                                 session_id=self.session_id)
+            return int(self.usage.n_past)
 
     # ---- steps sent ahead (chain relay's direct return) ------------------------------------
 

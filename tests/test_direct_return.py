@@ -20,11 +20,14 @@ import trio
 
 from rpc_harness import MODEL, StepGate, Worker, in_thread
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from shard.client import ShardClient, ShardError
+from shard.client import ClientSession, ShardClient, ShardError
 from shard.engine import LayerRange
 from shard.engine.fake import FakeStep
 from shard.pipeline import Pipeline
 from shard.rpc.errors import ErrorCode, unwrap_single_exception
+from shard.relay import ChainRelay
+from shard.relay.returns import DirectReturns
+from shard.relay.routed import RoutedSession
 from shard.v1 import shard_pb2 as pb
 from test_pipeline import PROMPT, TIMEOUT, cuts_to_ranges, whole_model_steps
 from test_relay import THREE, free_within, relay_shards, route_of
@@ -38,10 +41,17 @@ async def used(w: Worker) -> int:
         return (await client.metrics()).worker.get("direct_returns_used_total", 0)
 
 
-def returning_route(chain: Sequence[Worker], target: str | None = None) -> pb.Route:
+def returning_route(chain: Sequence[Worker]) -> pb.Route:
+    """A route asking for a direct return (to the first hop's own address)."""
     route = route_of(chain[1:], THREE[1:])
-    route.return_to.target = chain[0].target if target is None else target
+    route.return_to.SetInParent()
     return route
+
+
+def returns_of(w: Worker, sid: str) -> DirectReturns | None:
+    call = w.call(sid)
+    assert call is not None and isinstance(call.routed, RoutedSession)
+    return call.routed.returns
 
 
 async def reference(prompt: str | Sequence[int], n: int) -> list[pb.StepResult]:
@@ -72,7 +82,8 @@ async def test_two_hops_need_no_direct_return() -> None:
     async with relay_shards(cuts_to_ranges([0, 2, 4])) as chain:
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay="chain") as pipe:
             await pipe.generate(PROMPT, max_tokens=8, ignore_eos=True)
-            assert chain[0].calls[-1].direct_returns is None
+            routed = chain[0].calls[-1].routed
+            assert isinstance(routed, RoutedSession) and routed.returns is None
         assert await used(chain[0]) == 0
 
 
@@ -83,18 +94,19 @@ async def test_a_last_hop_that_may_not_connect_out_leaves_the_answers_to_the_cha
         want = await reference(PROMPT, N_TOKENS)
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay="chain") as pipe:
             got = await pipe.generate(PROMPT, max_tokens=N_TOKENS, ignore_eos=True)
-            assert chain[2].calls[-1]._returner is None  # the middle hop sent no return address
+            assert chain[2].calls[-1].returner is None  # the middle hop sent no return address
         assert got.tokens == [s.logits.token_id for s in want]
         assert await used(chain[0]) == 0
         await free_within(chain)
 
 
 async def test_an_unreachable_return_address_costs_time_not_tokens() -> None:
-    async with relay_shards(THREE) as chain:
+    """The first hop's operator advertises an address the last hop cannot reach."""
+    async with relay_shards(THREE, relays=[ChainRelay(advertise="127.0.0.1:1"), None, None]) as chain:
         want = await reference(IDS, N_TOKENS)
         async with ShardClient.connect(chain[0].target, timeout=TIMEOUT) as client:
-            async with client.session("u.0", route=returning_route(chain, "127.0.0.1:1")) as s:
-                assert chain[0].call("u.0").direct_returns is not None  # type: ignore[union-attr]
+            async with client.session("u.0", route=returning_route(chain)) as s:
+                assert returns_of(chain[0], "u.0") is not None
                 got = [step async for step in s.generate(IDS, max_tokens=N_TOKENS, ignore_eos=True)]
         assert [g.logits.token_id for g in got] == [w.logits.token_id for w in want]
         assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -107,7 +119,7 @@ async def test_a_forged_or_stray_return_is_refused_and_the_session_goes_on() -> 
         want = await reference(IDS, 4)
         async with ShardClient.connect(chain[0].target, timeout=TIMEOUT) as client:
             async with client.session("f.0", route=returning_route(chain)) as s:
-                returns = chain[0].call("f.0").direct_returns  # type: ignore[union-attr]
+                returns = returns_of(chain[0], "f.0")
                 assert returns is not None
                 forged = pb.StepResult(logits=pb.Logits(token_id=7))
                 for sid, secret in (("f.0", b"x" * 16), ("nobody", returns.secret)):
@@ -193,12 +205,28 @@ async def test_a_step_error_at_the_last_hop_mid_generation_is_named_and_the_chai
                     async for step in s.generate(IDS, max_tokens=20, ignore_eos=True):
                         got.append(step)
                 assert info.value.code == ErrorCode.INVALID_ARGUMENT and refused
-                assert chain[2].target in info.value.message
+                assert (info.value.relay_depth, info.value.failed_layers) == (2, (3, 4))
                 assert s.usage.n_past == refuse_at and got[-1].n_past == refuse_at
                 more = [step async for step in s.generate(max_tokens=20 - len(got), ignore_eos=True)]
         assert [g.logits for g in got + more] == [w.logits for w in want]
         assert await used(chain[0]) > 0
         await free_within(chain)
+
+
+async def one_running_one_queued(s: ClientSession, gate: StepGate, w: Worker, row: np.ndarray) -> None:
+    """Send a step the worker's engine holds at its start (``gate``), then one more: the worker
+    runs the first and queues the second (a session opened with a return address)."""
+    gate.hold()
+    await s.send_ahead(hidden_state=row, relay_tag=3)
+    with trio.fail_after(10):
+        while gate.waiting == 0:
+            await trio.sleep(0.001)
+    await s.send_ahead(hidden_state=row, relay_tag=4)
+    call = w.call(s.session_id)
+    assert call is not None
+    with trio.fail_after(10):
+        while call._queued is None:  # noqa: SLF001
+            await trio.sleep(0.001)
 
 
 async def test_a_step_queued_behind_one_that_fails_is_not_run() -> None:
@@ -219,17 +247,7 @@ async def test_a_step_queued_behind_one_that_fails_is_not_run() -> None:
                 await s.send_ahead(hidden_state=row, relay_tag=2)
                 a, b = await s.read_ahead(), await s.read_ahead()
                 assert (a.start_position, b.start_position) == (3, 4)
-                gates[2].hold()
-                await s.send_ahead(hidden_state=row, relay_tag=3)
-                with trio.fail_after(10):
-                    while gates[2].waiting == 0:
-                        await trio.sleep(0.001)
-                await s.send_ahead(hidden_state=row, relay_tag=4)
-                call = last.call("q.0>>")
-                assert call is not None
-                with trio.fail_after(10):
-                    while call._queued is None:
-                        await trio.sleep(0.001)
+                await one_running_one_queued(s, gates[2], last, row)
                 assert (await client.cancel("q.0>>")).was_running
                 gates[2].release()
                 with pytest.raises(ShardError) as first:

@@ -25,7 +25,7 @@ from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV 
 from shard.client import ShardClient
 from shard.engine import LayerRange
 from shard.pipeline import Pipeline, PipelineError, hop_targets
-from shard.replay import ReplayBudget, RowLog
+from shard.pipeline.replay import ReplayBudget, RowLog
 from shard.rpc.errors import ErrorCode, unwrap_single_exception
 from shard.v1 import shard_pb2 as pb
 from test_pipeline import PROMPT, TIMEOUT, after_steps, assert_all_free, shards, whole_model_steps

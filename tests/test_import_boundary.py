@@ -179,17 +179,27 @@ def project_imports(source: str, package: str) -> set[str]:
     """Every ``shard.*`` module ``source`` imports (relative imports resolved against
     ``package``, the importing module's package)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node, module in _imports(source, package):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "shard"}
+        elif module.split(".")[0] == "shard":
+            found.add(module)
+    return found
+
+
+def _imports(source: str, package: str) -> list[tuple[ast.Import | ast.ImportFrom, str]]:
+    """Every import statement of ``source`` with the module a ``from`` import names (relative
+    ones resolved against ``package``; "" for a plain ``import``)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.append((node, ""))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join([*base, node.module] if node.module else base)
+                found.append((node, ".".join([*base, node.module] if node.module else base)))
             else:
-                module = node.module or ""
-            if module.split(".")[0] == "shard":
-                found.add(module)
+                found.append((node, node.module or ""))
     return found
 
 
@@ -228,3 +238,128 @@ def test_model_tools_never_import_the_engine() -> None:
 )
 def test_project_import_scanner(source: str, package: str, expected: set[str]) -> None:
     assert project_imports(source, package) == expected
+
+
+# ---- one-way layering: no import circles, and each side imports only what is below it ---------
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(module: str, modules: set[str]) -> str | None:
+    """The project module an import names (``from a import b``: ``a.b`` if that is a module)."""
+    while module and module not in modules:
+        module = module.rpartition(".")[0]
+    return module or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every project module -> the project modules it imports (anywhere in it: function-level
+    and ``TYPE_CHECKING`` imports count too, since a circle through them is a circle all the
+    same), its own package's ``__init__`` excluded."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = _module_package(path)
+        targets: set[str] = set()
+        for node, module in _imports(path.read_text(encoding="utf-8"), package):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                names = [f"{module}.{a.name}" for a in node.names]  # a submodule, or module
+            for n in names:
+                target = _resolve(n, modules)
+                if target is not None and target != name:
+                    targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (as a list of modules, the first repeated at the end)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_the_project_has_no_import_circle() -> None:
+    graph = import_graph()
+    assert {"shard.pipeline.chain", "shard.relay.routed", "shard.rpc.session"} <= set(graph)
+    assert find_cycle(graph) is None
+
+
+def test_the_cycle_finder_finds_a_planted_circle() -> None:
+    graph = import_graph()
+    graph["shard.rpc.session"] = graph["shard.rpc.session"] | {"shard.relay.routed"}
+    cycle = find_cycle(graph)
+    assert cycle is not None and "shard.relay.routed" in cycle and "shard.rpc.session" in cycle
+
+
+def _under(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+#: (importer prefix, importer exceptions, modules it must not import). The two sides of a chain
+#: sit side by side above the client of one worker: the worker's relay (``shard.relay``, which
+#: plugs into the server through ``shard.rpc.session``'s protocols) and the client pipeline
+#: (``shard.pipeline``); neither imports the other, and nothing below them imports either.
+LAYERS = [
+    ("shard.engine", (), ("shard.rpc", "shard.client", "shard.pipeline", "shard.relay", "shard.cli")),
+    ("shard.rpc", (), ("shard.client", "shard.pipeline", "shard.relay", "shard.cli")),
+    ("shard.relay", (), ("shard.pipeline", "shard.cli")),
+    ("shard.client", (), ("shard.pipeline", "shard.relay", "shard.rpc.session",
+                          "shard.rpc.servicer", "shard.rpc.registry", "shard.rpc.server", "shard.cli")),
+    ("shard.pipeline", (), ("shard.relay", "shard.rpc.session", "shard.rpc.servicer",
+                            "shard.rpc.registry", "shard.rpc.server", "shard.cli")),
+    # leaves both sides share ("shard" bans every project module)
+    ("shard.deadlines", (), ("shard",)),
+    ("shard.stops", (), ("shard.engine", "shard.rpc", "shard.client", "shard.pipeline", "shard.cli")),
+    ("shard.rpc.routes", (), ("shard",)),
+]
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    found = []
+    for importer, imports in graph.items():
+        for prefix, exceptions, banned in LAYERS:
+            if not _under(importer, prefix) or _under(importer, *exceptions):
+                continue
+            found += [(importer, m) for m in sorted(imports)
+                      if _under(m, *banned) and not _under(m, prefix)]
+    return sorted(set(found))
+
+
+def test_each_side_imports_only_what_lies_below_it() -> None:
+    assert layering_violations(import_graph()) == []
+
+
+def test_the_layering_check_finds_a_planted_violation() -> None:
+    graph = import_graph()
+    graph["shard.relay.policy"] = graph["shard.relay.policy"] | {"shard.pipeline.runner"}
+    graph["shard.pipeline.chain"] = graph["shard.pipeline.chain"] | {"shard.relay.routed"}
+    assert set(layering_violations(graph)) >= {
+        ("shard.relay.policy", "shard.pipeline.runner"),
+        ("shard.pipeline.chain", "shard.relay.routed"),
+    }

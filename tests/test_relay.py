@@ -21,10 +21,11 @@ import trio
 from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, Requests, StepGate, Worker, in_thread, req, worker
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from shard.client import ShardClient, ShardError
+from shard.deadlines import RELAY_DEADLINE_MARGIN
 from shard.engine import LayerRange, LoadSpec
 from shard.engine.fake import FakeEngine, FakeScript, FakeStep
 from shard.pipeline import Pipeline, PipelineError
-from shard.relay import ChainRelay, blamed_hop
+from shard.relay import ChainRelay
 from shard.rpc.errors import ErrorCode, unwrap_single_exception
 from shard.v1 import shard_pb2 as pb
 from test_pipeline import PROMPT, TIMEOUT, assert_all_free, cuts_to_ranges, whole_model_steps
@@ -38,10 +39,10 @@ THREE = cuts_to_ranges([0, 1, 3, 4])
 async def relay_shards(
     ranges: Sequence[LayerRange], *, relay: Sequence[bool] | None = None, latency: float = 0.0,
     gates: Sequence[StepGate] | None = None, fail_at_step: dict[int, int] | None = None,
-    on_step: Any = None,
+    on_step: Any = None, relays: Sequence[ChainRelay | None] | None = None,
 ) -> AsyncIterator[list[Worker]]:
     """One live FakeEngine worker per range; ``relay[i]``: started with relay allowed
-    (default: every one)."""
+    (default: every one), with ``relays[i]`` if given (default: ``ChainRelay()``)."""
     async with AsyncExitStack() as stack:
         workers = []
         for i, lr in enumerate(ranges):
@@ -56,8 +57,10 @@ async def relay_shards(
                 step_latency=latency, on_step=hook, fail_at_step=(fail_at_step or {}).get(i)))
             spec = LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=lr)
             allowed = relay[i] if relay is not None else True
+            given = relays[i] if relays is not None else None
             workers.append(await stack.enter_async_context(worker(
-                engine=engine, gate=gate, load=spec, relay=ChainRelay() if allowed else None)))
+                engine=engine, gate=gate, load=spec,
+                relay=(given or ChainRelay()) if allowed else None)))
         yield workers
 
 
@@ -284,7 +287,8 @@ async def test_a_cancel_rpc_stops_the_step_on_every_hop_and_the_session_goes_on(
                 finally:
                     gates[2].release()  # (also when the test fails: the teardown needs it)
                 assert info.value.code == ErrorCode.CANCELLED
-                assert "relay hop" in info.value.message
+                # the last hop's (two after hop 0), said by structure
+                assert (info.value.relay_depth, info.value.failed_layers) == (2, (3, 4))
                 assert s.usage.n_past == 4  # the step was taken back on every hop
                 assert chain[2].engine.metrics().cancelled_total == 1
                 again = await s.decode(first.logits.token_id)
@@ -305,10 +309,13 @@ async def test_the_deadline_of_a_chained_pipeline_releases_every_hop() -> None:
             assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
             ended = trio.current_time()
             assert ended < started + 1.5
-        # every hop's stream carried the time left as grpc-timeout (each worker's deadline is
-        # its receive time + that: the transit between two workers may add a little)
-        for w in chain:
-            assert started + 0.9 < w.calls[-1].deadline <= started + 1.0 + 0.25
+        # every hop's stream carried the time left as grpc-timeout, less the relay's margin
+        # per hop (each worker's deadline is its receive time + that: the transit between two
+        # workers may add a little); so deadlines shrink along the route
+        deadlines = [w.calls[-1].deadline for w in chain]
+        for k, d in enumerate(deadlines):
+            assert started + 0.9 - k * RELAY_DEADLINE_MARGIN < d <= started + 1.0 + 0.25
+        assert deadlines == sorted(deadlines, reverse=True)
         await free_within(chain)
 
 
@@ -340,13 +347,17 @@ async def test_a_route_through_a_worker_that_does_not_relay_is_refused_naming_it
             with pytest.raises(ShardError) as info:
                 await client.open_session(route=route_of(chain[1:], THREE[1:]))
         err = info.value
-        assert err.code == ErrorCode.PERMISSION_DENIED
-        assert err.message.startswith(f"relay hop {chain[1].target} (layers [1, 3)): ")
+        assert err.code == ErrorCode.PERMISSION_DENIED and err.reason == "RELAY_NOT_ALLOWED"
+        assert (err.relay_depth, err.failed_layers) == (1, (1, 3))
+        assert chain[1].target not in err.message  # named by its place and range, not address
         assert len(chain[2].calls) == 0
         await assert_all_free(chain)
 
 
 async def test_a_route_expecting_another_model_or_range_is_refused_naming_the_hop() -> None:
+    """A route naming another model, or ranges that do not continue the first hop's, is refused
+    by the first hop before any connection; a hop that serves other layers than the route says
+    is refused by the hop before it, naming it."""
     async with relay_shards(THREE) as chain:
         route = route_of(chain[1:], THREE[1:])
         route.hops[1].expected_model_fingerprint = "another-model"
@@ -354,16 +365,22 @@ async def test_a_route_expecting_another_model_or_range_is_refused_naming_the_ho
             with pytest.raises(ShardError) as info:
                 await client.open_session(route=route)
             err = info.value
-            assert err.code == ErrorCode.INCOMPATIBLE_MODEL
-            assert blamed_hop(err.message) == (
-                chain[2].target, f"serves model {MODEL.fingerprint()}, the route expects another-model")
-            gap = route_of(chain[1:], [LayerRange(1, 3), LayerRange(2, 4)])  # hop 2 serves [3, 4)
+            assert err.code == ErrorCode.INVALID_ARGUMENT and err.relay_depth == 0
+            assert "route.hops[1] expects model another-model" in err.message
+            gap = route_of(chain[1:], [LayerRange(1, 3), LayerRange(2, 4)])  # an overlap
             with pytest.raises(ShardError) as info:
                 await client.open_session(route=gap)
-            assert info.value.code == ErrorCode.INVALID_ARGUMENT  # hop 1 refuses the gap itself
-            assert blamed_hop(info.value.message) == (
-                chain[1].target, "route: route.hops[0] starts at layer 2; this worker's layers end at 3")
-        assert len(chain[2].calls) <= 1  # (asked its capabilities while opening: refused both ways)
+            assert info.value.code == ErrorCode.INVALID_ARGUMENT and info.value.relay_depth == 0
+            assert "route.hops[1] starts at layer 2, but the route so far ends at layer 3" in info.value.message
+            assert len(chain[1].calls) == len(chain[2].calls) == 0  # nothing opened anywhere
+            wrong = route_of(chain[1:], [LayerRange(1, 2), LayerRange(2, 4)])  # hop 1 serves [1, 3)
+            with pytest.raises(ShardError) as info:
+                await client.open_session(route=wrong)
+            err = info.value
+            assert err.code == ErrorCode.INCOMPATIBLE_MODEL
+            assert (err.relay_depth, err.failed_layers) == (1, (1, 2))
+            assert "serves layers [1, 3), the route expects [1, 2)" in err.message
+        assert len(chain[1].calls) == len(chain[2].calls) == 0
         await assert_all_free(chain)
 
 
@@ -399,7 +416,7 @@ async def test_a_step_error_downstream_is_named_and_the_chained_session_goes_on(
                 with pytest.raises(ShardError) as info:
                     await s.decode(first.logits.token_id)
                 assert info.value.code == ErrorCode.INVALID_ARGUMENT and refused
-                assert blamed_hop(info.value.message)[0] == chain[2].target  # type: ignore[index]
+                assert (info.value.relay_depth, info.value.failed_layers) == (2, (3, 4))
                 assert s.usage.n_past == 3
                 nxt = await s.decode(first.logits.token_id)
                 assert nxt.n_past == 4
@@ -558,9 +575,11 @@ def test_serve_relay_options_build_the_outbound_credentials(tmp_path: Any) -> No
 
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret relay\n")
-    args = build_parser().parse_args(["serve", "--allow-relay", "--relay-token-file", str(tokens)])
+    args = build_parser().parse_args(["serve", "--allow-relay", "--relay-token-file", str(tokens),
+                                      "--relay-plaintext-loopback", "--relay-peers", "127.0.0.1"])
     options = _relay_options(args)
-    assert options == {"ssl_context": None, "metadata": (("authorization", "Bearer s3cret"),)}
+    assert options == {"ssl_context": None, "metadata": (("authorization", "Bearer s3cret"),),
+                       "peers": "127.0.0.1", "advertise": None, "plaintext_loopback": True}
     assert _relay_options(build_parser().parse_args(["serve"])) is None
 
 
@@ -584,14 +603,13 @@ async def test_the_relays_outbound_token_reaches_a_worker_that_requires_one(tmp_
             relay=ChainRelay()))
         keyed = await stack.enter_async_context(worker(
             engine=FakeEngine(model=MODEL, script=FakeScript()), load=spec(ranges[0]),
-            relay=ChainRelay(metadata=bearer_metadata("hop-secret"))))
+            relay=ChainRelay(metadata=bearer_metadata("hop-secret"), plaintext_loopback=True)))
         route = route_of([last], ranges[1:])
         async with ShardClient.connect(bare.target, timeout=TIMEOUT) as client:
             with pytest.raises(ShardError) as info:
                 await client.open_session(route=route)
         assert info.value.code == ErrorCode.UNAUTHENTICATED
-        assert blamed_hop(info.value.message) is not None
-        assert blamed_hop(info.value.message)[0] == last.target  # type: ignore[index]
+        assert (info.value.relay_depth, info.value.failed_layers) == (1, (2, 4))
         async with ShardClient.connect(keyed.target, timeout=TIMEOUT) as client:
             async with client.session(route=route) as s:
                 step = await s.prefill(tokens=[1, 2, 3])

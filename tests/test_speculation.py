@@ -23,10 +23,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from shard.drafting import PromptLookup
+from shard.pipeline.drafting import PromptLookup
 from shard.engine import Capabilities, LayerRange
 from shard.pipeline import Pipeline, PipelineError
-from shard.replay import ReplayBudget, RowLog, TokenLog
+from shard.pipeline.replay import ReplayBudget, RowLog, TokenLog
 from shard.rpc.errors import ErrorCode
 from shard.v1 import shard_pb2 as pb
 from test_failover import fleet, gate_of

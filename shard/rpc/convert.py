@@ -65,6 +65,12 @@ def wire_dtype(name: str, session_id: str = "") -> str:
     return name
 
 
+def offered_dtype(caps: pb.GetCapabilitiesResponse, asked: str) -> str:
+    """The dtype to ask of a worker for hidden states: ``asked`` if the worker offers it
+    (``hidden_wire_dtypes``), else float32 (what every worker takes)."""
+    return asked if asked in caps.hidden_wire_dtypes else HIDDEN_DTYPE
+
+
 def tensor_to_array(
     msg: pb.Tensor,
     n_embd: int,
@@ -221,6 +227,7 @@ __all__ = [
     "invalid",
     "layer_range_to_proto",
     "metrics_to_proto",
+    "offered_dtype",
     "prefix_sha256",
     "sampling_from_proto",
     "step_to_proto",

@@ -228,6 +228,8 @@ class ShardError(Exception):
         reason: str = "",
         supported_versions: Sequence[tuple[int, int]] = (),
         grpc_status: GrpcStatus | None = None,
+        relay_depth: int = 0,
+        failed_layers: tuple[int, int] | None = None,
     ) -> None:
         spec = ERROR_TABLE[code]
         self.code = code
@@ -235,6 +237,11 @@ class ShardError(Exception):
         self.session_id = session_id
         self.reason = reason
         self.supported_versions = tuple(supported_versions)
+        #: Chain relay: the hop of the route the error is from, counted from whoever raised or
+        #: received it (0: its own), and that hop's layer range (``Error.relay_depth``,
+        #: ``failed_layers``): structure, so that nobody parses a message to find the hop.
+        self.relay_depth = relay_depth
+        self.failed_layers = failed_layers if relay_depth else None
         self.grpc_status = spec.status if grpc_status is None else grpc_status
         self.retryable = agreeing_retryable(
             self.grpc_status, spec.retryable if retryable is None else retryable
@@ -242,7 +249,29 @@ class ShardError(Exception):
         super().__init__(self.message)
 
     def __repr__(self) -> str:
-        return f"ShardError({self.code.name}, {self.message!r}, retryable={self.retryable})"
+        hop = f", relay_depth={self.relay_depth}" if self.relay_depth else ""
+        return f"ShardError({self.code.name}, {self.message!r}, retryable={self.retryable}{hop})"
+
+    def replace(self, **changes: object) -> ShardError:
+        """A copy with ``changes`` (any constructor keyword) applied."""
+        fields: dict[str, object] = dict(
+            code=self.code, message=self.message, retryable=self.retryable,
+            session_id=self.session_id, reason=self.reason,
+            supported_versions=self.supported_versions, grpc_status=self.grpc_status,
+            relay_depth=self.relay_depth, failed_layers=self.failed_layers,
+        )
+        fields.update(changes)
+        code = fields.pop("code")
+        return ShardError(code, **fields)  # type: ignore[arg-type]
+
+    def one_hop_up(self, layers: tuple[int, int] | None) -> ShardError:
+        """This error, received from the next hop of a route (whose layer range the route named
+        ``layers``), as the relaying worker reports it: one hop deeper, and that hop's range if
+        the error was the next hop's own."""
+        return self.replace(
+            relay_depth=self.relay_depth + 1,
+            failed_layers=self.failed_layers if self.relay_depth else layers,
+        )
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -259,6 +288,9 @@ class ShardError(Exception):
                 pb.ProtocolVersion(major=a, minor=b) for a, b in self.supported_versions
             ],
             reason=self.reason,
+            relay_depth=self.relay_depth,
+            failed_layers=None if self.failed_layers is None else pb.LayerRange(
+                start=self.failed_layers[0], end=self.failed_layers[1]),
         )
 
     def error_info(self) -> error_details_pb2.ErrorInfo:
@@ -268,6 +300,10 @@ class ShardError(Exception):
             metadata["session_id"] = self.session_id
         if self.reason:
             metadata["engine_reason"] = self.reason
+        if self.relay_depth:
+            metadata["relay_depth"] = str(self.relay_depth)
+            if self.failed_layers is not None:
+                metadata["failed_layers"] = f"{self.failed_layers[0]}:{self.failed_layers[1]}"
         return error_details_pb2.ErrorInfo(
             reason=self.code.name, domain=ERROR_DOMAIN, metadata=metadata
         )
@@ -301,6 +337,9 @@ class ShardError(Exception):
             reason=err.reason,
             supported_versions=[(v.major, v.minor) for v in err.supported_versions],
             grpc_status=grpc_status,
+            relay_depth=err.relay_depth,
+            failed_layers=((err.failed_layers.start, err.failed_layers.end)
+                           if err.HasField("failed_layers") else None),
         )
 
     @classmethod
@@ -332,6 +371,8 @@ class ShardError(Exception):
                         session_id=info.metadata.get("session_id", ""),
                         reason=info.metadata.get("engine_reason", ""),
                         grpc_status=grpc_status,
+                        relay_depth=_int(info.metadata.get("relay_depth", "0")),
+                        failed_layers=_layers(info.metadata.get("failed_layers", "")),
                     )
         code = STATUS_ERROR_CODES.get(grpc_status, ErrorCode.UNSPECIFIED)
         return cls(code, message or None, grpc_status=grpc_status)
@@ -384,6 +425,15 @@ def _error_info(status_bytes: bytes) -> error_details_pb2.ErrorInfo | None:
     except DecodeError:
         pass
     return None
+
+
+def _int(text: str) -> int:
+    return int(text) if text.isdigit() else 0
+
+
+def _layers(text: str) -> tuple[int, int] | None:
+    start, sep, end = text.partition(":")
+    return (int(start), int(end)) if sep and start.isdigit() and end.isdigit() else None
 
 
 def internal_error(session_id: str = "") -> ShardError:

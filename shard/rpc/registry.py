@@ -32,8 +32,7 @@ from shard.engine import EngineError, ShardEngine
 from shard.v1 import shard_pb2 as pb
 
 from .errors import ErrorCode, ShardError
-from .relaying import RelayOpener
-from .session import Retained, SessionCall, SessionLimits, StreamEnd
+from .session import Relay, Retained, SessionCall, SessionLimits, StreamEnd
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class Registry:
 
     def __init__(
         self, engine: ShardEngine, limits: SessionLimits = SessionLimits(),
-        relay: RelayOpener | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.engine = engine
         self.limits = limits

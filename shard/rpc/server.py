@@ -33,9 +33,8 @@ from .health import SERVICE_NAME as HEALTH_SERVICE
 from .metrics import WorkerMetrics, serve_metrics
 from .reflection import ReflectionService
 from .registry import Registry
-from .relaying import RelayOpener
 from .servicer import Authorizer, ShardServicer
-from .session import SessionLimits
+from .session import Relay, SessionLimits
 from .transport import Server, TransportLimits
 
 log = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ async def serve(
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
     reflection: bool = True,
-    relay: RelayOpener | None = None,
+    relay: Relay | None = None,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``engine`` on ``host:port`` until cancelled.
@@ -132,9 +131,10 @@ async def serve(
     ``authorize`` is the optional auth hook (see ``servicer.Authorizer``).
     ``metrics_port``: also serve Prometheus ``/metrics`` on ``metrics_host:metrics_port`` (0
     picks a free port, see ``RunningServer.metrics_port``). ``reflection``: serve gRPC server
-    reflection (v1 and v1alpha) next to the Shard and health services. ``relay``: open the
-    downstream sessions of sessions opened with a route (chain relay, ``shard.relay.ChainRelay``;
-    ``serve --allow-relay``) and report ``relay_allowed``; None (default) refuses every route.
+    reflection (v1 and v1alpha) next to the Shard and health services. ``relay``: serve the
+    routed side of sessions opened with a route (chain relay, ``shard.relay.ChainRelay``;
+    ``serve --allow-relay``; it runs in the server's nursery, told the bound address) and report
+    ``relay_allowed``; None (default) refuses every route.
     """
     if not (math.isfinite(health_interval) and health_interval > 0):
         raise ValueError("health_interval must be a positive number of seconds")
@@ -168,6 +168,8 @@ async def serve(
                 running = RunningServer(
                     host, bound, servicer, registry, health, nudge, transport, metrics
                 )
+                if relay is not None:  # its connections to peers live as long as the server
+                    await nursery.start(relay.run, _host_port(host, bound))
                 if metrics_port is not None:
                     running.metrics_port = await nursery.start(
                         _serve_metrics, metrics, metrics_host, metrics_port

@@ -26,7 +26,7 @@ from . import convert, lifecycle
 from .errors import ERROR_TRAILER, ErrorCode, ShardError, internal_error
 from .metrics import WorkerMetrics
 from .registry import Registry
-from .session import SessionLimits, StreamEnd
+from .session import SessionLimits, StreamEnd, return_refused
 from .transport import CallContext, EndReason, StatusError, TransportLimits, current_call
 from .versions import check_version
 
@@ -189,6 +189,7 @@ class ShardServicer(_ShardServicerBase):
             resume_ttl_ms=self.limits.resume_ttl_ms,
         )
         caps.relay_allowed = caps.relay_return = self.registry.relay is not None  # unset unless allowed
+        caps.session_rewind = True
         return caps
 
     async def _health(self, _: pb.HealthRequest) -> pb.HealthResponse:
@@ -233,12 +234,9 @@ class ShardServicer(_ShardServicerBase):
         """A routed session's last hop hands over one result (chain relay's direct return)."""
         await trio.lowlevel.checkpoint()
         call = self.registry.live(req.session_id)
-        returns = None if call is None else call.direct_returns
-        if returns is None:  # no such routed session here (or it ended): nobody to hand it to
-            raise ShardError(ErrorCode.PERMISSION_DENIED,
-                             "Return: no routed session of this worker has that return address",
-                             session_id=req.session_id, reason="RETURN_REFUSED")
-        accepted = returns.offer(req.secret, req.relay_tag, req.step)
+        if call is None:  # the same answer as a wrong secret: no oracle of which sessions exist
+            raise return_refused(req.session_id)
+        accepted = call.offer_return(req.secret, req.relay_tag, req.step)
         # used: a step went on with it; late: the chain's answer had come first
         self.registry.count("direct_returns_used_total" if accepted else "direct_returns_late_total")
         return pb.ReturnResponse(accepted=accepted)

@@ -8,27 +8,36 @@ wire goes away, calls ``SessionCall.end(reason)`` and waits for ``done``.
 
 State machine (``Phase``)::
 
-    AWAITING_OPEN --OpenSession--> IDLE --Prefill/Decode/Generate--> RUNNING --done--> IDLE
+    AWAITING_OPEN --OpenSession--> IDLE --Prefill/Decode/Generate/Rewind--> RUNNING --done--> IDLE
     IDLE|RUNNING --CloseSession / half-close--> CLOSING --running step done--> CLOSED
     any --fatal error / deadline / end(reason)--> CLOSED
 
 Anything else is a protocol violation and ends the stream with ILLEGAL_TRANSITION (a message
 before OpenSession, a second OpenSession, a step while a step runs, anything after
 CloseSession; the one exception is a session opened with a filled-in ``route.return_to``,
-where one step may queue behind the running one, see ``shard.rpc.relaying``). Request-level problems (bad token ids, wrong hidden-state shape or dtype, a full
-KV budget, a step deadline, an out-of-band Cancel) are *step-level*: reported in-stream as
-``SessionResponse.error`` and the session stays usable. Every Prefill/Decode/Generate is answered
-by zero or more ``StepResult``, an optional ``Error``, then exactly one ``Usage``.
+where one step may queue behind the running one, see ``shard.relay``). Request-level
+problems (bad token ids, wrong hidden-state shape or dtype, a full KV budget, a step deadline,
+an out-of-band Cancel) are *step-level*: reported in-stream as ``SessionResponse.error`` and the
+session stays usable. Every Prefill/Decode/Generate/Rewind is answered by zero or more
+``StepResult``, an optional ``Error``, then exactly one ``Usage``.
+
+Positions: what the session holds lives in one object (``self.positions``, ``Positions``; a
+routed session's is its relay's ``ChainLedger``), moved only by its event methods.
+
+Chain relay: a session opened with a route is served by a ``Routed`` object the worker's relay
+(``serve(relay=...)``, ``shard.relay``) opens; this module only dispatches to it through the
+``Relay``/``Routed`` protocols and gives it the step API of ``StepHost`` (credit, cancellation,
+engine calls, sending results), so the relay never touches the stream's internals.
 
 Resource handling: the task owns the engine session from OpenSession until it either releases
 it or hands it to the registry as *retained* (kept for ``resume_ttl`` so a new stream can resume
 it). The cleanup runs shielded, so a cancelled or failed stream never leaks KV cells.
 
 Cancellation: an out-of-band Cancel is remembered from the moment a step is dispatched and stops
-it at its next credit wait or engine call (``_cancellable``); handing a computed result to the
+it at its next credit wait or engine call (``cancellable``); handing a computed result to the
 transport is never cancelled by it, so ``Usage`` counts exactly the results sent and the session
 holds what they say. If the stream itself ends first, a retained session resumes from what was
-handed to the transport (``_delivered_end``).
+handed to the transport (``positions.delivered``).
 
 Flow control: responses leave through a bounded memory channel (capacity ``max_credit`` + a few
 control messages). Each result needs one credit, taken *before* the engine computes it (and
@@ -45,6 +54,7 @@ each engine call; expiry is a step-level DEADLINE_EXCEEDED (the engine rolls the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -53,7 +63,7 @@ import sys
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import NoReturn, Protocol, TypeVar
 
 import numpy as np
 import trio
@@ -75,12 +85,12 @@ from shard.engine import (
     StepTimeout,
     TooManySessions,
 )
+from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from . import convert
 from .errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
-from .relaying import Downstream, RelayOpener, RelaySteps, Returner, check_return, check_route
-from .returns import DirectReturns
+from .positions import Positions
 from .versions import check_version
 
 log = logging.getLogger(__name__)
@@ -163,6 +173,148 @@ class SessionHost(Protocol):
     def count_error(self, code: ErrorCode) -> None: ...
 
 
+NOT_ALLOWED = (
+    "this worker does not relay: its operator did not allow relay (start it with "
+    "`trio-shard serve --allow-relay`); use client relay instead"
+)
+
+
+def return_refused(session_id: str = "") -> ShardError:
+    """The one answer to a ``Return`` that no routed session takes (no such session, or not
+    with that secret): one message for both, so it tells nothing about which sessions exist."""
+    return ShardError(ErrorCode.PERMISSION_DENIED,
+                      "Return: no routed session of this worker has that return address",
+                      session_id=session_id, reason="RETURN_REFUSED")
+
+
+class StepHost(Protocol):
+    """The step API of a session stream: what a step's implementation (the plain steps here,
+    a routed session's in ``shard.relay``) may use of its session. ``SessionCall`` is one."""
+
+    session_id: str
+    positions: Positions
+    credit: AsyncValue[int]
+
+    @property
+    def engine(self) -> ShardEngine: ...
+
+    @property
+    def caps(self) -> Capabilities: ...
+
+    @property
+    def kv_capacity(self) -> int: ...
+
+    @property
+    def wire_dtype(self) -> str: ...
+
+    @property
+    def deadline(self) -> float: ...
+
+    def cancellable(self) -> contextlib.AbstractContextManager[None]: ...
+
+    async def take_credit(self) -> None: ...
+
+    async def engine_call(self, fn: Callable[[R], Awaitable[StepResult]], request: R) -> StepResult: ...
+
+    async def prefill_input(
+        self, p: pb.Prefill
+    ) -> tuple[int, SamplingParams, tuple[int, ...] | None, np.ndarray | None, int]: ...
+
+    def decode_input(self, d: pb.Decode) -> tuple[SamplingParams, int | None, np.ndarray | None]: ...
+
+    async def generate_input(self, g: pb.Generate) -> tuple[SamplingParams, tuple[int, ...] | None]: ...
+
+    def rewind_position(self, r: pb.Rewind) -> int: ...
+
+    async def truncate_engine(self, keep: int) -> None: ...
+
+    def finish_reason(self, rules: StopRules, token: int, is_eog: bool, emitted: int, n_past: int) -> int: ...
+
+    async def send_result(self, msg: pb.StepResult, *, usage_follows: bool = False) -> None: ...
+
+    async def end_with(self, err: ShardError) -> NoReturn: ...
+
+
+class Routed(Protocol):
+    """This worker's side of a routed session (chain relay), opened by ``Relay.open``:
+    ``shard.relay.RoutedSession``."""
+
+    #: The session's positions, the next hop's included (the stream reads ``end``).
+    positions: Positions
+    #: The least KV capacity of the chain from this worker on.
+    kv_capacity: int
+
+    async def step(self, req: pb.SessionRequest, usage: pb.Usage) -> None:
+        """Run one Prefill/Decode/Generate/Rewind through the chain (results sent with the
+        host's ``send_result``); a step-level failure raises its ``ShardError``."""
+        ...
+
+    async def settle(self) -> None:
+        """After every request, failed ones included: bring this worker and its next hop to
+        the same positions (the ledger's one rule); raises a fatal error if it cannot."""
+        ...
+
+    def cancel(self) -> None:
+        """A Cancel of the running step: forward it to the next hop (sync, never raises)."""
+        ...
+
+    def deadline_error(self) -> ShardError | None:
+        """The error for the call deadline passing now: naming the next hop when a step was
+        waiting for its answer, else None (the deadline is this worker's)."""
+        ...
+
+    def offer_return(self, secret: bytes, tag: int, step: pb.StepResult) -> bool:
+        """A ``Return`` for this session (direct return): True if a step used it; raises
+        ``return_refused`` for a wrong secret or a session that takes none."""
+        ...
+
+    async def close(self) -> None:
+        """Close the downstream session gracefully (released); never raises."""
+        ...
+
+    def abort(self) -> None:
+        """Reset the downstream stream now (the next worker releases its session)."""
+        ...
+
+
+class Returner(Protocol):
+    """A last hop's sender of tagged results to the route's return address."""
+
+    def push(self, tag: int, step: pb.StepResult) -> None:
+        """Hand one result over, never blocking the step (a full queue drops it: the chain's
+        own answer still carries it)."""
+        ...
+
+    def close(self) -> None:
+        """No more results: the pusher's task ends (sync, idempotent)."""
+        ...
+
+
+class Relay(Protocol):
+    """Opens the routed side of sessions (``serve(relay=...)``: ``shard.relay.ChainRelay``).
+    Without one a route is refused with PERMISSION_DENIED, so no worker becomes an open relay."""
+
+    def check(self, req: pb.OpenSession, caps: Capabilities, sid: str) -> None:
+        """Refuse, before any session is claimed, a route or return address this worker will
+        not serve (synchronous checks; where it may connect is checked by ``open``)."""
+        ...
+
+    async def open(self, host: StepHost, req: pb.OpenSession, *, nursery: trio.Nursery) -> Routed:
+        """Open the next hop of ``req.route`` (held by a task in ``nursery``, the stream's)."""
+        ...
+
+    async def open_return(
+        self, address: pb.ReturnAddress, *, deadline: float, nursery: trio.Nursery
+    ) -> Returner:
+        """A last hop's pusher to ``address`` (held by a task in ``nursery``)."""
+        ...
+
+    async def run(self, local: str, *, task_status: trio.TaskStatus[None]) -> None:
+        """Own the relay's connections until cancelled (``serve`` starts it once bound);
+        ``local``: the worker's bound HOST:PORT."""
+        ...
+
+
 class Phase(enum.Enum):
     AWAITING_OPEN = "awaiting_open"
     IDLE = "idle"
@@ -197,13 +349,14 @@ def _illegal(message: str, session_id: str = "") -> ShardError:
     return ShardError(ErrorCode.ILLEGAL_TRANSITION, message, session_id=session_id)
 
 
-class SessionCall(RelaySteps):
+class SessionCall:
     """The server side of one ``Session`` stream (see the module docstring).
 
     Created and started by ``Registry.start_call``. Public surface for the handler and the
     registry: ``responses`` (receive channel), ``end(reason)``, ``done``, ``error``;
-    ``cancel_step()`` for the Cancel RPC; ``phase``, ``credit``, ``parked`` and ``buffered()`` for
-    observers and tests.
+    ``cancel_step()`` for the Cancel RPC, ``offer_return()`` for the Return RPC; ``phase``,
+    ``credit``, ``parked``, ``positions`` and ``buffered()`` for observers and tests; and the
+    ``StepHost`` API for the steps' implementations.
     """
 
     def __init__(
@@ -215,14 +368,12 @@ class SessionCall(RelaySteps):
         requests: AsyncIterable[pb.SessionRequest],
         deadline: float = math.inf,
         max_message_bytes: int = 16 * 1024 * 1024,
-        relay: RelayOpener | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self._engine = engine
-        self._relay = relay  # opens a routed session's downstream (None: routes are refused)
-        self._downstream: Downstream | None = None  # a routed session's next hop
-        #: A routed first hop's return address (the Return RPC hands results to it), if any.
-        self.direct_returns: DirectReturns | None = None
-        self._returner: Returner | None = None  # a last hop's pusher to the return address
+        self._relay = relay  # opens a routed session's next hop (None: routes are refused)
+        self.routed: Routed | None = None  # a routed session's side of the chain
+        self.returner: Returner | None = None  # a last hop's pusher to the return address
         self._queue_ok = False  # on a route with a return address: one step may queue
         self._queued: pb.SessionRequest | None = None  # the step queued behind the running one
         self._registry = registry
@@ -250,17 +401,15 @@ class SessionCall(RelaySteps):
         self._step_active = AsyncBool(False)  # from dispatch until the step's Usage is queued
         self._cancel_requested = False  # a Cancel for the current step (survives region gaps)
         self._step_finishing = False  # the step's work is over; only its Error/Usage remain
-        self._credit_unspent = False  # a credit was taken for a result not sent (yet)
+        # Credits the running step took and results it sent: the difference goes back.
+        self._credits_taken = self._credits_spent = 0
         self._owns_engine_session = False  # the engine session exists and is ours to free
         self._caps: Capabilities | None = None
         self._wire_dtype = convert.HIDDEN_DTYPE  # hidden states on the wire, both directions
         self._kv_capacity = 0
         self._step_timeout: float | None = None  # seconds per engine step (step_timeout_ms)
         self._version = (1, 0)  # the protocol version the session was opened with
-        self._end = 0  # logical end of the session (positions the client may build on)
-        self._engine_len = 0  # positions the engine holds (>= _end after a partial resume)
-        self._delivered_end = 0  # positions whose results were handed to the transport
-        self._next_token: int | None = None  # token chosen by the last logits step
+        self.positions = Positions()  # what the session holds (a routed one's: its ledger)
         # The client's last Decode sent the token the worker had sampled (look-ahead pays).
         self._follows = False
         self._step_no = 0
@@ -288,9 +437,16 @@ class SessionCall(RelaySteps):
         self._cancel_requested = True
         if self._step_scope is not None:
             self._step_scope.cancel()
-        if self._downstream is not None:
-            self._downstream.cancel()  # a step in flight downstream stops there too
+        if self.routed is not None:
+            self.routed.cancel()  # a step in flight downstream stops there too
         return True
+
+    def offer_return(self, secret: bytes, tag: int, step: pb.StepResult) -> bool:
+        """The Return RPC: a routed first hop's result handed over directly (direct return).
+        ``return_refused`` unless this is a routed session that takes one with that secret."""
+        if self.routed is None:
+            raise return_refused(self.session_id)
+        return self.routed.offer_return(secret, tag, step)
 
     def buffered(self) -> int:
         """Responses produced but not yet taken by the transport (bounded by the channel)."""
@@ -305,16 +461,44 @@ class SessionCall(RelaySteps):
         """The call deadline (trio clock); ``inf`` without ``grpc-timeout``."""
         return self._deadline
 
+    @property
+    def engine(self) -> ShardEngine:
+        return self._engine
+
+    @property
+    def caps(self) -> Capabilities:
+        """The engine's capabilities as the session was opened with them."""
+        assert self._caps is not None
+        return self._caps
+
+    @property
+    def kv_capacity(self) -> int:
+        """The most positions the session may hold (a routed one: the chain's least)."""
+        return self._kv_capacity
+
+    @property
+    def wire_dtype(self) -> str:
+        """Hidden states on the wire, both directions."""
+        return self._wire_dtype
+
+    def count(self, name: str) -> None:
+        """Bump a worker counter (``GetMetrics``' ``worker.<name>``)."""
+        self._registry.count(name)
+
     # ---- the task -------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The stream's task; started by the registry in its nursery."""
         task_status.started()
         try:
-            with self._scope:
-                async with trio.open_nursery() as nursery:
-                    self._nursery = nursery
-                    nursery.start_soon(self._guarded, self._read_requests)
+            try:
+                with self._scope:
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        nursery.start_soon(self._guarded, self._read_requests)
+            except Exception:  # (a group that _guarded could not see whole): one stream's bug
+                log.exception("session %r: internal error", self.session_id)  # ends one stream
+                self._fail(internal_error(self.session_id))
             if (
                 self._scope.cancelled_caught
                 and self._end_reason is None
@@ -323,9 +507,11 @@ class SessionCall(RelaySteps):
             ):
                 self._end_reason = StreamEnd.DEADLINE
                 self.ended_at = self._deadline
-                self.error = ShardError(
+                blamed = self.routed.deadline_error() if self.routed is not None else None
+                self.error = blamed or ShardError(
                     ErrorCode.DEADLINE_EXCEEDED, "the call deadline expired", session_id=self.session_id
                 )
+                self.error.session_id = self.session_id
         finally:
             with trio.CancelScope(shield=True):
                 try:
@@ -346,6 +532,12 @@ class SessionCall(RelaySteps):
         except Exception:
             log.exception("session %r: internal error", self.session_id)
             self._fail(internal_error(self.session_id))
+
+    async def end_with(self, err: ShardError) -> NoReturn:
+        """End the stream with ``err`` now (``_fail``; the step's task is cancelled here)."""
+        self._fail(err)
+        await trio.lowlevel.checkpoint()  # raises Cancelled: the stream's scope was cancelled
+        raise AssertionError("unreachable")
 
     def _fail(self, err: ShardError) -> None:
         """End the stream with ``err`` (first error wins); the session is released."""
@@ -402,16 +594,20 @@ class SessionCall(RelaySteps):
                 return
             raise _illegal(f"{kind} while a step is running (steps never interleave)", sid)
         else:
-            assert self._nursery is not None
             self.phase.value = Phase.RUNNING
-            self._cancel_requested = self._step_finishing = False
             self._step_active.value = True  # from here on a Cancel is never lost
-            self._nursery.start_soon(self._guarded, lambda: self._run_step(req))
+            self._start_step(req)
 
     async def _on_half_close(self) -> None:
         if self.phase.value is Phase.AWAITING_OPEN:
             raise _illegal("the request stream ended before OpenSession")
         await self._close_requested(retain=True, half_close=True)
+
+    def _start_step(self, req: pb.SessionRequest) -> None:
+        assert self._nursery is not None
+        self._cancel_requested = self._step_finishing = False
+        self._credits_taken = self._credits_spent = 0
+        self._nursery.start_soon(self._guarded, lambda: self._run_step(req))
 
     def _grant(self, messages: int) -> None:
         if self.credit.value != UNLIMITED_CREDIT:
@@ -431,11 +627,13 @@ class SessionCall(RelaySteps):
             raise ShardError(ErrorCode.DRAINING, session_id=sid)
         self._check_model(req, caps, sid)
         routed = req.HasField("route") and len(req.route.hops) > 0
-        if routed:
-            check_route(self._relay, req, caps, sid)
+        # a filled-in return address: a later hop of a chain with a direct return
         returning = req.HasField("route") and bool(req.route.return_to.session_id)
-        if returning and not routed:
-            check_return(self._relay, req, caps, sid)
+        if routed or returning:
+            if self._relay is None:
+                raise ShardError(ErrorCode.PERMISSION_DENIED, NOT_ALLOWED, session_id=sid,
+                                 reason="RELAY_NOT_ALLOWED")
+            self._relay.check(req, caps, sid)
         wire_dtype = convert.wire_dtype(req.hidden_wire_dtype, sid)
         if req.kv_budget > caps.n_ctx_per_session:
             raise convert.invalid(
@@ -451,25 +649,15 @@ class SessionCall(RelaySteps):
         cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
         if routed:
             assert self._relay is not None and self._nursery is not None
-            return_to = req.route.return_to if returning else None
-            if req.route.return_to.target and not returning and len(req.route.hops) >= 2:
-                # the client asks for a direct return to this (first) hop: this worker owns it
-                self.direct_returns = DirectReturns(sid)
-                return_to = self.direct_returns.address(req.route.return_to.target)
-            self._downstream = await self._relay.open(
-                req.route, session_id=sid, deadline=self._deadline, hidden_dtype=wire_dtype,
-                nursery=self._nursery, return_to=return_to,
-            )
-            if not self._downstream.pipelined:
-                self.direct_returns = None  # the next hop takes no part: answers come up the chain
-            self._kv_capacity = min(self._kv_capacity, self._downstream.kv_capacity)
+            self.routed = await self._relay.open(self, req, nursery=self._nursery)
+            self.positions = self.routed.positions
+            self._kv_capacity = min(self._kv_capacity, self.routed.kv_capacity)
         elif returning:
             assert self._relay is not None and self._nursery is not None
-            self._returner = await self._relay.open_return(
+            self.returner = await self._relay.open_return(
                 req.route.return_to, deadline=self._deadline, nursery=self._nursery
             )
         self._queue_ok = returning
-        self._delivered_end = self._end
         credit = min(req.initial_credit or self._limits.default_credit, self._limits.max_credit)
         self.credit.value = credit
         self.phase.value = Phase.IDLE
@@ -479,7 +667,7 @@ class SessionCall(RelaySteps):
                     session_id=sid,
                     cache=cache,
                     kv_capacity=self._kv_capacity,
-                    n_past=self._end,
+                    n_past=self.positions.end,
                     credit=credit,
                     version=pb.ProtocolVersion(major=version[0], minor=version[1]),
                     # echoed only when asked, so that v1.0 clients see the same bytes as before
@@ -521,8 +709,7 @@ class SessionCall(RelaySteps):
             self._owns_engine_session = True
             outcome, held, reason = self._compare(sid, retained, expectation)
             if outcome in (R.OUTCOME_HIT, R.OUTCOME_PARTIAL):
-                self._end = held
-                self._engine_len = retained.engine_len
+                self.positions.resumed(held, retained.engine_len)
                 self._kv_capacity = retained.kv_capacity
                 self._registry.count("sessions_resumed_total")
                 return R(outcome=outcome, tokens_held=held, reason=reason)
@@ -571,7 +758,7 @@ class SessionCall(RelaySteps):
                 raise ShardError.from_engine(exc) from None
         self._owns_engine_session = True
         self._kv_capacity = info.kv_budget
-        self._end = self._engine_len = 0
+        self.positions = Positions()
 
     # ---- close ----------------------------------------------------------------------------
 
@@ -580,8 +767,8 @@ class SessionCall(RelaySteps):
         self.phase.value = Phase.CLOSING
         self.credit.value = UNLIMITED_CREDIT  # the client can no longer grant credit
         await self._step_active.wait_value(False)
-        if self._downstream is not None:
-            await self._downstream.close()
+        if self.routed is not None:
+            await self.routed.close()
         C = pb.SessionClosed
         reason = C.REASON_CLIENT_HALF_CLOSE if half_close else C.REASON_CLIENT_CLOSE
         closed = await self._close(retain=retain, reason=reason)
@@ -596,21 +783,22 @@ class SessionCall(RelaySteps):
         sid = self.session_id
         healthy = self._engine.health().state is EngineState.READY
         retained = False
-        if self._downstream is not None:
+        if self.routed is not None:
             retain = False  # the chain behind it cannot be resumed
-            self._downstream.abort()  # (a no-op after a graceful close)
-        if self._returner is not None:
+            self.routed.abort()  # (a no-op after a graceful close)
+        if self.returner is not None:
             retain = False  # a hop of a chain, which cannot be resumed
-            self._returner.close()  # its task ends with the stream
+            self.returner.close()  # its task ends with the stream
         if self._owns_engine_session:
             self._owns_engine_session = False
             if retain and healthy:
                 # Resume from what the client was sent: a result computed but never handed to the
                 # transport (the stream ended first) is not part of the session it knows.
+                positions = self.positions
                 retained = self._registry.retain(
                     sid,
-                    end=min(self._end, self._delivered_end),
-                    engine_len=self._engine_len,
+                    end=min(positions.end, positions.delivered),
+                    engine_len=positions.engine,
                     kv_capacity=self._kv_capacity,
                 )
             if not retained:
@@ -648,22 +836,24 @@ class SessionCall(RelaySteps):
     # ---- steps ----------------------------------------------------------------------------
 
     async def _run_step(self, req: pb.SessionRequest) -> None:
-        """One Prefill/Decode/Generate: StepResult*, optional Error, then Usage.
+        """One Prefill/Decode/Generate/Rewind: StepResult*, optional Error, then Usage.
 
         Only credit waits and engine calls are cancellable by an out-of-band Cancel
-        (``_cancellable``); handing a computed result to the transport is not, so a Cancel can
+        (``cancellable``); handing a computed result to the transport is not, so a Cancel can
         never drop a committed result, and ``Usage`` counts exactly the results sent.
         """
         usage = pb.Usage()
         err: ShardError | None = None
         try:
             kind = req.WhichOneof("kind")
-            if self._downstream is not None:
-                await self._relay_step(req, usage)
+            if self.routed is not None:
+                await self.routed.step(req, usage)
             elif kind == "prefill":
                 await self._prefill(req.prefill, usage)
             elif kind == "decode":
                 await self._decode(req.decode, usage)
+            elif kind == "rewind":
+                await self._rewind(req.rewind)
             else:
                 await self._generate(req.generate, usage)
         except ShardError as exc:
@@ -674,9 +864,14 @@ class SessionCall(RelaySteps):
             self.parked.value = False
             self._step_scope = None
             self._step_finishing = True  # nothing left to stop: a Cancel now finds no step
-            if self._credit_unspent:  # the step failed before its result: give the credit back
-                self._credit_unspent = False
-                self._grant(1)
+            unspent = self._credits_taken - self._credits_spent
+            if unspent > 0:  # credits taken for results never sent go back
+                self._grant(unspent)
+            self._credits_taken = self._credits_spent = 0
+        if self.routed is not None:
+            # the one rule, after every request: this worker and its next hop hold the same
+            # positions again (a fatal error if they cannot be made to)
+            await self.routed.settle()
         if err is not None:
             if not err.session_id:
                 err.session_id = self.session_id
@@ -685,30 +880,54 @@ class SessionCall(RelaySteps):
         for field in ("prompt_tokens", "generated_tokens", "reused_tokens"):
             setattr(self._totals, field, getattr(self._totals, field) + getattr(usage, field))
         if self._version >= (1, 1):
-            usage.n_past = self._end  # what the session holds now, also after a failed step
-        await self._send(pb.SessionResponse(usage=usage))
+            usage.n_past = self.positions.end  # what the session holds now, also after a failure
+        ended = pb.SessionResponse(usage=usage)
         queued, self._queued = self._queued, None
-        if queued is not None and self.phase.value is Phase.RUNNING:
-            if err is None:
-                assert self._nursery is not None
-                self._cancel_requested = self._step_finishing = False
-                self._nursery.start_soon(self._guarded, lambda: self._run_step(queued))
-                return
-            # it was sent for the state the failed step would have left: it must not run
-            await self._send(pb.SessionResponse(error=ShardError(
-                ErrorCode.CANCELLED, "not run: the step queued before it failed",
-                session_id=self.session_id, reason="QUEUED_STEP_DROPPED",
-            ).to_proto()))
-            dropped = pb.Usage()
-            if self._version >= (1, 1):
-                dropped.n_past = self._end
-            await self._send(pb.SessionResponse(usage=dropped))
+        if queued is None:
+            await self._end_request(ended)
+            return
+        # A direct-return route's next step, sent before this one ended (also before a
+        # CloseSession: the close waits for it).
+        await self._send(ended)
+        if err is None:
+            self._start_step(queued)  # (the session stays RUNNING: no request slips in)
+            return
+        # it was sent for the state the failed step would have left: it must not run
+        await self._send(pb.SessionResponse(error=ShardError(
+            ErrorCode.CANCELLED, "not run: the step queued before it failed",
+            session_id=self.session_id, reason="QUEUED_STEP_DROPPED",
+        ).to_proto()))
+        dropped = pb.Usage()
+        if self._version >= (1, 1):
+            dropped.n_past = self.positions.end
+        await self._end_request(pb.SessionResponse(usage=dropped))
+
+    async def _end_request(self, usage: pb.SessionResponse) -> None:
+        """Queue a request's last ``Usage`` and leave RUNNING with no scheduler pass between
+        the two: a client may send its next request the moment it reads the Usage, and that
+        request must find the session idle (a pass in between let it find the step still
+        RUNNING and end the stream with ILLEGAL_TRANSITION: seen with a relaying worker,
+        which sends its next hop a Rewind as soon as the failed step's Usage arrives).
+        With the channel full (never, by the credit bound) the Usage waits first in line."""
+        try:
+            self._outbox.send_nowait(usage)
+            queued = True
+        except trio.WouldBlock:
+            queued = False
+        except trio.BrokenResourceError:
+            self.end(StreamEnd.CONNECTION_LOST)
+            await trio.lowlevel.checkpoint()  # raises Cancelled: our scope was just cancelled
+            raise AssertionError("unreachable") from None
         if self.phase.value is Phase.RUNNING:
             self.phase.value = Phase.IDLE
         self._step_active.value = False
+        if queued:
+            await trio.lowlevel.checkpoint()
+        else:  # blocked senders go first when room frees: no later response overtakes it
+            await self._send(usage)
 
     @contextmanager
-    def _cancellable(self) -> Iterator[None]:
+    def cancellable(self) -> Iterator[None]:
         """A region an out-of-band Cancel stops (also one requested before it was entered)."""
         scope = trio.CancelScope()
         if self._cancel_requested:
@@ -724,15 +943,16 @@ class SessionCall(RelaySteps):
                 ErrorCode.CANCELLED, "the step was cancelled (Cancel RPC)", session_id=self.session_id
             )
 
-    async def _prefill_input(
+    async def prefill_input(
         self, p: pb.Prefill
     ) -> tuple[int, SamplingParams, tuple[int, ...] | None, np.ndarray | None, int]:
         """A Prefill's checked input, before any engine work: (position, sampling, tokens or
-        hidden rows, positions). Shared with the relaying path (``shard.rpc.relaying``)."""
-        caps, sid = self._require_caps(), self.session_id
-        position = p.position.value if p.HasField("position") else self._end
-        if position > self._end:
-            raise convert.invalid(f"position {position} is beyond the session end {self._end}", sid)
+        hidden rows, positions)."""
+        caps, sid = self.caps, self.session_id
+        end = self.positions.end
+        position = p.position.value if p.HasField("position") else end
+        if position > end:
+            raise convert.invalid(f"position {position} is beyond the session end {end}", sid)
         sampling = convert.sampling_from_proto(p.sampling, sid)
         which = p.WhichOneof("input")
         tokens = hidden = None
@@ -749,11 +969,11 @@ class SessionCall(RelaySteps):
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
         return position, sampling, tokens, hidden, n
 
-    def _decode_input(
+    def decode_input(
         self, d: pb.Decode
     ) -> tuple[SamplingParams, int | None, np.ndarray | None]:
         """A Decode's checked input: (sampling, token or one hidden row)."""
-        caps, sid = self._require_caps(), self.session_id
+        caps, sid = self.caps, self.session_id
         sampling = convert.sampling_from_proto(d.sampling, sid)
         which = d.WhichOneof("input")
         if which == "token":
@@ -767,18 +987,38 @@ class SessionCall(RelaySteps):
         self._check_row_fits(caps)
         return sampling, token, hidden
 
+    def rewind_position(self, r: pb.Rewind) -> int:
+        """A Rewind's checked position."""
+        if r.position > self.positions.end:
+            raise convert.invalid(
+                f"Rewind position {r.position} is beyond the session end {self.positions.end}",
+                self.session_id)
+        return r.position
+
+    async def truncate_engine(self, keep: int) -> None:
+        """Drop the engine's positions from ``keep`` on (nothing if it holds no more)."""
+        if keep < self.positions.engine:
+            try:
+                await self._engine.truncate(self.session_id, keep)
+            except EngineError as exc:
+                raise ShardError.from_engine(exc) from None
+        self.positions.rewound(keep)
+
+    async def _rewind(self, r: pb.Rewind) -> None:
+        await self.truncate_engine(self.rewind_position(r))
+
     async def _prefill(self, p: pb.Prefill, usage: pb.Usage) -> None:
         """One StepResult for the whole input, or one per ``chunk_tokens`` positions, each sent
         as soon as it is computed (a failed chunk leaves the earlier chunks in the session)."""
         sid = self.session_id
-        position, sampling, tokens, hidden, n = await self._prefill_input(p)
+        position, sampling, tokens, hidden, n = await self.prefill_input(p)
         chunk = p.chunk_tokens or max(n, 1)
         hint = self._client_hint() if tokens is not None and not p.all_logits else None
         echo = tokens if p.WhichOneof("input") == "text" and p.echo_tokens else None
         for offset in range(0, max(n, 1), chunk):
-            with self._cancellable():
-                await self._take_credit()
-                result = await self._engine_call(
+            with self.cancellable():
+                await self.take_credit()
+                result = await self.engine_call(
                     self._engine.prefill,
                     PrefillRequest(
                         sid,
@@ -790,109 +1030,103 @@ class SessionCall(RelaySteps):
                         all_logits=p.all_logits,
                     ),
                 )
-            await self._send_step(result, position + offset, input_tokens=echo,
-                                  usage_follows=offset + chunk >= n)
+            await self.send_step(result, position + offset, input_tokens=echo,
+                                 usage_follows=offset + chunk >= n)
             echo = None
             # Counted once delivered: Usage reports only what the client received.
             usage.prompt_tokens += result.tokens_processed
             usage.reused_tokens += result.reused_tokens
 
     async def _decode(self, d: pb.Decode, usage: pb.Usage) -> None:
-        sampling, token, hidden = self._decode_input(d)
+        sampling, token, hidden = self.decode_input(d)
         if token is not None:
-            self._follows = self._next_token is not None and token == self._next_token
+            self._follows = (self.positions.next_token is not None
+                             and token == self.positions.next_token)
         hint = self._client_hint() if token is not None else None
-        with self._cancellable():
-            await self._take_credit()
-            start = self._end
-            result = await self._decode_one(token, hidden, sampling, d.top_logprobs, hint)
-        if self._returner is not None and d.relay_tag and result.logits is not None:
+        with self.cancellable():
+            await self.take_credit()
+            start = self.positions.end
+            result = await self.decode_one(token, hidden, sampling, d.top_logprobs, hint)
+        if self.returner is not None and d.relay_tag and result.logits is not None:
             # the chain's first hop may start its next step before this reaches it up the chain
-            self._returner.push(d.relay_tag, convert.step_to_proto(
+            self.returner.push(d.relay_tag, convert.step_to_proto(
                 result, self._step_no + 1, start, self._wire_dtype))
-        await self._send_step(result, start, usage_follows=True)
+        await self.send_step(result, start, usage_follows=True)
         usage.generated_tokens += 1
 
     async def _generate(self, g: pb.Generate, usage: pb.Usage) -> None:
-        caps, sid = self._require_caps(), self.session_id
+        caps, sid = self.caps, self.session_id
         if not (caps.is_first and caps.is_last):
             raise ShardError(
                 ErrorCode.UNSUPPORTED_FEATURE,
                 "Generate needs a worker that serves the whole model (first and last shard)",
                 session_id=sid,
             )
-        sampling, prompt = await self._generate_input(g)
-        stop = frozenset(g.stop_tokens)
+        sampling, prompt = await self.generate_input(g)
+        rules = stop_rules(g)
         emitted = 0
         while True:
             # The steps that may follow this one: the engine may compute the next ahead.
             hint = None
             if self._limits.lookahead != "off" and g.max_tokens - emitted > 1:
-                hint = Lookahead(g.max_tokens - emitted - 1, stop, stop_at_eog=not g.ignore_eos)
-            with self._cancellable():
-                await self._take_credit()
-                start = self._end
+                hint = Lookahead(g.max_tokens - emitted - 1, rules.stop_tokens,
+                                 stop_at_eog=not g.ignore_eos)
+            with self.cancellable():
+                await self.take_credit()
+                start = self.positions.end
                 if emitted == 0 and prompt is not None:
                     request = PrefillRequest(
                         sid, prompt, position=start, sampling=sampling,
                         top_k_logprobs=g.top_logprobs, lookahead=hint,
                     )
-                    result = await self._engine_call(self._engine.prefill, request)
+                    result = await self.engine_call(self._engine.prefill, request)
                 else:
-                    assert self._next_token is not None
-                    result = await self._decode_one(
-                        self._next_token, None, sampling, g.top_logprobs, hint
-                    )
+                    token = self.positions.next_token
+                    assert token is not None
+                    result = await self.decode_one(token, None, sampling, g.top_logprobs, hint)
             assert result.logits is not None
             emitted += 1
-            finish = self._finish_reason(result.logits.token_id, result.logits.is_eog, g, stop, emitted)
-            await self._send_step(result, start, finish,
-                                  usage_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
-            if emitted == 1 and prompt is not None:
-                usage.prompt_tokens += result.tokens_processed
-                usage.reused_tokens += result.reused_tokens
-            usage.generated_tokens += 1
+            finish = self.finish_reason(rules, result.logits.token_id, result.logits.is_eog,
+                                        emitted, result.n_past)
+            await self.send_step(result, start, finish,
+                                 usage_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
+            count_generated(usage, result, prompt_step=emitted == 1 and prompt is not None)
             if finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
 
-    async def _generate_input(self, g: pb.Generate) -> tuple[SamplingParams, tuple[int, ...] | None]:
+    async def generate_input(self, g: pb.Generate) -> tuple[SamplingParams, tuple[int, ...] | None]:
         """A Generate's checked input: (sampling, prompt ids; None: continue from the token
-        the previous step chose). Shared with the relaying path."""
+        the previous step chose)."""
         sid = self.session_id
         if g.max_tokens == 0:
             raise convert.invalid("Generate.max_tokens must be >= 1", sid)
         sampling = convert.sampling_from_proto(g.sampling, sid)
         which = g.WhichOneof("prompt")
         prompt: tuple[int, ...] | None = None
+        end = self.positions.end
         if which == "tokens":
-            self._check_room(self._end, len(g.tokens.ids))
+            self._check_room(end, len(g.tokens.ids))
             prompt = tuple(g.tokens.ids)
         elif which == "text":
-            prompt = await self._tokenize(g.text, add_bos=self._end == 0, position=self._end)
-        elif self._next_token is None:
+            prompt = await self._tokenize(g.text, add_bos=end == 0, position=end)
+        elif self.positions.next_token is None:
             raise _illegal("Generate without a prompt needs a previous step to continue from", sid)
         return sampling, prompt
 
-    def _finish_reason(
-        self, token: int, is_eog: bool, g: pb.Generate, stop: frozenset[int], emitted: int
+    def finish_reason(
+        self, rules: StopRules, token: int, is_eog: bool, emitted: int, n_past: int
     ) -> int:
-        """Whether a Generate ends with this token: the worker's stop rules, in order."""
-        if is_eog and not g.ignore_eos:
-            return pb.FINISH_REASON_EOG
-        if token in stop:
-            return pb.FINISH_REASON_STOP_TOKEN
-        if emitted >= g.max_tokens:
-            return pb.FINISH_REASON_LENGTH
-        if self._end + 1 > self._kv_capacity:
-            return pb.FINISH_REASON_CONTEXT_FULL
-        return pb.FINISH_REASON_UNSPECIFIED
+        """Whether a Generate ends with this token (the shared stop rules, ``shard.stops``),
+        against this session's capacity."""
+        return rules.finish_reason(token, is_eog, emitted=emitted, n_past=n_past,
+                                   capacity=self._kv_capacity)
 
     def _client_hint(self) -> Lookahead | None:
         """A client-driven step's look-ahead hint: only for a client that decoded the token the
         worker sampled last time (a router that samples for itself would waste the work)."""
         return Lookahead() if self._limits.lookahead == "auto" and self._follows else None
 
-    async def _decode_one(
+    async def decode_one(
         self,
         token: int | None,
         hidden: np.ndarray | None,
@@ -906,18 +1140,19 @@ class SessionCall(RelaySteps):
         past the logical one; a one-position prefill at the logical end drops the surplus.
         """
         sid = self.session_id
-        if self._end != self._engine_len:
+        end = self.positions.end
+        if end != self.positions.engine:
             request = PrefillRequest(
                 session_id=sid,
                 tokens=None if token is None else (token,),
                 hidden_states=hidden,
-                position=self._end,
+                position=end,
                 sampling=sampling,
                 top_k_logprobs=top_k,
                 lookahead=lookahead,
             )
-            return await self._engine_call(self._engine.prefill, request)
-        return await self._engine_call(
+            return await self.engine_call(self._engine.prefill, request)
+        return await self.engine_call(
             self._engine.decode,
             DecodeRequest(
                 session_id=sid,
@@ -929,7 +1164,7 @@ class SessionCall(RelaySteps):
             ),
         )
 
-    async def _engine_call(
+    async def engine_call(
         self, fn: Callable[[R], Awaitable[StepResult]], request: R
     ) -> StepResult:
         """One engine step under the per-step timeout; engine errors become ShardErrors.
@@ -939,7 +1174,7 @@ class SessionCall(RelaySteps):
         After any failure the positions are read back from the engine (``_resync``).
         """
         position = getattr(request, "position", None)
-        start = self._engine_len if position is None else position
+        start = self.positions.engine if position is None else position
         try:
             if request.step_timeout != self._step_timeout:  # (a copy per step only when needed)
                 request = dataclasses.replace(request, step_timeout=self._step_timeout)
@@ -959,11 +1194,7 @@ class SessionCall(RelaySteps):
         except BaseException:  # a Cancel RPC, the call deadline, a reset: the step was rolled back
             self._resync()
             raise
-        self._end = self._engine_len = result.n_past
-        # Positions from ``start`` on now differ from what the client was sent.
-        self._delivered_end = min(self._delivered_end, start)
-        if result.logits is not None:
-            self._next_token = result.logits.token_id
+        self.positions.computed(start, result)
         return result
 
     def _resync(self) -> None:
@@ -978,18 +1209,14 @@ class SessionCall(RelaySteps):
             held = self._engine.session_info(self.session_id).n_past
         except EngineError:
             return  # released or the engine failed: the stream ends anyway
-        if held < self._end:
-            self._next_token = None  # it was chosen for a position that is gone
-        self._end = min(self._end, held)
-        self._engine_len = held
-        self._delivered_end = min(self._delivered_end, held)
+        self.positions.resync(held)
 
     async def _tokenize(self, text: str, *, add_bos: bool, position: int) -> tuple[int, ...]:
         """Tokenize a remote caller's text off the event loop, after refusing (before any work)
         a text too long to fit: a token stands for at most ``max_token_bytes`` bytes, and a
         character is at least one, so the text needs at least ``len / max_token_bytes`` tokens
         (``_TEXT_SLACK`` for tokenizers that normalise text away)."""
-        caps = self._require_caps()
+        caps = self.caps
         if caps.max_token_bytes:
             self._check_room(position, len(text) // (_TEXT_SLACK * caps.max_token_bytes))
         try:
@@ -999,7 +1226,7 @@ class SessionCall(RelaySteps):
 
     def _check_room(self, position: int, n_tokens: int) -> None:
         """Refuse, before any work, input that cannot fit: the errors the engine would give."""
-        caps, sid = self._require_caps(), self.session_id
+        caps, sid = self.caps, self.session_id
         new_len = position + n_tokens
         if new_len > caps.n_ctx_per_session:
             raise ShardError.from_engine(InvalidInput(
@@ -1011,10 +1238,6 @@ class SessionCall(RelaySteps):
                 f"{new_len} positions exceed this session's KV budget of {self._kv_capacity}",
                 session_id=sid,
             ))
-
-    def _require_caps(self) -> Capabilities:
-        assert self._caps is not None
-        return self._caps
 
     def _check_row_fits(self, caps: Capabilities) -> None:
         """Refuse, before any compute, a boundary result that no chunking could send."""
@@ -1030,8 +1253,9 @@ class SessionCall(RelaySteps):
                 reason="MESSAGE_TOO_LARGE",
             )
 
-    async def _take_credit(self) -> None:
-        """Wait for one credit: a client that grants none parks the step before it computes."""
+    async def take_credit(self) -> None:
+        """Wait for one credit: a client that grants none parks the step before it computes.
+        A credit the step takes and never spends on a result goes back when the step ends."""
         if self.credit.value <= 0:
             self.parked.value = True
             try:
@@ -1040,26 +1264,35 @@ class SessionCall(RelaySteps):
                 self.parked.value = False
         if self.credit.value != UNLIMITED_CREDIT:
             self.credit.value -= 1
-        self._credit_unspent = True
+        self._credits_taken += 1
 
-    async def _send_step(
+    async def send_step(
         self, result: StepResult, start: int, finish: int = pb.FINISH_REASON_UNSPECIFIED,
         input_tokens: Sequence[int] | None = None, *, usage_follows: bool = False,
     ) -> None:
-        """Send one result (one credit), split into chunks when it exceeds one message.
-        ``usage_follows``: the step's ``Usage`` comes next (see ``_send``)."""
+        """Send one of this engine's results (one credit), split into chunks when it exceeds
+        one message. ``usage_follows``: the step's ``Usage`` comes next (see ``_send``)."""
         msg = convert.step_to_proto(result, self._step_no + 1, start, self._wire_dtype)
         if input_tokens is not None:
             msg.input_tokens.ids.extend(input_tokens)
-        self._step_no += 1
         msg.finish_reason = finish  # type: ignore[assignment]
-        self._credit_unspent = False  # spent now, even if the stream ends during the send
+        await self._send_numbered(msg, usage_follows)
+        self.positions.sent(result.n_past)
+
+    async def send_result(self, msg: pb.StepResult, *, usage_follows: bool = False) -> None:
+        """Send a result built by the step (a routed session's: the last shard's answer, with
+        this worker's own accounting), numbered as this session's next step (one credit)."""
+        await self._send_numbered(msg, usage_follows)
+
+    async def _send_numbered(self, msg: pb.StepResult, usage_follows: bool) -> None:
+        self._step_no += 1
+        msg.step = self._step_no
+        self._credits_spent += 1  # spent now, even if the stream ends during the send
         for chunk in _chunks(msg, self._max_message_bytes - _CHUNK_OVERHEAD):
             # only the last chunk: chunks are far larger than one write, and each waits its turn
             await self._send(pb.SessionResponse(step=chunk),
                              more_follows=usage_follows and not chunk.more_chunks)
         self._registry.count("steps_sent_total")
-        self._delivered_end = result.n_past
 
     async def _send(self, msg: pb.SessionResponse, *, more_follows: bool = False) -> None:
         """Hand a response to the transport; blocks while the bounded channel is full.
@@ -1068,7 +1301,7 @@ class SessionCall(RelaySteps):
         result, then its ``Usage``). It is queued without a scheduler pass when there is room,
         so the transport finds both and frames them into one socket write (the next ``_send``
         is the schedule point). ``send_nowait`` is no cancel point: a result may be queued
-        just after the stream ended, and is then counted as delivered, as ``_send_step`` does
+        just after the stream ended, and is then counted as delivered, as ``send_step`` does
         for any result handed over."""
         try:
             if more_follows:
@@ -1082,6 +1315,20 @@ class SessionCall(RelaySteps):
             # The handler stopped reading without telling us why: the connection is gone.
             self.end(StreamEnd.CONNECTION_LOST)
             await trio.lowlevel.checkpoint()  # raises Cancelled: our scope was just cancelled
+
+
+def count_generated(usage: pb.Usage, result: StepResult, *, prompt_step: bool) -> None:
+    """A Generate's token delivered: the request's ``Usage`` counts it (and, for the step that
+    prefilled the prompt, the prompt's positions computed and reused)."""
+    if prompt_step:
+        usage.prompt_tokens += result.tokens_processed
+        usage.reused_tokens += result.reused_tokens
+    usage.generated_tokens += 1
+
+
+def stop_rules(g: pb.Generate) -> StopRules:
+    """A Generate's stop rules (``shard.stops``)."""
+    return StopRules.of(g.max_tokens, g.stop_tokens, g.ignore_eos)
 
 
 def _chunks(msg: pb.StepResult, budget: int) -> Iterator[pb.StepResult]:
@@ -1117,6 +1364,14 @@ __all__ = [
     "SessionCall",
     "SessionHost",
     "SessionLimits",
+    "StepHost",
     "StreamEnd",
     "UNLIMITED_CREDIT",
+    "NOT_ALLOWED",
+    "Relay",
+    "Returner",
+    "Routed",
+    "count_generated",
+    "return_refused",
+    "stop_rules",
 ]

@@ -20,7 +20,9 @@ from .errors import ErrorCode, ShardError
 #: ``layer_ranges_detail``, chain relay (``OpenSession.route``, ``relay_allowed``; its direct
 #: return: ``Route.return_to``, ``Decode.relay_tag``, the ``Return`` RPC, ``relay_return``) and
 #: verification (``Prefill.all_logits``/``echo_tokens``, ``StepResult.position_logits``/
-#: ``input_tokens``, ``max_logits_positions``); clients gate the last two on capabilities.
+#: ``input_tokens``, ``max_logits_positions``), the hop an error is from (``Error.relay_depth``,
+#: ``failed_layers``), hung hops (``Route.step_timeout_ms``) and ``SessionRequest.rewind``
+#: (``session_rewind``); clients gate relay, verification and rewind on capabilities.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 

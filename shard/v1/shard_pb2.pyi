@@ -76,20 +76,24 @@ class LayerRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message", "retryable", "session_id", "supported_versions", "reason")
+    __slots__ = ("code", "message", "retryable", "session_id", "supported_versions", "reason", "relay_depth", "failed_layers")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RELAY_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    FAILED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     code: ErrorCode
     message: str
     retryable: bool
     session_id: str
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     reason: str
-    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., session_id: _Optional[str] = ..., supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+    relay_depth: int
+    failed_layers: LayerRange
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., session_id: _Optional[str] = ..., supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., reason: _Optional[str] = ..., relay_depth: _Optional[int] = ..., failed_layers: _Optional[_Union[LayerRange, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ("version",)
@@ -98,7 +102,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +132,7 @@ class GetCapabilitiesResponse(_message.Message):
     MAX_LOGITS_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     RELAY_ALLOWED_FIELD_NUMBER: _ClassVar[int]
     RELAY_RETURN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_REWIND_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -157,7 +162,8 @@ class GetCapabilitiesResponse(_message.Message):
     max_logits_positions: int
     relay_allowed: bool
     relay_return: bool
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ...) -> None: ...
+    session_rewind: bool
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("version",)
@@ -250,7 +256,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("version", "open", "prefill", "decode", "generate", "credit", "close")
+    __slots__ = ("version", "open", "prefill", "decode", "generate", "credit", "close", "rewind")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +264,7 @@ class SessionRequest(_message.Message):
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    REWIND_FIELD_NUMBER: _ClassVar[int]
     version: ProtocolVersion
     open: OpenSession
     prefill: Prefill
@@ -265,7 +272,14 @@ class SessionRequest(_message.Message):
     generate: Generate
     credit: Credit
     close: CloseSession
-    def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., generate: _Optional[_Union[Generate, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ...) -> None: ...
+    rewind: Rewind
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., generate: _Optional[_Union[Generate, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ..., rewind: _Optional[_Union[Rewind, _Mapping]] = ...) -> None: ...
+
+class Rewind(_message.Message):
+    __slots__ = ("position",)
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    def __init__(self, position: _Optional[int] = ...) -> None: ...
 
 class CacheExpectation(_message.Message):
     __slots__ = ("n_tokens", "prefix_sha256")
@@ -298,12 +312,14 @@ class OpenSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., hidden_wire_dtype: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ...) -> None: ...
 
 class Route(_message.Message):
-    __slots__ = ("hops", "return_to")
+    __slots__ = ("hops", "return_to", "step_timeout_ms")
     HOPS_FIELD_NUMBER: _ClassVar[int]
     RETURN_TO_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     hops: _containers.RepeatedCompositeFieldContainer[RouteHop]
     return_to: ReturnAddress
-    def __init__(self, hops: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ..., return_to: _Optional[_Union[ReturnAddress, _Mapping]] = ...) -> None: ...
+    step_timeout_ms: int
+    def __init__(self, hops: _Optional[_Iterable[_Union[RouteHop, _Mapping]]] = ..., return_to: _Optional[_Union[ReturnAddress, _Mapping]] = ..., step_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ReturnAddress(_message.Message):
     __slots__ = ("target", "session_id", "secret")

@@ -1,13 +1,11 @@
-"""One hop of a pipeline: the workers that can serve it, its session, its replay log, failover.
+"""One hop of one generation: its session, its replay log, failover to a replica.
 
-A hop is a layer range served by one or more interchangeable workers (replicas: same model
-fingerprint, same range). ``HopReplicas`` owns that list for the pipeline's lifetime (which
-replica serves now, their connections and capabilities); ``HopRunner`` drives the hop for one
-``generate``: it opens the session, sends each step, logs what it sent (``shard.replay``) and,
-when the worker fails, moves the hop to the next replica and replays the log there, so its
-caller sees each step's result once, as if nothing had happened. Why a class per hop rather
-than code in the pipeline: the client-relayed pipeline drives one runner per hop, and a
-worker-relayed chain can drive the same runner for the hop it opens itself.
+``HopRunner`` drives a hop for one ``generate``: it opens the session, sends each step, logs what
+it sent (``shard.pipeline.replay``) and, when the worker fails, moves the hop to the next replica
+(``shard.pipeline.replicas``) and replays the log there, so its caller sees each step's result
+once, as if nothing had happened. Why a class per hop rather than code in the pipeline: the
+client-relayed pipeline drives one runner per hop, and a chain-relayed one drives the runner of
+the hop it talks to.
 
 When a hop fails over (``should_fail_over``): the worker is gone or going (the connection
 was lost, a status ``UNAVAILABLE``: ``NOT_READY``, ``DRAINING``, ``ENGINE_FAILURE``) or it
@@ -25,7 +23,6 @@ connection, in a task of the nursery the generation owns, bounded like every cle
 from __future__ import annotations
 
 import logging
-import math
 import ssl
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,22 +32,23 @@ import numpy as np
 import trio
 
 from shard.client import ClientSession, ShardClient, StepStream
-from shard.replay import ReplayBudget, RowLog, TokenLog
+from shard.deadlines import HOP_DEADLINE_MARGIN, RELAY_DEADLINE_MARGIN, hop_timeout, time_left
 from shard.rpc import convert
-from shard.rpc.errors import ErrorCode, GrpcStatus, ShardError
+from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
+from .errors import STEP_DEADLINE, Blames, Hop, PipelineError, should_fail_over
+from .replay import ReplayBudget, RowLog, TokenLog
+from .replicas import HopReplicas, Replica, listing
+
 __all__ = [
-    "STEP_DEADLINE",
+    "CLEANUP_GRACE",
+    "RELEASE_TIMEOUT",
     "Failover",
     "Generation",
-    "Hop",
     "HopOutput",
-    "HopReplicas",
     "HopRunner",
-    "PipelineError",
-    "Replica",
-    "should_fail_over",
+    "release_session",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,13 +56,6 @@ T = TypeVar("T")
 
 RELEASE_TIMEOUT = 2.0  # seconds a cleanup (Release, shielded) may take at most...
 CLEANUP_GRACE = 0.5  # ...and how long it may go on after the caller's deadline
-#: Hop streams get the time left minus this, rounded down, as their timeout, so that a hop's
-#: deadline is never after the caller's although the client computes it a moment later.
-HOP_DEADLINE_MARGIN = 0.001
-#: At connect, once one replica of a hop answered, how long the others may still answer.
-PROBE_GRACE = 1.0
-#: ``ShardError.reason`` of a step that got no answer within ``step_timeout`` (client side).
-STEP_DEADLINE = "STEP_DEADLINE"
 #: A replay result covers this many prefill chunks (``chunk_tokens`` each) and may take as many
 #: ``step_timeout``s: small chunks cost a worker more per position (1,024 positions of the tiny
 #: model replayed in 407 ms in chunks of 32, in 38 ms in chunks of 256; docs/pipelines.md).
@@ -74,216 +65,6 @@ REPLICA_REFUSALS = frozenset({
     ErrorCode.INCOMPATIBLE_MODEL, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.SESSION_EXISTS,
     ErrorCode.UNSUPPORTED_VERSION,
 })
-
-
-@dataclass(frozen=True)
-class Hop:
-    """One shard of the chain, as its worker described itself."""
-
-    index: int
-    target: str
-    caps: pb.GetCapabilitiesResponse | None = None
-
-    @property
-    def layers(self) -> tuple[int, int] | None:
-        if self.caps is None:
-            return None
-        return self.caps.layer_range.start, self.caps.layer_range.end
-
-    def __str__(self) -> str:
-        if self.layers is None:
-            return f"hop {self.index} ({self.target})"
-        return f"hop {self.index} ({self.target}, layers [{self.layers[0]}, {self.layers[1]}))"
-
-
-class PipelineError(ShardError):
-    """A ``ShardError`` that says which hop failed (``hop_index``, ``target``) and, for a hop
-    with replicas, every replica tried and why it failed last (``tried``: (target, error)
-    pairs, in the order first tried)."""
-
-    def __init__(
-        self, hop: Hop, err: ShardError, *, tried: Sequence[tuple[str, ShardError]] = (),
-        note: str = "",
-    ) -> None:
-        super().__init__(
-            err.code,
-            f"{hop}: {err.message}" + (f"; {note}" if note else ""),
-            retryable=err.retryable,
-            session_id=err.session_id,
-            reason=err.reason,
-            supported_versions=err.supported_versions,
-            grpc_status=err.grpc_status,
-        )
-        self.hop_index = hop.index
-        self.target = hop.target
-        self.cause = err
-        self.tried = list(tried)
-
-
-def should_fail_over(err: ShardError) -> bool:
-    """Whether ``err`` says the worker is gone, going or hung (another replica may serve),
-    rather than that the request itself cannot be served."""
-    return err.grpc_status == GrpcStatus.UNAVAILABLE or err.reason == STEP_DEADLINE
-
-
-def absolute_deadline(timeout: float | None) -> float:
-    return math.inf if timeout is None else trio.current_time() + timeout
-
-
-def time_left(deadline: float) -> float | None:
-    """Seconds until ``deadline`` (None for none), for a call's ``timeout``."""
-    return None if math.isinf(deadline) else deadline - trio.current_time()
-
-
-def hop_timeout(deadline: float) -> float | None:
-    """A hop stream's timeout: the time left until ``deadline`` less ``HOP_DEADLINE_MARGIN``,
-    rounded *down* to what ``grpc-timeout`` carries (whole seconds from 99 s, microseconds
-    below), so that the transport, which rounds up, never sends more than the time left."""
-    left = time_left(deadline)
-    if left is None:
-        return None
-    left -= HOP_DEADLINE_MARGIN
-    if left >= 99:
-        return float(math.floor(left))
-    return math.floor(left * 1e6) / 1e6
-
-
-def wire_dtype(caps: pb.GetCapabilitiesResponse, asked: str) -> str:
-    """The dtype asked of a worker: the caller's choice if the worker offers it."""
-    return asked if asked in caps.hidden_wire_dtypes else convert.HIDDEN_DTYPE
-
-
-# ---- the replicas of one hop (the pipeline's lifetime) ----------------------------------------
-
-
-@dataclass
-class Replica:
-    """One worker that can serve a hop: its connection and what it reported (None until it
-    answered; a replica unreachable at connect is tried again when it is needed)."""
-
-    target: str
-    client: ShardClient | None = None
-    caps: pb.GetCapabilitiesResponse | None = None
-
-
-#: Opens a connection owned by the pipeline: (target, connect timeout) -> client.
-Connect = Callable[[str, "float | None"], Awaitable[ShardClient]]
-
-
-class HopReplicas:
-    """The workers that serve one hop (one model, one layer range) and which one serves now."""
-
-    def __init__(self, index: int, targets: Sequence[str], connect: Connect) -> None:
-        self.index = index
-        self.replicas = [Replica(t) for t in targets]
-        self.current = 0
-        self.reference: pb.GetCapabilitiesResponse | None = None  # the hop's model and range
-        self._connect = connect
-
-    @property
-    def replica(self) -> Replica:
-        return self.replicas[self.current]
-
-    def hop(self, replica: Replica | None = None) -> Hop:
-        replica = replica if replica is not None else self.replica
-        return Hop(self.index, replica.target, replica.caps or self.reference)
-
-    async def attach(self, deadline: float, wait_for_ready: bool) -> None:
-        """At connect: ask every replica (concurrently) what it serves and pick the first that
-        answers (with ``wait_for_ready``, wait for the first reachable one if none serves yet).
-        A replica that cannot be reached now is not an error while another one answers; once
-        one did, the others get ``PROBE_GRACE`` seconds more (a silent one is asked again when
-        it is needed)."""
-        errors: dict[str, ShardError] = {}
-        answered = trio.Event()
-
-        async def probe(replica: Replica) -> None:
-            try:
-                replica.client = await self._connect(replica.target, time_left(deadline))
-                replica.caps = await replica.client.capabilities(timeout=time_left(deadline))
-                answered.set()
-            except ShardError as err:
-                errors[replica.target] = err
-
-        async with trio.open_nursery() as nursery:
-
-            async def probe_all() -> None:
-                async with trio.open_nursery() as probes:
-                    for replica in self.replicas:
-                        probes.start_soon(probe, replica)
-                nursery.cancel_scope.cancel()  # every replica answered or failed
-
-            nursery.start_soon(probe_all)
-            await answered.wait()
-            await trio.sleep(PROBE_GRACE)  # a silent replica must not hold up the pipeline
-            nursery.cancel_scope.cancel()
-        chosen = next((i for i, r in enumerate(self.replicas) if r.caps is not None), None)
-        if chosen is None and wait_for_ready:
-            for i, replica in enumerate(self.replicas):
-                if replica.client is None:
-                    continue
-                try:
-                    await replica.client.wait_for_ready(timeout=time_left(deadline))
-                    replica.caps = await replica.client.capabilities(timeout=time_left(deadline))
-                except ShardError as err:
-                    errors[replica.target] = err
-                    continue
-                chosen = i
-                break
-        if chosen is None:
-            tried = [(r.target, errors[r.target]) for r in self.replicas]
-            raise PipelineError(
-                Hop(self.index, tried[0][0]), tried[0][1], tried=tried, note=_listing(tried)
-            )
-        self.current = chosen
-        self.reference = self.replicas[chosen].caps
-
-    def check_alternatives(self) -> None:
-        """Refuse a replica that answered for another model or range than the hop's."""
-        for replica in self.replicas:
-            if replica.caps is not None:
-                try:
-                    self.check(replica.caps)
-                except ShardError as err:
-                    raise PipelineError(self.hop(replica), err) from None
-
-    def check(self, caps: pb.GetCapabilitiesResponse) -> None:
-        ref = self.reference
-        assert ref is not None
-        mine = (ref.model_fingerprint, ref.n_layers_total, ref.n_embd,
-                ref.layer_range.start, ref.layer_range.end)
-        theirs = (caps.model_fingerprint, caps.n_layers_total, caps.n_embd,
-                  caps.layer_range.start, caps.layer_range.end)
-        if mine != theirs:
-            raise ShardError(
-                ErrorCode.INCOMPATIBLE_MODEL,
-                f"a replica must serve what the hop serves: model {caps.model_fingerprint} "
-                f"layers [{theirs[3]}, {theirs[4]}) of {caps.n_layers_total} (n_embd "
-                f"{caps.n_embd}), the hop serves {ref.model_fingerprint} layers "
-                f"[{mine[3]}, {mine[4]}) of {ref.n_layers_total} (n_embd {ref.n_embd})",
-            )
-
-    async def ensure(self, replica: Replica, timeout: float | None) -> None:
-        """Make ``replica`` usable for a new session: connected (again, if its connection
-        broke or was told to go away) and checked to serve the hop's model and range."""
-        client = replica.client
-        if client is None or not client.connected or client.going_away:
-            replica.client, replica.caps = await self._connect(replica.target, timeout), None
-        if replica.caps is None:
-            assert replica.client is not None
-            caps = await replica.client.capabilities(timeout=timeout)
-            self.check(caps)
-            replica.caps = caps
-
-
-def _listing(tried: Sequence[tuple[str, ShardError]]) -> str:
-    """What a hop with replicas says when none is left (empty for a hop of one worker)."""
-    if len({target for target, _ in tried}) < 2:
-        return ""
-    return "no replica of the hop is left: tried " + ", ".join(f"{t} ({e})" for t, e in tried)
-
-
-# ---- one generation --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -330,6 +111,8 @@ class Generation:
     #: generation's): they run while it goes on and it waits for them, bounded.
     spawn: Callable[..., None]
     failovers: list[Failover] = field(default_factory=list)
+    #: Names the hop of every error (a later hop's, for an error a chain relay passed up).
+    blames: Blames = field(default_factory=Blames)
 
     def cleanup_deadline(self) -> float:
         return min(trio.current_time() + RELEASE_TIMEOUT, self.deadline + CLEANUP_GRACE)
@@ -383,10 +166,19 @@ class HopRunner:
         self._tried_targets: set[str] = set()
         self._live: list[_Held] = []
         self._handover_failed = False
+        # A routed session answers for every hop of its route: a step may take each of them
+        # its step timeout (the workers on the route wait as long for the hops after them,
+        # so the one nearest a hung hop reports it first), and its deadline leaves the
+        # relay's margin for the deepest hop's error to travel up.
+        self._span = 1 + (len(route.hops) if route is not None else 0)
+        self._margin = RELAY_DEADLINE_MARGIN if route is not None else HOP_DEADLINE_MARGIN
 
     @property
     def hop(self) -> Hop:
         return self.replicas.hop(self.replica)
+
+    def _named(self, err: ShardError, hop: Hop | None = None) -> PipelineError:
+        return self.gen.blames.error(self.hop if hop is None else hop, err)
 
     # ---- steps ----------------------------------------------------------------------------
 
@@ -500,8 +292,8 @@ class HopRunner:
             try:
                 await self._timed(session.close)
             except ShardError as err:
-                if not should_fail_over(err):
-                    raise PipelineError(self.hop, err) from None
+                if err.relay_depth or not should_fail_over(err):
+                    raise self._named(err) from None
                 log.info("%s: closing failed (%s); releasing instead", self.hop, err)
                 self._retire(held)
                 continue
@@ -554,6 +346,7 @@ class HopRunner:
         ``STEP_DEADLINE`` error (a hung worker), which fails the hop over."""
         if self.gen.step_timeout is None:
             return await call()
+        steps *= self._span
         with trio.move_on_after(self.gen.step_timeout * steps):
             return await call()
         within = f"{steps} x " if steps > 1 else ""
@@ -576,8 +369,9 @@ class HopRunner:
             except PipelineError:
                 raise
             except ShardError as err:
-                if not should_fail_over(err):
-                    raise PipelineError(self.hop, err) from None
+                # a chain relay's error from a later hop is that hop's: no failover here
+                if err.relay_depth or not should_fail_over(err):
+                    raise self._named(err) from None
                 await self._fail_over(err)
 
     def _replayable(self) -> bool:
@@ -643,11 +437,10 @@ class HopRunner:
                 held.session = await self._timed(lambda: self._open_on(replica))
                 await self._replay(held.session)
             except ShardError as err:
-                if isinstance(err, PipelineError) or not (
+                if isinstance(err, PipelineError) or err.relay_depth or not (
                     should_fail_over(err) or err.code in REPLICA_REFUSALS
                 ):
-                    raise (err if isinstance(err, PipelineError)
-                           else PipelineError(self.replicas.hop(replica), err)) from None
+                    raise self._named(err, self.replicas.hop(replica)) from None
                 log.warning("%s: %s cannot take over: %s", self.hop, replica.target, err)
                 self.tried[replica.target] = err
                 self._retire(held)
@@ -661,7 +454,7 @@ class HopRunner:
         # named: the replica that failed (at the first open: the first one asked)
         cause = cause if cause is not None else self.tried[self.replica.target]
         tried = list(self.tried.items())
-        raise PipelineError(self.hop, cause, tried=tried, note=_listing(tried))
+        raise PipelineError(self.hop, cause, tried=tried, note=listing(tried))
 
     def _record(
         self, cause: ShardError, old: Replica, new: Replica, handover: bool, started: float
@@ -687,10 +480,10 @@ class HopRunner:
         """Open the session with the remaining budget, rounded down, as its grpc-timeout."""
         ref = self.replicas.reference
         assert ref is not None and replica.client is not None and replica.caps is not None
-        timeout = hop_timeout(self.gen.deadline)
+        timeout = hop_timeout(self.gen.deadline, self._margin)
         if timeout is not None and timeout <= 0:
             raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired")
-        want = wire_dtype(replica.caps, self.gen.hidden_dtype)
+        want = convert.offered_dtype(replica.caps, self.gen.hidden_dtype)
         return await replica.client.open_session(
             self.name,
             expected_model_fingerprint=ref.model_fingerprint,

@@ -39,11 +39,11 @@ the bench, and a reference for routers. What it guarantees:
 * **Replicas and failover.** A hop may list replicas (``connect([a, [b1, b2], c])``, CLI
   ``a,b1|b2,c``): workers of the same model and range (checked). When the serving one is lost,
   unavailable, draining or silent for ``step_timeout``, the hop moves to the next replica, which
-  replays the hop's history (kept by ``shard.hops``/``shard.replay``: token ids for the first
-  hop, boundary rows for the others, bounded by ``replay_bytes``), so the generation goes on
+  replays the hop's history (kept by ``shard.pipeline.runner``/``shard.pipeline.replay``: token
+  ids for the first hop, boundary rows for the others, bounded by ``replay_bytes``), so the generation goes on
   where it stopped: the same greedy tokens, each seen once by the caller. A draining worker
   hands over at the next step without any error. ``PipelineResult.failovers`` says what moved.
-* **Chain relay** (``relay="chain"``, ``shard.chain``): the client opens only the first hop, with
+* **Chain relay** (``relay="chain"``, ``shard.pipeline.chain``): the client opens only the first hop, with
   the route of the others; each worker forwards its boundary to the next and the last shard's
   results come back up the chain, and decoding runs as a ``Generate`` on the first hop, so a
   token costs no round trip to the client. Needs ``relay_allowed`` on every hop but the last and
@@ -57,42 +57,41 @@ import secrets
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import numpy as np
 import trio
 
-from shard import chain
 from shard.client import ShardClient, sampling
-from shard.drafting import Drafter, PromptLookup
-from shard.hops import (
+from shard.deadlines import HOP_DEADLINE_MARGIN, absolute_deadline
+from shard.rpc import convert
+from shard.rpc.errors import ErrorCode, ShardError, unwrap_single_exception
+from shard.stops import StopRules
+from shard.v1 import shard_pb2 as pb
+
+from . import chain
+from .drafting import Drafter, PromptLookup
+from .errors import Blame, Blames, Hop, PipelineError
+from .replay import DEFAULT_REPLAY_BYTES, ReplayBudget
+from .replicas import HopReplicas, Replica
+from .result import PipelineResult
+from .runner import (
     CLEANUP_GRACE,
-    HOP_DEADLINE_MARGIN,
     RELEASE_TIMEOUT,
     Failover,
     Generation,
-    Hop,
     HopOutput,
-    HopReplicas,
     HopRunner,
-    PipelineError,
-    Replica,
-    absolute_deadline,
     release_session,
-    wire_dtype,
 )
-from shard.replay import DEFAULT_REPLAY_BYTES, ReplayBudget
-from shard.rpc import convert
-from shard.rpc.errors import ErrorCode, ShardError, unwrap_single_exception
-from shard.v1 import shard_pb2 as pb
 
 __all__ = [
     "CLEANUP_GRACE",
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_REPLAY_BYTES",
     "HOP_DEADLINE_MARGIN",
+    "RELAY_MODES",
     "RELEASE_TIMEOUT",
     "Failover",
     "Hop",
@@ -141,31 +140,6 @@ def check_chain(hops: Sequence[Hop]) -> None:
         end = stop
     if end != first.n_layers_total:
         raise _incompatible(hops[-1], f"the chain ends at layer {end} of {first.n_layers_total}")
-
-
-@dataclass
-class PipelineResult:
-    """What ``generate`` produced: the last shard's StepResult per token (``finish_reason`` set
-    on the last one, as a worker's Generate does), the prompt length, and every hop that moved
-    to another replica on the way (``failovers``, in order)."""
-
-    steps: list[pb.StepResult] = field(default_factory=list)
-    prompt_tokens: int = 0
-    failovers: list[Failover] = field(default_factory=list)
-    #: Passes through the chain: the prompt's, then one per decode or speculative step (a
-    #: generation without speculation takes one per token).
-    traversals: int = 0
-    #: Speculation (``generate(speculate=K)``): tokens drafted, and those the model agreed with.
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return [s.logits.token_id for s in self.steps]
-
-    @property
-    def finish_reason(self) -> int:
-        return self.steps[-1].finish_reason if self.steps else pb.FINISH_REASON_UNSPECIFIED
 
 
 def hop_targets(targets: Sequence[str | Sequence[str]]) -> list[list[str]]:
@@ -252,11 +226,13 @@ class Pipeline:
         are still loading to serve, instead of failing with ``NOT_READY`` at once (see
         ``ShardClient.wait_for_ready``). ``step_timeout``: seconds any one step (a decode, a
         prefill chunk, an open) may go unanswered before its worker counts as hung and its hop
-        fails over (None: no bound but the deadline). ``replay_bytes``: the boundary rows one
-        generation may keep for replay (None: unbounded; see ``shard.replay``). ``relay``:
-        "client" (default: the client relays every hop's hidden states) or "chain" (the workers
-        relay to each other; refused, naming the hop, when a hop has replicas or a hop but the
-        last does not report ``relay_allowed``; see ``shard.chain``).
+        fails over (None: no bound but the deadline; with chain relay each worker on the route
+        bounds its next hop's answers the same way, so a hung hop is named). ``replay_bytes``:
+        the boundary rows one generation may keep for replay (None: unbounded; see
+        ``shard.pipeline.replay``). ``relay``: "client" (default: the client relays every hop's
+        hidden states) or "chain" (the workers relay to each other; refused, naming the hop,
+        when a hop has replicas or a hop but the last does not report ``relay_allowed``; see
+        ``shard.pipeline.chain``).
         """
         if hidden_dtype not in convert.WIRE_DTYPES:
             raise ValueError(f"hidden_dtype must be one of {sorted(convert.WIRE_DTYPES)}")
@@ -355,8 +331,9 @@ class Pipeline:
         if timeout is _DEFAULT:
             timeout = self.timeout
         deadline = absolute_deadline(timeout)
-        blames = _Blames()
+        blames = Blames(self.hops)
         result = PipelineResult()
+        rules = StopRules.of(max_tokens, stop_tokens, ignore_eos)
         with unwrap_single_exception():
             async with trio.open_nursery() as retirements:  # releases of failed-over sessions
                 gen = Generation(
@@ -373,6 +350,7 @@ class Pipeline:
                     ),
                     spawn=retirements.start_soon,
                     failovers=result.failovers,
+                    blames=blames,
                 )
                 last = len(self._replicas) - 1
                 chained = self.relay == "chain" and last > 0
@@ -383,16 +361,10 @@ class Pipeline:
                 try:
                     with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
                         if chained and not speculate:  # the workers loop: Generate on hop 0
-                            await chain.run(self._replicas, runners[0], result, prompt,
-                                            max_tokens, stop_tokens, ignore_eos, on_token,
-                                            blames)
+                            await chain.run(runners[0], result, prompt, rules, on_token, blames)
                         else:  # the client steps (a chain's passes go through hop 0's route)
-                            try:
-                                await self._run(runners, result, prompt, max_tokens, stop_tokens,
-                                                ignore_eos, on_token, blames, speculate,
-                                                drafter or PromptLookup())
-                            except PipelineError as err:
-                                raise (chain.reblame(err, self._replicas) if chained else err) from None
+                            await self._run(runners, result, prompt, rules, on_token, blames,
+                                            speculate, drafter or PromptLookup())
                         return result
                     raise blames.deadline_error(self.hops)  # the scope's deadline passed
                 except BaseException:
@@ -411,21 +383,18 @@ class Pipeline:
         runners: list[HopRunner],
         result: PipelineResult,
         prompt: str | Sequence[int],
-        max_tokens: int,
-        stop_tokens: Sequence[int],
-        ignore_eos: bool,
+        rules: StopRules,
         on_token: OnToken | None,
-        blames: _Blames,
+        blames: Blames,
         speculate: int = 0,
         drafter: Drafter | None = None,
     ) -> None:
         for runner in runners:
-            with _Blame(runner, blames):
+            with Blame(runner, blames):
                 await runner.open()
         step = await self._prefill(runners, prompt, blames)
         result.prompt_tokens = step.n_past
         result.traversals = 1
-        stop = frozenset(stop_tokens)
         # Drafting reads the prompt's ids (a text's as the first shard echoed them; none from a
         # worker that does not) and every token generated.
         history = list(prompt) if not isinstance(prompt, str) else list(runners[0].prompt_ids or ())
@@ -437,14 +406,9 @@ class Pipeline:
             capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
             for step in pending:
                 token = step.logits.token_id
-                if step.logits.is_eog and not ignore_eos:
-                    step.finish_reason = pb.FINISH_REASON_EOG
-                elif token in stop:
-                    step.finish_reason = pb.FINISH_REASON_STOP_TOKEN
-                elif len(result.steps) + 1 >= max_tokens:
-                    step.finish_reason = pb.FINISH_REASON_LENGTH
-                elif step.n_past + 1 > capacity:
-                    step.finish_reason = pb.FINISH_REASON_CONTEXT_FULL
+                step.finish_reason = rules.finish_reason(  # type: ignore[assignment]
+                    token, step.logits.is_eog, emitted=len(result.steps) + 1, n_past=step.n_past,
+                    capacity=capacity)
                 result.steps.append(step)
                 history.append(token)
                 if on_token is not None:
@@ -463,7 +427,7 @@ class Pipeline:
                 continue
             # Room for drafts: every one kept still leaves a token to emit within max_tokens,
             # and the step fits every hop's KV budget.
-            room = min(cap, max_tokens - len(result.steps) - 1, capacity - step.n_past - 1)
+            room = min(cap, rules.max_tokens - len(result.steps) - 1, capacity - step.n_past - 1)
             drafts = list(drafter.propose(history, room))[:room] if room > 0 else []
             if not drafts and synced:  # nothing to verify or roll back: a plain decode step
                 pending = [await self._decode(runners, token, blames)]
@@ -476,7 +440,7 @@ class Pipeline:
             if drafts:  # a rejected row costs compute on every hop: draft what was accepted
                 cap = accepted + 1 if accepted < len(drafts) else min(speculate, 2 * cap)
         for runner in runners:
-            with _Blame(runner, blames):
+            with Blame(runner, blames):
                 await runner.close()
 
     def _check_chunk(self, chunk_tokens: int) -> None:
@@ -487,7 +451,7 @@ class Pipeline:
         for prev, hop in zip(self._replicas, self._replicas[1:]):
             both = known(prev) + known(hop)
             limit = min((c.max_message_bytes for c in both if c.max_message_bytes), default=0)
-            itemsize = max(convert.WIRE_DTYPES[wire_dtype(c, self.hidden_dtype)].itemsize
+            itemsize = max(convert.WIRE_DTYPES[convert.offered_dtype(c, self.hidden_dtype)].itemsize
                            for c in known(hop))
             assert hop.reference is not None
             size = chunk_tokens * hop.reference.n_embd * itemsize
@@ -499,7 +463,7 @@ class Pipeline:
                 ))
 
     async def _prefill(
-        self, runners: list[HopRunner], prompt: str | Sequence[int], blames: _Blames
+        self, runners: list[HopRunner], prompt: str | Sequence[int], blames: Blames
     ) -> pb.StepResult:
         """Stream the prompt through the chain in chunks; return the last shard's last result."""
         n = len(runners)
@@ -513,7 +477,7 @@ class Pipeline:
                 await out.send((o.start, o.rows))
 
         async def first(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None) -> None:
-            with _Blame(runners[0], blames, nursery.cancel_scope):
+            with Blame(runners[0], blames, nursery.cancel_scope):
                 async with out if out is not None else nullcontext():  # closing ends the next hop
                     await runners[0].prefill_prompt(prompt, partial(forward, out))
 
@@ -522,7 +486,7 @@ class Pipeline:
             inbox: trio.MemoryReceiveChannel[tuple[int, np.ndarray]],
             out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None,
         ) -> None:
-            with _Blame(runners[k], blames, nursery.cancel_scope):
+            with Blame(runners[k], blames, nursery.cancel_scope):
                 async with inbox, out if out is not None else nullcontext():
                     async for position, rows in inbox:
                         await forward(out, await runners[k].prefill_rows(position, rows))
@@ -553,16 +517,16 @@ class Pipeline:
                     ErrorCode.UNSUPPORTED_FEATURE, f"speculate={k}: the last shard {why}"))
 
     async def _speculate(
-        self, runners: list[HopRunner], position: int, tokens: list[int], blames: _Blames
+        self, runners: list[HopRunner], position: int, tokens: list[int], blames: Blames
     ) -> list[pb.StepResult]:
         """One pass of ``tokens`` (the next token, then drafts) written at ``position`` on every
         hop; returns the results to emit: one per draft the model agreed with (in order) and
         the model's own token after them. A position's result looks like the decode's that
         would have produced it (its ``logits``, ``n_past``)."""
-        with _Blame(runners[0], blames):
+        with Blame(runners[0], blames):
             out = await runners[0].verify(position, tokens=tokens)
         for runner in runners[1:]:
-            with _Blame(runner, blames):
+            with Blame(runner, blames):
                 assert out.rows is not None
                 out = await runner.verify(out.start, rows=out.rows)
         last = out.step
@@ -577,60 +541,11 @@ class Pipeline:
                 break  # the model's own token here: the drafts after it are rejected
         return emitted
 
-    async def _decode(self, runners: list[HopRunner], token: int, blames: _Blames) -> pb.StepResult:
+    async def _decode(self, runners: list[HopRunner], token: int, blames: Blames) -> pb.StepResult:
         """One token through every hop; the last hop's result carries the next token."""
-        with _Blame(runners[0], blames):
+        with Blame(runners[0], blames):
             out = await runners[0].decode(token=token)
         for runner in runners[1:]:
-            with _Blame(runner, blames):
+            with Blame(runner, blames):
                 out = await runner.decode(row=out.rows)
         return out.step
-
-
-@dataclass
-class _Blames:
-    """Which hop one ``generate``'s failure is blamed on."""
-
-    #: The first error of a prefill task (the others are cancelled rather than raising).
-    failures: list[PipelineError] = field(default_factory=list)
-    #: Hops whose call a cancellation interrupted (the pipeline's deadline, or the caller's).
-    interrupted: list[int] = field(default_factory=list)
-
-    def deadline_error(self, hops: Sequence[Hop]) -> PipelineError:
-        """The error for the pipeline's deadline scope having passed. A hop's own call deadline
-        falls just before it, but both usually pass in one scheduler tick, and the hop's call
-        then ends in a cancellation: name the first hop whose call it interrupted, else the
-        last hop (the deadline passed in ``on_token``, handling that hop's result)."""
-        if self.failures:
-            return self.failures[0]
-        hop = hops[min(self.interrupted)] if self.interrupted else hops[-1]
-        return PipelineError(hop, ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired"))
-
-
-class _Blame:
-    """Turn a ``ShardError`` inside the block into a ``PipelineError`` naming the runner's hop,
-    and note in ``blames`` when a cancellation interrupted the block.
-
-    In a prefill task (``scope`` given) the first error is recorded in ``blames.failures`` and
-    the sibling tasks are cancelled instead of raising, so the caller gets one error, not an
-    exception group.
-    """
-
-    def __init__(self, runner: HopRunner, blames: _Blames, scope: trio.CancelScope | None = None) -> None:
-        self._runner, self._blames, self._scope = runner, blames, scope
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
-        if isinstance(exc, trio.Cancelled):
-            self._blames.interrupted.append(self._runner.index)
-        if exc is None or not isinstance(exc, ShardError):
-            return False
-        err = exc if isinstance(exc, PipelineError) else PipelineError(self._runner.hop, exc)
-        if self._scope is None:
-            raise err from None
-        if not self._blames.failures:
-            self._blames.failures.append(err)
-        self._scope.cancel()
-        return True

@@ -9,6 +9,8 @@ downstream's ``Usage`` and the order of steps), so a direct copy is only ever a 
 lost, late or forged one costs time, never tokens: each is checked against the chain's answer.
 
 ``Slot`` is one tagged step in flight; ``DirectReturns`` holds a session's slots and its secret.
+The address handed down the route is the first hop's own, as its operator configured it
+(``serve --advertise``), never one a caller names.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import trio
 
 from shard.v1 import shard_pb2 as pb
 
-from .errors import ErrorCode, ShardError
+from shard.rpc.errors import ShardError
+from shard.rpc.session import return_refused
 
 __all__ = ["DirectReturns", "Slot"]
 
@@ -80,11 +83,10 @@ class DirectReturns:
         self._slots.pop(slot.tag, None)
 
     def offer(self, secret: bytes, tag: int, step: pb.StepResult) -> bool:
-        """A ``Return``: True if a step waited for it. A wrong secret is PERMISSION_DENIED."""
+        """A ``Return``: True if a step waited for it. A wrong secret gets the answer an
+        unknown session gets (``return_refused``)."""
         if not hmac.compare_digest(secret, self.secret):
-            raise ShardError(ErrorCode.PERMISSION_DENIED,
-                             "Return: wrong secret for this session's return address",
-                             session_id=self.session_id, reason="RETURN_REFUSED")
+            raise return_refused(self.session_id)
         slot = self._slots.get(tag)
         if slot is None or step.WhichOneof("output") != "logits":
             return False

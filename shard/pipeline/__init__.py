@@ -1,0 +1,20 @@
+"""The client side of a chain of shard workers: drive them as one model.
+
+``Pipeline`` (``shard.pipeline.pipeline``) is the entry point; the package, by what each module
+owns:
+
+* ``pipeline``: ``Pipeline``, connecting, checking the chain and generating (client relay, chain
+  relay, speculation);
+* ``replicas``: the workers that can serve each hop (``HopReplicas``);
+* ``runner``: one hop of one generation, its session, replay and failover (``HopRunner``);
+* ``replay``: what a hop keeps so a replica can take over (``TokenLog``, ``RowLog``);
+* ``chain``: chain relay as the client drives it (the route, the first hop's ``Generate``);
+* ``drafting``: tokens drafted for speculative verification (``PromptLookup``);
+* ``errors``: which hop failed (``PipelineError``, ``Hop``).
+
+It uses ``shard.client`` (one worker) and the protocol's shared pieces (``shard.rpc.errors``,
+``convert``, ``routes``, ``shard.deadlines``, ``shard.stops``), never the worker's side.
+"""
+
+from .pipeline import *  # noqa: F403 - the package's API is the pipeline module's
+from .pipeline import __all__ as __all__
