@@ -412,3 +412,68 @@ async def test_a_relay_token_reaches_only_its_peers_over_a_shared_connection(tmp
                         assert (await s.prefill(tokens=[1, 2, 3])).n_past == 3
             assert relay.pool.opened_total == 1
             await free_within([a])
+
+
+@dataclass
+class Partition:
+    """A TCP proxy whose connections can go silent without closing (a partition, a stopped
+    process): ``freeze()`` holds every byte of the connections open now; new ones pass."""
+
+    target: str = ""
+    frozen: set[int] = field(default_factory=set)
+    live: list[int] = field(default_factory=list)
+
+    def freeze(self) -> None:
+        self.frozen |= set(self.live)
+
+
+@asynccontextmanager
+async def partition(upstream: str) -> AsyncIterator[Partition]:
+    host, _, port = upstream.rpartition(":")
+    spot = Partition()
+    count = [0]
+
+    async def pump(i: int, src: trio.SocketStream, dst: trio.SocketStream) -> None:
+        with trio.move_on_after(60):
+            while data := await src.receive_some():
+                while i in spot.frozen:
+                    await trio.sleep(0.01)
+                await dst.send_all(data)
+
+    async def handle(client: trio.SocketStream) -> None:
+        count[0] += 1
+        i = count[0]
+        spot.live.append(i)
+        async with client, await trio.open_tcp_stream(host, int(port)) as server:
+            async with trio.open_nursery() as pumps:
+                pumps.start_soon(pump, i, client, server)
+                pumps.start_soon(pump, i, server, client)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, handle, 0)
+        spot.target = f"127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        yield spot
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_pooled_connection_that_went_silent_is_replaced_not_reused() -> None:
+    """Health-checked pool: after the connection to the next hop went silent while idle (a
+    partition: no FIN, no RST), the next routed session does not wait on it until its deadline:
+    the idle connection is asked for Health, dropped, and a new one carries the session."""
+    limits = PoolLimits(connect_timeout=0.5, check_idle_after=0.2)
+    async with relay_shards(TWO[1:]) as (b,), partition(b.target) as link:
+        relay = ChainRelay(peers="loopback", limits=limits)
+        async with worker(engine=FakeEngine(model=MODEL, script=FakeScript()), load=spec(TWO[0]),
+                          relay=relay) as a:
+            async with ShardClient.connect(a.target, timeout=TIMEOUT) as client:
+                route = pb.Route(hops=[hop(link.target, TWO[1])])
+                async with client.session("s1.0", route=route) as s:
+                    assert (await s.prefill(tokens=[1, 2, 3])).n_past == 3
+                assert relay.pool.opened_total == 1
+                link.freeze()
+                await trio.sleep(0.3)
+                with trio.fail_after(5):  # (the session's deadline is TIMEOUT)
+                    async with client.session("s2.0", route=route) as s:
+                        assert (await s.prefill(tokens=[1, 2, 3])).n_past == 3
+                assert relay.pool.opened_total == 2
+            await free_within([a, b], 3)

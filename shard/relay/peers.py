@@ -11,10 +11,13 @@ connection), up to ``connections_per_peer``; past that, and past ``max_connectio
 new lease is refused with RESOURCE_EXHAUSTED.
 
 Health: a connection that broke or was told to go away (GOAWAY: the peer drains) is never
-leased again; it closes once its last lease ends. An idle connection (no lease for
-``idle_timeout`` seconds) is closed. A lease whose first call finds the connection dead
-(``ShardClient.connected`` turned False) reports it with ``discard``. The peer's capabilities
-are asked once per connection (``PooledConnection.caps``).
+leased again; it closes once its last lease ends. A connection unused for ``check_idle_after``
+seconds is asked for its worker's ``Health`` before it is leased again (a peer that vanished
+without closing the connection, a partition or a stopped process, would otherwise hold the next
+session until its deadline); no answer within ``connect_timeout`` and it is dropped for a new
+one. An idle connection (no lease for ``idle_timeout`` seconds) is closed. A caller whose call
+finds the connection broken reports it with ``discard``. The peer's capabilities are asked once
+per connection (``PooledConnection.caps``).
 
 Ownership: ``run`` (started by ``serve``) owns a nursery; each connection is held by one task in
 it, so every connection closes when the server stops. Credentials: every connection carries the
@@ -54,6 +57,8 @@ class PoolLimits:
     max_connections: int = 64
     #: Seconds an unused connection stays open.
     idle_timeout: float = 30.0
+    #: A connection unused this many seconds is checked (the peer's Health) before reuse.
+    check_idle_after: float = 5.0
     #: Seconds reaching a peer may take at most: the TCP/TLS connect, and its first answer
     #: (its capabilities, asked once per connection).
     connect_timeout: float = 10.0
@@ -62,7 +67,7 @@ class PoolLimits:
         for name in ("streams_per_connection", "connections_per_peer", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("idle_timeout", "connect_timeout"):
+        for name in ("idle_timeout", "connect_timeout", "check_idle_after"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
 
@@ -77,6 +82,7 @@ class PooledConnection:
     caps: pb.GetCapabilitiesResponse | None = None
     error: ShardError | None = None
     leases: int = 0
+    idle_since: float = 0.0  # trio time its last lease ended
     opened: trio.Event = field(default_factory=trio.Event)  # connected, or failed (``error``)
     changed: trio.Event = field(default_factory=trio.Event)  # a lease ended, or it was discarded
     discarded: bool = False
@@ -129,6 +135,7 @@ class PeerPool:
             yield conn
         finally:
             conn.leases -= 1
+            conn.idle_since = trio.current_time()
             conn.nudge()
 
     @staticmethod
@@ -145,6 +152,8 @@ class PeerPool:
             fresh = not free
             if free:
                 conn = min(free, key=lambda c: c.leases)
+                if not await self._healthy(conn, deadline):
+                    continue
             elif (len(conns) >= self.limits.connections_per_peer
                   or self.connections >= self.limits.max_connections):
                 raise ShardError(
@@ -178,10 +187,33 @@ class PeerPool:
                                  reason="CONNECT_FAILED")
             # a pooled connection broke between our look and now: try another
 
+    async def _healthy(self, conn: PooledConnection, deadline: float) -> bool:
+        """A connection unused for ``check_idle_after`` answers its worker's Health in time,
+        or is dropped (False). Others are taken as they are."""
+        idle = trio.current_time() - conn.idle_since
+        if conn.leases or not conn.opened.is_set() or idle < self.limits.check_idle_after:
+            return True
+        assert conn.client is not None
+        conn.leases += 1  # (not closed as idle while it is asked)
+        try:
+            with trio.move_on_after(bounded(deadline, self.limits.connect_timeout)):
+                await conn.client.health(timeout=self.limits.connect_timeout)
+                conn.idle_since = trio.current_time()
+                return True
+        except ShardError:
+            pass
+        finally:
+            conn.leases -= 1
+            conn.nudge()
+        log.info("relay connection to %s (%s) did not answer Health: dropped", conn.peer.target,
+                 conn.peer.address)
+        self.discard(conn)
+        return False
+
     def _open(self, peer: Peer) -> PooledConnection:
         if self._nursery is None:
             raise ShardError(ErrorCode.NOT_READY, "the relay is not running")
-        conn = PooledConnection(peer)
+        conn = PooledConnection(peer, idle_since=trio.current_time())
         self._conns.setdefault(peer.key, []).append(conn)
         self.opened_total += 1
         self._nursery.start_soon(self._hold, conn)
