@@ -98,16 +98,16 @@ class Link:
 async def open_link(
     upstream: str, *, one_way_delay_s: float = 0.0, jitter_s: float = 0.0,
     bandwidth_bytes_per_s: float | None = None, chunk_bytes: int = 16384, queue_chunks: int = 64,
-    seed: int | None = None,
+    seed: int | None = None, port: int = 0,
 ) -> AsyncIterator[Link]:
-    """Listen on 127.0.0.1 port 0 and proxy every connection to ``upstream`` (``host:port``)
-    through a simulated link until the block ends."""
+    """Listen on 127.0.0.1 ``port`` (0: a free one) and proxy every connection to ``upstream``
+    (``host:port``) through a simulated link until the block ends."""
     if one_way_delay_s < 0 or jitter_s < 0 or (bandwidth_bytes_per_s is not None and bandwidth_bytes_per_s <= 0):
         raise ValueError("delay and jitter must be >= 0, bandwidth > 0")
     link = Link(upstream, one_way_delay_s, jitter_s, bandwidth_bytes_per_s, chunk_bytes,
                 queue_chunks, seed, _rng=random.Random(seed))
     async with trio.open_nursery() as nursery:
-        (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        (listener,) = await trio.open_tcp_listeners(port, host="127.0.0.1")
         try:
             async with listener:
                 host, port = listener.socket.getsockname()[:2]

@@ -11,11 +11,13 @@ Workers start once per hop count; links are re-created per round trip. Per (hops
 * ``prefill_ms``: ``max_tokens=1`` after a ``--prefill``-token prompt.
 
 Results are keyed by mode: ``client`` (the client relays every hop's hidden states,
-``shard/pipeline.py``) and ``chain`` (the workers relay to each other, ``relay="chain"``:
+``shard/pipeline``) and ``chain`` (the workers relay to each other, ``relay="chain"``:
 the client talks to the first hop only, each worker reaches the next one through the link in
-front of it, since the route names the link addresses; workers run ``serve --allow-relay``).
+front of it, since the route names the link addresses; workers run ``serve --allow-relay``, and
+the first one ``--advertise``s the address of the link in front of it, which is re-created on
+that port for every round trip, so the last worker's direct return crosses that link too).
 ``speculate`` and ``chain-speculate`` are those two relays with ``--speculate K`` (up to K
-drafted tokens verified per pass, shard/drafting.py): each such row generates from a repetitive
+drafted tokens verified per pass, shard/pipeline/drafting.py): each such row generates from a repetitive
 text prompt (a numbered list, ``REPETITIVE``) twice through the same links, plain and then
 speculating, and records both rates, the passes through the chain and whether the tokens were
 identical. Modes alternate per round trip on the same workers. With several workers on few
@@ -42,7 +44,7 @@ import trio
 
 from bench.environment import environment, load_average, save_chart
 from bench.links import open_link
-from bench.processes import shard_server, wait_serving
+from bench.processes import free_port, shard_server, wait_serving
 from shard.pipeline import Pipeline
 from shard.v1 import shard_pb2 as pb
 
@@ -61,13 +63,23 @@ MODES = ("client", "chain", "speculate", "chain-speculate")
 SPECULATING = {"speculate": "client", "chain-speculate": "chain"}  # mode -> its relay
 
 
+async def open_links(
+    stack: AsyncExitStack, targets: list[str], rtt_ms: float, first_port: int,
+) -> list[Any]:
+    """One fresh link in front of each worker (the first one's on ``first_port``, the address
+    that worker advertises for the direct return)."""
+    return [await stack.enter_async_context(open_link(
+        t, one_way_delay_s=rtt_ms / 2000, port=first_port if i == 0 else 0))
+        for i, t in enumerate(targets)]
+
+
 async def measure_rtt(
-    targets: list[str], rtt_ms: float, tokens: int, prefill: int, mode: str = "client"
+    targets: list[str], rtt_ms: float, tokens: int, prefill: int, mode: str = "client",
+    first_port: int = 0,
 ) -> dict[str, Any]:
     """One (mode, hop count, RTT) point, through fresh links."""
     async with AsyncExitStack() as stack:
-        links = [await stack.enter_async_context(open_link(t, one_way_delay_s=rtt_ms / 2000))
-                 for t in targets]
+        links = await open_links(stack, targets, rtt_ms, first_port)
         pipe = await stack.enter_async_context(
             Pipeline.connect([lk.target for lk in links], timeout=600, relay=mode))
         caps = pipe.hops[0].caps
@@ -97,13 +109,12 @@ async def measure_rtt(
 
 
 async def measure_speculation(
-    targets: list[str], rtt_ms: float, tokens: int, k: int, mode: str
+    targets: list[str], rtt_ms: float, tokens: int, k: int, mode: str, first_port: int = 0,
 ) -> dict[str, Any]:
     """One (mode, hop count, RTT) point of a speculating mode against the same relay without
     speculation, both from ``REPETITIVE`` through the same fresh links (plain first)."""
     async with AsyncExitStack() as stack:
-        links = [await stack.enter_async_context(open_link(t, one_way_delay_s=rtt_ms / 2000))
-                 for t in targets]
+        links = await open_links(stack, targets, rtt_ms, first_port)
         pipe = await stack.enter_async_context(Pipeline.connect(
             [lk.target for lk in links], timeout=600, relay=SPECULATING[mode]))
         await pipe.generate(REPETITIVE, max_tokens=2, speculate=k)  # warm-up
@@ -132,7 +143,8 @@ async def measure_speculation(
 
 
 async def measure_hops(
-    targets: list[str], rtts: list[float], tokens: int, prefill: int, modes: list[str], k: int
+    targets: list[str], rtts: list[float], tokens: int, prefill: int, modes: list[str], k: int,
+    first_port: int = 0,
 ) -> list[dict[str, Any]]:
     for target in targets:
         await wait_serving(target)
@@ -140,9 +152,9 @@ async def measure_hops(
     for rtt in rtts:
         for mode in modes:
             if mode in SPECULATING:
-                row = await measure_speculation(targets, rtt, tokens, k, mode)
+                row = await measure_speculation(targets, rtt, tokens, k, mode, first_port)
             else:
-                row = await measure_rtt(targets, rtt, tokens, prefill, mode)
+                row = await measure_rtt(targets, rtt, tokens, prefill, mode, first_port)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -230,14 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for hops in hop_counts:
         ranges = even_ranges(n_layer, hops)
+        first_port = free_port()  # the first worker's link, re-created there for every round trip
         with ExitStack() as stack:
             servers = [stack.enter_context(shard_server(
                 model, threads=args.threads, ctx=2 * (prefill + tokens + 64), max_sessions=2,
                 log=logs / f"pipeline_network-{hops}-{i}.log",
-                extra=["--layers", r, "--allow-relay"]))
+                extra=["--layers", r, "--allow-relay",
+                       *(["--advertise", f"127.0.0.1:{first_port}"] if i == 0 else [])]))
                 for i, r in enumerate(ranges)]
             rows += trio.run(measure_hops, [s.target for s in servers], rtts, tokens, prefill, modes,
-                             args.speculate)
+                             args.speculate, first_port)
     env["load_average_after"] = load_average()
     print(f"\n{'mode':<7} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'ms/tok':>7} {'ttft ms':>8} {'prefill ms':>11}")
     for r in rows:
