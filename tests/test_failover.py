@@ -343,14 +343,26 @@ async def test_cancelling_mid_failover_leaves_nothing_on_any_worker() -> None:
 # ---- connect -------------------------------------------------------------------------------
 
 
-async def test_a_replica_of_another_range_is_refused_at_connect() -> None:
-    async with shards([LayerRange(0, 2), LayerRange(2, 4), LayerRange(1, 4)]) as (a, b, wrong):
-        with pytest.raises(PipelineError) as info:
-            async with Pipeline.connect([a.target, [b.target, wrong.target]], timeout=TIMEOUT):
-                pass
-    err = info.value
-    assert err.code == ErrorCode.INCOMPATIBLE_MODEL and err.hop_index == 1 and err.target == wrong.target
-    assert "a replica must serve what the hop serves" in err.message and "[1, 4)" in err.message
+async def test_a_standby_of_another_range_is_set_aside_and_the_pipeline_serves() -> None:
+    """Issue 33, finding 13: one misconfigured standby (another range) no longer stops a
+    pipeline whose primary is fine: it is reported (``Replica.refused``, a warning) and never
+    failed over to; the hop without another replica then fails naming it among those tried."""
+    async with shards([LayerRange(0, 4), LayerRange(0, 2), LayerRange(2, 4), LayerRange(1, 4)]) as (
+            whole, a, b, wrong):
+        async with Pipeline.connect([a.target, [b.target, wrong.target]], timeout=TIMEOUT) as pipe:
+            refused = pipe.replicas[1][1].refused
+            assert refused is not None and refused.code == ErrorCode.INCOMPATIBLE_MODEL
+            assert "a replica must serve what the hop serves" in refused.message and "[1, 4)" in refused.message
+            got = await pipe.generate(PROMPT, max_tokens=8, ignore_eos=True)
+            want = await whole_model_steps(whole.target, PROMPT, max_tokens=8, ignore_eos=True)
+            assert got.tokens == [s.logits.token_id for s in want]
+            b.stop()  # its primary gone, the hop has no replica to move to
+            with pytest.raises(PipelineError) as info:
+                await pipe.generate(PROMPT, max_tokens=8, ignore_eos=True)
+        err = info.value
+        assert err.hop_index == 1 and [t for t, _ in err.tried] == [wrong.target, b.target]
+        assert wrong.engine.metrics().sessions_opened_total == 0
+        await assert_all_free([whole, a, wrong])
 
 
 async def test_an_unreachable_first_replica_is_skipped_at_connect() -> None:

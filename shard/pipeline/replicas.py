@@ -8,6 +8,7 @@ connections and capabilities) and checks that every replica serves what the hop 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from shard.v1 import shard_pb2 as pb
 
 from .errors import Hop, PipelineError
 
+log = logging.getLogger(__name__)
+
 __all__ = ["PROBE_GRACE", "Connect", "HopReplicas", "Replica", "listing"]
 
 #: At connect, once one replica of a hop answered, how long the others may still answer.
@@ -29,11 +32,13 @@ PROBE_GRACE = 1.0
 @dataclass
 class Replica:
     """One worker that can serve a hop: its connection and what it reported (None until it
-    answered; a replica unreachable at connect is tried again when it is needed)."""
+    answered; a replica unreachable at connect is tried again when it is needed), and why it
+    was set aside at connect (``refused``: it serves another model or range than the hop)."""
 
     target: str
     client: ShardClient | None = None
     caps: pb.GetCapabilitiesResponse | None = None
+    refused: ShardError | None = None
 
 
 #: Opens a connection owned by the pipeline: (target, connect timeout) -> client.
@@ -109,13 +114,16 @@ class HopReplicas:
         self.reference = self.replicas[chosen].caps
 
     def check_alternatives(self) -> None:
-        """Refuse a replica that answered for another model or range than the hop's."""
+        """Set aside (``Replica.refused``, a warning) a standby that answered for another model
+        or range than the hop's: a misconfigured standby must not stop a healthy hop; it is
+        never failed over to."""
         for replica in self.replicas:
-            if replica.caps is not None:
+            if replica.caps is not None and replica is not self.replica:
                 try:
                     self.check(replica.caps)
                 except ShardError as err:
-                    raise PipelineError(self.hop(replica), err) from None
+                    replica.refused = err
+                    log.warning("%s: replica %s set aside: %s", self.hop(), replica.target, err)
 
     def check(self, caps: pb.GetCapabilitiesResponse) -> None:
         ref = self.reference

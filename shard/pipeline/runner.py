@@ -164,6 +164,10 @@ class HopRunner:
         self.rows = RowLog(gen.budget) if alternatives and not self.first else None
         self.tried: dict[str, ShardError] = {}  # target -> its last error, in order tried
         self._tried_targets: set[str] = set()
+        for replica in replicas.replicas:  # set aside at connect: never a candidate
+            if replica.refused is not None:
+                self.tried[replica.target] = replica.refused
+                self._tried_targets.add(replica.target)
         self._live: list[_Held] = []
         self._handover_failed = False
         # A routed session answers for every hop of its route: a step may take each of them
