@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
 
     import trio
 
-    from shard.client import ShardClient
+    from shard.client import ShardClient, ShardError
     from shard.rpc.server import RunningServer
 
 DEFAULT_PORT = 50051
@@ -304,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object with 'text', 'tokens' and 'finish_reason' "
                      "instead of streaming (after Ctrl-C: what was received, with "
-                     "'interrupted': true; exit status 130); with --pipeline also 'traversals' "
+                     "'interrupted': true; exit status 130; after a failure: what was received, "
+                     "with 'error': code, message, retryable and, with --pipeline, the hop and "
+                     "its target; exit status 1); with --pipeline also 'traversals' "
                      "(passes through the chain) and 'failovers' "
                      "if a hop moved to a replica (hop, from, to, reason, handover, positions "
                      "replayed, recovery_ms)")
@@ -874,7 +876,9 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
 class _GenerateOutput:
     """What ``generate`` prints (one worker or a pipeline): each token's text as it arrives,
     then the JSON object with ``--json``, else a newline after the streamed text; also when
-    Ctrl-C interrupted it (the JSON then says ``"interrupted": true``)."""
+    Ctrl-C interrupted it (the JSON then says ``"interrupted": true``) or it failed (the JSON
+    then holds what was received and ``"error"``: the code, message and, for a pipeline, the
+    hop; the error also goes to stderr)."""
 
     def __init__(self, *, as_json: bool) -> None:
         self.as_json = as_json
@@ -892,7 +896,7 @@ class _GenerateOutput:
             sys.stdout.write(text)
             sys.stdout.flush()
 
-    def close(self, *, interrupted: bool = False) -> None:
+    def close(self, *, interrupted: bool = False, error: ShardError | None = None) -> None:
         from shard.v1 import shard_pb2 as pb
 
         if self.as_json:
@@ -902,8 +906,17 @@ class _GenerateOutput:
                 **self.stats}
             if self.failovers:
                 result["failovers"] = self.failovers
-            print(json.dumps({**result, "interrupted": True} if interrupted else result))
-        else:
+            if interrupted:
+                result["interrupted"] = True
+            if error is not None:
+                failed: dict[str, object] = {"code": error.code.name, "message": error.message,
+                                             "retryable": error.retryable}
+                hop = getattr(error, "hop_index", None)  # a PipelineError names its hop
+                if hop is not None:
+                    failed.update(hop=hop, target=getattr(error, "target", ""))
+                result["error"] = failed
+            print(json.dumps(result))
+        elif error is None or self.text:  # (end the streamed text's line)
             sys.stdout.write("\n")
 
 
@@ -917,6 +930,7 @@ def _finish_generate(run: Callable[[], Awaitable[bool]], out: _GenerateOutput) -
     try:
         interrupted = trio.run(run)
     except ShardError as exc:
+        out.close(error=exc)  # what was received, and (with --json) the error
         return _fail(str(exc))
     out.close(interrupted=interrupted)
     return 130 if interrupted else 0

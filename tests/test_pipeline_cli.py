@@ -227,3 +227,23 @@ async def test_generate_waits_for_a_worker_that_is_still_loading(mode: str, load
     assert "NOT_READY" in err and "did not become ready within " in err, err
     assert "s (last status: NOT_READY (loading))" in err, err
     assert mode == "target" or f"hop 1 ({server.target})" in err
+
+
+async def test_a_failed_generation_with_json_prints_what_it_received_and_the_error() -> None:
+    """Issue 33, finding 8: the last worker fails mid-generation and its hop has no replica:
+    ``--json`` prints the tokens received before the failure (the whole model's first ones)
+    and the error with the hop, and the command exits 1 with the error on stderr."""
+    ranges = [LayerRange(0, 4), *THREE]
+    async with shards(ranges, fail_at_step={3: 30}) as (whole, a, b, c):
+        single = await run_cli("generate", "--target", whole.target, "--json", "--max-tokens", "40", PROMPT)
+        piped = await run_cli("generate", "--pipeline", f"{a.target},{b.target},{c.target}",
+                              "--json", "--max-tokens", "40", PROMPT)
+        await assert_all_free([whole, a, b])
+    assert piped.returncode == 1, piped.stderr.decode()
+    got, want = json.loads(piped.stdout), json.loads(single.stdout)
+    assert 0 < len(got["tokens"]) < len(want["tokens"])
+    assert got["tokens"] == want["tokens"][: len(got["tokens"])]
+    assert got["finish_reason"] == "unspecified"
+    assert got["error"]["code"] == "ENGINE_FAILURE" and got["error"]["hop"] == 2
+    assert got["error"]["target"] == c.target
+    assert "ENGINE_FAILURE" in piped.stderr.decode()
