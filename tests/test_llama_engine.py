@@ -31,6 +31,7 @@ from shard.engine import (
     PrefillRequest,
     SamplingParams,
     SessionState,
+    StepTimeout,
 )
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model
@@ -375,6 +376,29 @@ async def test_abort_callback_stops_a_single_decode(threads: int) -> None:
         assert eng.metrics().kv_cells_used == 8
 
 
+@pytest.mark.slow
+async def test_a_step_timeout_inside_a_prompt_step_is_a_step_timeout() -> None:
+    """Issue 33, finding 9: the step's own timeout stops a long prompt inside its llama_decode
+    (the abort callback): the step fails with ``StepTimeout`` (``DEADLINE_EXCEEDED``, reason
+    ``STEP_TIMEOUT`` on the wire), not as a cancel, and the session holds what it held."""
+    path = await trio.to_thread.run_sync(ensure_model, "bench")
+    async with LlamaCppEngine() as eng:
+        caps = await eng.load(
+            LoadSpec(model_path=path, n_ctx=4096, max_sessions=1, n_batch=2048, n_threads=1))
+        await eng.open_session("big")
+        rng = random.Random(2)
+        prompt = (1, *(rng.randrange(3, caps.n_vocab) for _ in range(1999)))
+        await eng.prefill(PrefillRequest("big", tokens=prompt[:8]))  # warm: the step is the prompt's
+        before = eng.metrics()
+        with pytest.raises(StepTimeout):  # (about 2 s of compute on one thread: 0.3 s is mid-step)
+            await eng.prefill(PrefillRequest("big", tokens=prompt[8:], position=8, step_timeout=0.3))
+        after = eng.metrics()
+        assert after.aborted_in_step_total == before.aborted_in_step_total + 1  # inside the step
+        info = eng.session_info("big")
+        assert info.state is SessionState.IDLE and info.n_past == 8
+        assert after.kv_cells_used == 8
+
+
 def _native_threads() -> set[int]:
     """Ids of this process's OS threads that Python did not start (ggml's pool threads)."""
     python = {t.native_id for t in threading.enumerate()}
@@ -528,7 +552,12 @@ async def test_decode_return_codes_map_to_typed_errors(engine: LlamaCppEngine) -
     with pytest.raises(EngineFailure, match="without a cancel"):
         engine._raise_decode_error(2, slot)
     slot.cancel.set()
-    with pytest.raises(EngineCancelled):
+    with pytest.raises(EngineCancelled) as cancelled:
+        engine._raise_decode_error(2, slot)
+    assert not isinstance(cancelled.value, StepTimeout)
+    slot.cancel.clear()
+    slot.cancel.set_timeout()  # the step's own timeout: a StepTimeout, not a cancel
+    with pytest.raises(StepTimeout):
         engine._raise_decode_error(2, slot)
     slot.cancel.clear()
     for rc in (-1, -3, 3):

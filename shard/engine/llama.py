@@ -107,6 +107,7 @@ from .errors import (
     IllegalTransition,
     InvalidInput,
     KvCacheFull,
+    StepTimeout,
 )
 from .types import Capabilities, EngineState, LoadSpec
 
@@ -119,6 +120,11 @@ _GGUF_MAGIC = b"GGUF"
 _LLAMA_TOKEN_NULL = -1
 class _AbortedInStep(EngineCancelled):
     """``llama_decode`` returned 2: the abort callback stopped it mid-step (counted by the engine)."""
+
+
+class _TimedOutInStep(StepTimeout):
+    """``llama_decode`` returned 2 because the step's own timeout set the flag mid-step: a step
+    timeout (``DEADLINE_EXCEEDED``/``STEP_TIMEOUT`` on the wire), not a cancel (counted too)."""
 
 
 # ---- native logging ----------------------------------------------------------------------------
@@ -345,7 +351,7 @@ class LlamaCppEngine(ShardEngine):
         work = _Work(slot, plan, scheduler.new_step(slot, plan), trio.current_time(), hidden_out, logits_out)
         await scheduler.compute(work)
         if work.error is not None:
-            if isinstance(work.error, _AbortedInStep):
+            if isinstance(work.error, (_AbortedInStep, _TimedOutInStep)):
                 self._counters["aborted_in_step_total"] += 1
             raise work.error
         assert work.result is not None
@@ -923,6 +929,9 @@ class LlamaCppEngine(ShardEngine):
         """The error a session of a failed tick gets for ``llama_decode``'s status ``rc``."""
         sid = slot.session_id
         if rc == 2:
+            if slot.cancel.timed_out:  # why the flag is set decides what the step failed with
+                return _TimedOutInStep("the step timeout passed inside a llama.cpp step",
+                                       session_id=sid)
             if slot.cancel.is_set():
                 return _AbortedInStep("operation cancelled inside a llama.cpp step", session_id=sid)
             return EngineFailure("llama_decode aborted without a cancel request")
