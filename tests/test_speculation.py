@@ -353,6 +353,28 @@ def test_logs_forget_what_a_rewind_overwrote() -> None:
         rows.truncate(5)
 
 
+def held_bytes(rows: RowLog) -> int:
+    """Bytes the log keeps alive: a view keeps its whole base array."""
+    return sum((c.base if c.base is not None else c).nbytes for c in rows._chunks)  # noqa: SLF001
+
+
+def test_a_log_rewound_again_and_again_keeps_only_what_it_accounts() -> None:
+    """Issue 33, finding 1: speculation rewinds a hop's row log by K+1 rows and appends K+1
+    every pass. A partly kept chunk was kept as a view, so the bytes "given back" stayed
+    allocated (4.9x the bound at K = 4). Now what the log holds is what the budget counts."""
+    import numpy as np
+
+    k = 4
+    budget = ReplayBudget(64 * 2**10)
+    rows = RowLog(budget)
+    rows.append(np.zeros((100, 16), dtype=np.float32), "float32")
+    for _ in range(500):  # a pass that accepts nothing: rewind K rows, write K+1 again
+        rows.truncate(rows.positions - k)
+        rows.append(np.ones((k + 1, 16), dtype=np.float32), "float32")
+    assert not rows.dropped
+    assert held_bytes(rows) == budget.used == rows.nbytes
+
+
 # ---- over a chain relay (the workers carry the hidden states) --------------------------------
 
 

@@ -144,6 +144,8 @@ class RowLog:
             if total >= positions:
                 break
             part = chunk[:positions - total]
+            if part.shape[0] < chunk.shape[0]:  # a view would keep the whole chunk alive
+                part = part.copy()
             kept.append(part)
             total += part.shape[0]
         freed = self.nbytes - sum(c.nbytes for c in kept)
