@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, StepGate, Worker, tcp_proxy, worker
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from shard.client import ShardClient
+from shard.client import ShardClient, ShardError
 from shard.engine import LayerRange, LoadSpec
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
 from shard.pipeline import CLEANUP_GRACE, RELEASE_TIMEOUT, Pipeline, PipelineError
@@ -581,3 +581,30 @@ def test_tensor_validation_accepts_only_well_formed_finite_tensors(
     assert dtype == session and arr.dtype == np.float32 and list(arr.shape) == shape
     assert shape[1] == 4 and shape[0] > 0 and (rows is None or shape[0] == rows)
     assert np.isfinite(arr).all()
+
+
+async def test_a_chunked_text_prompt_past_the_context_is_refused_before_any_chunk() -> None:
+    """Issue 33, finding 12: a text prompt sent in chunks that tokenizes to more positions than
+    a session holds (the fake: a token per byte, 301 for 256) is refused at once, with the right
+    count, computing nothing and leaving the session as it was; through a pipeline no hop
+    computes anything (the hops had computed 8 chunks, then refused the ninth)."""
+    text = "x" * 300  # + BOS: 301 positions; a session holds 256
+    async with shards([LayerRange(0, 4), *THREE]) as (whole, *chain):
+        async with ShardClient.connect(whole.target, timeout=TIMEOUT) as client:
+            async with client.session() as s:
+                await s.prefill(tokens=[1, 5, 6])
+                got: list[pb.StepResult] = []
+                with pytest.raises(ShardError) as info:
+                    async for step in s.prefill_chunks(text=text, chunk_tokens=32):
+                        got.append(step)
+                assert got == [] and s.usage.n_past == 3
+                # (3 held, then 300 tokens: no BOS past position 0)
+                assert "303 positions exceed the per-session context of 256" in info.value.message
+                assert info.value.code == ErrorCode.INVALID_ARGUMENT
+        assert whole.engine.metrics().prefill_tokens_total == 3
+        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            with pytest.raises(PipelineError) as pinfo:
+                await pipe.generate(text, max_tokens=4, chunk_tokens=32)
+        assert pinfo.value.hop_index == 0 and "301 positions exceed" in pinfo.value.message
+        assert [w.engine.metrics().prefill_tokens_total for w in chain] == [0, 0, 0]
+        await assert_all_free([whole, *chain])

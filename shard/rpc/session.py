@@ -967,6 +967,9 @@ class SessionCall:
             raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
         self._check_row_fits(caps)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        # Before any chunk is computed: a prompt in chunks that cannot fit is refused whole (it
+        # used to be refused at the first chunk past the context, the earlier ones computed).
+        self._check_room(position, n)
         return position, sampling, tokens, hidden, n
 
     def decode_input(
@@ -1109,6 +1112,7 @@ class SessionCall:
             prompt = tuple(g.tokens.ids)
         elif which == "text":
             prompt = await self._tokenize(g.text, add_bos=end == 0, position=end)
+            self._check_room(end, len(prompt))
         elif self.positions.next_token is None:
             raise _illegal("Generate without a prompt needs a previous step to continue from", sid)
         return sampling, prompt
