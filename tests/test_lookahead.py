@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 import trio
 
-from shard.engine import DecodeRequest, EngineCancelled, LoadSpec, Lookahead, PrefillRequest, SamplingParams
+from shard.engine import (
+    DecodeRequest,
+    EngineCancelled,
+    EngineFailure,
+    EngineState,
+    LoadSpec,
+    Lookahead,
+    PrefillRequest,
+    SamplingParams,
+)
 from shard.engine import llama as llama_module
 from shard.engine.base import ComputePlan
 from shard.engine.llama import LlamaCppEngine
@@ -274,6 +283,88 @@ async def test_background_work_runs_between_calls_and_on_wake() -> None:
                 await trio.sleep(0.001)
     finally:
         await worker.aclose()
+
+
+async def test_a_failure_of_the_background_work_fails_the_waiting_calls_instead_of_hanging_them() -> None:
+    """Issue 33, finding 3: the background work raises while a call waits behind it. The call
+    (shielded: no deadline could end it) fails with EngineFailure, and so does every later one;
+    the owner is told; aclose returns."""
+    gate, running = threading.Event(), threading.Event()
+
+    def background() -> bool:
+        running.set()
+        gate.wait(10)
+        raise ValueError("a bug in the background work")
+
+    told: list[str] = []
+    worker = NativeThread("test-native", background=background, on_failure=told.append)
+    worker.start()
+    try:
+        worker.wake()
+        with trio.fail_after(10):  # a hang is a failure, not a slow test
+            while not running.is_set():  # the background work runs: a call now waits for it
+                await trio.sleep(0.001)
+            async with trio.open_nursery() as nursery:
+                errors: list[BaseException] = []
+
+                async def call() -> None:
+                    try:
+                        await worker.run(lambda: "never")
+                    except EngineFailure as exc:
+                        errors.append(exc)
+
+                nursery.start_soon(call)
+                await trio.sleep(0.05)  # the call is queued behind the background work
+                gate.set()
+            assert len(errors) == 1 and "ValueError in its background work" in str(errors[0])
+            with pytest.raises(EngineFailure):
+                await worker.run(lambda: None)
+            while not told:
+                await trio.sleep(0.001)
+        assert "ValueError" in told[0]
+    finally:
+        gate.set()
+        with trio.fail_after(10):
+            await worker.aclose()
+
+
+async def test_a_failed_native_thread_fails_the_llama_engine(tiny_path: Path) -> None:
+    """Issue 33, finding 3, on the engine: health turns FAILED with the reason, a step waiting
+    behind the failed work and every later one fail with EngineFailure, close completes."""
+    async with LlamaCppEngine() as eng:
+        await eng.load(LoadSpec(model_path=tiny_path, n_ctx=512, max_sessions=2, n_threads=1))
+        await eng.open_session("s")
+        gate, running = threading.Event(), threading.Event()
+
+        def broken() -> bool:
+            running.set()
+            gate.wait(10)
+            raise RuntimeError("planted fault")
+
+        eng._native._background = broken  # noqa: SLF001 - the planted fault
+        eng._native.wake()  # noqa: SLF001
+        with trio.fail_after(20):
+            while not running.is_set():
+                await trio.sleep(0.001)
+            async with trio.open_nursery() as nursery:
+                failed: list[BaseException] = []
+
+                async def step() -> None:
+                    try:
+                        await eng.prefill(PrefillRequest("s", tokens=(1, 5, 6)))
+                    except EngineFailure as exc:
+                        failed.append(exc)
+
+                nursery.start_soon(step)
+                await trio.sleep(0.05)
+                gate.set()
+            assert len(failed) == 1
+            while eng.health().state is not EngineState.FAILED:
+                await trio.sleep(0.001)
+        assert "background work" in eng.health().detail
+        with pytest.raises(EngineFailure):
+            await eng.prefill(PrefillRequest("s", tokens=(1, 5, 6)))
+        gate.set()
 
 
 async def test_a_tick_of_one_row_steps_gives_the_same_results_joined_or_split(tiny_path: Path) -> None:

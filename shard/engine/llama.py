@@ -284,7 +284,8 @@ class LlamaCppEngine(ShardEngine):
         self._abort_min_tokens = abort_min_tokens
         # The one thread that touches the context (shard.engine.native_thread); between calls
         # it computes steps ahead (shard.engine.lookahead).
-        self._native = NativeThread("llama-engine", background=self._lookahead_sync)
+        self._native = NativeThread("llama-engine", background=self._lookahead_sync,
+                                    on_failure=self._fail)
         self._book = LookaheadBook()
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._last_ahead: list[Ahead] = []  # the records of the last look-ahead tick

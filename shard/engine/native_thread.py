@@ -11,6 +11,11 @@ its outcome comes back with ``TrioToken.run_sync_soon`` (one write to Trio's wak
 Calls are never abandoned: ``run`` waits shielded, like ``to_thread.run_sync`` without
 ``abandon_on_cancel``, because the caller must not touch the context again before the native
 work stopped. Between calls the thread runs the owner's ``background`` work, if any.
+
+Failure: an exception out of the background work (a bug: calls' own exceptions go back to their
+callers) must not leave the thread dead with calls waiting shielded for it for ever. The thread
+then fails every queued call and every later one with ``EngineFailure`` naming the fault, tells
+its owner (``on_failure``, in the Trio thread: the engine turns FAILED) and ends.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Any, TypeVar
 
 import outcome
 import trio
+
+from .errors import EngineFailure
 
 T = TypeVar("T")
 
@@ -44,9 +51,15 @@ log = logging.getLogger(__name__)
 class NativeThread:
     """A serial executor for native calls (see the module docs); ``start`` then ``aclose``."""
 
-    def __init__(self, name: str, background: Background | None = None) -> None:
+    def __init__(
+        self, name: str, background: Background | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
         self._name = name
         self._background = background
+        self._on_failure = on_failure
+        self._failure: str | None = None  # why the thread stopped (its background work raised)
+        self._token: trio.lowlevel.TrioToken | None = None
         self._cond = threading.Condition(threading.Lock())
         self._calls: deque[tuple[Callable[[], Any], trio.lowlevel.TrioToken, Callable[[outcome.Outcome], None]]] = deque()
         self._stopping = False
@@ -61,6 +74,7 @@ class NativeThread:
                      sys.getswitchinterval() * 1e3, GIL_SWITCH_INTERVAL * 1e3)
             sys.setswitchinterval(GIL_SWITCH_INTERVAL)
         if self._thread is None:
+            self._token = trio.lowlevel.current_trio_token()
             self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
             self._thread.start()
 
@@ -72,7 +86,10 @@ class NativeThread:
         return threading.current_thread() is self._thread
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` in the thread and return its result (or raise its exception)."""
+        """Run ``fn(*args)`` in the thread and return its result (or raise its exception);
+        ``EngineFailure`` once the thread failed (see the module docs)."""
+        if self._failure is not None:
+            raise EngineFailure(self._failure)
         if not self.running:
             raise RuntimeError(f"{self._name} is not running")
         token = trio.lowlevel.current_trio_token()
@@ -84,6 +101,8 @@ class NativeThread:
             done.set()
 
         with self._cond:
+            if self._failure is not None:  # (it failed between the look above and now)
+                raise EngineFailure(self._failure)
             self._calls.append((lambda: fn(*args), token, deliver))
             self._cond.notify()
         with trio.CancelScope(shield=True):  # never abandoned: see the module docs
@@ -134,7 +153,11 @@ class NativeThread:
                     self._woken = False
             if call is None:
                 assert self._background is not None
-                idle = not self._background()
+                try:
+                    idle = not self._background()
+                except BaseException as exc:  # noqa: BLE001 - a bug: fail loudly, hang nothing
+                    self._fail(exc)
+                    return
                 continue
             fn, token, deliver = call
             result = outcome.capture(fn)
@@ -142,6 +165,25 @@ class NativeThread:
             try:
                 token.run_sync_soon(deliver, result)
             except trio.RunFinishedError:  # pragma: no cover - the engine outlived its run
+                pass
+
+    def _fail(self, exc: BaseException) -> None:
+        """The background work raised: fail the queued calls (and later ones), tell the owner."""
+        log.error("%s: background work failed; the thread stops", self._name, exc_info=exc)
+        reason = f"the native thread failed: {type(exc).__name__} in its background work"
+        with self._cond:
+            self._failure = reason
+            pending = list(self._calls)
+            self._calls.clear()
+        for _, token, deliver in pending:
+            try:
+                token.run_sync_soon(deliver, outcome.Error(EngineFailure(reason)))
+            except trio.RunFinishedError:  # pragma: no cover
+                pass
+        if self._on_failure is not None and self._token is not None:
+            try:
+                self._token.run_sync_soon(self._on_failure, reason)
+            except trio.RunFinishedError:  # pragma: no cover
                 pass
 
 
