@@ -192,6 +192,40 @@ async def test_lookahead_steps_aside_for_other_work(engine: LlamaCppEngine) -> N
     assert step.n_past == len(PROMPT) + 1 and engine.metrics().kv_cells_used == len(PROMPT) + 1
 
 
+async def test_steps_computed_ahead_take_turns_under_a_one_session_tick(tiny_path: Path) -> None:
+    """Issue 33, finding 10: with ``max_batch_sessions`` 1, two generating sessions alternate.
+    A session that claims its step while it runs has its next one queued at once; taken in the
+    book's order, it won every look-ahead tick and its neighbour waited for its whole generation
+    (measured before: 274 of the first session's tokens in a row). Counted in steps, not time."""
+    async with LlamaCppEngine() as eng:
+        await eng.load(LoadSpec(model_path=tiny_path, n_ctx=1024, max_sessions=2, n_threads=1,
+                                max_batch_sessions=1))
+        order: list[str] = []
+        second = trio.Event()
+
+        async def generate(sid: str) -> None:
+            if sid == "b":
+                await second.wait()
+            await eng.open_session(sid)
+            res = await eng.prefill(PrefillRequest(sid, tokens=PROMPT, lookahead=Lookahead(200)))
+            for i in range(120):
+                assert res.logits is not None
+                res = await eng.decode(DecodeRequest(sid, token=res.logits.token_id, lookahead=Lookahead(200)))
+                order.append(sid)
+                if len(order) == 10:
+                    second.set()
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(generate, "a")
+                nursery.start_soon(generate, "b")
+        both = "".join(order)
+        both = both[both.index("b"):both.rindex("a")]  # while both generate (a ends first)
+        longest = max(len(run) for part in (both.split("a"), both.split("b")) for run in part)
+        assert longest <= 4, both  # generous: they alternate step by step
+        assert eng.metrics().lookahead_used_total > 100  # the steps were still computed ahead
+
+
 async def test_sampled_generation_is_computed_ahead_with_its_own_sampler(engine: LlamaCppEngine) -> None:
     params = SamplingParams(temperature=0.9, top_k=40, seed=7)
     outs = []

@@ -67,6 +67,11 @@ class LookaheadBook:
         # records dropped since (their cells are in that count until the next one).
         self._kv_native = 0
         self._dropped_since_count = 0
+        # When each sequence last had a step taken (``take_queued``): steps computed ahead take
+        # turns, least recently served first, so a tick smaller than the sessions that want
+        # one never serves the same session for ever.
+        self._turns: dict[int, int] = {}
+        self._turn = 0
 
     # ---- either side ---------------------------------------------------------------------
 
@@ -127,15 +132,24 @@ class LookaheadBook:
     # ---- the native thread ---------------------------------------------------------------
 
     def take_queued(self, max_sessions: int) -> list[Ahead]:
-        """Up to ``max_sessions`` queued records (one per sequence), now running."""
-        out: list[Ahead] = []
+        """Up to ``max_sessions`` queued records (one per sequence, the sequences served least
+        recently first), now running.
+
+        Why turns: a session that claims its step while it is computed has its next one queued
+        at once; taken in the book's order, it would win every tick smaller than the sessions
+        waiting (``--max-batch-sessions 1``) and its neighbours would wait for its whole
+        generation."""
         with self.lock:
-            for recs in self._by_seq.values():
-                for rec in recs:
-                    if rec.state == QUEUED and len(out) < max_sessions:
-                        rec.state = RUNNING
-                        out.append(rec)
-                        break
+            queued = [
+                next(r for r in recs if r.state == QUEUED)
+                for recs in self._by_seq.values() if any(r.state == QUEUED for r in recs)
+            ]
+            queued.sort(key=lambda r: self._turns.get(r.seq, -1))
+            out = queued[:max_sessions]
+            for rec in out:
+                rec.state = RUNNING
+                self._turn += 1
+                self._turns[rec.seq] = self._turn
         return out
 
     def unclaimed(self, recs: list[Ahead]) -> bool:
