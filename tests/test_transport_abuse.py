@@ -29,6 +29,7 @@ from rpc_harness import req, worker
 from shard.rpc.auth import TokenAuthenticator
 from shard.rpc.errors import ERROR_TRAILER, ErrorCode, ShardError
 from shard.rpc.transport import ClientConnection, EndReason, Server, TransportLimits
+from shard.rpc.transport.frames import FrameRate
 from shard.rpc.transport.wire import BufferPool
 from shard.v1 import shard_pb2 as pb
 from test_transport import SERVICE, Echo, RawClient, call, frame, settle
@@ -286,7 +287,7 @@ async def test_a_peer_that_resets_streams_in_a_loop_gets_enhance_your_calm(
     """Rapid reset (CVE-2023-44487): streams opened and reset at once never count against
     MAX_CONCURRENT_STREAMS, so only a rate bound stops a peer from making the worker start and
     cancel calls for ever."""
-    limits = dataclasses.replace(LIMITS, reset_burst=20, reset_rate=5.0)
+    limits = dataclasses.replace(LIMITS, resets=FrameRate(20, 5.0))
     server, _, port = await start(nursery, limits)
     peer = await RawConnection.open("127.0.0.1", port)
     try:
@@ -313,8 +314,7 @@ async def test_the_clients_own_cancels_stay_within_the_default_reset_bound(
     """300 calls started and cancelled back to back on one connection (the Trio client's
     cancel: RST_STREAM(CANCEL)), then the same call completes: the defaults never cut a
     client that cancels what it started."""
-    limits = dataclasses.replace(LIMITS, reset_burst=TransportLimits().reset_burst,
-                                 reset_rate=TransportLimits().reset_rate)
+    limits = dataclasses.replace(LIMITS, resets=TransportLimits().resets)
     server, echo, port = await start(nursery, limits)
     async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
         conn = ClientConnection(stream, "test", "http", SERVICE, limits)

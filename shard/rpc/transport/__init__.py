@@ -3,8 +3,10 @@
 - ``wire``: what both sides share: ``TransportLimits``, the bounded h2 machine with its flow
   ledger (inbound memory caps) and the receive pool (a reserve per connection, fair shares of
   the rest), the outbox, GOAWAY framing, the check of the h2 / purerpc internals we rely on;
+- ``frames``: inbound frames cut linearly and counted per frame against a budget per kind
+  (resets, PING, SETTINGS, ...), remembered per peer host across reconnects;
 - ``server``: ``Server`` (connections, calls, deadlines, cancels, drain, authorization from
-  the headers, message and send-idle timeouts, the stream-reset bound) and the call API
+  the headers, message and send-idle timeouts) and the call API
   handlers use (``current_call``, ``CallContext``, ``StatusError``, ``EndReason``);
 - ``client``: ``ClientConnection`` / ``ClientStream`` for ``shard/client.py``.
 

@@ -12,8 +12,10 @@ Resource handling: every connection and call is a task in an owner nursery under
 (call table, purerpc read buffer, ledger entry) is dropped when the call task ends.  A peer
 that stops reading stalls its own connection (see ``Outbox``), and a call that cannot send for
 ``send_idle_timeout`` ends; a connection that sends no valid HTTP/2 within
-``handshake_timeout`` or does not answer a keepalive PING is closed, and one that resets
-streams faster than ``reset_burst`` / ``reset_rate`` gets GOAWAY(ENHANCE_YOUR_CALM).
+``handshake_timeout`` or does not answer a keepalive PING is closed, and one that sends any kind of frame
+faster than its budget allows (``TransportLimits.new_streams``, ``resets``, ``pings``, ...;
+counted per frame, ``shard.rpc.transport.frames``) gets GOAWAY(ENHANCE_YOUR_CALM); its
+host's next connections start from the budgets it left.
 
 Abuse of the inbound buffers: a service registered with ``authorize`` has that hook run from
 the call's headers before a byte of its DATA is acknowledged (``BoundedH2`` gates every new
@@ -63,6 +65,7 @@ from purerpc.grpclib.headers import b64encode, sanitize_headers
 from purerpc.rpc import Cardinality
 
 from ..errors import ERROR_TRAILER, STATUS_DETAILS_TRAILER, ErrorCode, GrpcStatus, ShardError
+from .frames import FrameFlood, PeerMemory
 from .wire import (
     OUTBOX_HIGH_WATER,
     PREFIX,
@@ -289,17 +292,14 @@ class _Connection:
     """One HTTP/2 connection: a reader (this task), a writer task, a watchdog (handshake and
     keepalive), a message timer (``message_timeout``) and one task per call."""
 
-    def __init__(self, server: Server, stream: trio.abc.Stream, peer: str) -> None:
-        self.server, self.stream, self.peer = server, stream, peer
+    def __init__(self, server: Server, stream: trio.abc.Stream, peer: str, host: str) -> None:
+        self.server, self.stream, self.peer, self.host = server, stream, peer, host
+        self.budget = server.peers.budget(host)  # frames it may send (reconnects share it)
         self.h2 = BoundedH2(server.limits, client_side=False, pool=server.pool,
-                            gate_streams=True, clock=trio.current_time)
+                            gate_streams=True, clock=trio.current_time, budget=self.budget)
         self.h2.on_acks = self.send_pending
         self.h2.on_message_start = self._message_started
         self._message_wake = trio.Event()  # an unfinished message began (the timer sleeps)
-        # Rapid reset: a token bucket of stream resets the peer may still send.
-        self._resets_left = float(server.limits.reset_burst)
-        self._resets_at = trio.current_time()
-        self._calm_down = False  # too many resets: GOAWAY(ENHANCE_YOUR_CALM) after this read
         self.calls: dict[int, _Call] = {}
         self.streaming_calls = 0
         self._outbox = Outbox(on_drained=server.notify)  # bytes h2 produced, not sent yet
@@ -323,6 +323,7 @@ class _Connection:
                 self.close(EndReason.CONNECTION_LOST)
         finally:
             self.h2.close_ledger()
+            self.server.peers.left(self.host, self.budget)
 
     def abort_calls(self, reason: EndReason) -> None:
         for call in list(self.calls.values()):
@@ -427,27 +428,6 @@ class _Connection:
             call.inbox_send.send_nowait(error)
         call.inbox_send.close()
 
-    def _count_reset(self) -> None:
-        """A token bucket of RST_STREAMs: ``reset_burst`` at once, ``reset_rate`` per second."""
-        limits, now = self.server.limits, trio.current_time()
-        self._resets_left = min(float(limits.reset_burst),
-                                self._resets_left + (now - self._resets_at) * limits.reset_rate)
-        self._resets_at = now
-        self._resets_left -= 1
-        if self._resets_left < 0:
-            self._calm_down = True
-
-    async def _say_goodbye(self, error_code: int, why: str) -> None:
-        """Connection error: GOAWAY with ``error_code``, a bounded wait for it to be written,
-        then the caller returns and the connection closes (its calls: CONNECTION_LOST)."""
-        log.warning("closing connection from %s: %s", self.peer, why)
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.h2.h2_connection.close_connection(
-                error_code=error_code, additional_data=why.encode("ascii", "replace"))
-        self.send_pending()
-        with trio.move_on_after(1.0):
-            await self._outbox.wait_below(0)
-
     async def _read_loop(self) -> None:
         while True:
             try:
@@ -459,6 +439,14 @@ class _Connection:
             self._heard = True
             try:
                 events = self.h2.receive_data(data)
+            except FrameFlood as exc:
+                # h2 queued GOAWAY(ENHANCE_YOUR_CALM) and dropped the read's events: no call
+                # past the limit starts (the budget's levels outlive the connection).
+                log.warning("closing connection from %s: %s", self.peer, exc)
+                self.send_pending()
+                with trio.move_on_after(1.0):
+                    await self._outbox.wait_below(0)
+                return
             except (h2.exceptions.ProtocolError, ProtocolError) as exc:
                 # h2 queued a GOAWAY with the error code (FRAME_SIZE_ERROR, ...): best effort.
                 log.info("closing connection from %s: %r", self.peer, exc)
@@ -468,13 +456,6 @@ class _Connection:
                 return
             for event in events:
                 self._dispatch(event)
-            if self._calm_down:
-                limits = self.server.limits
-                await self._say_goodbye(
-                    ErrorCodes.ENHANCE_YOUR_CALM,
-                    f"more than {limits.reset_burst} stream resets at once or "
-                    f"{limits.reset_rate:g} per second")
-                return
             self.send_pending()
             # Stop reading while the peer does not read: otherwise frames h2 answers by itself
             # (PING and SETTINGS ACKs) would pile up in the outbox without a bound.
@@ -505,8 +486,6 @@ class _Connection:
         elif kind == "goaway":
             self.close(EndReason.CONNECTION_LOST)
         else:
-            if kind == "reset":
-                self._count_reset()
             if (call := self.calls.get(sid)) is None:
                 self.h2.forget(sid)
             elif kind == "oversized":
@@ -726,14 +705,17 @@ def _find_status_error(exc: BaseException) -> StatusError | None:
     return exc if isinstance(exc, StatusError) else None
 
 
-def _peer_of(stream: trio.abc.Stream) -> str:
+def _peer_of(stream: trio.abc.Stream) -> tuple[str, str]:
+    """The peer's address as gRPC names it (``ipv4:host:port``) and its host alone."""
     raw = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
     try:
         sock = raw.socket  # type: ignore[attr-defined]
         host, port = sock.getpeername()[:2]
     except (AttributeError, OSError):
-        return "unknown"
-    return f"ipv6:[{host}]:{port}" if sock.family == socket.AF_INET6 else f"ipv4:{host}:{port}"
+        return "unknown", "unknown"
+    if sock.family == socket.AF_INET6:
+        return f"ipv6:[{host}]:{port}", str(host)
+    return f"ipv4:{host}:{port}", str(host)
 
 
 class Server:
@@ -773,6 +755,8 @@ class Server:
                                reserve=limits.connection_reserve_bytes)
         self.draining = False
         self.refused_connections = 0  # accepted and closed at once: over max_connections
+        # Per peer host: the levels of the frame budgets its closed connections left.
+        self.peers = PeerMemory(limits.frame_rates, trio.current_time)
         self._changed = trio.Event()  # set whenever a call ends or an outbox drains
         self._accepting = trio.CancelScope()  # the accept loop; cancelled by drain()
 
@@ -897,17 +881,18 @@ class Server:
                 await listener.aclose()
 
     async def _handle(self, stream: trio.abc.Stream) -> None:
+        peer, host = _peer_of(stream)
         if len(self._connections) >= self.limits.max_connections:
             # Closed at once (serve_listeners closes the stream when this returns): a flood
             # of connections costs a socket each for a moment, never a connection's buffers.
             self.refused_connections += 1
             log.warning("refusing a connection from %s: %d connections open",
-                        _peer_of(stream), len(self._connections))
+                        peer, len(self._connections))
             return
         raw = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
         with contextlib.suppress(AttributeError, OSError):  # find peers that vanish silently
             raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # type: ignore[attr-defined]
-        conn = _Connection(self, stream, _peer_of(stream))
+        conn = _Connection(self, stream, peer, host)
         self._connections.add(conn)
         try:
             await conn.run()

@@ -22,12 +22,12 @@ messages acknowledged, whatever the others hold.  A message larger than the stre
 still flows (its bytes are acknowledged while there is room), and one the peer does not finish
 within ``message_timeout`` fails its stream and gives its bytes back.
 
-Frames: h2 3.2 buffers a whole frame before checking its length against the advertised
-``MAX_FRAME_SIZE`` and lets a header block grow to 64 CONTINUATION frames; ``_FrameBuffer``
-refuses an oversized frame on its 9-byte header and a header block above the header-list
-limit, which h2 turns into a connection error with GOAWAY (FRAME_SIZE_ERROR /
-ENHANCE_YOUR_CALM).  The header list size is enforced from the first frame, not only after
-the peer acknowledged our SETTINGS.
+Frames: ``shard.rpc.transport.frames`` cuts the inbound byte stream into frames (linearly; h2's
+own buffer is quadratic in the frames of one read), refuses an oversized frame on its 9-byte
+header and an oversized header block, and (server side) counts every frame against its kind's
+budget as it is parsed (``TransportLimits.new_streams``, ``resets``, ``pings``, ...). The
+header list size is enforced from the first frame, not only after the peer acknowledged our
+SETTINGS.
 
 Internals: this package uses private names of h2, hyperframe and purerpc (pinned to exact
 versions in pyproject.toml); ``check_private_names`` runs at import and refuses, with a clear
@@ -46,8 +46,6 @@ from typing import Any, NamedTuple
 import h2.exceptions
 import h2.utilities
 import trio
-from h2.exceptions import DenialOfServiceError
-from h2.frame_buffer import FrameBuffer
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import GoAwayFrame
 from purerpc.grpclib.config import GRPCConfiguration
@@ -58,6 +56,8 @@ from purerpc.grpclib.exceptions import (
     ProtocolError,
     UnsupportedMessageEncodingError,
 )
+
+from .frames import FrameBudget, FrameRate, FrameReader
 
 #: The versions whose private names this package uses (pinned in pyproject.toml); see
 #: ``check_private_names``, which runs at import.
@@ -79,6 +79,7 @@ def missing_private_names() -> list[str]:
         ("h2.utilities", h2.utilities, "SizeLimitDict"),
         ("h2.connection", h2.connection, "ConnectionState"),
         ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer, "_validate_frame_length"),
+        ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer, "_parse_frame_header"),
         ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer, "_update_header_buffer"),
         ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer(server=True), "_headers_buffer"),
         ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer(server=True), "data"),
@@ -174,11 +175,20 @@ class TransportLimits:
     #: that its stream fails RESOURCE_EXHAUSTED (reason MESSAGE_TIMEOUT) and the bytes held for
     #: the message are given back: an unfinished message cannot hold buffer space for ever.
     message_timeout: float = 30.0
-    #: Stream resets (RST_STREAM) a peer may send in a burst, and per second on average after
-    #: it (a token bucket); past that the connection gets GOAWAY(ENHANCE_YOUR_CALM) and closes
-    #: ("rapid reset").  A client resets at most the streams it has open (80) at once.
-    reset_burst: int = 500
-    reset_rate: float = 100.0
+    #: Frames a peer may send of each kind: a burst, then a rate (token buckets, counted per
+    #: frame as it is parsed; see ``shard.rpc.transport.frames``).  Past one the connection
+    #: gets GOAWAY(ENHANCE_YOUR_CALM) before h2 handles that frame; a new connection from the
+    #: same host starts from the levels its closed ones left.  ``new_streams`` counts HEADERS
+    #: (a gRPC client sends one per call); ``resets`` RST_STREAM ("rapid reset": a client resets
+    #: at most the streams it has open, 80, at once); ``empty_frames`` PRIORITY, unknown frame
+    #: types and DATA frames with neither payload nor END_STREAM.
+    new_streams: FrameRate = FrameRate(1000, 500.0)
+    resets: FrameRate = FrameRate(500, 100.0)
+    pings: FrameRate = FrameRate(100, 10.0)
+    settings: FrameRate = FrameRate(32, 4.0)
+    window_updates: FrameRate = FrameRate(1000, 500.0)
+    continuations: FrameRate = FrameRate(64, 8.0)
+    empty_frames: FrameRate = FrameRate(200, 20.0)
     #: Seconds a call may wait with a response to send while the peer reads nothing (no
     #: flow-control window, or nothing written to the socket); past that the call ends
     #: RESOURCE_EXHAUSTED (reason SEND_IDLE_TIMEOUT), which releases a session.  ``math.inf``
@@ -207,13 +217,21 @@ class TransportLimits:
             raise ValueError("max_connections must be >= 1")
         if self.closed_streams_remembered < 1:
             raise ValueError("closed_streams_remembered must be >= 1")
-        if self.reset_burst < 1:
-            raise ValueError("reset_burst must be >= 1")
+        for name, rate in self.frame_rates.items():
+            if not isinstance(rate, FrameRate):
+                raise TypeError(f"{name} must be a FrameRate")
         for name in ("handshake_timeout", "keepalive_interval", "keepalive_timeout",
-                     "flush_timeout", "message_timeout", "reset_rate", "send_idle_timeout"):
+                     "flush_timeout", "message_timeout", "send_idle_timeout"):
             value = getattr(self, name)
             if not (value > 0 and not math.isnan(value)):
                 raise ValueError(f"{name} must be > 0")
+
+    @property
+    def frame_rates(self) -> dict[str, FrameRate]:
+        """The frame budgets by kind (``frames.KINDS``)."""
+        return {"streams": self.new_streams, "resets": self.resets, "pings": self.pings,
+                "settings": self.settings, "window_updates": self.window_updates,
+                "continuations": self.continuations, "empty": self.empty_frames}
 
     @property
     def max_frame_bytes(self) -> int:
@@ -338,28 +356,6 @@ def goaway_frame(last_stream_id: int, error_code: int = 0) -> bytes:
     return bytes(GoAwayFrame(0, last_stream_id=last_stream_id, error_code=error_code).serialize())
 
 
-class _FrameBuffer(FrameBuffer):
-    """h2's frame reassembly, refusing oversized frames and header blocks early."""
-
-    def __init__(self, *, server: bool, header_block_limit: int) -> None:
-        super().__init__(server=server)
-        self.header_block_limit = header_block_limit
-
-    def next(self) -> Any:
-        if len(self.data) >= 9:  # h2 would first wait for the whole (maybe 16 MiB) frame
-            self._validate_frame_length(int.from_bytes(self.data[:3], "big"))
-        return super().next()
-
-    def _update_header_buffer(self, f: Any) -> Any:
-        f = super()._update_header_buffer(f)
-        pending = sum(len(x.data) for x in self._headers_buffer)
-        if f is not None and f.type == 0x01:  # a complete HEADERS block
-            pending = len(f.data)
-        if pending > self.header_block_limit:
-            raise DenialOfServiceError(f"header block of {pending} bytes is too large")
-        return f
-
-
 class BufferPool:
     """Acknowledged inbound message bytes over many connections (its members), with a cap.
 
@@ -459,6 +455,7 @@ class BoundedH2(GRPCConnection):
     def __init__(
         self, limits: TransportLimits, *, client_side: bool, pool: BufferPool | None = None,
         gate_streams: bool = False, clock: Callable[[], float] | None = None,
+        budget: FrameBudget | None = None,
     ) -> None:
         self.limits = limits
         self.flow: dict[int, _Flow] = {}
@@ -472,8 +469,9 @@ class BoundedH2(GRPCConnection):
         self.on_acks: Callable[[], None] = lambda: None  # deferred acks were sent: flush h2
         self.on_message_start: Callable[[], None] = lambda: None  # an unfinished message began
         super().__init__(GRPCConfiguration(client_side, max_message_length=limits.max_message_bytes))
-        self.h2_connection.incoming_buffer = _FrameBuffer(
-            server=not client_side, header_block_limit=limits.max_header_list_bytes)
+        self.h2_connection.incoming_buffer = FrameReader(
+            server=not client_side, header_block_limit=limits.max_header_list_bytes,
+            budget=budget)
         # h2 has no public knob for this; its own dict type, with a smaller bound.
         self.h2_connection._closed_streams = h2.utilities.SizeLimitDict(
             size_limit=limits.closed_streams_remembered)
@@ -699,5 +697,4 @@ class BoundedH2(GRPCConnection):
     @property
     def buffered_frame_bytes(self) -> int:
         """Bytes h2 holds for frames not complete yet (the reassembly buffer)."""
-        buffer = self.h2_connection.incoming_buffer
-        return len(buffer.data) + sum(len(f.data) for f in buffer._headers_buffer)  # noqa: SLF001
+        return self.h2_connection.incoming_buffer.pending_bytes
