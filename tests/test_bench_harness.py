@@ -225,6 +225,24 @@ def test_contention_bench_runs_every_scenario(tmp_path: Path) -> None:
     assert report["environment"]["model"].endswith(".gguf")
 
 
+def test_floods_bench_cuts_every_flooding_connection(tmp_path: Path) -> None:
+    """A smoke run of bench/floods.py on the tiny model: the attacker process floods, every
+    connection it made got GOAWAY(ENHANCE_YOUR_CALM), the neighbour kept generating."""
+    out = tmp_path / "floods.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.floods", "--quick", "--seconds", "0.5", "--kinds", "pings,resets",
+         "--threads", "1", "--out", str(out), "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"quiet", "pings", "resets"}
+    for kind in ("pings", "resets"):
+        run = results[kind]["this_checkout"]
+        assert run["connections"] >= 1 and run["goaway_enhance_your_calm"] == run["connections"], run
+        assert run["tokens_during_flood"] > 0
+
+
 def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
     """A smoke run of bench/failover.py on the tiny model: each trial kills the middle worker
     after the first token and the replica replays exactly the prompt's positions."""
