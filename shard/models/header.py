@@ -21,6 +21,8 @@ import gguf
 
 from shard.layers import LayerRange
 
+from .layout import ARRAY, STRING, decode_value, walk_keys
+
 KEY_SOURCE_SHA256 = "trio_shard.source.sha256"
 KEY_SOURCE_BLOCK_COUNT = "trio_shard.source.block_count"
 KEY_SOURCE_N_VOCAB = "trio_shard.source.n_vocab"
@@ -82,12 +84,6 @@ def _read_scalars(path: Path) -> dict[str, Any]:
     return _read(path, 0)
 
 
-# GGUF value types (gguf.GGUFValueType) -> struct format of one scalar, little-endian.
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                   10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
 def _read(path: Path, max_array: int) -> dict[str, Any]:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -105,54 +101,15 @@ _TOKENS_LENGTH = "\0tokens"
 
 
 def _parse_header(buf: mmap.mmap, max_array: int) -> dict[str, Any]:
-    if buf[:4] != b"GGUF":
-        raise ValueError("no GGUF magic")
-    (version,) = struct.unpack_from("<I", buf, 4)
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} (only little-endian v2 and v3 are read)")
-    (n_kv,) = struct.unpack_from("<Q", buf, 16)
-    pos = 24
     out: dict[str, Any] = {}
-
-    def string(at: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", buf, at)
-        if at + 8 + n > len(buf):
-            raise ValueError("truncated string")
-        return bytes(buf[at + 8 : at + 8 + n]).decode("utf-8"), at + 8 + n
-
-    for _ in range(n_kv):
-        key, pos = string(pos)
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        if vtype == _STRING:
-            out[key], pos = string(pos)
-        elif vtype in _SCALAR_FORMATS:
-            fmt = _SCALAR_FORMATS[vtype]
-            (out[key],) = struct.unpack_from(fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-        elif vtype == _ARRAY:
-            sub, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if sub == _STRING:
-                if key == gguf.Keys.Tokenizer.LIST and max_array:
-                    out[_TOKENS_LENGTH] = count
-                for _ in range(count):
-                    (n,) = struct.unpack_from("<Q", buf, pos)
-                    pos += 8 + n
-            elif sub in _SCALAR_FORMATS:
-                fmt = _SCALAR_FORMATS[sub]
-                size = count * struct.calcsize(fmt)
-                if pos + size > len(buf):
-                    raise ValueError(f"truncated array {key!r}")
-                if count <= max_array:
-                    out[key] = struct.unpack_from(f"<{count}{fmt[1]}", buf, pos)
-                pos += size
-            else:
-                raise ValueError(f"unsupported array element type {sub} in {key!r}")
-            if pos > len(buf):
-                raise ValueError(f"truncated array {key!r}")
-        else:
-            raise ValueError(f"unknown value type {vtype} for {key!r}")
+    for span in walk_keys(buf):
+        if span.vtype == ARRAY and span.sub_type == STRING:
+            if span.name == gguf.Keys.Tokenizer.LIST and max_array:
+                out[_TOKENS_LENGTH] = span.count
+            continue
+        value = decode_value(buf, span, max_array)
+        if value is not None:
+            out[span.name] = value
     return out
 
 
