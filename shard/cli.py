@@ -328,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --pipeline: each pass through the chain also carries up to K "
                      "tokens drafted by prompt lookup (n-grams of the prompt and of the "
                      "output so far), verified by the last shard in the same pass: the same "
-                     "tokens, fewer passes when the text repeats itself; --json then reports "
+                     "tokens, fewer passes when the text repeats itself; each pass drafts only "
+                     "as many as its measured costs say pay, none when drafting would be slower "
+                     "than plain decoding; --json then reports "
                      "'traversals', 'drafted_tokens' and 'accepted_tokens' (default: 0, off)")
     gen.add_argument("--relay", choices=["client", "chain"], default="client",
                      help="with --pipeline: who carries the hidden states between hops: this "

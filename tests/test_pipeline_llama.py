@@ -118,7 +118,7 @@ async def test_llama_speculation_gives_the_tokens_of_plain_decoding(cuts: list[i
     """Speculative verification on llama.cpp shards: drafts accepted and rejected (a scripted
     drafter), and prompt lookup; greedy tokens equal the whole model's, the last shard's
     log-probabilities within 1e-3 (a verifying step's rows are one batch), nothing left."""
-    from test_speculation import Scripted
+    from test_speculation import Scripted, always_draft
 
     async with llama_workers([None, *ranges_of(cuts)], relay=True) as (whole, *chain):
         want = await whole_model_steps(
@@ -126,6 +126,7 @@ async def test_llama_speculation_gives_the_tokens_of_plain_decoding(cuts: list[i
         )
         tokens = [s.logits.token_id for s in want]
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            always_draft(pipe)
             scripted = await pipe.generate(
                 PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP, speculate=4,
                 drafter=Scripted(tokens, want[0].n_past, wrong_every=3),  # the prompt's ids first
@@ -135,6 +136,7 @@ async def test_llama_speculation_gives_the_tokens_of_plain_decoding(cuts: list[i
             )
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT,
                                     relay="chain" if len(chain) > 1 else "client") as pipe:
+            always_draft(pipe)
             chained = await pipe.generate(
                 PROMPT, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=TOP, speculate=4,
                 drafter=Scripted(tokens, want[0].n_past, wrong_every=3),
@@ -158,7 +160,7 @@ async def test_bench_model_three_hops_speculation_gives_the_whole_models_tokens(
     whole model's greedy tokens through client relay, chain relay, and speculation over both
     (prompt lookup, and a scripted drafter that is wrong every third position)."""
     from shard.relay import ChainRelay
-    from test_speculation import Scripted
+    from test_speculation import Scripted, always_draft
 
     source = await trio.to_thread.run_sync(ensure_model, "bench")
     async with AsyncExitStack() as stack:
@@ -174,6 +176,7 @@ async def test_bench_model_three_hops_speculation_gives_the_whole_models_tokens(
         tokens = [s.logits.token_id for s in want]
         for relay in ("client", "chain"):
             async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay=relay) as pipe:
+                always_draft(pipe)
                 plain = await pipe.generate(prompt, max_tokens=32, ignore_eos=True)
                 lookup = await pipe.generate(prompt, max_tokens=32, ignore_eos=True, speculate=4)
                 scripted = await pipe.generate(prompt, max_tokens=32, ignore_eos=True, speculate=4,

@@ -6,7 +6,10 @@ log-probabilities and positions exactly (the fake engine computes each position 
 batch of a verifying step changes no bit), greedy or sampled, whatever the drafts were, and
 leave no session or KV cell behind. A scripted drafter (``Scripted``) makes acceptance and
 rejection happen where a test wants them; prompt lookup (``shard.drafting``) is tested on its
-own and end to end.
+own and end to end. How many tokens a pass drafts depends on measured costs
+(``shard.pipeline.speculation``); tests about what a pass does fix those costs
+(``always_draft``: rows cost nothing, so every pass drafts all it may), and the planner's
+decisions are tested on given costs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from shard.pipeline.drafting import PromptLookup
 from shard.engine import Capabilities, LayerRange
 from shard.pipeline import Pipeline, PipelineError
 from shard.pipeline.replay import ReplayBudget, RowLog, TokenLog
+from shard.pipeline.speculation import EXPLORE_EVERY, MEASURE_LOOP, DraftPlanner, PassCost
 from shard.rpc.errors import ErrorCode
 from shard.v1 import shard_pb2 as pb
 from test_failover import fleet, gate_of
@@ -35,6 +39,26 @@ from test_pipeline import THREE, TIMEOUT, after_steps, assert_all_free, shards, 
 PROMPT_IDS = [1, *range(40, 52), *range(40, 52), 77, 78]  # BOS, a repeated run, a tail
 N_TOKENS = 40
 TWO = [LayerRange(0, 2), LayerRange(2, 4)]
+
+
+class FixedPassCost(PassCost):
+    """Pass costs that measurements never change (a fake of the learned model); the workers'
+    loop (chain relay) as fast as a pass the client steps."""
+
+    def __init__(self, traversal: float, per_row: float) -> None:
+        super().__init__()
+        self.traversal, self.per_row, self.loop = traversal, per_row, traversal
+
+    def observe(self, drafts: int, seconds: float) -> None:
+        pass
+
+    def observe_loop(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def always_draft(pipe: Pipeline) -> None:
+    """Rows that cost nothing: every pass drafts as many tokens as it may."""
+    pipe.pass_cost = FixedPassCost(1.0, 0.0)
 
 
 class Scripted:
@@ -81,6 +105,7 @@ async def test_speculation_gives_the_tokens_of_plain_decoding(
         drafter = Scripted([s.logits.token_id for s in want], len(PROMPT_IDS), wrong_every)
         seen: list[int] = []
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            always_draft(pipe)
             got = await pipe.generate(
                 PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=5,
                 speculate=k, drafter=drafter, on_token=lambda s: seen.append(s.logits.token_id),
@@ -99,27 +124,66 @@ async def test_speculation_gives_the_tokens_of_plain_decoding(
         await assert_all_free([whole, *chain])
 
 
-async def test_drafts_shrink_to_what_was_accepted_and_grow_back() -> None:
-    """A rejected row costs every hop compute: after a pass that kept ``a`` of its drafts the
-    next pass drafts at most ``a + 1``; a pass that kept all doubles the next, up to K."""
+async def test_a_pipeline_drafts_only_when_the_rows_pay() -> None:
+    """Issue 33, finding 4: with rows as dear as a pass (each verified row costs the last shard
+    a whole step, as Gemma's head does) and a drafter that is right half the time, drafting
+    loses, so the pipeline decodes plainly, trying one draft every ``EXPLORE_EVERY`` passes;
+    with cheap rows the same drafter drafts on every pass. The tokens are the same either way
+    (before, every pass drafted up to K whatever a row cost)."""
     async with shards(TWO) as chain:
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
             plain = await pipe.generate(PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True)
-            drafter = Scripted(plain.tokens, len(PROMPT_IDS), wrong_every=9)
-            got = await pipe.generate(PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True,
-                                      speculate=6, drafter=drafter)
-        assert got.tokens == plain.tokens
-        asked = drafter.asked
-        assert asked[0][1] == 6
-        for (done, k), (done_next, k_next) in zip(asked, asked[1:]):
-            accepted = done_next - done - 1  # tokens emitted by the pass, less the model's own
-            room = N_TOKENS - done_next - 1
-            if accepted < k:  # a rejection (or the end): at most what was kept, plus one
-                assert k_next <= min(accepted + 1, room) or k_next == room
-            else:
-                assert k_next == min(6, 2 * k, room)
-        assert any(k < 6 for _, k in asked[1:-2]) and any(k == 6 for _, k in asked[1:])
+            pipe.pass_cost = FixedPassCost(traversal=1.0, per_row=1.0)
+            dear = await pipe.generate(PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True, speculate=4,
+                                       drafter=Scripted(plain.tokens, len(PROMPT_IDS), wrong_every=2))
+            pipe.pass_cost = FixedPassCost(traversal=1.0, per_row=0.05)
+            cheap = await pipe.generate(PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True, speculate=4,
+                                        drafter=Scripted(plain.tokens, len(PROMPT_IDS), wrong_every=2))
+        assert dear.tokens == cheap.tokens == plain.tokens
+        assert dear.drafted_tokens <= -(-N_TOKENS // EXPLORE_EVERY)  # exploration only
+        assert cheap.drafted_tokens > N_TOKENS // 2 and cheap.traversals < dear.traversals
         await assert_all_free(chain)
+
+
+def test_the_planner_drafts_the_count_with_the_most_tokens_per_second() -> None:
+    cost = PassCost()
+    planner = DraftPlanner(4, cost)
+    assert planner.drafts() == 0  # a plain pass first: the traversal's cost
+    planner.passed(0, 0, 0.100)
+    assert planner.drafts() == 4  # then a pass with drafts: a row's cost
+    planner.passed(4, 4, 0.100 + 4 * 0.010)
+    assert cost.traversal == pytest.approx(0.100) and cost.per_row == pytest.approx(0.010)
+    assert planner.drafts() == 4  # cheap rows, everything accepted so far
+    for _ in range(30):  # now nothing is accepted: no draft pays
+        planner.passed(1, 0, 0.110)
+    assert planner.acceptance < 0.1
+    assert planner.drafts() == 0
+    # Rows as dear as a traversal never pay below a = 1 ...
+    assert DraftPlanner(4, cost).best(0.1, 0.1) == 0
+    # ... and at a = 1/2 a row that costs a quarter of a traversal does (1.5 / 1.25 > 1).
+    assert DraftPlanner(4, cost).best(0.1, 0.025) >= 1
+
+
+def test_with_chain_relay_drafting_must_beat_the_workers_loop() -> None:
+    """Chain relay's plain decoding is the workers' loop: drafts that beat a pass the client
+    steps may still lose to it. Unknown, it is measured first (``MEASURE_LOOP`` tokens)."""
+    cost = PassCost()
+    cost.traversal, cost.per_row = 0.100, 0.020
+    planner = DraftPlanner(4, cost, loop=True)
+    assert planner.drafts() == 0 and planner.stretch() == MEASURE_LOOP
+    planner.looped(MEASURE_LOOP, MEASURE_LOOP * 0.060)  # the loop: 60 ms a token
+    assert planner.drafts() == 0 and planner.stretch() == EXPLORE_EVERY  # 1.5 / 0.12 < 1 / 0.06
+    assert DraftPlanner(4, cost).drafts() >= 1  # client relay: 1.5 / 0.12 > 1 / 0.1
+
+
+def test_the_planner_explores_while_drafting_does_not_pay() -> None:
+    planner = DraftPlanner(4, FixedPassCost(1.0, 1.0))
+    asked = []
+    for _ in range(3 * EXPLORE_EVERY):
+        k = planner.drafts()
+        asked.append(k)
+        planner.passed(k, 0, 1.0 + k)
+    assert asked.count(1) == 3 and set(asked) == {0, 1}
 
 
 async def test_sampled_speculation_gives_the_tokens_of_plain_sampling() -> None:
@@ -131,6 +195,7 @@ async def test_sampled_speculation_gives_the_tokens_of_plain_sampling() -> None:
         want = await reference(whole.target, sampling=pb.SamplingParams(**kw))
         drafter = Scripted([s.logits.token_id for s in want], len(PROMPT_IDS), wrong_every=4)
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            always_draft(pipe)
             got = await pipe.generate(PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True,
                                       top_logprobs=5, speculate=3, drafter=drafter, **kw)
             plain = await pipe.generate(PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True,
@@ -154,6 +219,7 @@ async def test_stop_rules_end_inside_a_verified_run(stop_at: int) -> None:
         assert len(want_stop) == first + 1
         want_len = await reference(whole.target, max_tokens=stop_at)
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            always_draft(pipe)
             got = await pipe.generate(
                 PROMPT_IDS, max_tokens=N_TOKENS, ignore_eos=True, top_logprobs=5,
                 stop_tokens=[stop], speculate=4, drafter=Scripted(tokens, len(PROMPT_IDS)),
@@ -188,6 +254,7 @@ async def test_prompt_lookup_on_a_repetitive_prompt_and_a_text_prompt() -> None:
     async with shards([LayerRange(0, 4), *THREE]) as (whole, *chain):
         ids = list(whole.engine.tokenize(text))
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            always_draft(pipe)
             for prompt, prompt_ids in ((PROMPT_IDS, PROMPT_IDS), (text, ids)):
                 want = await reference(whole.target, prompt)
                 drafter = Recording()
@@ -213,6 +280,7 @@ async def test_a_hop_fails_over_during_speculation(hop: int) -> None:
         drafter = Scripted([s.logits.token_id for s in want], prompt_len, wrong_every=3)
         primary, _ = hops[hop]
         async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT) as pipe:
+            always_draft(pipe)
             async with trio.open_nursery() as nursery:
                 # a few passes into decoding (the gate counts positions)
                 nursery.start_soon(after_steps, gate_of(gates, hop, 0), prompt_len + 12,
@@ -231,6 +299,7 @@ async def test_a_last_shard_that_cannot_verify_is_refused_before_any_work(
 ) -> None:
     async with shards(TWO) as chain:
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            always_draft(pipe)
             caps = pipe.hops[-1].caps
             assert caps is not None and caps.max_logits_positions == 64
             with pytest.raises(PipelineError, match="at most 63 drafted tokens") as info:
@@ -241,6 +310,7 @@ async def test_a_last_shard_that_cannot_verify_is_refused_before_any_work(
         # a worker older than the field reports 0
         monkeypatch.setattr(Capabilities, "max_logits_positions", property(lambda self: 0))
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT) as pipe:
+            always_draft(pipe)
             with pytest.raises(PipelineError, match="an older worker") as info:
                 await pipe.generate(PROMPT_IDS, max_tokens=4, speculate=2)
             assert info.value.hop_index == 1
@@ -394,6 +464,7 @@ async def test_speculation_over_a_chain_relay_gives_the_same_results(
         got = {}
         for relay in ("client", "chain"):
             async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay=relay) as pipe:
+                always_draft(pipe)
                 for k in (0, 4):
                     drafter = Scripted(tokens, len(PROMPT_IDS), wrong_every=3) if drafting == "scripted" else None
                     got[relay, k] = await pipe.generate(
@@ -408,11 +479,44 @@ async def test_speculation_over_a_chain_relay_gives_the_same_results(
         await assert_all_free([whole, *chain])
 
 
+async def test_a_chain_that_does_not_draft_decodes_in_the_workers_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With chain relay, plain decoding is the workers' loop (no trip to the client per
+    token), not passes the client steps: when drafting does not pay, the pipeline hands the
+    generation to that loop in stretches (``EXPLORE_EVERY`` tokens, a draft tried between
+    them), and the tokens are the whole model's. Before, chain relay with ``--speculate``
+    stepped every token through the client (0.92x of plain chain relay on Gemma 3 270M)."""
+    from shard.pipeline.runner import HopRunner
+    from test_relay import relay_shards
+
+    loops = []
+    original = HopRunner.generate
+
+    async def counted(self: HopRunner, *args: Any, **kwargs: Any) -> None:
+        loops.append(kwargs["max_tokens"])
+        await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(HopRunner, "generate", counted)
+    async with relay_shards([LayerRange(0, 4), *THREE]) as (whole, *chain):
+        want = await reference(whole.target, max_tokens=3 * EXPLORE_EVERY)
+        async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay="chain") as pipe:
+            pipe.pass_cost = FixedPassCost(traversal=1.0, per_row=1.0)  # a row costs a pass
+            got = await pipe.generate(PROMPT_IDS, max_tokens=3 * EXPLORE_EVERY, ignore_eos=True,
+                                      top_logprobs=5, speculate=4)
+        assert_same(got, want)
+        assert len(loops) >= 2 and all(n <= EXPLORE_EVERY for n in loops)
+        assert got.drafted_tokens <= len(loops)  # one exploring draft between two stretches
+        assert got.traversals == 3 * EXPLORE_EVERY - got.accepted_tokens
+        await assert_all_free([whole, *chain])
+
+
 async def test_cancelling_a_speculating_chain_frees_every_hop_within_a_second() -> None:
     from test_relay import free_within, relay_shards
 
     async with relay_shards(THREE, latency=0.002) as chain:
         async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay="chain") as pipe:
+            always_draft(pipe)
             seen = 0
 
             def count(_: pb.StepResult) -> None:

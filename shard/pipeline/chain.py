@@ -31,6 +31,7 @@ from .errors import Blame, Blames, Hop, PipelineError
 from .replicas import HopReplicas
 from .result import PipelineResult
 from .runner import Generation, HopOutput, HopRunner
+from .speculation import PassCost
 
 __all__ = ["check_relay_allowed", "first_hop_runner", "refuse_replicas", "release_downstream", "run"]
 
@@ -107,8 +108,10 @@ async def run(
     rules: StopRules,
     on_token: OnToken | None,
     blames: Blames,
+    cost: PassCost | None = None,
 ) -> None:
-    """``Pipeline.generate`` over a chain relay: the same steps, stop rules and result."""
+    """``Pipeline.generate`` over a chain relay: the same steps, stop rules and result.
+    ``cost`` learns the workers' loop's time per token (what speculation must beat)."""
     with Blame(runner, blames):
         await runner.open()
         last: list[pb.StepResult] = []
@@ -138,7 +141,10 @@ async def run(
     await take(step)
     with Blame(runner, blames):
         if step.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            before, started = len(result.steps), trio.current_time()
             await runner.generate(take, max_tokens=rules.max_tokens - 1,
                                   stop_tokens=sorted(rules.stop_tokens),
-                                  ignore_eos=rules.ignore_eos)
+                                  ignore_eos=rules.ignore_eos, fed=step.logits.token_id)
+            if cost is not None:
+                cost.observe_loop(len(result.steps) - before, trio.current_time() - started)
         await runner.close()

@@ -72,6 +72,7 @@ from shard.v1 import shard_pb2 as pb
 
 from . import chain
 from .drafting import Drafter, PromptLookup
+from .speculation import DraftPlanner, PassCost
 from .errors import Blame, Blames, Hop, PipelineError
 from .replay import DEFAULT_REPLAY_BYTES, ReplayBudget
 from .replicas import HopReplicas, Replica
@@ -183,6 +184,9 @@ class Pipeline:
         self.replay_bytes = replay_bytes
         self._ssl_context = ssl_context  # to reconnect for a Release (see ``release_session``)
         self._metadata = tuple(metadata)
+        # What a pass through this chain costs, learned across generations (speculation drafts
+        # only as many tokens as pay for their rows; shard.pipeline.speculation).
+        self.pass_cost = PassCost()
 
     @property
     def hops(self) -> list[Hop]:
@@ -311,10 +315,11 @@ class Pipeline:
         when this returns or fails.
 
         ``speculate=K`` (K >= 1): each pass through the chain carries the next token and up to K
-        tokens drafted by prompt lookup (``shard.drafting``: n-grams of the prompt, a text's
-        ids as the first shard echoes them, and of the output so far); the last shard returns every position's token
-        and the longest agreeing prefix is kept, the rest rolled back on every hop by the next
-        step. The tokens are the ones plain decoding gives, greedy or sampled (the last shard
+        tokens drafted by prompt lookup (``shard.pipeline.drafting``: n-grams of the prompt, a
+        text's ids as the first shard echoes them, and of the output so far), as many as the
+        measured costs say pay and none when drafting would be slower than plain decoding
+        (``shard.pipeline.speculation``); the last shard returns every position's token and the
+        longest agreeing prefix is kept, the rest rolled back on every hop by the next step. The tokens are the ones plain decoding gives, greedy or sampled (the last shard
         samples each position as a decode ending there would; see docs/pipelines.md). Needs a
         last shard that reports ``max_logits_positions`` > K. ``drafter``: any object with
         ``propose(history, k) -> list[int]`` instead of prompt lookup.
@@ -361,10 +366,11 @@ class Pipeline:
                 try:
                     with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
                         if chained and not speculate:  # the workers loop: Generate on hop 0
-                            await chain.run(runners[0], result, prompt, rules, on_token, blames)
+                            await chain.run(runners[0], result, prompt, rules, on_token, blames,
+                                            self.pass_cost)
                         else:  # the client steps (a chain's passes go through hop 0's route)
                             await self._run(runners, result, prompt, rules, on_token, blames,
-                                            speculate, drafter or PromptLookup())
+                                            speculate, drafter or PromptLookup(), loop=chained)
                         return result
                     raise blames.deadline_error(self.hops)  # the scope's deadline passed
                 except BaseException:
@@ -388,7 +394,11 @@ class Pipeline:
         blames: Blames,
         speculate: int = 0,
         drafter: Drafter | None = None,
+        *,
+        loop: bool = False,
     ) -> None:
+        """The client steps every pass. ``loop`` (chain relay, speculating): plain decoding is
+        a stretch of the workers' own loop (``Generate`` on the first hop) instead."""
         for runner in runners:
             with Blame(runner, blames):
                 await runner.open()
@@ -399,46 +409,78 @@ class Pipeline:
         # worker that does not) and every token generated.
         history = list(prompt) if not isinstance(prompt, str) else list(runners[0].prompt_ids or ())
         drafter = drafter if speculate else None
-        cap = speculate  # drafts per pass: shrinks to what was accepted, doubles back on success
+        planner = DraftPlanner(speculate, self.pass_cost, loop=loop) if drafter is not None else None
         synced = True  # every hop holds exactly the positions before ``token`` (none rejected)
+        capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
+
+        async def emit(out: pb.StepResult) -> bool:
+            """Hand one step to the result and the caller; True when the generation ends."""
+            out.finish_reason = rules.finish_reason(  # type: ignore[assignment]
+                out.logits.token_id, out.logits.is_eog, emitted=len(result.steps) + 1,
+                n_past=out.n_past, capacity=capacity)
+            result.steps.append(out)
+            history.append(out.logits.token_id)
+            if on_token is not None:
+                maybe = on_token(out)
+                if inspect.isawaitable(maybe):
+                    await maybe
+            if out.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                return True
+            # a caller that cancelled from on_token sees no token of the pass after it
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return False
+
         pending = [step]
         while True:
             capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
+            finished = False
             for step in pending:
-                token = step.logits.token_id
-                step.finish_reason = rules.finish_reason(  # type: ignore[assignment]
-                    token, step.logits.is_eog, emitted=len(result.steps) + 1, n_past=step.n_past,
-                    capacity=capacity)
-                result.steps.append(step)
-                history.append(token)
-                if on_token is not None:
-                    maybe = on_token(step)
-                    if inspect.isawaitable(maybe):
-                        await maybe
-                if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                if finished := await emit(step):
                     break
-                # a caller that cancelled from on_token sees no token of the pass after it
-                await trio.lowlevel.checkpoint_if_cancelled()
-            if step.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            if finished:
                 break
+            token = step.logits.token_id
             result.traversals += 1
-            if drafter is None:
+            if drafter is None or planner is None:
                 pending = [await self._decode(runners, token, blames)]
                 continue
-            # Room for drafts: every one kept still leaves a token to emit within max_tokens,
-            # and the step fits every hop's KV budget.
-            room = min(cap, rules.max_tokens - len(result.steps) - 1, capacity - step.n_past - 1)
+            wanted = planner.drafts()
+            if wanted == 0 and loop and synced and planner.cost.known:
+                # Plain decoding with chain relay: a stretch of the workers' loop, then the
+                # planner looks again (a text may become worth drafting).
+                got: list[pb.StepResult] = []
+
+                async def take(out: pb.StepResult) -> None:
+                    if not got or got[-1].finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                        got.append(out)
+                        await emit(out)  # the workers stop on the same rules
+
+                started = trio.current_time()
+                with Blame(runners[0], blames):
+                    await runners[0].generate(
+                        take, max_tokens=min(planner.stretch(), rules.max_tokens - len(result.steps)),
+                        stop_tokens=sorted(rules.stop_tokens), ignore_eos=rules.ignore_eos,
+                        fed=token)
+                planner.looped(len(got), trio.current_time() - started)
+                result.traversals += max(len(got) - 1, 0)  # one trip along the chain per token
+                if not got or got[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    break
+                step, pending = got[-1], []
+                continue
+            # Drafts that pay for their rows (the planner), and that, every one kept, still
+            # leave a token to emit within max_tokens and fit every hop's KV budget.
+            room = min(wanted, rules.max_tokens - len(result.steps) - 1, capacity - step.n_past - 1)
             drafts = list(drafter.propose(history, room))[:room] if room > 0 else []
+            started = trio.current_time()
             if not drafts and synced:  # nothing to verify or roll back: a plain decode step
                 pending = [await self._decode(runners, token, blames)]
-                continue
-            pending = await self._speculate(runners, step.n_past, [token, *drafts], blames)
+            else:
+                pending = await self._speculate(runners, step.n_past, [token, *drafts], blames)
             accepted = len(pending) - 1
+            planner.passed(len(drafts), accepted, trio.current_time() - started)
             synced = accepted == len(drafts)  # else the hops hold rejected positions
             result.drafted_tokens += len(drafts)
             result.accepted_tokens += accepted
-            if drafts:  # a rejected row costs compute on every hop: draft what was accepted
-                cap = accepted + 1 if accepted < len(drafts) else min(speculate, 2 * cap)
         for runner in runners:
             with Blame(runner, blames):
                 await runner.close()

@@ -268,12 +268,14 @@ class HopRunner:
 
     async def generate(
         self, emit: Callable[[pb.StepResult], Awaitable[None]], *, max_tokens: int,
-        stop_tokens: Sequence[int], ignore_eos: bool,
+        stop_tokens: Sequence[int], ignore_eos: bool, fed: int | None = None,
     ) -> None:
         """Server-driven decoding from the last result on (a routed first hop: the workers
         loop, the client only reads); ``emit`` sees each step once, the last with its
-        ``finish_reason``."""
+        ``finish_reason``. ``fed``: the token of that last result, which the loop feeds first
+        (each step's token is fed by the next; the log records what the session holds)."""
         async def action(session: ClientSession) -> None:
+            feeding = fed
             steps = session.generate(
                 max_tokens=max_tokens, sampling=self.gen.sampling, stop_tokens=stop_tokens,
                 ignore_eos=ignore_eos, top_logprobs=self.gen.top_logprobs,
@@ -281,6 +283,9 @@ class HopRunner:
             while (step := await self._timed(lambda: _next(steps))) is not None:
                 self._output(step, session)
                 self.held = step.n_past
+                if feeding is not None:
+                    self.tokens.append(feeding)
+                feeding = step.logits.token_id
                 await emit(step)
 
         await self._attempt(action)
