@@ -17,16 +17,17 @@ front of it, since the route names the link addresses; workers run ``serve --all
 the first one ``--advertise``s the address of the link in front of it, which is re-created on
 that port for every round trip, so the last worker's direct return crosses that link too).
 ``speculate`` and ``chain-speculate`` are those two relays with ``--speculate K`` (up to K
-drafted tokens verified per pass, shard/pipeline/drafting.py): each such row generates from a repetitive
-text prompt (a numbered list, ``REPETITIVE``) twice through the same links, plain and then
-speculating, and records both rates, the passes through the chain and whether the tokens were
+drafted tokens verified per pass, shard/pipeline/drafting.py): each such row generates from a
+text prompt (``--spec-prompts``: a numbered list, ``REPETITIVE``, or code, ``CODE``) through the
+same links, plain and then speculating, ``--spec-rounds`` times, and records both rates (medians),
+the median of the pairs' ratios, the passes through the chain and whether the tokens were
 identical. Modes alternate per round trip on the same workers. With several workers on few
 cores the machine is oversubscribed; the environment records it. Timing lives here, never in
 tests.
 
     python -m bench.pipeline_network [--quick] [--model PRESET|gemma3-270m] [--hops 2,3,4]
         [--rtts 0,2,20,50] [--modes client,chain,speculate,chain-speculate] [--speculate K]
-        [--out-dir DIR]
+        [--spec-prompts list,code] [--spec-rounds N] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from contextlib import AsyncExitStack, ExitStack
@@ -52,6 +54,11 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 #: A prompt that repeats itself, as lists and code do (what prompt lookup drafts from).
 REPETITIVE = ("Shopping list:\n1. apples\n2. bananas\n3. carrots\n4. dates\n5. eggs\n"
               "6. figs\n7. grapes\n8. ")
+#: Code, where drafts from prompt lookup are right less often (issue 33, finding 4: a loss).
+CODE = ("def parse_config(path):\n    with open(path) as f:\n        lines = f.read().splitlines()\n"
+        "    config = {}\n    for line in lines:\n        line = line.strip()\n"
+        "        if not line or line.startswith('#'):\n            continue\n")
+SPEC_PROMPTS = {"list": REPETITIVE, "code": CODE}
 
 
 def even_ranges(n_layers: int, hops: int) -> list[str]:
@@ -110,32 +117,39 @@ async def measure_rtt(
 
 async def measure_speculation(
     targets: list[str], rtt_ms: float, tokens: int, k: int, mode: str, first_port: int = 0,
+    prompt: str = "list", rounds: int = 1,
 ) -> dict[str, Any]:
-    """One (mode, hop count, RTT) point of a speculating mode against the same relay without
-    speculation, both from ``REPETITIVE`` through the same fresh links (plain first)."""
+    """One (mode, hop count, RTT, prompt) point of a speculating mode against the same relay
+    without speculation, through the same fresh links: ``rounds`` pairs of generations (plain,
+    then speculating); the speedup is the median of the pairs' ratios."""
+    text = SPEC_PROMPTS[prompt]
     async with AsyncExitStack() as stack:
         links = await open_links(stack, targets, rtt_ms, first_port)
         pipe = await stack.enter_async_context(Pipeline.connect(
             [lk.target for lk in links], timeout=600, relay=SPECULATING[mode]))
-        await pipe.generate(REPETITIVE, max_tokens=2, speculate=k)  # warm-up
-        rates, results = {}, {}
-        for name, spec in (("plain", 0), ("speculate", k)):
-            arrivals: list[float] = []
+        await pipe.generate(text, max_tokens=2, speculate=k)  # warm-up
+        rates: dict[str, list[float]] = {"plain": [], "speculate": []}
+        results = {}
+        for _ in range(rounds):
+            for name, spec in (("plain", 0), ("speculate", k)):
+                arrivals: list[float] = []
 
-            def on_token(_: pb.StepResult, arrivals: list[float] = arrivals) -> None:
-                arrivals.append(time.perf_counter())
+                def on_token(_: pb.StepResult, arrivals: list[float] = arrivals) -> None:
+                    arrivals.append(time.perf_counter())
 
-            results[name] = await pipe.generate(REPETITIVE, max_tokens=tokens, ignore_eos=True,
-                                                speculate=spec, on_token=on_token)
-            span = arrivals[-1] - arrivals[0]
-            rates[name] = (len(arrivals) - 1) / span if span > 0 else None
+                results[name] = await pipe.generate(text, max_tokens=tokens, ignore_eos=True,
+                                                    speculate=spec, on_token=on_token)
+                span = arrivals[-1] - arrivals[0]
+                rates[name].append((len(arrivals) - 1) / span if span > 0 else 0.0)
     spec = results["speculate"]
+    ratios = sorted(s / p for s, p in zip(rates["speculate"], rates["plain"]) if p > 0)
     return {
-        "mode": mode, "hops": len(targets), "rtt_ms": rtt_ms, "tokens": len(spec.tokens), "k": k,
-        "tok_s": round(rates["speculate"], 2) if rates["speculate"] else None,
-        "plain_tok_s": round(rates["plain"], 2) if rates["plain"] else None,
-        "speedup": round(rates["speculate"] / rates["plain"], 2)
-        if rates["speculate"] and rates["plain"] else None,
+        "mode": mode, "hops": len(targets), "rtt_ms": rtt_ms, "prompt": prompt,
+        "tokens": len(spec.tokens), "k": k, "rounds": rounds,
+        "tok_s": round(statistics.median(rates["speculate"]), 2),
+        "plain_tok_s": round(statistics.median(rates["plain"]), 2),
+        "speedup": round(statistics.median(ratios), 3) if ratios else None,
+        "speedups": [round(r, 3) for r in ratios],
         "traversals": spec.traversals, "plain_traversals": results["plain"].traversals,
         "drafted": spec.drafted_tokens, "accepted": spec.accepted_tokens,
         "identical_tokens": spec.tokens == results["plain"].tokens,
@@ -144,7 +158,7 @@ async def measure_speculation(
 
 async def measure_hops(
     targets: list[str], rtts: list[float], tokens: int, prefill: int, modes: list[str], k: int,
-    first_port: int = 0,
+    first_port: int = 0, prompts: tuple[str, ...] = ("list",), rounds: int = 1,
 ) -> list[dict[str, Any]]:
     for target in targets:
         await wait_serving(target)
@@ -152,9 +166,13 @@ async def measure_hops(
     for rtt in rtts:
         for mode in modes:
             if mode in SPECULATING:
-                row = await measure_speculation(targets, rtt, tokens, k, mode, first_port)
-            else:
-                row = await measure_rtt(targets, rtt, tokens, prefill, mode, first_port)
+                for prompt in prompts:
+                    row = await measure_speculation(targets, rtt, tokens, k, mode, first_port,
+                                                    prompt, rounds)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                continue
+            row = await measure_rtt(targets, rtt, tokens, prefill, mode, first_port)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -219,8 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"modes (default {','.join(MODES)})")
     p.add_argument("--speculate", type=int, default=4, metavar="K",
                    help="drafted tokens per pass of the speculating modes (default 4)")
+    p.add_argument("--spec-prompts", default="list",
+                   help=f"prompts of the speculating modes, of {','.join(SPEC_PROMPTS)} (default list)")
+    p.add_argument("--spec-rounds", type=int, default=1,
+                   help="plain/speculating pairs per speculating point; the median ratio is kept")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    spec_prompts = tuple(args.spec_prompts.split(","))
+    if not set(spec_prompts) <= set(SPEC_PROMPTS) or args.spec_rounds < 1:
+        p.error(f"--spec-prompts: choose from {', '.join(SPEC_PROMPTS)}; --spec-rounds >= 1")
     q = args.quick
     preset = args.preset or ("tiny" if q else "bench")
     hop_counts = [int(h) for h in (args.hops or ("2" if q else "2,3,4")).split(",")]
@@ -251,25 +276,27 @@ def main(argv: list[str] | None = None) -> int:
                        *(["--advertise", f"127.0.0.1:{first_port}"] if i == 0 else [])]))
                 for i, r in enumerate(ranges)]
             rows += trio.run(measure_hops, [s.target for s in servers], rtts, tokens, prefill, modes,
-                             args.speculate, first_port)
+                             args.speculate, first_port, spec_prompts, args.spec_rounds)
     env["load_average_after"] = load_average()
     print(f"\n{'mode':<7} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'ms/tok':>7} {'ttft ms':>8} {'prefill ms':>11}")
     for r in rows:
         if r["mode"] not in SPECULATING:
             print(f"{r['mode']:<7} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} {r['ms_per_token']:>7} "
                   f"{r['ttft_ms']:>8} {r['prefill_ms']:>11}")
-    print(f"\n{'speculating':<15} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'plain':>7} {'x':>5} "
-          f"{'passes':>7} {'plain':>6} {'same':>5}")
+    print(f"\n{'speculating':<15} {'prompt':>6} {'hops':>4} {'rtt ms':>7} {'tok/s':>7} {'plain':>7} "
+          f"{'x':>6} {'passes':>7} {'plain':>6} {'same':>5}")
     for r in rows:
         if r["mode"] in SPECULATING:
-            print(f"{r['mode']:<15} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} "
-                  f"{r['plain_tok_s']:>7} {r['speedup']:>5} {r['traversals']:>7} "
+            print(f"{r['mode']:<15} {r['prompt']:>6} {r['hops']:>4} {r['rtt_ms']:>7g} {r['tok_s']:>7} "
+                  f"{r['plain_tok_s']:>7} {r['speedup']:>6} {r['traversals']:>7} "
                   f"{r['plain_traversals']:>6} {str(r['identical_tokens']):>5}")
     report: dict[str, Any] = {
         "environment": env,
         "settings": {"preset": preset, "hops": hop_counts, "ranges": {h: even_ranges(n_layer, h) for h in hop_counts},
                      "rtts_ms": rtts, "tokens": tokens, "prefill_tokens": prefill, "threads": args.threads,
-                     "speculate": args.speculate, "speculate_prompt": REPETITIVE,
+                     "speculate": args.speculate,
+                     "speculate_prompts": {name: SPEC_PROMPTS[name] for name in spec_prompts},
+                     "speculate_rounds": args.spec_rounds,
                      "links": "one bench/links.py Link in front of each worker, one-way delay = rtt/2"},
         "modes": {mode: [{k: v for k, v in r.items() if k != "mode"} for r in rows if r["mode"] == mode]
                   for mode in modes},
