@@ -156,7 +156,7 @@ def _read_layout(buf: mmap.mmap, path: Path) -> layout.Layout:
         raise SliceError(f"{str(path)!r} is not a readable GGUF file ({exc})") from None
 
 
-def _n_vocab(buf: mmap.mmap, src: layout.Layout, info: ModelInfo) -> int:
+def _n_vocab(src: layout.Layout, info: ModelInfo) -> int:
     if info.n_vocab is not None:
         return info.n_vocab
     embd = next((t for t in src.tensors if t.name == _TOKEN_EMBD), None)
@@ -259,7 +259,7 @@ def _write_slice(source: Path, info: ModelInfo, sha: str, layers: LayerRange, ou
                  progress: bool) -> None:
     with _mapped(source) as buf:
         src = _read_layout(buf, source)
-        n_vocab = _n_vocab(buf, src, info)
+        n_vocab = _n_vocab(src, info)
         keys = _keys(buf, src, info, sha, layers, n_vocab)
         plan = _plan(src, info, layers, n_vocab)
     align = src.alignment

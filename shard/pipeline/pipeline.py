@@ -463,7 +463,10 @@ class Pipeline:
                         fed=token)
                 planner.looped(len(got), trio.current_time() - started)
                 result.traversals += max(len(got) - 1, 0)  # one trip along the chain per token
-                if not got or got[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                if not got:
+                    raise PipelineError(runners[0].hop, ShardError(
+                        ErrorCode.INTERNAL, "the workers' loop returned no token"))
+                if got[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     break
                 step, pending = got[-1], []
                 continue
