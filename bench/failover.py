@@ -13,10 +13,16 @@ fails over: the replica replays the L positions the middle hop held (docs/pipeli
 * ``prefill_ms``: the time to the first token (the whole chain prefilling L positions), for
   scale; ``log_bytes``: the middle hop's replay log (L x n_embd x 4 bytes, float32).
 
+With ``--relays client,chain`` each length runs once per relay mode: with chain relay the
+workers relay to each other (``serve --allow-relay``), the client moves the route to the replica
+and the first hop replays the token log through the whole new route (every hop recomputes the
+history, not only the replaced one), so its recovery is about the prefill time.
+
 Each trial starts a fresh primary (the killed one is gone) and reconnects; the other workers
 stay up. Timing lives here, never in tests.
 
     python -m bench.failover [--preset bench|tiny] [--histories 16,64,256,1024] [--rounds 1]
+                             [--relays client,chain]
 """
 
 from __future__ import annotations
@@ -48,11 +54,12 @@ def thirds(n_layers: int) -> list[str]:
 
 
 async def trial(
-    a: str, b1: ShardServer, b2: str, c: str, history: int, tokens: int, chunk: int, seed: int
+    a: str, b1: ShardServer, b2: str, c: str, history: int, tokens: int, chunk: int, seed: int,
+    relay: str = "client",
 ) -> dict[str, Any]:
     for target in (a, b1.target, b2, c):
         await wait_serving(target)
-    async with Pipeline.connect([a, [b1.target, b2], c], timeout=600) as pipe:
+    async with Pipeline.connect([a, [b1.target, b2], c], timeout=600, relay=relay) as pipe:
         caps = pipe.hops[0].caps
         assert caps is not None
         rng = random.Random(seed)
@@ -73,6 +80,7 @@ async def trial(
     gaps = [y - x for x, y in zip(arrivals, arrivals[1:])]
     step = statistics.median(gaps[1:])
     return {
+        "relay": relay,
         "history": history,
         "positions_replayed": failover.positions,
         "recovery_ms": round(failover.recovery_ms, 2),
@@ -91,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8, help="tokens per trial (>= 4)")
     p.add_argument("--chunk", type=int, default=32, help="prefill (and replay) chunk_tokens")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads per worker")
+    p.add_argument("--relays", default="client",
+                   help="relay modes to measure, comma-separated: client (default), chain")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     histories = [int(h) for h in args.histories.split(",")]
+    relays = [r.strip() for r in args.relays.split(",") if r.strip()]
+    if not relays or any(r not in ("client", "chain") for r in relays):
+        p.error(f"--relays: choose from client, chain (got {args.relays!r})")
     from shard.models import ensure_model
     from shard.models.write import get_preset
 
@@ -101,42 +114,47 @@ def main(argv: list[str] | None = None) -> int:
     ranges = thirds(get_preset(args.preset).n_layer)
     per_session = max(histories) + args.tokens + 64
     common = dict(threads=args.threads, ctx=2 * per_session, max_sessions=2)
+    relaying = ["--allow-relay"] if "chain" in relays else []  # loopback peers only
     logs = args.out_dir / "logs"
     env = environment(model, args.threads, argv=["-m", "bench.failover", *(sys.argv[1:] if argv is None else argv)])
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         a, b2, c = (
             stack.enter_context(shard_server(model, log=logs / f"failover-{name}.log",
-                                             extra=["--layers", layers], **common))  # type: ignore[arg-type]
+                                             extra=["--layers", layers, *relaying], **common))  # type: ignore[arg-type]
             for name, layers in (("a", ranges[0]), ("b2", ranges[1]), ("c", ranges[2]))
         )
         for r in range(args.rounds):
             for history in histories:
-                with shard_server(model, log=logs / "failover-b1.log", extra=["--layers", ranges[1]],
-                                  **common) as b1:  # type: ignore[arg-type]
-                    row = trio.run(trial, a.target, b1, b2.target, c.target, history,
-                                   args.tokens, args.chunk, r * 1000 + history)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for relay in relays:
+                    with shard_server(model, log=logs / "failover-b1.log",
+                                      extra=["--layers", ranges[1], *relaying],
+                                      **common) as b1:  # type: ignore[arg-type]
+                        row = trio.run(trial, a.target, b1, b2.target, c.target, history,
+                                       args.tokens, args.chunk, r * 1000 + history, relay)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     env["load_average_after"] = load_average()
     table = []
-    print(f"\n{'history':>8} {'recovery ms':>12} {'stall ms':>9} {'step ms':>8} {'prefill ms':>11} {'log KiB':>8}")
-    for history in histories:
-        mine = [row for row in rows if row["history"] == history]
+    print(f"\n{'relay':>6} {'history':>8} {'recovery ms':>12} {'stall ms':>9} {'step ms':>8} "
+          f"{'prefill ms':>11} {'log KiB':>8}")
+    for relay in relays:
+        for history in histories:
+            mine = [row for row in rows if row["history"] == history and row["relay"] == relay]
 
-        def med(key: str, mine: list[dict[str, Any]] = mine) -> float:
-            return round(statistics.median(row[key] for row in mine), 2)
+            def med(key: str, mine: list[dict[str, Any]] = mine) -> float:
+                return round(statistics.median(row[key] for row in mine), 2)
 
-        line = {"history": history, **{k: med(k) for k in
-                ("recovery_ms", "stall_ms", "step_ms", "prefill_ms", "log_bytes")}}
-        table.append(line)
-        print(f"{history:>8} {line['recovery_ms']:>12.1f} {line['stall_ms']:>9.1f} "
-              f"{line['step_ms']:>8.1f} {line['prefill_ms']:>11.1f} {line['log_bytes'] / 1024:>8.0f}")
+            line = {"relay": relay, "history": history, **{k: med(k) for k in
+                    ("recovery_ms", "stall_ms", "step_ms", "prefill_ms", "log_bytes")}}
+            table.append(line)
+            print(f"{relay:>6} {history:>8} {line['recovery_ms']:>12.1f} {line['stall_ms']:>9.1f} "
+                  f"{line['step_ms']:>8.1f} {line['prefill_ms']:>11.1f} {line['log_bytes'] / 1024:>8.0f}")
     report = {
         "environment": env,
         "settings": {"preset": args.preset, "ranges": [ranges[0], f"{ranges[1]} x2", ranges[2]],
                      "histories": histories, "rounds": args.rounds, "tokens": args.tokens,
-                     "chunk_tokens": args.chunk, "threads": args.threads},
+                     "chunk_tokens": args.chunk, "threads": args.threads, "relays": relays},
         "trials": rows,
         "medians": table,
     }

@@ -336,8 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --pipeline: who carries the hidden states between hops: this "
                      "client (client, star) or the workers themselves (chain: the client talks to "
                      "the first hop only; every hop but the last must run `serve --allow-relay`, "
-                     "the last too for its tokens to come straight back to the first hop; no "
-                     "replicas) (default: client)")
+                     "the last too for its tokens to come straight back to the first hop; a hop's "
+                     "replicas take over as with client relay, the history replayed through the "
+                     "first hop) (default: client)")
 
     caps = sub.add_parser("caps", help="show what a running worker serves")
     _add_target(caps)

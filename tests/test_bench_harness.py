@@ -248,16 +248,18 @@ def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
     after the first token and the replica replays exactly the prompt's positions."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.failover", "--preset", "tiny", "--histories", "16,40",
-         "--tokens", "4", "--out-dir", str(tmp_path)],
+         "--tokens", "4", "--relays", "client,chain", "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "failover.json").read_text())
-    assert [t["history"] for t in report["trials"]] == [16, 40]
+    assert [(t["history"], t["relay"]) for t in report["trials"]] == [
+        (16, "client"), (16, "chain"), (40, "client"), (40, "chain")]
     for trial in report["trials"]:
         assert trial["positions_replayed"] == trial["history"]  # killed after the prefill
         assert trial["log_bytes"] == trial["history"] * 64 * 4  # tiny: n_embd 64, float32
-    assert [m["history"] for m in report["medians"]] == [16, 40]
+    assert [(m["relay"], m["history"]) for m in report["medians"]] == [
+        ("client", 16), ("client", 40), ("chain", 16), ("chain", 40)]
     assert report["environment"]["model"].endswith(".gguf")
 
 

@@ -6,6 +6,10 @@ must still reproduce the whole-model worker's tokens *and* log-probabilities bit
 the caller must see every token once. After each case every live worker is asked over the
 wire: no session, no KV cell, nothing retained. The same with real ``trio-shard serve``
 processes and signals (SIGKILL, SIGSTOP, SIGTERM) is tests/test_failover_chaos.py.
+
+``relay``: the cases that apply to both run with client relay and with chain relay (the workers
+relay to each other; a later hop's failure moves the client's route to its replica and the token
+log is replayed through the first hop).
 """
 
 from __future__ import annotations
@@ -37,11 +41,17 @@ RANGES = [LayerRange(0, 4), LayerRange(0, 1), LayerRange(0, 1), LayerRange(1, 3)
           LayerRange(1, 3), LayerRange(3, 4), LayerRange(3, 4)]
 
 
+RELAYS = ["client", "chain"]
+
+
 @asynccontextmanager
-async def fleet(**kwargs: Any) -> AsyncIterator[tuple[Worker, list[list[Worker]], list[StepGate]]]:
-    """A whole-model worker and two replicas of each of three hops (with their step gates)."""
+async def fleet(
+    relay: str = "client", **kwargs: Any
+) -> AsyncIterator[tuple[Worker, list[list[Worker]], list[StepGate]]]:
+    """A whole-model worker and two replicas of each of three hops (with their step gates);
+    ``relay="chain"``: every worker relays routes."""
     gates = [StepGate() for _ in RANGES]
-    async with shards(RANGES, gates=gates, **kwargs) as (whole, *ws):
+    async with shards(RANGES, gates=gates, relay=relay == "chain", **kwargs) as (whole, *ws):
         yield whole, [ws[0:2], ws[2:4], ws[4:6]], gates[1:]
 
 
@@ -85,19 +95,20 @@ async def run_with(action: Callable[[], Any], pipe: Pipeline, **kw: Any) -> tupl
 # ---- failover ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("relay", RELAYS)
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 @pytest.mark.parametrize("hop", [0, 1, 2])
 async def test_a_stopped_worker_fails_over_and_the_tokens_are_the_whole_models(
-    hop: int, phase: str
+    hop: int, phase: str, relay: str
 ) -> None:
     """The worker serving ``hop`` stops mid-prefill or mid-decode (GOAWAY, then its streams end
     with UNAVAILABLE/DRAINING): the replica replays the hop's history and the generation goes
     on."""
-    async with fleet() as (whole, hops, gates):
+    async with fleet(relay) as (whole, hops, gates):
         want = await reference(whole)
         primary, replica = hops[hop]
         targets = [[w.target for w in ws] for ws in hops]
-        async with Pipeline.connect(targets, timeout=TIMEOUT) as pipe:
+        async with Pipeline.connect(targets, timeout=TIMEOUT, relay=relay) as pipe:
             at = 12 if phase == "prefill" else len(LONG) + 1 + 15
             got, seen = await run_with(
                 lambda: after_steps(gate_of(gates, hop, 0), at, primary.stop), pipe
@@ -107,47 +118,57 @@ async def test_a_stopped_worker_fails_over_and_the_tokens_are_the_whole_models(
             assert (f.hop, f.from_target, f.to_target) == (hop, primary.target, replica.target)
             # a stopping worker says GOAWAY first: the hop may hand over before its streams end
             assert f.reason in ("DRAINING", "NOT_READY") and f.recovery_ms >= 0
-            assert (f.positions == 0) is (phase == "prefill" and hop == 0)
+            # (chain relay: the first hop's runner holds nothing before the prompt's end)
+            assert (f.positions == 0) is (phase == "prefill" and (hop == 0 or relay == "chain"))
             assert pipe.hops[hop].target == replica.target  # the next generate starts there
             again, _ = await generate(pipe)
             assert again.tokens == got.tokens and again.failovers == []
         await assert_all_free([whole, *(w for ws in hops for w in ws if w is not primary)])
 
 
+@pytest.mark.parametrize("relay", RELAYS)
 @pytest.mark.parametrize("hop", [0, 1, 2])
-async def test_a_lost_connection_to_a_live_worker_fails_over_and_releases_it(hop: int) -> None:
+async def test_a_lost_connection_to_a_live_worker_fails_over_and_releases_it(
+    hop: int, relay: str
+) -> None:
     """Only the connection drops (through a proxy): the worker lives on and would retain the
-    session for resume; the pipeline fails over and releases it through a new connection."""
-    async with fleet() as (whole, hops, gates), tcp_proxy(hops[hop][0].target) as proxy:
+    session for resume; the pipeline fails over and releases it through a new connection (with
+    chain relay the proxy also carries the relaying worker's connection, and the later hops'
+    retained sessions are released too)."""
+    async with fleet(relay) as (whole, hops, gates), tcp_proxy(hops[hop][0].target) as proxy:
         want = await reference(whole, "the prompt")
         targets = [[w.target for w in ws] for ws in hops]
         targets[hop][0] = proxy.target
-        async with Pipeline.connect(targets, timeout=TIMEOUT) as pipe:
+        async with Pipeline.connect(targets, timeout=TIMEOUT, relay=relay) as pipe:
             got, seen = await run_with(
                 lambda: after_steps(gate_of(gates, hop, 0), 30, proxy.cut), pipe, prompt="the prompt"
             )
         assert_same(got, want, seen)
         assert [(f.hop, f.from_target, f.reason) for f in got.failovers] == [(hop, proxy.target, "NOT_READY")]
         await assert_all_free([whole, *(w for ws in hops for w in ws)])  # the cut one too
-        assert proxy.accepted == 2  # the pipeline's connection, then the Release's
+        if relay == "client":
+            assert proxy.accepted == 2  # the pipeline's connection, then the Release's
 
 
-async def test_a_hung_worker_is_detected_within_step_timeout_and_failed_over() -> None:
+@pytest.mark.parametrize("relay", RELAYS)
+async def test_a_hung_worker_is_detected_within_step_timeout_and_failed_over(relay: str) -> None:
     """The middle worker's steps stop (a held gate: it answers nothing more on the stream):
-    after ``step_timeout`` the hop fails over; once the worker resumes it finds the stream
-    reset and releases."""
-    async with fleet() as (whole, hops, gates):
+    after ``step_timeout`` the hop fails over (chain relay: the first worker's bound on its
+    next hop's answer names it); once the worker resumes it finds the stream reset and
+    releases."""
+    async with fleet(relay) as (whole, hops, gates):
         want = await reference(whole)
         held = gate_of(gates, 1, 0)
         async with Pipeline.connect(
-            [[w.target for w in ws] for ws in hops], timeout=TIMEOUT, step_timeout=0.5
+            [[w.target for w in ws] for ws in hops], timeout=TIMEOUT, step_timeout=0.5,
+            relay=relay,
         ) as pipe:
             got, seen = await run_with(lambda: after_steps(held, len(LONG) + 1 + 5, held.hold), pipe)
         held.release()
         assert_same(got, want, seen)
         (f,) = got.failovers
         assert (f.hop, f.reason, f.from_target) == (1, "DEADLINE_EXCEEDED", hops[1][0].target)
-        assert "step_timeout=0.5 s" in f.message
+        assert ("step_timeout=0.5 s" if relay == "client" else "no answer within 1 s") in f.message
         await hops[1][0].idle()
         await assert_all_free([whole, *(w for ws in hops for w in ws)])
 
@@ -176,22 +197,25 @@ async def test_a_draining_worker_hands_over_without_an_error() -> None:
         assert primary.engine.sessions() == ()
 
 
-async def test_an_engine_failure_fails_over() -> None:
-    async with fleet(fail_at_step={3: len(LONG) + 10}) as (whole, hops, _):
+@pytest.mark.parametrize("relay", RELAYS)
+async def test_an_engine_failure_fails_over(relay: str) -> None:
+    async with fleet(relay, fail_at_step={3: len(LONG) + 10}) as (whole, hops, _):
         want = await reference(whole)
-        async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT) as pipe:
+        async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT,
+                                    relay=relay) as pipe:
             got, seen = await generate(pipe)
         assert_same(got, want, seen)
         assert [(f.hop, f.reason) for f in got.failovers] == [(1, "ENGINE_FAILURE")]
         await assert_all_free([whole, *(w for ws in hops for w in ws if w is not hops[1][0])])
 
 
-async def test_a_hop_fails_over_twice_and_token_id_prompts_replay_too() -> None:
+@pytest.mark.parametrize("relay", RELAYS)
+async def test_a_hop_fails_over_twice_and_token_id_prompts_replay_too(relay: str) -> None:
     """Three replicas of the middle hop: the first and then the second stop."""
     ranges = [LayerRange(0, 4), LayerRange(0, 1), *[LayerRange(1, 3)] * 3, LayerRange(3, 4)]
     gates = [StepGate() for _ in ranges]
     prompt = [1, *(3 + b for b in b"token ids, not text")]
-    async with shards(ranges, gates=gates) as (whole, a, b1, b2, b3, c):
+    async with shards(ranges, gates=gates, relay=relay == "chain") as (whole, a, b1, b2, b3, c):
         want = await reference(whole, prompt)
         n = len(prompt)
 
@@ -200,7 +224,7 @@ async def test_a_hop_fails_over_twice_and_token_id_prompts_replay_too() -> None:
             await after_steps(gates[3], n + 10 + 5, b2.stop)  # b2 replays n + 5, then 5 steps
 
         async with Pipeline.connect([a.target, [b1.target, b2.target, b3.target], c.target],
-                                    timeout=TIMEOUT) as pipe:
+                                    timeout=TIMEOUT, relay=relay) as pipe:
             got, seen = await run_with(stop_two, pipe, prompt=prompt)
         assert_same(got, want, seen)
         assert [(f.from_target, f.to_target) for f in got.failovers] == [
@@ -265,27 +289,33 @@ async def test_whole_model_replicas_fail_over_with_sampling_too(temperature: flo
 # ---- when it does not fail over --------------------------------------------------------------
 
 
-async def test_no_replica_left_names_the_hop_and_every_replica_tried() -> None:
-    async with fleet() as (whole, hops, gates):
+@pytest.mark.parametrize("relay", RELAYS)
+async def test_no_replica_left_names_the_hop_and_every_replica_tried(relay: str) -> None:
+    async with fleet(relay) as (whole, hops, gates):
         b1, b2 = hops[1]
         b2.stop()  # unreachable from the start: not an error while b1 serves
         await trio.sleep(0.05)
-        async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT) as pipe:
+        async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT,
+                                    relay=relay) as pipe:
             with pytest.raises(PipelineError) as info:
                 await run_with(lambda: after_steps(gate_of(gates, 1, 0), len(LONG) + 10, b1.stop), pipe)
         err = info.value
         assert err.hop_index == 1 and err.target == b1.target and "layers [1, 3)" in err.message
         assert [t for t, _ in err.tried] == [b1.target, b2.target]
         assert f"no replica of the hop is left: tried {b1.target} (" in err.message
-        assert f"{b2.target} (NOT_READY: cannot connect" in err.message
+        # (chain relay: the first worker tried to reach it, and says so without details)
+        down = "cannot connect" if relay == "client" else "it could not be reached"
+        assert f"{b2.target} (NOT_READY: {down}" in err.message
         await assert_all_free([w for w in (whole, *hops[0], *hops[2])])
 
 
-async def test_a_request_error_does_not_fail_over() -> None:
+@pytest.mark.parametrize("relay", RELAYS)
+async def test_a_request_error_does_not_fail_over(relay: str) -> None:
     """INVALID_ARGUMENT (a prompt longer than the session's context) is the request's fault:
     the replica is never asked."""
-    async with fleet() as (whole, hops, _):
-        async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT) as pipe:
+    async with fleet(relay) as (whole, hops, _):
+        async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT,
+                                    relay=relay) as pipe:
             with pytest.raises(PipelineError) as info:
                 await pipe.generate([1] * 300, max_tokens=2)
         assert info.value.code == ErrorCode.INVALID_ARGUMENT and info.value.hop_index == 0

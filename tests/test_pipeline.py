@@ -26,6 +26,7 @@ from shard.client import ShardClient, ShardError
 from shard.engine import LayerRange, LoadSpec
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
 from shard.pipeline import CLEANUP_GRACE, RELEASE_TIMEOUT, Pipeline, PipelineError
+from shard.relay import ChainRelay
 from shard.rpc.errors import ErrorCode
 from shard.v1 import shard_pb2 as pb
 
@@ -47,9 +48,11 @@ async def shards(
     gates: Sequence[StepGate] | None = None,
     fail_at_step: dict[int, int] | None = None,
     on_step: Any = None,
+    relay: bool = False,
     **serve_kwargs: Any,
 ) -> AsyncIterator[list[Worker]]:
-    """One live FakeEngine worker per range (leak-checked when it stops)."""
+    """One live FakeEngine worker per range (leak-checked when it stops); ``relay``: each one
+    relays routes (its own ``ChainRelay``: loopback peers)."""
     async with AsyncExitStack() as stack:
         workers = []
         for i, lr in enumerate(ranges):
@@ -70,7 +73,8 @@ async def shards(
             spec = LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=lr)
             workers.append(
                 await stack.enter_async_context(
-                    worker(engine=engine, gate=gate, load=spec, **serve_kwargs)
+                    worker(engine=engine, gate=gate, load=spec,
+                           relay=ChainRelay() if relay else None, **serve_kwargs)
                 )
             )
         yield workers

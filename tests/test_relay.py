@@ -423,14 +423,18 @@ async def test_a_step_error_downstream_is_named_and_the_chained_session_goes_on(
         await free_within(chain)
 
 
-async def test_chain_relay_refuses_hops_with_replicas() -> None:
-    async with relay_shards(cuts_to_ranges([0, 2, 4])) as (a, b):
-        with pytest.raises(PipelineError) as info:
-            async with Pipeline.connect([a.target, [b.target, "127.0.0.1:9"]], relay="chain"):
-                pass
-        assert info.value.code == ErrorCode.UNSUPPORTED_FEATURE and info.value.hop_index == 1
-        assert "future work" in info.value.message
-        assert len(a.calls) == len(b.calls) == 0
+async def test_a_standby_that_does_not_relay_is_set_aside_in_a_chain() -> None:
+    """Hop 0's standby was not started with relay: it could never take over a chain's first
+    hop, so it is set aside at connect (a warning), and the chain serves."""
+    async with relay_shards([*cuts_to_ranges([0, 2, 4]), LayerRange(0, 2)],
+                            relay=[True, True, False]) as (a, b, standby):
+        async with Pipeline.connect([[a.target, standby.target], b.target], timeout=TIMEOUT,
+                                    relay="chain") as pipe:
+            (_, set_aside), _ = pipe.replicas
+            assert set_aside.refused is not None and "relay_allowed" in set_aside.refused.message
+            got = await pipe.generate(PROMPT, max_tokens=4, ignore_eos=True)
+        assert len(got.tokens) == 4 and len(standby.calls) == 0
+        await assert_all_free([a, b, standby])
 
 
 # ---- compatibility ---------------------------------------------------------------------------
@@ -543,11 +547,13 @@ async def test_generate_relay_chain_prints_what_client_relay_prints() -> None:
             out[relay] = json.loads(proc.stdout)
         assert out["chain"] == out["client"] and len(out["chain"]["tokens"]) == 24
         assert [len(w.calls) for w in chain] == [2, 2, 2]  # the chain run opened hop 0 only
-        proc = await trio.run_process(  # hops 1|replica: refused, saying why
-            [sys.executable, "-m", "shard.cli", "generate", "--relay", "chain", "--pipeline",
+        proc = await trio.run_process(  # hop 1|standby (unreachable): the chain still serves
+            [sys.executable, "-m", "shard.cli", "--log-level", "WARNING", "generate", "--relay",
+             "chain", "--json", "--max-tokens", "24", "--pipeline",
              f"{chain[0].target},{chain[1].target}|127.0.0.1:9,{chain[2].target}", PROMPT],
             capture_stdout=True, capture_stderr=True, check=False)
-        assert proc.returncode == 1 and b"future work" in proc.stderr
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["tokens"] == out["client"]["tokens"]
         await assert_all_free(chain)
 
 

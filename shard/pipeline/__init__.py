@@ -8,7 +8,8 @@ owns:
 * ``replicas``: the workers that can serve each hop (``HopReplicas``);
 * ``runner``: one hop of one generation, its session, replay and failover (``HopRunner``);
 * ``replay``: what a hop keeps so a replica can take over (``TokenLog``, ``RowLog``);
-* ``chain``: chain relay as the client drives it (the route, the first hop's ``Generate``);
+* ``chain``: chain relay as the client drives it (the first hop's runner, its ``Generate``);
+* ``route``: a chain's route and how it moves to a failed hop's replica (``ChainRoute``);
 * ``drafting``: tokens drafted for speculative verification (``PromptLookup``);
 * ``errors``: which hop failed (``PipelineError``, ``Hop``).
 

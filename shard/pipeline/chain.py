@@ -10,44 +10,40 @@ the client. Results, stop rules and errors are the client relay's: the same
 ``PipelineResult``, and a ``PipelineError`` naming the failing hop (from the error's
 ``relay_depth``, which each worker on the route counts up as it passes the error on).
 
-Why no failover: a replica would have to be opened, and the history replayed, by the worker
-before the failed one; that is future work, so a hop with replicas is refused here.
+Failover: a hop with replicas fails over as with client relay, from the client: the first hop's
+runner moves to its next replica itself; a later hop's failure (``relay_depth``) moves the route
+to that hop's next replica (``shard.pipeline.route.ChainRoute``), and the first hop's runner
+opens a routed session again and replays the token log through the new route. A hung hop is
+found by the route's step timeout (each worker bounds its next hop's answers). A draining
+worker of a later hop finishes the generation it carries (its open streams may), so only the
+first hop hands over.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
 
 from shard.rpc.errors import ErrorCode, ShardError
-from shard.rpc.routes import relay_session_id
 from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from .errors import Blame, Blames, Hop, PipelineError
 from .replicas import HopReplicas
 from .result import PipelineResult
+from .route import ChainRoute
 from .runner import Generation, HopOutput, HopRunner
 from .speculation import PassCost
 
-__all__ = ["check_relay_allowed", "first_hop_runner", "refuse_replicas", "release_downstream", "run"]
+__all__ = ["check_relay_allowed", "first_hop_runner", "run"]
+
+log = logging.getLogger(__name__)
 
 OnToken = Callable[[pb.StepResult], "Awaitable[None] | None"]
-
-
-def refuse_replicas(hops: Sequence[Sequence[str]]) -> None:
-    """Chain relay cannot fail over yet: refuse a hop with replicas, before connecting."""
-    for i, targets in enumerate(hops):
-        if len(targets) > 1:
-            raise PipelineError(Hop(i, targets[0]), ShardError(
-                ErrorCode.UNSUPPORTED_FEATURE,
-                f"lists replicas ({', '.join(targets)}), and chain relay does not fail over "
-                "(failover with chain relay is future work): use relay='client' "
-                "(--relay client) for hops with replicas",
-            ))
 
 
 def check_relay_allowed(hops: Sequence[Hop]) -> None:
@@ -62,43 +58,25 @@ def check_relay_allowed(hops: Sequence[Hop]) -> None:
             ))
 
 
-def route_after(replicas: Sequence[HopReplicas], index: int, step_timeout: float | None) -> pb.Route:
-    """The route the worker of hop ``index`` is given: every hop after it, as checked, and
-    the step timeout each hop has to answer a step (``Route.step_timeout_ms``)."""
-    hops = []
-    for r in replicas[index + 1:]:
-        ref = r.reference
-        assert ref is not None
-        hops.append(pb.RouteHop(
-            target=r.replica.target, expected_model_fingerprint=ref.model_fingerprint,
-            expected_layer_range=pb.LayerRange(start=ref.layer_range.start, end=ref.layer_range.end),
-        ))
-    route = pb.Route(hops=hops)
-    if step_timeout is not None:
-        route.step_timeout_ms = max(1, round(step_timeout * 1000))
-    if index == 0 and len(hops) >= 2:
-        # direct return: the last hop hands each token to the first one straight away (at the
-        # address the first worker's operator advertises; the workers take part only if every
-        # hop reports relay_return; docs/pipelines.md)
-        route.return_to.SetInParent()
-    return route
+def set_aside_non_relaying(replicas: Sequence[HopReplicas]) -> None:
+    """A standby of a hop but the last that does not relay cannot take over in a chain: set
+    it aside (``Replica.refused``, a warning), as a standby of another model or range is."""
+    for hop in replicas[:-1]:
+        for replica in hop.replicas:
+            caps = replica.caps
+            if replica is not hop.replica and caps is not None and not caps.relay_allowed \
+                    and replica.refused is None:
+                replica.refused = ShardError(
+                    ErrorCode.UNSUPPORTED_FEATURE,
+                    "does not report relay_allowed, so it cannot take over a hop of a chain")
+                log.warning("%s: replica %s set aside: %s", hop.hop(), replica.target,
+                            replica.refused)
 
 
 def first_hop_runner(replicas: Sequence[HopReplicas], gen: Generation) -> HopRunner:
-    """The one runner of a chain-relayed generation: hop 0, answering with logits."""
-    return HopRunner(replicas[0], gen, last=True, route=route_after(replicas, 0, gen.step_timeout))
-
-
-def release_downstream(
-    nursery: trio.Nursery, replicas: Sequence[HopReplicas], runner: HopRunner, gen: Generation
-) -> None:
-    """After a failure: ``Release`` every later hop's session by its relay name (the workers
-    reset them already; this covers a worker lost mid-chain, whose downstream would retain its
-    session for resume)."""
-    name = runner.name
-    for r in replicas[1:]:
-        name = relay_session_id(name)
-        nursery.start_soon(gen.release, r.replica, name)
+    """The one runner of a chain-relayed generation: hop 0, answering with logits, its route
+    moving to a later hop's replica when that hop fails."""
+    return HopRunner(replicas[0], gen, last=True, route=ChainRoute(replicas, gen.step_timeout))
 
 
 async def run(

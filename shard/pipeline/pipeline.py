@@ -46,8 +46,9 @@ the bench, and a reference for routers. What it guarantees:
 * **Chain relay** (``relay="chain"``, ``shard.pipeline.chain``): the client opens only the first hop, with
   the route of the others; each worker forwards its boundary to the next and the last shard's
   results come back up the chain, and decoding runs as a ``Generate`` on the first hop, so a
-  token costs no round trip to the client. Needs ``relay_allowed`` on every hop but the last and
-  no replicas (failover with chain relay is future work).
+  token costs no round trip to the client. Needs ``relay_allowed`` on every hop but the last;
+  replicas fail over (the client moves the route to a failed hop's replica and replays the
+  token log through the first hop).
 """
 
 from __future__ import annotations
@@ -235,8 +236,8 @@ class Pipeline:
         the boundary rows one generation may keep for replay (None: unbounded; see
         ``shard.pipeline.replay``). ``relay``: "client" (default: the client relays every hop's
         hidden states) or "chain" (the workers relay to each other; refused, naming the hop,
-        when a hop has replicas or a hop but the last does not report ``relay_allowed``; see
-        ``shard.pipeline.chain``).
+        when a hop but the last does not report ``relay_allowed``; hops with replicas fail over
+        as with client relay; see ``shard.pipeline.chain``).
         """
         if hidden_dtype not in convert.WIRE_DTYPES:
             raise ValueError(f"hidden_dtype must be one of {sorted(convert.WIRE_DTYPES)}")
@@ -245,8 +246,6 @@ class Pipeline:
         if relay not in RELAY_MODES:
             raise ValueError(f"relay must be one of {', '.join(RELAY_MODES)}")
         hops = hop_targets(targets)
-        if relay == "chain":
-            chain.refuse_replicas(hops)
         deadline = absolute_deadline(timeout)
         closing = trio.Event()
         with unwrap_single_exception():
@@ -283,6 +282,7 @@ class Pipeline:
                         replicas.check_alternatives()
                     if relay == "chain":
                         chain.check_relay_allowed(pipe.hops)
+                        chain.set_aside_non_relaying(pipe._replicas)
                     yield pipe
                 finally:
                     closing.set()
@@ -378,10 +378,8 @@ class Pipeline:
                         runner.abort()  # RST_STREAM: the worker stops the step and releases
                     with trio.CancelScope(shield=True, deadline=gen.cleanup_deadline()):
                         async with trio.open_nursery() as nursery:
-                            for runner in runners:
+                            for runner in runners:  # (and what a routed one's hops retain)
                                 nursery.start_soon(runner.release)
-                            if chained:  # a worker lost mid-chain leaves the next one retaining
-                                chain.release_downstream(nursery, self._replicas, runners[0], gen)
                     raise
 
     async def _run(

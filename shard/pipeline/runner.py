@@ -15,6 +15,11 @@ history first, then the draining worker's session is closed on its still-open st
 other error (``INVALID_ARGUMENT``, ``INCOMPATIBLE_MODEL``, a full KV budget, the caller's
 deadline) is the request's, not the worker's, and ends the generation at once.
 
+With chain relay (``route``: the first hop's runner, the only one) a later hop's failure comes
+as an error with ``relay_depth``: the route moves to that hop's next replica
+(``shard.pipeline.route.ChainRoute``) and a routed session is opened again, under a new name, and
+replayed through the new route (the token log: every hop recomputes the history).
+
 Sessions are never left behind: a failed worker's session is reset (``RST_STREAM``) and, when
 its connection was lost (the worker may be alive and would retain it), released through a new
 connection, in a task of the nursery the generation owns, bounded like every cleanup.
@@ -35,11 +40,13 @@ from shard.client import ClientSession, ShardClient, StepStream
 from shard.deadlines import HOP_DEADLINE_MARGIN, RELAY_DEADLINE_MARGIN, hop_timeout, time_left
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode, ShardError
+from shard.rpc.routes import relay_session_id
 from shard.v1 import shard_pb2 as pb
 
 from .errors import STEP_DEADLINE, Blames, Hop, PipelineError, should_fail_over
 from .replay import ReplayBudget, RowLog, TokenLog
 from .replicas import HopReplicas, Replica, listing
+from .route import ChainRoute
 
 __all__ = [
     "CLEANUP_GRACE",
@@ -61,6 +68,9 @@ CLEANUP_GRACE = 0.5  # ...and how long it may go on after the caller's deadline
 #: model replayed in 407 ms in chunks of 32, in 38 ms in chunks of 256; docs/pipelines.md).
 REPLAY_CHUNKS = 8
 #: Errors on opening or replaying on a replacement that say "not this replica": try the next.
+#: ``ShardError.reason`` of a route hop whose worker does not relay (a standby started without
+#: ``serve --allow-relay``): with chain relay, not a replica that can take over.
+RELAY_NOT_ALLOWED = "RELAY_NOT_ALLOWED"
 REPLICA_REFUSALS = frozenset({
     ErrorCode.INCOMPATIBLE_MODEL, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.SESSION_EXISTS,
     ErrorCode.UNSUPPORTED_VERSION,
@@ -130,10 +140,14 @@ class HopOutput:
 
 @dataclass
 class _Held:
-    """A session this runner answers for (None: its open was started, outcome unknown)."""
+    """A session this runner answers for (None: its open was started, outcome unknown), by its
+    name; with chain relay, the replicas its route named (each may hold the session its worker
+    opened, named after this one: ``relay_session_id``)."""
 
     replica: Replica
+    name: str
     session: ClientSession | None = None
+    downstream: list[Replica] = field(default_factory=list)
 
 
 class HopRunner:
@@ -142,17 +156,19 @@ class HopRunner:
     step call fails over by itself (see the module docstring) and returns its result once."""
 
     def __init__(
-        self, replicas: HopReplicas, gen: Generation, *, last: bool, route: pb.Route | None = None
+        self, replicas: HopReplicas, gen: Generation, *, last: bool, route: ChainRoute | None = None
     ) -> None:
         self.replicas = replicas
         #: Chain relay: the hops after this one, opened by its worker (``last`` is then True:
-        #: the worker answers with the last shard's results).
+        #: the worker answers with the last shard's results); a later hop that fails moves the
+        #: route to its next replica and this runner opens and replays a routed session again.
         self.route = route
         self.gen = gen
         self.index = replicas.index
         self.first = self.index == 0
         self.last = last
         self.name = f"{gen.sid}.{self.index}"
+        self._opened = 0  # sessions opened: a routed one is named afresh each time
         self.session: ClientSession | None = None
         self.replica = replicas.replica
         self.held = 0  # positions the session holds
@@ -174,7 +190,7 @@ class HopRunner:
         # its step timeout (the workers on the route wait as long for the hops after them,
         # so the one nearest a hung hop reports it first), and its deadline leaves the
         # relay's margin for the deepest hop's error to travel up.
-        self._span = 1 + (len(route.hops) if route is not None else 0)
+        self._span = route.span if route is not None else 1
         self._margin = RELAY_DEADLINE_MARGIN if route is not None else HOP_DEADLINE_MARGIN
 
     @property
@@ -274,11 +290,19 @@ class HopRunner:
         loop, the client only reads); ``emit`` sees each step once, the last with its
         ``finish_reason``. ``fed``: the token of that last result, which the loop feeds first
         (each step's token is fed by the next; the log records what the session holds)."""
+        feeding, emitted, runs = fed, 0, 0
+
         async def action(session: ClientSession) -> None:
-            feeding = fed
+            nonlocal feeding, emitted, runs
+            # After a failover the replay holds every position before the token to feed: feed
+            # it explicitly (a sampled replay's own last choice may differ from it).
+            again = runs > 0 and feeding is not None
+            runs += 1
             steps = session.generate(
-                max_tokens=max_tokens, sampling=self.gen.sampling, stop_tokens=stop_tokens,
-                ignore_eos=ignore_eos, top_logprobs=self.gen.top_logprobs,
+                [feeding] if again and feeding is not None else None,
+                max_tokens=max_tokens - emitted, sampling=self.gen.sampling,
+                stop_tokens=stop_tokens, ignore_eos=ignore_eos,
+                top_logprobs=self.gen.top_logprobs,
             )
             while (step := await self._timed(lambda: _next(steps))) is not None:
                 self._output(step, session)
@@ -286,6 +310,7 @@ class HopRunner:
                 if feeding is not None:
                     self.tokens.append(feeding)
                 feeding = step.logits.token_id
+                emitted += 1
                 await emit(step)
 
         await self._attempt(action)
@@ -319,7 +344,10 @@ class HopRunner:
         the caller bounds and shields it)."""
         async with trio.open_nursery() as nursery:
             for held in self._live:
-                nursery.start_soon(self.gen.release, held.replica, self.name)
+                nursery.start_soon(self.gen.release, held.replica, held.name)
+                # a worker lost mid-chain leaves the next one retaining its session
+                for replica, name in _downstream_names(held):
+                    nursery.start_soon(self.gen.release, replica, name)
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -378,8 +406,13 @@ class HopRunner:
             except PipelineError:
                 raise
             except ShardError as err:
-                # a chain relay's error from a later hop is that hop's: no failover here
-                if err.relay_depth or not should_fail_over(err):
+                if err.relay_depth:  # a later hop's (chain relay): its replica may take over
+                    if not (should_fail_over(err) and self.route is not None
+                            and self.route.can_move(err)):
+                        raise self._named(err) from None
+                    await self._reroute(err)
+                    continue
+                if not should_fail_over(err):
                     raise self._named(err) from None
                 await self._fail_over(err)
 
@@ -439,12 +472,8 @@ class HopRunner:
         started = trio.current_time()
         for replica in self._candidates():
             self._tried_targets.add(replica.target)
-            held = _Held(replica)
-            self._live.append(held)
             try:
-                await self._timed(lambda: self.replicas.ensure(replica, self._connect_timeout()))
-                held.session = await self._timed(lambda: self._open_on(replica))
-                await self._replay(held.session)
+                held = await self._open_replayed(replica)
             except ShardError as err:
                 if isinstance(err, PipelineError) or err.relay_depth or not (
                     should_fail_over(err) or err.code in REPLICA_REFUSALS
@@ -452,7 +481,6 @@ class HopRunner:
                     raise self._named(err, self.replicas.hop(replica)) from None
                 log.warning("%s: %s cannot take over: %s", self.hop, replica.target, err)
                 self.tried[replica.target] = err
-                self._retire(held)
                 continue
             previous = self.replica
             self.session, self.replica = held.session, replica
@@ -465,15 +493,71 @@ class HopRunner:
         tried = list(self.tried.items())
         raise PipelineError(self.hop, cause, tried=tried, note=listing(tried))
 
+    async def _open_replayed(self, replica: Replica) -> _Held:
+        """A new session on ``replica`` (with chain relay: with the route as it is now, under a
+        name of its own), holding the whole history; on failure it is retired and the error
+        raised."""
+        name = self.name
+        if self.route is not None and self._opened:
+            # A routed session's workers name theirs after it; one a lost worker left behind
+            # may still be retained, so a new route never reuses a name.
+            name = f"{self.gen.sid}.{self.index}~{self._opened}"
+        self._opened += 1
+        held = _Held(replica, name,
+                     downstream=self.route.serving() if self.route is not None else [])
+        self._live.append(held)
+        try:
+            await self._timed(lambda: self.replicas.ensure(replica, self._connect_timeout()))
+            held.session = await self._timed(lambda: self._open_on(replica, name))
+            await self._replay(held.session)
+        except ShardError as err:
+            self._retire(held, cause=err)
+            raise
+        self.name = name
+        return held
+
+    async def _reroute(self, err: ShardError) -> None:
+        """A later hop of the route failed (chain relay): move the route to that hop's next
+        replica and open and replay a routed session with it on the first hop's worker; a
+        replica that cannot take over (lost too, or refusing) moves the route on again."""
+        assert self.route is not None
+        started = trio.current_time()
+        for held in [h for h in self._live if h.session is self.session]:
+            self._retire(held, cause=err)
+        self.session = None
+        while True:
+            hop, old, new = self.route.move(err)  # a PipelineError when none is left
+            self.gen.blames.hops = self.route.hops()
+            log.warning("%s failed: %s; the route moves to %s", hop.hop(old), err, new.target)
+            try:
+                held = await self._open_replayed(self.replica)
+            except ShardError as again:
+                if isinstance(again, PipelineError):
+                    raise
+                taken = again.relay_depth and (should_fail_over(again) or again.code in
+                                               REPLICA_REFUSALS or again.reason == RELAY_NOT_ALLOWED)
+                if taken and self.route.failed_hop(again) is not None:
+                    err = again  # the new replica (or another later hop) cannot serve
+                    continue
+                if not again.relay_depth and should_fail_over(again):
+                    await self._fail_over(again)  # the first hop's own worker failed meanwhile
+                    return
+                raise self._named(again) from None
+            self.session = held.session
+            self._record(err, old, new, False, started, hop=hop.index)
+            return
+
     def _record(
-        self, cause: ShardError, old: Replica, new: Replica, handover: bool, started: float
+        self, cause: ShardError, old: Replica, new: Replica, handover: bool, started: float,
+        *, hop: int | None = None,
     ) -> None:
         ms = (trio.current_time() - started) * 1000
-        record = Failover(self.index, old.target, new.target, cause.code.name, cause.message,
+        index = self.index if hop is None else hop
+        record = Failover(index, old.target, new.target, cause.code.name, cause.message,
                           handover, self.held, ms)
         self.gen.failovers.append(record)
         log.warning(
-            "%s: %s from %s to %s (%s); replayed %d positions in %.1f ms", self.hop,
+            "hop %d: %s from %s to %s (%s); replayed %d positions in %.1f ms", index,
             "handed over" if handover else "failed over", old.target, new.target,
             cause.code.name, self.held, ms,
         )
@@ -485,7 +569,7 @@ class HopRunner:
             return bound
         return left if bound is None else min(left, bound)
 
-    async def _open_on(self, replica: Replica) -> ClientSession:
+    async def _open_on(self, replica: Replica, name: str) -> ClientSession:
         """Open the session with the remaining budget, rounded down, as its grpc-timeout."""
         ref = self.replicas.reference
         assert ref is not None and replica.client is not None and replica.caps is not None
@@ -494,12 +578,12 @@ class HopRunner:
             raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired")
         want = convert.offered_dtype(replica.caps, self.gen.hidden_dtype)
         return await replica.client.open_session(
-            self.name,
+            name,
             expected_model_fingerprint=ref.model_fingerprint,
             expected_layer_range=(ref.layer_range.start, ref.layer_range.end),
             # float32 is not asked for, so a v1.0 exchange stays byte for byte the same
             hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
-            route=self.route,
+            route=self.route.message() if self.route is not None else None,
             timeout=timeout,
         )
 
@@ -542,15 +626,34 @@ class HopRunner:
             last = step
         return last
 
-    def _retire(self, held: _Held, *, graceful: bool = False) -> None:
+    def _retire(
+        self, held: _Held, *, graceful: bool = False, cause: ShardError | None = None
+    ) -> None:
         """Give up a session: reset its stream now (the worker stops and releases) or, for a
         draining worker, close it on its stream; release it through a new connection if the
-        old one was lost (a live worker would retain it), in a task the generation owns."""
+        old one was lost (a live worker would retain it), in a task the generation owns.
+
+        With chain relay, also ``Release`` what the route's later hops may hold: a hop whose
+        upstream worker was lost retains its session. From the failed hop on (``cause``'s
+        ``relay_depth``; every later hop for the first hop's own failure), the failed one
+        itself only if it was not hung: a stopped worker finds its stream reset when it runs
+        again, and a Release would only wait for it."""
         if held in self._live:
             self._live.remove(held)
         if held.session is not None and not graceful:
             held.session.abort()
         self.gen.spawn(self._retire_task, held, graceful)
+        if graceful:
+            return
+        failed = cause.relay_depth if cause is not None else 0
+        hung = cause is not None and cause.reason == STEP_DEADLINE
+        for depth, (replica, name) in enumerate(_downstream_names(held), start=1):
+            if depth > failed or (depth == failed and not hung):
+                self.gen.spawn(self._release_task, replica, name)
+
+    async def _release_task(self, replica: Replica, name: str) -> None:
+        with trio.CancelScope(shield=True, deadline=self.gen.cleanup_deadline()):
+            await self.gen.release(replica, name)
 
     async def _retire_task(self, held: _Held, graceful: bool) -> None:
         with trio.CancelScope(shield=True, deadline=self.gen.cleanup_deadline()):
@@ -564,7 +667,17 @@ class HopRunner:
                     held.session.abort()
             client = held.replica.client
             if client is None or not client.connected:
-                await self.gen.release(held.replica, self.name)
+                await self.gen.release(held.replica, held.name)
+
+
+def _downstream_names(held: _Held) -> list[tuple[Replica, str]]:
+    """Chain relay: each later hop's replica on ``held``'s route and the name its session has
+    there (every worker names the session it opens after its own)."""
+    out, name = [], held.name
+    for replica in held.downstream:
+        name = relay_session_id(name)
+        out.append((replica, name))
+    return out
 
 
 async def _next(steps: StepStream) -> pb.StepResult | None:
