@@ -8,7 +8,8 @@ disturb each other), measured from the client side with the Trio client over loo
                      and how many tokens the others still had to produce at that moment
   decode_deadline    one session prefills 1,500 tokens while another decodes token by token with
                      ``step_timeout_ms`` 300: how many of its steps timed out, and the worst and
-                     median step latency (``--batch-tokens`` 512 and 64)
+                     median step latency (the default ``--batch-tokens``, 512 and 64; ``--repeat
+                     N`` runs each N times in fresh workers)
   huge_request       one session generates while another sends a Prefill of 16 MiB of text
                      (then 4M token ids; sent by grpcio from a thread, so this client's event
                      loop is not the one stalled) and a third calls Health back to back: the
@@ -19,7 +20,8 @@ disturb each other), measured from the client side with the Trio client over loo
 before/after numbers from one run); the client always speaks protocol 1.0, which every version
 of the worker serves.
 
-    python -m bench.contention [--quick] [--model PATH] [--threads N] [--worker-root DIR] [--out FILE]
+    python -m bench.contention [--quick] [--model PATH] [--threads N] [--worker-root DIR]
+                               [--scenarios LIST] [--repeat N] [--out FILE]
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ async def decode_deadline(target: str) -> dict[str, Any]:
     latencies: list[float] = []
     timeouts = 0
     async with ShardClient.connect(target, timeout=600, version=V10) as client:
+        async with client.session() as warm:  # a fresh worker's first native step is slow
+            await warm.prefill(_prompt(8, 3))
         async with client.session(step_timeout=STEP_TIMEOUT) as d, client.session() as p:
             step = await d.prefill(_prompt(8, 1))
             token = step.logits.token_id
@@ -221,22 +225,45 @@ def _send_huge(target: str, make: Callable[[], pb.Prefill]) -> str:
     return "accepted"
 
 
+SCENARIOS = ("starved_prompt", "decode_deadline", "huge_request")
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for m, n in ((1, 1), (2, 4)):
-        with _worker(args, f"starved_{m}.log", ["--max-batch-sessions", str(m)]) as server:
-            await wait_serving(server.target, version=V10)
-            results[f"starved_prompt_max_batch_sessions_{m}_generators_{n}"] = await starved_prompt(server.target, n)
+    if "starved_prompt" in args.scenarios:
+        for m, n in ((1, 1), (2, 4)):
+            with _worker(args, f"starved_{m}.log", ["--max-batch-sessions", str(m)]) as server:
+                await wait_serving(server.target, version=V10)
+                results[f"starved_prompt_max_batch_sessions_{m}_generators_{n}"] = await starved_prompt(server.target, n)
+                print(json.dumps(results), file=sys.stderr)
+    if "decode_deadline" in args.scenarios:
+        # the worker's default batch size too (no --batch-tokens), each run in a fresh worker
+        for b in (None, 512, 64):
+            runs = []
+            for i in range(args.repeat):
+                extra = [] if b is None else ["--batch-tokens", str(b)]
+                with _worker(args, f"deadline_{b or 'default'}_{i}.log", extra) as server:
+                    await wait_serving(server.target, version=V10)
+                    runs.append(await decode_deadline(server.target))
+            key = f"decode_deadline_batch_tokens_{b or 'default'}"
+            results[key] = runs[0] if args.repeat == 1 else {
+                "runs": runs, "step_timeouts_per_run": [r["step_timeouts"] for r in runs],
+                "worst_step_s": max(r["worst_step_s"] for r in runs)}
             print(json.dumps(results), file=sys.stderr)
-    for b in (512, 64):
-        with _worker(args, f"deadline_{b}.log", ["--batch-tokens", str(b)]) as server:
+    if "huge_request" in args.scenarios:
+        with _worker(args, "huge.log", []) as server:
             await wait_serving(server.target, version=V10)
-            results[f"decode_deadline_batch_tokens_{b}"] = await decode_deadline(server.target)
-            print(json.dumps(results), file=sys.stderr)
-    with _worker(args, "huge.log", []) as server:
-        await wait_serving(server.target, version=V10)
-        results["huge_request"] = await huge_request(server.target, server.proc.pid)
+            results["huge_request"] = await huge_request(server.target, server.proc.pid)
     return results
+
+
+def _scenarios(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown scenario {', '.join(unknown) or '(none)'}; choose from {', '.join(SCENARIOS)}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -246,6 +273,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="tiny model and small sizes: checks the harness, measures nothing useful")
     p.add_argument("--threads", type=int, default=default_threads())
     p.add_argument("--worker-root", type=Path, help="run the worker from this checkout")
+    p.add_argument("--scenarios", type=_scenarios, default=SCENARIOS,
+                   help=f"comma-separated, from {','.join(SCENARIOS)} (default: all)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="decode_deadline: runs per batch size, each in a fresh worker (default 1)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--logs", type=Path, default=Path(__file__).resolve().parent / "results" / "logs",
                    help="where the workers' logs go")

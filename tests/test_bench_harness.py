@@ -225,6 +225,26 @@ def test_contention_bench_runs_every_scenario(tmp_path: Path) -> None:
     assert report["environment"]["model"].endswith(".gguf")
 
 
+def test_contention_bench_repeats_one_scenario(tmp_path: Path) -> None:
+    """``--scenarios decode_deadline --repeat 2``: only that scenario, each batch size run
+    twice in fresh workers, every run's step timeouts listed."""
+    out = tmp_path / "contention.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.contention", "--quick", "--threads", "1", "--out", str(out),
+         "--logs", str(tmp_path / "logs"), "--scenarios", "decode_deadline", "--repeat", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {f"decode_deadline_batch_tokens_{b}" for b in ("default", 512, 64)}
+    for value in results.values():
+        assert len(value["runs"]) == len(value["step_timeouts_per_run"]) == 2
+        assert all(r["decode_steps"] >= 1 for r in value["runs"])
+    bad = subprocess.run([sys.executable, "-m", "bench.contention", "--scenarios", "nope"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown scenario nope" in bad.stderr
+
+
 def test_floods_bench_cuts_every_flooding_connection(tmp_path: Path) -> None:
     """A smoke run of bench/floods.py on the tiny model: the attacker process floods, every
     connection it made got GOAWAY(ENHANCE_YOUR_CALM), the neighbour kept generating."""
