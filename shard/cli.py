@@ -23,7 +23,7 @@ import ssl
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
     from collections.abc import Awaitable
@@ -291,8 +291,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(see docs/pipelines.md). Workers that are still loading are waited for, within "
         "--timeout, like gRPC's wait-for-ready.",
     )
-    gen.add_argument("prompt", metavar="PROMPT", help="prompt text")
+    gen.add_argument("prompt", metavar="PROMPT", nargs="?",
+                     help="prompt text (or --prompts-file)")
     _add_target(gen, pipeline=True)
+    gen.add_argument("--prompts-file", metavar="FILE",
+                     help="with --pipeline, instead of PROMPT: one prompt per line of FILE ('-': "
+                     "stdin), generated at once through one pipeline (its connections shared, "
+                     "the generations spread over --batch-groups so that the hops compute "
+                     "different groups at the same time); prints one JSON object per prompt, "
+                     "one per line, as each ends: 'index' (its line among the prompts, from 0) "
+                     "and what --json prints; a failed one has 'error' and does not stop the "
+                     "others; exit status 1 if any failed")
+    gen.add_argument("--batch-groups", type=_non_negative_int, metavar="N",
+                     help="with --pipeline: concurrent generations move through the hops in N "
+                     "groups (default: hops + 1; 0: none; docs/pipelines.md, \"Throughput under "
+                     "concurrency\")")
     gen.add_argument("--max-tokens", type=_positive_int, default=64,
                      help="most tokens to generate (default: 64)")
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
@@ -767,6 +780,16 @@ async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.prompts_file is not None and args.prompt is not None:
+        return _fail("give PROMPT or --prompts-file, not both", 2)
+    if args.prompts_file is not None and not args.pipeline:
+        return _fail("--prompts-file needs --pipeline (one pipeline serves them all at once)", 2)
+    if args.batch_groups is not None and not args.pipeline:
+        return _fail("--batch-groups needs --pipeline", 2)
+    if args.prompts_file is None and args.prompt is None:
+        return _fail("a PROMPT (or --prompts-file with --pipeline) is required", 2)
+    if args.prompts_file is not None:
+        return _cmd_generate_many(args)
     if args.pipeline:
         return _cmd_generate_pipeline(args)
     if args.speculate:
@@ -854,12 +877,7 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
         deadline = trio.current_time() + args.timeout
 
         async def generate() -> None:
-            async with Pipeline.connect(
-                args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
-                wait_for_ready=True, step_timeout=args.step_timeout,
-                replay_bytes=int(args.replay_mib * 2**20), relay=args.relay,
-                **options,  # type: ignore[arg-type]
-            ) as pipe:
+            async with _connect_pipeline(args, options) as pipe:
                 result = await pipe.generate(
                     args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                     seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
@@ -876,6 +894,96 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
     return _finish_generate(run, out)
 
 
+def _connect_pipeline(args: argparse.Namespace, options: dict[str, object]) -> Any:
+    """``Pipeline.connect`` with generate's options (an async context manager)."""
+    from shard.pipeline import Pipeline
+
+    return Pipeline.connect(
+        args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
+        wait_for_ready=True, step_timeout=args.step_timeout,
+        replay_bytes=int(args.replay_mib * 2**20), relay=args.relay,
+        batch_groups=args.batch_groups, **options,  # type: ignore[arg-type]
+    )
+
+
+def _read_prompts(path: str) -> list[str]:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _cmd_generate_many(args: argparse.Namespace) -> int:
+    """``generate --pipeline --prompts-file``: every prompt at once through one pipeline, one
+    JSON line per prompt as it ends (``_GenerateOutput``'s object with its ``index``)."""
+    import codecs
+
+    try:
+        prompts = _read_prompts(args.prompts_file)
+    except (OSError, UnicodeDecodeError) as exc:
+        return _fail(f"cannot read --prompts-file: {exc}", 2)
+    if not prompts:
+        return _fail("--prompts-file holds no prompt (one per non-empty line)", 2)
+    try:
+        options = _client_options(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"client set-up failed: {exc}", 2)
+
+    from shard.client import ShardError
+    from shard.v1 import shard_pb2 as pb
+
+    outs = [_GenerateOutput(as_json=True, index=i) for i in range(len(prompts))]
+    failed: list[int] = []
+
+    async def run() -> bool:
+        import trio
+
+        deadline = trio.current_time() + args.timeout
+
+        async def one(pipe: Any, i: int) -> None:
+            out = outs[i]
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+            def emit(step: pb.StepResult) -> None:
+                last = step.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                out.add(step.logits.token_id, decoder.decode(step.logits.piece, final=last),
+                        step.finish_reason)
+
+            try:
+                result = await pipe.generate(
+                    prompts[i], max_tokens=args.max_tokens, temperature=args.temperature,
+                    seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
+                    timeout=deadline - trio.current_time(), speculate=args.speculate,
+                )
+            except ShardError as exc:  # this prompt's failure; the others go on
+                failed.append(i)
+                out.close(error=exc)
+                print(f"trio-shard: prompt {i}: {exc}", file=sys.stderr)
+                return
+            out.failovers = [f.as_dict() for f in result.failovers]
+            out.stats = {"traversals": result.traversals}
+            out.close()
+            out.done = True
+
+        async def generate() -> None:
+            async with _connect_pipeline(args, options) as pipe, trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, pipe, i)
+
+        return await _until_sigint(generate)
+
+    import trio
+
+    try:
+        interrupted = trio.run(run)
+    except ShardError as exc:  # connecting failed: no prompt started
+        return _fail(str(exc))
+    if interrupted:
+        for out in outs:
+            if not out.done and out.index not in failed:
+                out.close(interrupted=True)
+        return 130
+    return 1 if failed else 0
+
+
 class _GenerateOutput:
     """What ``generate`` prints (one worker or a pipeline): each token's text as it arrives,
     then the JSON object with ``--json``, else a newline after the streamed text; also when
@@ -883,8 +991,10 @@ class _GenerateOutput:
     then holds what was received and ``"error"``: the code, message and, for a pipeline, the
     hop; the error also goes to stderr)."""
 
-    def __init__(self, *, as_json: bool) -> None:
+    def __init__(self, *, as_json: bool, index: int | None = None) -> None:
         self.as_json = as_json
+        self.index = index  # --prompts-file: the prompt's line among the prompts
+        self.done = False
         self.text: list[str] = []
         self.tokens: list[int] = []
         self.finish = 0  # FINISH_REASON_UNSPECIFIED until the last token
@@ -904,9 +1014,9 @@ class _GenerateOutput:
 
         if self.as_json:
             reason = pb.FinishReason.Name(self.finish).removeprefix("FINISH_REASON_").lower()
-            result: dict[str, object] = {
-                "text": "".join(self.text), "tokens": self.tokens, "finish_reason": reason,
-                **self.stats}
+            result: dict[str, object] = {} if self.index is None else {"index": self.index}
+            result.update({"text": "".join(self.text), "tokens": self.tokens,
+                           "finish_reason": reason, **self.stats})
             if self.failovers:
                 result["failovers"] = self.failovers
             if interrupted:
@@ -918,7 +1028,7 @@ class _GenerateOutput:
                 if hop is not None:
                     failed.update(hop=hop, target=getattr(error, "target", ""))
                 result["error"] = failed
-            print(json.dumps(result))
+            print(json.dumps(result), flush=True)
         elif error is None or self.text:  # (end the streamed text's line)
             sys.stdout.write("\n")
 

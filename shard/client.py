@@ -361,6 +361,7 @@ class ShardClient:
         expected_layer_range: tuple[int, int] | None = None,
         hidden_wire_dtype: str = "",
         route: pb.Route | None = None,
+        batch_group: int = 0,
         timeout: float | None = _DEFAULT,
     ) -> ClientSession:
         """Open a session stream and return it (prefer ``session()``, which also closes it).
@@ -375,6 +376,7 @@ class ShardClient:
             initial_credit=credit,
             step_timeout_ms=0 if step_timeout is None else max(1, round(step_timeout * 1000)),
             hidden_wire_dtype=hidden_wire_dtype,
+            batch_group=batch_group,
         )
         if cache is not None:
             open_msg.cache.CopyFrom(cache)
@@ -413,6 +415,7 @@ class ShardClient:
         expected_layer_range: tuple[int, int] | None = None,
         hidden_wire_dtype: str = "",
         route: pb.Route | None = None,
+        batch_group: int = 0,
         timeout: float | None = _DEFAULT,
     ) -> AsyncIterator[ClientSession]:
         """Open a session stream for the block (``session_id`` defaults to a random id).
@@ -423,6 +426,8 @@ class ShardClient:
         "float16" hidden states (see ``session.hidden_dtype`` for what the worker agreed to).
         ``route``: the hops after this worker, for chain relay (a worker that reports
         ``relay_allowed`` opens them itself; docs/pipelines.md, "Chain relay").
+        ``batch_group``: the session's batch group (a scheduling hint for workers that report
+        ``batch_groups``: a batched step holds one group's steps; 0: none).
         ``timeout``: deadline of the whole stream. Leaving the block normally closes the session (released, unless
         ``close(retain=True)`` was called); leaving it with an exception or a cancellation
         resets the stream, which releases the session on the worker.
@@ -437,6 +442,7 @@ class ShardClient:
             expected_layer_range=expected_layer_range,
             hidden_wire_dtype=hidden_wire_dtype,
             route=route,
+            batch_group=batch_group,
             timeout=timeout,
         )
         try:

@@ -247,3 +247,47 @@ async def test_a_failed_generation_with_json_prints_what_it_received_and_the_err
     assert got["error"]["code"] == "ENGINE_FAILURE" and got["error"]["hop"] == 2
     assert got["error"]["target"] == c.target
     assert "ENGINE_FAILURE" in piped.stderr.decode()
+
+
+async def test_prompts_file_runs_every_prompt_at_once_and_prints_one_json_line_each(
+    tmp_path: Any,
+) -> None:
+    """``--prompts-file``: three prompts (a blank line skipped), one of them too long for the
+    context: two JSON lines with the single worker's tokens, one with the error, each with its
+    index; exit status 1 because one failed; every shard free afterwards."""
+    prompts = ["the quick brown fox", "a lazy dog", "x " * 2000]
+    path = tmp_path / "prompts.txt"
+    path.write_text(f"{prompts[0]}\n\n{prompts[1]}\n{prompts[2]}\n", encoding="utf-8")
+    async with shards([LayerRange(0, 4), *THREE]) as (whole, *chain):
+        want = [json.loads((await run_cli("generate", "--target", whole.target, "--json",
+                                          "--max-tokens", "12", p)).stdout) for p in prompts[:2]]
+        proc = await run_cli("generate", "--pipeline", ",".join(w.target for w in chain),
+                             "--max-tokens", "12", "--prompts-file", str(path),
+                             "--batch-groups", "2")
+        assert proc.returncode == 1, proc.stderr
+        lines = {x["index"]: x for x in map(json.loads, proc.stdout.decode().splitlines())}
+        assert sorted(lines) == [0, 1, 2]
+        for i in (0, 1):
+            got = lines[i]
+            assert got.pop("traversals") == len(want[i]["tokens"]) and got.pop("index") == i
+            assert got == want[i]
+        assert lines[2]["error"]["code"] == "INVALID_ARGUMENT" and lines[2]["tokens"] == []
+        assert b"prompt 2: INVALID_ARGUMENT" in proc.stderr
+        await assert_all_free([whole, *chain])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--target", "127.0.0.1:1", "--prompts-file", "p.txt"], "--prompts-file needs --pipeline"),
+        (["--pipeline", "127.0.0.1:1", "--prompts-file", "p.txt", "hi"], "not both"),
+        (["--pipeline", "127.0.0.1:1"], "a PROMPT (or --prompts-file"),
+        (["--target", "127.0.0.1:1", "--batch-groups", "2", "hi"], "--batch-groups needs --pipeline"),
+        (["--pipeline", "127.0.0.1:1", "--prompts-file", "/nonexistent/p.txt"], "cannot read --prompts-file"),
+    ],
+)
+def test_prompts_file_usage_errors(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", *args]) == 2
+    assert words in capsys.readouterr().err

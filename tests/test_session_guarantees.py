@@ -15,6 +15,7 @@ Batching cases use the fake engine in batched mode with scripted tick costs unde
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -214,6 +215,42 @@ async def test_a_prompt_is_not_starved_by_resubmitting_decodes(
         assert len(log) == 400 * n_decoders
         for sid in ["p", *(f"d{i}" for i in range(n_decoders))]:
             await engine.release(sid)
+
+
+@pytest.mark.parametrize("groups", [[1, 1, 2, 2, 3, 3], [0] * 6])
+async def test_sessions_in_batch_groups_never_share_a_tick(
+    autojump_clock: trio.testing.MockClock, groups: list[int]
+) -> None:
+    """Six sessions decoding at once, in three batch groups of two (a pipeline's micro-batches):
+    every tick holds one group's sessions, and groups take turns; the same sessions without
+    groups share ticks (the rows of one tick run at one virtual time)."""
+    rows: list[tuple[float, str]] = []
+    engine, spec = _batched(on_step=lambda step: rows.append((trio.current_time(), step.session_id)))
+    async with engine:
+        await engine.load(spec)
+        for i, group in enumerate(groups):
+            await engine.open_session(f"s{i}", batch_group=group)
+
+        async def run(i: int) -> None:
+            r = await engine.prefill(PrefillRequest(f"s{i}", tokens=(1, 5, 6)))
+            for _ in range(12):
+                r = await engine.decode(DecodeRequest(f"s{i}", token=r.logits.token_id))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(groups)):
+                nursery.start_soon(run, i)
+        ticks: dict[float, set[int]] = {}
+        for at, sid in rows:
+            ticks.setdefault(at, set()).add(groups[int(sid[1:])])
+        if groups[0]:
+            assert all(len(g) == 1 for g in ticks.values()), "a tick mixed batch groups"
+            order = [next(iter(g)) for _, g in sorted(ticks.items())]
+            assert max(len(list(run)) for _, run in itertools.groupby(order)) <= 2  # turns
+        else:
+            assert max(len(g) for g in ticks.values()) == 1  # (one group: 0)
+            assert len(ticks) < len(rows)  # shared ticks
+        for i in range(len(groups)):
+            await engine.release(f"s{i}")
 
 
 @pytest.mark.parametrize("think", [0.0, 0.05])

@@ -165,6 +165,8 @@ class Slot:
     cancel: CancelFlag = field(default_factory=CancelFlag)
     idle: trio.Event = field(default_factory=trio.Event)
     releasing: bool = False  # release() has started: the session is already unknown to callers
+    #: Ticks hold the steps of one batch group (``shard.engine.batching``, rule 5); 0: none.
+    batch_group: int = 0
     # The running operation's implementation began changing the KV cells (see ``touch``).
     touched: bool = False
 
@@ -414,8 +416,13 @@ class ShardEngine(abc.ABC):
 
     # ---- sessions --------------------------------------------------------------------------
 
-    async def open_session(self, session_id: str, *, kv_budget: int | None = None) -> SessionInfo:
-        """Create an empty IDLE session with its own sequence of KV cells."""
+    async def open_session(
+        self, session_id: str, *, kv_budget: int | None = None, batch_group: int = 0
+    ) -> SessionInfo:
+        """Create an empty IDLE session with its own sequence of KV cells. ``batch_group``
+        (0..2**32-1; 0: none): a batching engine runs the steps of one group per tick (a
+        pipeline's groups then stay out of phase; ``shard.engine.batching``, rule 5); an engine
+        that does not batch ignores it."""
         await trio.lowlevel.checkpoint()
         caps = self._require_ready()  # after the checkpoint: the engine may have closed meanwhile
         if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_LEN:
@@ -433,9 +440,14 @@ class ShardEngine(abc.ABC):
                 f"kv_budget must be in [1, {caps.n_ctx_per_session}], got {kv_budget}",
                 session_id=session_id,
             )
+        if (not isinstance(batch_group, int) or isinstance(batch_group, bool)
+                or not 0 <= batch_group < 2**32):
+            raise InvalidInput(f"batch_group must be in [0, 2**32), got {batch_group!r}",
+                               session_id=session_id)
         if not self._free_seq_ids:
             raise TooManySessions(f"all {caps.max_sessions} sessions are in use")
-        slot = Slot(session_id=session_id, seq_id=heapq.heappop(self._free_seq_ids), kv_budget=kv_budget)
+        slot = Slot(session_id=session_id, seq_id=heapq.heappop(self._free_seq_ids),
+                    kv_budget=kv_budget, batch_group=batch_group)
         slot.idle.set()
         self._slots[session_id] = slot
         self._counters["sessions_opened_total"] += 1

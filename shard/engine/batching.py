@@ -33,6 +33,15 @@ Policy (one call of ``TickPlanner.plan`` per native step):
    (least recently served first, then oldest). The deadlines of waiting row steps cut a chunk
    tick as in rule 3.
 
+5. **Batch groups.** A step may belong to a batch group (``Step.group``, the session's
+   ``OpenSession.batch_group``; 0 for none). A tick holds the steps of one group only: the group
+   of the first step in waiting order (rule 1), so groups take turns as steps do. Why: a
+   pipeline's hops keep busy only while its sessions move through them as separate groups,
+   one group computing on hop k while another computes on hop k+1; a tick that merged two
+   groups would put them in phase for good, and every hop would then wait for the others
+   (docs/pipelines.md, "Throughput under concurrency"). With every step in group 0, as for
+   clients that name none, the policy is rules 1-4 unchanged.
+
 The pieces of a tick are returned sorted by sequence id: llama.cpp splits a multi-sequence batch
 of a per-sequence KV cache into ubatches of consecutive, ascending sequence ids.
 """
@@ -61,6 +70,7 @@ class Step:
     n_rows: int
     arrival: int
     deadline: float = math.inf
+    group: int = 0  # the session's batch group (rule 5)
     done_rows: int = 0  # rows already evaluated by earlier ticks
     waiting_since: int | None = None
     last_chunk_tick: int = -1  # the planner's tick number when it last gave this step a chunk
@@ -119,11 +129,9 @@ class TickPlanner:
         tick's prompt rows are cut as for a waiting row step with that much time left.
         """
         self._expected = expected_timeout
-        steps = [s for s in pending if s.remaining > 0]
-        for s in steps:
-            if s.waiting_since is None:
-                s.waiting_since = self._ticks
-        steps.sort(key=lambda s: (s.waiting_since, s.arrival))
+        steps = self._in_order(pending)
+        if steps:  # rule 5: the first step's batch group only
+            steps = [s for s in steps if s.group == steps[0].group]
         rows = [s for s in steps if s.remaining == 1]
         chunks = [s for s in steps if s.remaining > 1]
         take_rows = bool(rows) and (self.mix or not chunks or not self._last_was_rows)
@@ -153,6 +161,21 @@ class TickPlanner:
         self._last_was_rows = take_rows
         pieces.sort(key=lambda p: p.step.seq)
         return pieces
+
+    def head_group(self, pending: Iterable[Step]) -> int | None:
+        """The batch group the next tick will hold (None: nothing pending): the scheduler
+        gathers that group's sessions before the tick."""
+        steps = self._in_order(pending)
+        return steps[0].group if steps else None
+
+    def _in_order(self, pending: Iterable[Step]) -> list[Step]:
+        """The steps with rows left, in waiting order (rule 1)."""
+        steps = [s for s in pending if s.remaining > 0]
+        for s in steps:
+            if s.waiting_since is None:
+                s.waiting_since = self._ticks
+        steps.sort(key=lambda s: (s.waiting_since, s.arrival))
+        return steps
 
     def _chunk_rows(
         self,

@@ -151,7 +151,8 @@ class BatchScheduler:
 
     def new_step(self, slot: Slot, plan: ComputePlan) -> Step:
         self._arrivals += 1
-        return Step(slot.seq_id, plan.n_new, self._arrivals, deadline=plan.deadline)
+        return Step(slot.seq_id, plan.n_new, self._arrivals, deadline=plan.deadline,
+                    group=slot.batch_group)
 
     async def compute(self, job: Job) -> None:
         """Queue ``job`` and return once it is finished (result or error set)."""
@@ -237,18 +238,24 @@ class BatchScheduler:
         stay out of phase for good (measured: 4 served sessions alternating ticks of 2 and 2,
         0.60 of the batched ceiling instead of 0.90). Waiting for the sessions of the last two
         ticks, not only the last one, merges such halves again. A released session is not
-        waited for; a lone session is the one resubmitting, so its tick starts at once.
+        waited for; a lone session is the one resubmitting, so its tick starts at once. Only the
+        sessions of the batch group the tick will hold are waited for.
         """
         now = trio.current_time()
         horizon = now - 2 * self.tick_seconds - 0.001
         for key, (slot, seen) in list(self._recent.items()):
             if seen < horizon or not self._is_open(slot):
                 del self._recent[key]
+        # Only the sessions of the batch group the tick will hold: another group is elsewhere
+        # in a pipeline (a hop further on), and waiting for it would idle this hop and merge
+        # the groups (shard.engine.batching, rule 5).
+        group = self.planner.head_group(j.step for j in self._pending if not j.finished)
+        awaited = [key for key, (slot, _) in self._recent.items() if slot.batch_group == group]
         deadline = now + min(self.tick_seconds / 4, MAX_GATHER_SECONDS)
         rounds = 0
         while True:
             submitted = {id(j.slot) for j in self._pending if not j.finished}
-            if all(key in submitted for key in self._recent):
+            if all(key in submitted for key in awaited):
                 return
             if rounds < MAX_GATHER_ROUNDS:
                 rounds += 1

@@ -75,6 +75,7 @@ from . import chain
 from .drafting import Drafter, PromptLookup
 from .speculation import DraftPlanner, PassCost
 from .errors import Blame, Blames, Hop, PipelineError
+from .groups import BatchGroups, default_groups
 from .replay import DEFAULT_REPLAY_BYTES, ReplayBudget
 from .replicas import HopReplicas, Replica
 from .result import PipelineResult
@@ -176,8 +177,12 @@ class Pipeline:
         step_timeout: float | None = None,
         replay_bytes: int | None = DEFAULT_REPLAY_BYTES,
         relay: str = "client",
+        batch_groups: int | None = None,
     ) -> None:
         self._replicas = [HopReplicas(i, targets, connect) for i, targets in enumerate(hops)]
+        #: Concurrent generations move through the hops in these groups (shard.pipeline.groups).
+        self.batch_groups = BatchGroups(
+            default_groups(len(hops)) if batch_groups is None else batch_groups)
         self.relay = relay
         self.timeout = timeout
         self.hidden_dtype = hidden_dtype
@@ -219,6 +224,7 @@ class Pipeline:
         step_timeout: float | None = None,
         replay_bytes: int | None = DEFAULT_REPLAY_BYTES,
         relay: str = "client",
+        batch_groups: int | None = None,
     ) -> AsyncIterator[Pipeline]:
         """Connect to every worker (in order: first shard first) and check the chain.
 
@@ -237,7 +243,14 @@ class Pipeline:
         ``shard.pipeline.replay``). ``relay``: "client" (default: the client relays every hop's
         hidden states) or "chain" (the workers relay to each other; refused, naming the hop,
         when a hop but the last does not report ``relay_allowed``; hops with replicas fail over
-        as with client relay; see ``shard.pipeline.chain``).
+        as with client relay; see ``shard.pipeline.chain``). ``batch_groups``: how many
+        groups concurrent ``generate`` calls are spread over, so that the hops compute different
+        groups at once instead of waiting for each other (default None: hops + 1, none for one
+        hop; 0: none; see ``shard.pipeline.groups``).
+
+        One ``Pipeline`` serves any number of concurrent ``generate`` calls (start them in a
+        nursery) over its shared connections; each has its own sessions, so one call's failure,
+        failover or cancellation leaves the others' tokens and sessions as they were.
         """
         if hidden_dtype not in convert.WIRE_DTYPES:
             raise ValueError(f"hidden_dtype must be one of {sorted(convert.WIRE_DTYPES)}")
@@ -245,6 +258,8 @@ class Pipeline:
             raise ValueError("step_timeout must be > 0 (or None)")
         if relay not in RELAY_MODES:
             raise ValueError(f"relay must be one of {', '.join(RELAY_MODES)}")
+        if batch_groups is not None and batch_groups < 0:
+            raise ValueError("batch_groups must be >= 0 (or None)")
         hops = hop_targets(targets)
         deadline = absolute_deadline(timeout)
         closing = trio.Event()
@@ -273,7 +288,7 @@ class Pipeline:
                     pipe = cls(
                         hops, connect, timeout=timeout, hidden_dtype=hidden_dtype,
                         ssl_context=ssl_context, metadata=metadata, step_timeout=step_timeout,
-                        replay_bytes=replay_bytes, relay=relay,
+                        replay_bytes=replay_bytes, relay=relay, batch_groups=batch_groups,
                     )
                     for replicas in pipe._replicas:
                         await replicas.attach(deadline, wait_for_ready)
@@ -339,12 +354,28 @@ class Pipeline:
         blames = Blames(self.hops)
         result = PipelineResult()
         rules = StopRules.of(max_tokens, stop_tokens, ignore_eos)
+        group = self.batch_groups.take()
+        try:
+            return await self._generate(prompt, rules, result, blames, deadline, group, speculate,
+                                        drafter, top_logprobs=top_logprobs, chunk_tokens=chunk_tokens,
+                                        session_id=session_id, on_token=on_token,
+                                        sampling_params=sampling(temperature, top_k=top_k,
+                                                                 top_p=top_p, seed=seed))
+        finally:
+            self.batch_groups.give_back(group)
+
+    async def _generate(
+        self, prompt: str | Sequence[int], rules: StopRules, result: PipelineResult,
+        blames: Blames, deadline: float, group: int, speculate: int, drafter: Drafter | None, *,
+        top_logprobs: int, chunk_tokens: int, session_id: str | None, on_token: OnToken | None,
+        sampling_params: pb.SamplingParams,
+    ) -> PipelineResult:
         with unwrap_single_exception():
             async with trio.open_nursery() as retirements:  # releases of failed-over sessions
                 gen = Generation(
                     sid=session_id if session_id is not None else f"p-{secrets.token_hex(8)}",
                     deadline=deadline,
-                    sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed),
+                    sampling=sampling_params,
                     top_logprobs=top_logprobs,
                     chunk_tokens=chunk_tokens,
                     hidden_dtype=self.hidden_dtype,
@@ -356,6 +387,7 @@ class Pipeline:
                     spawn=retirements.start_soon,
                     failovers=result.failovers,
                     blames=blames,
+                    batch_group=group,
                 )
                 last = len(self._replicas) - 1
                 chained = self.relay == "chain" and last > 0

@@ -123,6 +123,8 @@ class Generation:
     failovers: list[Failover] = field(default_factory=list)
     #: Names the hop of every error (a later hop's, for an error a chain relay passed up).
     blames: Blames = field(default_factory=Blames)
+    #: Every session of the generation is opened in this batch group (``shard.pipeline.groups``).
+    batch_group: int = 0
 
     def cleanup_deadline(self) -> float:
         return min(trio.current_time() + RELEASE_TIMEOUT, self.deadline + CLEANUP_GRACE)
@@ -584,6 +586,7 @@ class HopRunner:
             # float32 is not asked for, so a v1.0 exchange stays byte for byte the same
             hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
             route=self.route.message() if self.route is not None else None,
+            batch_group=self.gen.batch_group,
             timeout=timeout,
         )
 

@@ -200,6 +200,7 @@ class ChainRelay:
                     expected_layer_range=layers,
                     hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
                     route=down_route if rest or returning else None,
+                    batch_group=host.batch_group,  # the pipeline's group, on every hop
                     timeout=timeout,
                 )
                 step = route.step_timeout_ms / 1000 * (len(rest) + 1) if route.step_timeout_ms else None

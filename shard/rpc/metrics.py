@@ -202,9 +202,12 @@ class MeteredEngine:
     async def decode(self, request: DecodeRequest) -> StepResult:
         return await self._timed(self._engine.decode, request, decode=True)
 
-    async def open_session(self, session_id: str, *, kv_budget: int | None = None) -> Any:
+    async def open_session(
+        self, session_id: str, *, kv_budget: int | None = None, batch_group: int = 0
+    ) -> Any:
         try:
-            return await self._engine.open_session(session_id, kv_budget=kv_budget)
+            return await self._engine.open_session(session_id, kv_budget=kv_budget,
+                                                   batch_group=batch_group)
         finally:
             self._last_done = trio.current_time()
 

@@ -189,7 +189,7 @@ class ShardServicer(_ShardServicerBase):
             resume_ttl_ms=self.limits.resume_ttl_ms,
         )
         caps.relay_allowed = caps.relay_return = self.registry.relay is not None  # unset unless allowed
-        caps.session_rewind = True
+        caps.session_rewind = caps.batch_groups = True
         return caps
 
     async def _health(self, _: pb.HealthRequest) -> pb.HealthResponse:

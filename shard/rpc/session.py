@@ -208,6 +208,9 @@ class StepHost(Protocol):
     def wire_dtype(self) -> str: ...
 
     @property
+    def batch_group(self) -> int: ...
+
+    @property
     def deadline(self) -> float: ...
 
     def cancellable(self) -> contextlib.AbstractContextManager[None]: ...
@@ -406,6 +409,7 @@ class SessionCall:
         self._owns_engine_session = False  # the engine session exists and is ours to free
         self._caps: Capabilities | None = None
         self._wire_dtype = convert.HIDDEN_DTYPE  # hidden states on the wire, both directions
+        self._batch_group = 0  # OpenSession.batch_group
         self._kv_capacity = 0
         self._step_timeout: float | None = None  # seconds per engine step (step_timeout_ms)
         self._version = (1, 0)  # the protocol version the session was opened with
@@ -480,6 +484,11 @@ class SessionCall:
     def wire_dtype(self) -> str:
         """Hidden states on the wire, both directions."""
         return self._wire_dtype
+
+    @property
+    def batch_group(self) -> int:
+        """``OpenSession.batch_group`` (a relaying worker opens its next hop in the same)."""
+        return self._batch_group
 
     def count(self, name: str) -> None:
         """Bump a worker counter (``GetMetrics``' ``worker.<name>``)."""
@@ -646,6 +655,7 @@ class SessionCall:
         self._version = version
         self._wire_dtype = wire_dtype
         self._step_timeout = req.step_timeout_ms / 1000 if req.step_timeout_ms else None
+        self._batch_group = req.batch_group
         cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
         if routed:
             assert self._relay is not None and self._nursery is not None
@@ -748,7 +758,8 @@ class SessionCall:
     async def _open_fresh(self, sid: str, kv_budget: int | None) -> None:
         while True:
             try:
-                info = await self._engine.open_session(sid, kv_budget=kv_budget)
+                info = await self._engine.open_session(sid, kv_budget=kv_budget,
+                                                       batch_group=self._batch_group)
                 break
             except TooManySessions as exc:
                 # Retained sessions are a best-effort cache: evict the oldest before refusing.

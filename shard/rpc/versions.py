@@ -22,7 +22,9 @@ from .errors import ErrorCode, ShardError
 #: verification (``Prefill.all_logits``/``echo_tokens``, ``StepResult.position_logits``/
 #: ``input_tokens``, ``max_logits_positions``), the hop an error is from (``Error.relay_depth``,
 #: ``failed_layers``), hung hops (``Route.step_timeout_ms``) and ``SessionRequest.rewind``
-#: (``session_rewind``); clients gate relay, verification and rewind on capabilities.
+#: (``session_rewind``) and batch groups (``OpenSession.batch_group``, ``batch_groups``: a
+#: scheduling hint a worker may ignore); clients gate relay, verification and rewind on
+#: capabilities.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 

@@ -513,6 +513,15 @@ class EngineContractSuite:
             r = await prefill(engine, "s", prompt_tokens(engine, 3, salt=1), position=3)
             assert r.n_past == 6
 
+    async def test_batch_group_is_validated(self, engine_factory: EngineFactory) -> None:
+        async with engine_factory.open() as engine:
+            for bad in (-1, 2**32, True, 1.5):
+                with pytest.raises(InvalidInput):
+                    await engine.open_session("s", batch_group=bad)  # type: ignore[arg-type]
+            await engine.open_session("s", batch_group=2**32 - 1)
+            r = await prefill(engine, "s", prompt_tokens(engine, 3))
+            assert r.n_past == 3 and engine.metrics().sessions_active == 1
+
     # -- concurrency and cancellation ---------------------------------------------------------
 
     async def test_concurrent_operations_on_one_session_are_rejected(
@@ -1308,7 +1317,8 @@ class EngineContractSuite:
                 for _ in range(delay):  # random arrival, in scheduler rounds
                     await trio.lowlevel.checkpoint()
                 sid = f"many-{i}"
-                await engine.open_session(sid)
+                # batch groups are a scheduling hint: results never depend on them
+                await engine.open_session(sid, batch_group=i % 3)
                 stop_at = rng.randint(0, n_decode) if fate != "run" else -1
                 steps: list[StepResult] = []
                 for j in range(n_decode + 1):
