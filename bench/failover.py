@@ -87,7 +87,8 @@ async def trial(
         "stall_ms": round((gaps[0] - step) * 1e3, 2),
         "step_ms": round(step * 1e3, 2),
         "prefill_ms": round((arrivals[0] - started) * 1e3, 1),
-        "log_bytes": failover.positions * caps.n_embd * 4,
+        # the middle hop's row log (client relay); chain relay keeps token ids only
+        "log_bytes": failover.positions * caps.n_embd * 4 if relay == "client" else 0,
     }
 
 

@@ -1,7 +1,8 @@
 """Servers under test as real subprocesses on loopback, and the clients that drive them.
 
 * ``shard_server``: ``python -m shard.cli serve --port 0 ...``; the bound port is read from its
-  log line (as tests/test_cli.py does), then ``Health`` is polled until the model is loaded.
+  log line (as tests/test_cli.py does), then ``Health`` is polled until the model is loaded;
+  ``served``: the same for any command that logs that line (``bench.fake_worker``).
 * ``http_server``: any HTTP server (llama-cpp-python's ``python -m llama_cpp.server``,
   llama.cpp's ``llama-server``) on a free port, polled on a readiness path.
 * ``stream_sse``: one streamed HTTP completion, returning the arrival time of every
@@ -58,6 +59,7 @@ class ShardServer:
     target: str
     proc: subprocess.Popen[bytes]
     log: Path
+    fake: bool = False  # a bench.fake_worker: its engine's "native" steps are sleeps
 
 
 @contextmanager
@@ -74,12 +76,23 @@ def shard_server(
     cmd = [*wrap, sys.executable, "-m", "shard.cli", "--log-level", "INFO", "serve",
            "--model", str(model), "--host", "127.0.0.1", "--port", "0", "--threads", str(threads),
            "--ctx", str(ctx), "--max-sessions", str(max_sessions), *extra]
+    with served(cmd, log=log, startup_timeout=startup_timeout, root=root) as server:
+        yield server
+
+
+@contextmanager
+def served(
+    cmd: Sequence[str], *, log: Path, startup_timeout: float = 120.0, root: Path | None = None,
+    fake: bool = False,
+) -> Iterator[ShardServer]:
+    """Any command that serves the Shard protocol and logs ``serving shard.v1.Shard on
+    HOST:PORT`` (``trio-shard serve``, ``python -m bench.fake_worker``); yields once it did."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = os.environ.copy()
     if root is not None:
         env["PYTHONPATH"] = str(root)
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=root)
+        proc = subprocess.Popen(list(cmd), stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=root)
     try:
         deadline = time.monotonic() + startup_timeout
         target = None
@@ -88,10 +101,11 @@ def shard_server(
             if m:
                 target = m.group(1)
             elif proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"trio-shard serve did not start:\n{log.read_text(errors='replace')[-3000:]}")
+                raise RuntimeError(f"{' '.join(cmd[:4])} ... did not start:\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
             else:
                 time.sleep(0.05)
-        yield ShardServer(target, proc, log)
+        yield ShardServer(target, proc, log, fake)
     finally:
         _stop(proc)
 

@@ -277,7 +277,8 @@ def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
         (16, "client"), (16, "chain"), (40, "client"), (40, "chain")]
     for trial in report["trials"]:
         assert trial["positions_replayed"] == trial["history"]  # killed after the prefill
-        assert trial["log_bytes"] == trial["history"] * 64 * 4  # tiny: n_embd 64, float32
+        # tiny: n_embd 64, float32; chain relay keeps no row log
+        assert trial["log_bytes"] == (trial["history"] * 64 * 4 if trial["relay"] == "client" else 0)
     assert [(m["relay"], m["history"]) for m in report["medians"]] == [
         ("client", 16), ("client", 40), ("chain", 16), ("chain", 40)]
     assert report["environment"]["model"].endswith(".gguf")
@@ -373,3 +374,28 @@ def test_cpu_budget_burner_spends_what_each_token_asks(tiny: Path) -> None:
     assert asked == pytest.approx(2 * 8 * 50_000 / 1e6)  # far above its start-up's CPU
     assert 0.9 * asked <= result["burner_cpu_s"] <= asked + 1.0  # spun, not slept
     assert result["rows"][1]["budget_us"] == 50_000 and "cost_per_cpu_us" in result["rows"][1]
+
+
+def test_pipeline_throughput_bench_reports_every_configuration(tmp_path: Path) -> None:
+    """A ``--quick`` run of bench/pipeline_throughput.py (tiny model, chain relay only; 2
+    simulated hops of bench/fake_worker.py): every configuration and session count has a row with
+    each worker's busy fraction and CPU per step, every pipeline row a ratio to the whole model,
+    and the before/after rows name their batch groups."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.pipeline_throughput", "--quick", "--relays", "chain",
+         "--tokens", "8", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "pipeline_throughput.json").read_text())
+    rows = report["rows"]
+    configs = {(r["config"], r["sessions"], r.get("groups")) for r in rows}
+    for n in (1, 4):
+        assert {("whole_1core", n, None), ("whole_2threads", n, None),
+                ("hops2_cut2", n, "before"), ("hops2_cut2", n, "after")} <= configs
+    assert {("sim_hops2", n, g) for n in (4, 8) for g in ("before", "after")} <= configs
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and len(r["busy"]) == len(r["cpu_us_per_step"])
+        assert len(r["busy"]) == (2 if "hops2" in r["config"] else 1)
+    assert len(report["ratios"]) == sum(1 for r in rows if "hops" in r["config"])
+    assert report["environment"]["model"].endswith(".gguf")
