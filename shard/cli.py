@@ -291,10 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(see docs/pipelines.md). Workers that are still loading are waited for, within "
         "--timeout, like gRPC's wait-for-ready.",
     )
-    gen.add_argument("prompt", metavar="PROMPT", nargs="?",
-                     help="prompt text (or --prompts-file)")
+    prompts = gen.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("prompt", metavar="PROMPT", nargs="?",
+                         help="prompt text (or --prompts-file)")
     _add_target(gen, pipeline=True)
-    gen.add_argument("--prompts-file", metavar="FILE",
+    prompts.add_argument("--prompts-file", metavar="FILE",
                      help="with --pipeline, instead of PROMPT: one prompt per line of FILE ('-': "
                      "stdin), generated at once through one pipeline (its connections shared, "
                      "the generations spread over --batch-groups so that the hops compute "
@@ -780,14 +781,10 @@ async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    if args.prompts_file is not None and args.prompt is not None:
-        return _fail("give PROMPT or --prompts-file, not both", 2)
     if args.prompts_file is not None and not args.pipeline:
         return _fail("--prompts-file needs --pipeline (one pipeline serves them all at once)", 2)
     if args.batch_groups is not None and not args.pipeline:
         return _fail("--batch-groups needs --pipeline", 2)
-    if args.prompts_file is None and args.prompt is None:
-        return _fail("a PROMPT (or --prompts-file with --pipeline) is required", 2)
     if args.prompts_file is not None:
         return _cmd_generate_many(args)
     if args.pipeline:

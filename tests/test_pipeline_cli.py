@@ -280,8 +280,6 @@ async def test_prompts_file_runs_every_prompt_at_once_and_prints_one_json_line_e
     "args, words",
     [
         (["--target", "127.0.0.1:1", "--prompts-file", "p.txt"], "--prompts-file needs --pipeline"),
-        (["--pipeline", "127.0.0.1:1", "--prompts-file", "p.txt", "hi"], "not both"),
-        (["--pipeline", "127.0.0.1:1"], "a PROMPT (or --prompts-file"),
         (["--target", "127.0.0.1:1", "--batch-groups", "2", "hi"], "--batch-groups needs --pipeline"),
         (["--pipeline", "127.0.0.1:1", "--prompts-file", "/nonexistent/p.txt"], "cannot read --prompts-file"),
     ],
@@ -291,3 +289,14 @@ def test_prompts_file_usage_errors(
 ) -> None:
     assert main(["generate", *args]) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--pipeline", "127.0.0.1:1", "--prompts-file", "p.txt", "hi"],
+                                  ["--pipeline", "127.0.0.1:1"]])
+def test_prompt_and_prompts_file_exclude_each_other(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", *args])
+    assert exc.value.code == 2
+    assert "PROMPT" in capsys.readouterr().err
