@@ -41,6 +41,14 @@ KINDS = ("streams", "resets", "pings", "settings", "window_updates", "continuati
 _KIND_OF_TYPE = {HEADERS: "streams", RST_STREAM: "resets", PING: "pings", SETTINGS: "settings",
                  WINDOW_UPDATE: "window_updates", CONTINUATION: "continuations"}
 
+#: Frames every connection's setup takes, free of its host's budgets: the client's SETTINGS and
+#: its ACK of ours, and the connection-level WINDOW_UPDATE gRPC clients send at once. Why: the
+#: levels a host's closed connections leave carry over (``PeerMemory``), so a polite client that
+#: reconnects often (a script, a prober, the RPC fuzzer: 4 connections a second) spent the
+#: SETTINGS budget (4 a second) on handshakes alone and was sent GOAWAY. A peer that reconnects
+#: to get these frames free pays a TCP and HTTP/2 handshake for each.
+HANDSHAKE_FRAMES = {"settings": 2, "window_updates": 1}
+
 #: Peer hosts remembered at once (``PeerMemory``); the oldest record goes first.
 MAX_PEERS_REMEMBERED = 4096
 
@@ -98,11 +106,15 @@ class FrameBudget:
         for kind, (tokens, at) in (levels or {}).items():
             if kind in self._rates:
                 self._tokens[kind], self._at[kind] = tokens, at
+        self._free = dict(HANDSHAKE_FRAMES)  # this connection's setup (see HANDSHAKE_FRAMES)
 
     def spend(self, kind: str) -> None:
         """Count one frame of ``kind``; raises ``FrameFlood`` past its bucket."""
         rate = self._rates.get(kind)
         if rate is None:
+            return
+        if self._free.get(kind):
+            self._free[kind] -= 1
             return
         now = self._clock()
         tokens = min(float(rate.burst), self._tokens[kind] + (now - self._at[kind]) * rate.per_second)
