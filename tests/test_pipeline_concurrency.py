@@ -155,6 +155,10 @@ def test_batch_groups_stay_even_and_give_back() -> None:
         groups.give_back(g)
     assert groups.members() == [2, 1, 1]
     assert groups.take() in taken[1:3] and sorted(groups.members()) == [1, 2, 2]
+    with pytest.raises(RuntimeError), groups.member() as g:  # given back however the block ends
+        assert groups.members()[g - min(taken)] == 2
+        raise RuntimeError
+    assert sorted(groups.members()) == [1, 2, 2]
     none = BatchGroups(0)
     assert none.take() == 0 and none.members() == []
     none.give_back(0)

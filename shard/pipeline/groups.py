@@ -26,6 +26,8 @@ workers.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 __all__ = ["BatchGroups", "default_groups"]
 
@@ -60,6 +62,15 @@ class BatchGroups:
         i = min(range(len(self._members)), key=lambda k: (self._members[k], k))
         self._members[i] += 1
         return self._base + i
+
+    @contextmanager
+    def member(self) -> Iterator[int]:
+        """A group for one generation, for the block (``take``, then ``give_back``)."""
+        group = self.take()
+        try:
+            yield group
+        finally:
+            self.give_back(group)
 
     def give_back(self, group: int) -> None:
         """A generation in ``group`` ended."""

@@ -354,28 +354,12 @@ class Pipeline:
         blames = Blames(self.hops)
         result = PipelineResult()
         rules = StopRules.of(max_tokens, stop_tokens, ignore_eos)
-        group = self.batch_groups.take()
-        try:
-            return await self._generate(prompt, rules, result, blames, deadline, group, speculate,
-                                        drafter, top_logprobs=top_logprobs, chunk_tokens=chunk_tokens,
-                                        session_id=session_id, on_token=on_token,
-                                        sampling_params=sampling(temperature, top_k=top_k,
-                                                                 top_p=top_p, seed=seed))
-        finally:
-            self.batch_groups.give_back(group)
-
-    async def _generate(
-        self, prompt: str | Sequence[int], rules: StopRules, result: PipelineResult,
-        blames: Blames, deadline: float, group: int, speculate: int, drafter: Drafter | None, *,
-        top_logprobs: int, chunk_tokens: int, session_id: str | None, on_token: OnToken | None,
-        sampling_params: pb.SamplingParams,
-    ) -> PipelineResult:
-        with unwrap_single_exception():
+        with self.batch_groups.member() as group, unwrap_single_exception():
             async with trio.open_nursery() as retirements:  # releases of failed-over sessions
                 gen = Generation(
                     sid=session_id if session_id is not None else f"p-{secrets.token_hex(8)}",
                     deadline=deadline,
-                    sampling=sampling_params,
+                    sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed),
                     top_logprobs=top_logprobs,
                     chunk_tokens=chunk_tokens,
                     hidden_dtype=self.hidden_dtype,

@@ -67,10 +67,10 @@ CLEANUP_GRACE = 0.5  # ...and how long it may go on after the caller's deadline
 #: ``step_timeout``s: small chunks cost a worker more per position (1,024 positions of the tiny
 #: model replayed in 407 ms in chunks of 32, in 38 ms in chunks of 256; docs/pipelines.md).
 REPLAY_CHUNKS = 8
-#: Errors on opening or replaying on a replacement that say "not this replica": try the next.
 #: ``ShardError.reason`` of a route hop whose worker does not relay (a standby started without
 #: ``serve --allow-relay``): with chain relay, not a replica that can take over.
 RELAY_NOT_ALLOWED = "RELAY_NOT_ALLOWED"
+#: Errors on opening or replaying on a replacement that say "not this replica": try the next.
 REPLICA_REFUSALS = frozenset({
     ErrorCode.INCOMPATIBLE_MODEL, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.SESSION_EXISTS,
     ErrorCode.UNSUPPORTED_VERSION,
@@ -298,10 +298,10 @@ class HopRunner:
             nonlocal feeding, emitted, runs
             # After a failover the replay holds every position before the token to feed: feed
             # it explicitly (a sampled replay's own last choice may differ from it).
-            again = runs > 0 and feeding is not None
+            prompt = [feeding] if runs and feeding is not None else None
             runs += 1
             steps = session.generate(
-                [feeding] if again and feeding is not None else None,
+                prompt,
                 max_tokens=max_tokens - emitted, sampling=self.gen.sampling,
                 stop_tokens=stop_tokens, ignore_eos=ignore_eos,
                 top_logprobs=self.gen.top_logprobs,
