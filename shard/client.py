@@ -466,18 +466,24 @@ class ShardClient:
         stop_tokens: Sequence[int] = (),
         ignore_eos: bool = False,
         timeout: float | None = _DEFAULT,
+        top_logprobs: int = 0,
+        parse_special: bool = False,
     ) -> OneShot:
         """One-shot generation in a fresh session: iterate it for one ``StepResult`` per token.
 
-        ``prompt`` is text (tokenized by the worker, with BOS) or token ids. The session is
+        ``prompt`` is text (tokenized by the worker, with BOS; ``parse_special``: special-token
+        texts in it become special tokens, as a rendered chat template needs) or token ids. The
+        session is
         released when the iteration ends, fails or is cancelled. To stop early *and* free the
         worker at once, use ``async with aclosing(client.generate(...)) as steps``; a plain
         ``break`` is safe too, but the stream then stays open (the worker parks once its
         credit is used up) until ``aclose()`` or until the client disconnects.
         """
-        g = pb.Generate(max_tokens=max_tokens, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
+        g = pb.Generate(max_tokens=max_tokens, stop_tokens=stop_tokens, ignore_eos=ignore_eos,
+                        top_logprobs=top_logprobs)
         if isinstance(prompt, str):
             g.text = prompt
+            g.parse_special = parse_special
         else:
             g.tokens.ids.extend(prompt)
         g.sampling.CopyFrom(sampling(temperature, top_k=top_k, top_p=top_p, seed=seed))
@@ -495,6 +501,7 @@ class ShardClient:
         stop_tokens: Sequence[int] = (),
         ignore_eos: bool = False,
         timeout: float | None = _DEFAULT,
+        parse_special: bool = False,
     ) -> TextStream:
         """Like ``generate`` but yields a ``TextChunk`` per token, with its text decoded.
 
@@ -505,6 +512,7 @@ class ShardClient:
         return TextStream(self.generate(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop_tokens=stop_tokens, ignore_eos=ignore_eos, timeout=timeout,
+            parse_special=parse_special,
         ))
 
 
@@ -780,9 +788,10 @@ class ClientSession:
         chunk_tokens: int = 0,
         all_logits: bool = False,
         echo_tokens: bool = False,
+        parse_special: bool = False,
     ) -> pb.SessionRequest:
         p = pb.Prefill(top_logprobs=top_logprobs, chunk_tokens=chunk_tokens, all_logits=all_logits,
-                       echo_tokens=echo_tokens)
+                       echo_tokens=echo_tokens, parse_special=parse_special)
         if tokens is not None:
             p.tokens.ids.extend(tokens)
         elif text is not None:
@@ -825,16 +834,19 @@ class ClientSession:
         sampling: pb.SamplingParams | None = None,
         top_logprobs: int = 0,
         echo_tokens: bool = False,
+        parse_special: bool = False,
     ) -> StepStream:
         """Like ``prefill``, but the worker computes ``chunk_tokens`` positions at a time and
         sends each chunk's result as soon as it is done: iterate for one ``StepResult`` per
         chunk (``start_position`` says where it went). ``echo_tokens`` with ``text``: the first
-        result's ``input_tokens`` holds the ids the worker tokenized it into."""
+        result's ``input_tokens`` holds the ids the worker tokenized it into;
+        ``parse_special``: special-token texts in ``text`` become special tokens (a worker
+        reports ``parse_special`` in its capabilities when it honours this)."""
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
         return StepStream(self, self._prefill_msg(
             tokens, text, hidden_states, position, sampling, top_logprobs, chunk_tokens,
-            echo_tokens=echo_tokens,
+            echo_tokens=echo_tokens, parse_special=parse_special,
         ))
 
     async def decode(

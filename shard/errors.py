@@ -33,6 +33,13 @@ class InvalidInput(EngineError):
     code = "INVALID_INPUT"
 
 
+class ContextExceeded(InvalidInput):
+    """The input would take a session past the per-session context (n_ctx_per_session): no
+    budget or retry makes it fit (an HTTP front door answers ``context_length_exceeded``)."""
+
+    code = "CONTEXT_LENGTH_EXCEEDED"
+
+
 class UnknownSession(EngineError):
     """The session id is not open (never opened, or already released)."""
 
@@ -117,6 +124,7 @@ class NotReady(EngineError):
 
 
 __all__ = [
+    "ContextExceeded",
     "EngineCancelled",
     "EngineError",
     "EngineFailure",

@@ -23,7 +23,19 @@ def _field(reader: gguf.GGUFReader, key: str) -> object:
 
 
 def test_presets_listed() -> None:
-    assert PRESETS == ("tiny", "bench")
+    assert PRESETS == ("tiny", "bench", "chat")
+
+
+def test_the_chat_preset_carries_a_template_and_its_end_of_turn_token(tmp_path: Path) -> None:
+    from shard.models.write import CHATML_TEMPLATE
+
+    reader = gguf.GGUFReader(write_model("chat", tmp_path / "c.gguf"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    assert _field(reader, "tokenizer.chat_template") == CHATML_TEMPLATE
+    assert tokens[_field(reader, "tokenizer.ggml.eot_token_id")] == "<|im_end|>"  # type: ignore[index]
+    assert "tokenizer.chat_template" not in gguf.GGUFReader(write_model("tiny", tmp_path / "t.gguf")).fields
+    custom = write_model("tiny", tmp_path / "x.gguf", chat_template="{{ messages }}")
+    assert _field(gguf.GGUFReader(custom), "tokenizer.chat_template") == "{{ messages }}"
 
 
 def test_tiny_is_deterministic(tmp_path: Path) -> None:

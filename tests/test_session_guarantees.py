@@ -359,9 +359,9 @@ async def test_huge_requests_are_refused_before_any_work() -> None:
     calls: list[int] = []
     tokenize = engine._impl_tokenize  # noqa: SLF001 - counting the work done
 
-    def counting(text: str, add_bos: bool) -> list[int]:
+    def counting(text: str, add_bos: bool, parse_special: bool) -> list[int]:
         calls.append(len(text))
-        return tokenize(text, add_bos)
+        return tokenize(text, add_bos, parse_special)
 
     engine._impl_tokenize = counting  # type: ignore[method-assign]  # noqa: SLF001
     async with loaded(engine), running_registry(engine) as reg, driver(reg) as d:
@@ -389,9 +389,9 @@ async def test_text_is_tokenized_off_the_event_loop() -> None:
     threads: list[threading.Thread] = []
     tokenize = engine._impl_tokenize  # noqa: SLF001
 
-    def recording(text: str, add_bos: bool) -> list[int]:
+    def recording(text: str, add_bos: bool, parse_special: bool) -> list[int]:
         threads.append(threading.current_thread())
-        return tokenize(text, add_bos)
+        return tokenize(text, add_bos, parse_special)
 
     engine._impl_tokenize = recording  # type: ignore[method-assign]  # noqa: SLF001
     async with loaded(engine), running_registry(engine) as reg, driver(reg) as d:
@@ -408,10 +408,10 @@ async def test_closing_the_engine_waits_for_a_running_tokenization() -> None:
     inside, leave = threading.Event(), threading.Event()
     tokenize = engine._impl_tokenize  # noqa: SLF001
 
-    def slow(text: str, add_bos: bool) -> list[int]:
+    def slow(text: str, add_bos: bool, parse_special: bool) -> list[int]:
         inside.set()
         leave.wait(10)
-        return tokenize(text, add_bos)
+        return tokenize(text, add_bos, parse_special)
 
     engine._impl_tokenize = slow  # type: ignore[method-assign]  # noqa: SLF001
     await engine.load(LoadSpec(n_ctx=1024, max_sessions=4))

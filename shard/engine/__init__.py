@@ -8,6 +8,7 @@ layer range (from the architecture table, ``shard.models.architectures``).
 
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot, new_session_id
 from .errors import (
+    ContextExceeded,
     EngineCancelled,
     EngineError,
     EngineFailure,

@@ -24,6 +24,7 @@ before the operation's new positions (see docs/engine.md).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import heapq
 import itertools
@@ -42,6 +43,7 @@ import trio
 from . import sampling
 from .lookahead import LookaheadPlan
 from .errors import (
+    ContextExceeded,
     EngineCancelled,
     EngineError,
     EngineFailure,
@@ -263,7 +265,7 @@ class ShardEngine(abc.ABC):
         """Remove the slot's KV cells at positions ``>= keep`` (``keep=0``: all of them)."""
 
     @abc.abstractmethod
-    def _impl_tokenize(self, text: str, add_bos: bool) -> list[int]: ...
+    def _impl_tokenize(self, text: str, add_bos: bool, parse_special: bool) -> list[int]: ...
 
     @abc.abstractmethod
     def _impl_token_piece(self, token_id: int) -> bytes: ...
@@ -380,16 +382,23 @@ class ShardEngine(abc.ABC):
     def sessions(self) -> tuple[SessionInfo, ...]:
         return tuple(slot.info() for slot in self._slots.values() if not slot.releasing)
 
-    def tokenize(self, text: str, *, add_bos: bool = True) -> tuple[int, ...]:
-        """Token ids for ``text`` (first shards only: a later shard holds no usable vocab)."""
+    def tokenize(
+        self, text: str, *, add_bos: bool = True, parse_special: bool = False
+    ) -> tuple[int, ...]:
+        """Token ids for ``text`` (first shards only: a later shard holds no usable vocab).
+        ``parse_special``: the texts of special tokens in ``text`` (``<|im_end|>``, the chat
+        template's markers) become those tokens; otherwise they are plain text, so that a
+        user's text can never forge a turn of a conversation."""
         caps = self._require_ready()
         if not isinstance(text, str):
             raise InvalidInput("text must be a string")
         if not caps.is_first:
             raise IllegalTransition("only a first shard tokenizes text")
-        return tuple(self._impl_tokenize(text, add_bos))
+        return tuple(self._impl_tokenize(text, add_bos, parse_special))
 
-    async def tokenize_async(self, text: str, *, add_bos: bool = True) -> tuple[int, ...]:
+    async def tokenize_async(
+        self, text: str, *, add_bos: bool = True, parse_special: bool = False
+    ) -> tuple[int, ...]:
         """``tokenize`` in a worker thread: a long text from a remote caller must not stall the
         event loop (16 MiB of text took 7.5 s on llama.cpp). ``aclose`` waits for it; the caller
         bounds the text's size first (``Capabilities.max_token_bytes``)."""
@@ -402,7 +411,7 @@ class ShardEngine(abc.ABC):
             self._readers_done = trio.Event()
         self._readers += 1
         try:
-            ids = await trio.to_thread.run_sync(self._impl_tokenize, text, add_bos)
+            ids = await trio.to_thread.run_sync(self._impl_tokenize, text, add_bos, parse_special)
         finally:
             self._readers -= 1
             if self._readers == 0:
@@ -668,7 +677,7 @@ class ShardEngine(abc.ABC):
     def _check_length(slot: Slot, caps: Capabilities, new_len: int) -> None:
         sid = slot.session_id
         if new_len > caps.n_ctx_per_session:
-            raise InvalidInput(
+            raise ContextExceeded(
                 f"{new_len} positions exceed the per-session context of {caps.n_ctx_per_session}",
                 session_id=sid,
             )
@@ -883,7 +892,8 @@ class ShardEngine(abc.ABC):
         # greedy chose the (first) maximum: the row's largest value is known
         lse = sampling.logsumexp(logits, logits[token] if params.greedy else None)
         return LogitsResult(
-            top=sampling.top_logprobs(logits, top_k, lse),
+            top=tuple(dataclasses.replace(t, piece=self._impl_token_piece(t.token_id))
+                      for t in sampling.top_logprobs(logits, top_k, lse)),
             token_id=token,
             logprob=float(logits[token]) - lse,
             piece=self._impl_token_piece(token),

@@ -35,6 +35,7 @@ import hashlib
 import inspect
 import json
 import math
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
@@ -45,9 +46,12 @@ from .base import ComputePlan, ShardEngine, Slot
 from .batching import Piece, Step, TickPlanner
 from .errors import EngineError, EngineFailure, InvalidInput
 from .scheduler import BatchScheduler, Job
-from .types import Capabilities, LayerRange, LayerRangeSupport, LoadSpec
+from .types import Capabilities, ChatTemplate, LayerRange, LayerRangeSupport, LoadSpec
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+_SPECIAL_TEXT = {BOS_ID: "<s>", EOS_ID: "</s>"}  # what parse_special turns into these tokens
+_SPECIAL_ID = {text: token for token, text in _SPECIAL_TEXT.items()}
+_SPECIAL = re.compile("(" + "|".join(map(re.escape, _SPECIAL_ID)) + ")")
 BYTE_OFFSET = 3  # token id of byte 0x00
 BYTE_VOCAB = BYTE_OFFSET + 256  # smallest vocabulary the byte tokenizer fits in
 
@@ -66,6 +70,9 @@ class FakeModel:
     n_vocab: int = BYTE_VOCAB
     architecture: str = "fake-llama"
     seed: int = 0
+    #: A chat template (Jinja2) reported by a first shard, rendered with ``<s>``/``</s>`` as
+    #: BOS, EOS and end of turn; "" for none.
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
         if self.n_layers_total < 1:
@@ -79,7 +86,10 @@ class FakeModel:
 
     def fingerprint(self) -> str:
         """Stable hex digest of the whole model's config (identical for every shard of it)."""
-        blob = json.dumps({"format": "fake-v1", **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if not fields["chat_template"]:
+            del fields["chat_template"]  # the fingerprints of models without one stay as they were
+        blob = json.dumps({"format": "fake-v1", **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -213,7 +223,9 @@ class FakeEngine(ShardEngine):
             max_sessions=spec.max_sessions,
             bos_token_id=BOS_ID,
             eos_token_id=EOS_ID,
-            max_token_bytes=1,  # a byte per token
+            max_token_bytes=len(_SPECIAL_TEXT[EOS_ID]),  # a byte per token, or a special one
+            chat=ChatTemplate(m.chat_template, _SPECIAL_TEXT[BOS_ID], _SPECIAL_TEXT[EOS_ID],
+                              _SPECIAL_TEXT[EOS_ID], add_bos=True) if layers.start == 0 else ChatTemplate(),
             layer_ranges=LayerRangeSupport(True, "any boundary (the fake model computes every range)"),
         )
 
@@ -304,9 +316,16 @@ class FakeEngine(ShardEngine):
                 del self._kv[slot.seq_id]
         await trio.lowlevel.checkpoint()
 
-    def _impl_tokenize(self, text: str, add_bos: bool) -> list[int]:
-        ids = [BYTE_OFFSET + b for b in text.encode("utf-8")]
-        return [BOS_ID, *ids] if add_bos else ids
+    def _impl_tokenize(self, text: str, add_bos: bool, parse_special: bool) -> list[int]:
+        ids = [BOS_ID] if add_bos else []
+        parts = _SPECIAL.split(text) if parse_special else [text]
+        for part in parts:
+            special = _SPECIAL_ID.get(part) if parse_special else None
+            if special is not None:
+                ids.append(special)
+            else:
+                ids.extend(BYTE_OFFSET + b for b in part.encode("utf-8"))
+        return ids
 
     def _impl_token_piece(self, token_id: int) -> bytes:
         if BYTE_OFFSET <= token_id < BYTE_VOCAB:

@@ -109,7 +109,7 @@ from .errors import (
     KvCacheFull,
     StepTimeout,
 )
-from .types import Capabilities, EngineState, LoadSpec
+from .types import Capabilities, ChatTemplate, EngineState, LoadSpec
 
 log = logging.getLogger(__name__)
 native_log = logging.getLogger(__name__ + ".native")
@@ -208,6 +208,25 @@ class _Work(Job):
         super().__init__(slot, plan, step, submitted)
         self.hidden_out = hidden_out
         self.logits_out = logits_out
+
+
+def _chat_template(model: Any, vocab: Any) -> ChatTemplate:
+    """The model's own chat template (GGUF ``tokenizer.chat_template``) and the texts of its
+    BOS, EOS and end-of-turn tokens as the template writes them."""
+    raw = lc.llama_model_chat_template(model, None)
+
+    def text(token: int) -> str:
+        if token == _LLAMA_TOKEN_NULL:
+            return ""
+        return (lc.llama_vocab_get_text(vocab, token) or b"").decode("utf-8", "replace")
+
+    return ChatTemplate(
+        template=raw.decode("utf-8", "replace") if raw else "",
+        bos_token=text(int(lc.llama_vocab_bos(vocab))),
+        eos_token=text(int(lc.llama_vocab_eos(vocab))),
+        eot_token=text(int(lc.llama_vocab_eot(vocab))),
+        add_bos=bool(lc.llama_vocab_get_add_bos(vocab)),
+    )
 
 
 def native_system_info(*, use_extra_bufts: bool = True, threads: int | None = None) -> str:
@@ -409,7 +428,7 @@ class LlamaCppEngine(ShardEngine):
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         await self._native.run(self._truncate_sync, slot.seq_id, keep)
 
-    def _impl_tokenize(self, text: str, add_bos: bool) -> list[int]:
+    def _impl_tokenize(self, text: str, add_bos: bool, parse_special: bool) -> list[int]:
         vocab = self._require_vocab()
         try:
             data = text.encode("utf-8")
@@ -418,7 +437,7 @@ class LlamaCppEngine(ShardEngine):
         n_max = len(data) + 8
         for _ in range(2):
             buf = (lc.llama_token * n_max)()
-            n = lc.llama_tokenize(vocab, data, len(data), buf, n_max, add_bos, False)
+            n = lc.llama_tokenize(vocab, data, len(data), buf, n_max, add_bos, parse_special)
             if n >= 0:
                 return list(buf[:n])
             n_max = -n
@@ -612,6 +631,7 @@ class LlamaCppEngine(ShardEngine):
             system_info=native_system_info(use_extra_bufts=spec.use_extra_bufts, threads=threads),
             max_token_bytes=max_token_bytes,
             layer_ranges=range_support(info, arch),
+            chat=_chat_template(model, vocab) if first else ChatTemplate(),
         )
 
     def _tick_sync(self, tick: list[tuple[_Work, Piece]]) -> float:

@@ -158,6 +158,19 @@ class LayerRangeSupport:
 
 
 @dataclass(frozen=True)
+class ChatTemplate:
+    """A first shard's chat template (GGUF ``tokenizer.chat_template``, Jinja2) and the texts of
+    the special tokens it is rendered with, so that a client renders a conversation without the
+    model file. Empty texts where the model has none (and on later shards)."""
+
+    template: str = ""
+    bos_token: str = ""
+    eos_token: str = ""
+    eot_token: str = ""  # end of turn
+    add_bos: bool = False  # tokenizing a text at position 0 adds BOS
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a loaded engine serves. Stable for the engine's lifetime."""
 
@@ -183,6 +196,8 @@ class Capabilities:
     #: Whether the model's architecture can be served as layer ranges, and on which boundaries
     #: (or why not): the architecture table's answer (``shard.models.architectures``).
     layer_ranges: LayerRangeSupport = field(default_factory=lambda: LayerRangeSupport(False, ""))
+    #: First shard: the chat template and its special tokens (``ChatTemplate``).
+    chat: ChatTemplate = field(default_factory=ChatTemplate)
     mtp: MtpCapability = field(default_factory=MtpCapability)
     aux_state: AuxStateCapability = field(default_factory=AuxStateCapability)
 
@@ -347,6 +362,7 @@ class DecodeRequest:
 class TokenLogprob:
     token_id: int
     logprob: float
+    piece: bytes = b""  # the token's raw bytes, as ``LogitsResult.piece``
 
 
 @dataclass(frozen=True)

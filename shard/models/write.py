@@ -65,6 +65,21 @@ class ModelPreset:
     seed: int
     rms_eps: float = 1e-5
     rope_freq_base: float = 10000.0
+    #: ChatML: the control tokens ``<|im_start|>``/``<|im_end|>`` (end of turn) in the
+    #: vocabulary and ``CHATML_TEMPLATE`` as ``tokenizer.chat_template``.
+    chat: bool = False
+
+
+#: The chat template of the ``chat`` preset (ChatML, as Qwen and many fine-tunes use), with a
+#: leading BOS so that a renderer's handling of it is exercised.
+CHATML_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+_CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
 _PRESETS: dict[str, ModelPreset] = {
@@ -92,6 +107,20 @@ _PRESETS: dict[str, ModelPreset] = {
         weight_type="Q8_0",
         seed=20240602,
     ),
+    # The tiny shape with a chat template and its end-of-turn token (tests of chat rendering).
+    "chat": ModelPreset(
+        name="chat",
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        n_head_kv=2,
+        n_ff=128,
+        n_vocab=None,
+        context_length=4096,
+        weight_type="F32",
+        seed=20240603,
+        chat=True,
+    ),
 }
 
 #: Names accepted by ``write_model`` and ``ensure_model``.
@@ -109,17 +138,21 @@ def get_preset(preset: str) -> ModelPreset:
 # ---- vocabulary --------------------------------------------------------------------------------
 
 
-def build_vocab(n_vocab: int | None) -> tuple[list[str], list[float], list[int]]:
+def build_vocab(
+    n_vocab: int | None, controls: tuple[str, ...] = ()
+) -> tuple[list[str], list[float], list[int]]:
     """An SPM ("llama") vocabulary: ``<unk> <s> </s>``, 256 byte-fallback tokens, word pieces.
 
     Word pieces include every prefix of each ``▁word`` so llama.cpp's SPM merge loop (which only
     merges adjacent symbols whose concatenation is a token) can actually reach whole words.
     Scores rise with piece length so longer matches win. When ``n_vocab`` is larger, the rest is
-    filled with deterministic letter pairs/triples (with and without ``▁``).
+    filled with deterministic letter pairs/triples (with and without ``▁``). ``controls``:
+    more control tokens (a chat template's markers), right after ``</s>``.
     """
-    tokens = ["<unk>", "<s>", "</s>"]
-    scores = [0.0, 0.0, 0.0]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    tokens = ["<unk>", "<s>", "</s>", *controls]
+    scores = [0.0] * len(tokens)
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
+             *[gguf.TokenType.CONTROL] * len(controls)]
     for b in range(256):
         tokens.append(f"<0x{b:02X}>")
         scores.append(0.0)
@@ -213,7 +246,10 @@ def _file_type(weight_type: str) -> int:
     }[weight_type]
 
 
-def add_vocab(writer: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int]) -> None:
+def add_vocab(
+    writer: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int],
+    chat_template: str = "",
+) -> None:
     """The vocabulary keys of a generated model (``build_vocab``'s SPM vocabulary, BOS added)."""
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("llama")
@@ -225,10 +261,16 @@ def add_vocab(writer: gguf.GGUFWriter, tokens: list[str], scores: list[float], t
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    if _CHATML_TOKENS[1] in tokens:
+        writer.add_eot_token_id(tokens.index(_CHATML_TOKENS[1]))
+    if chat_template:
+        writer.add_chat_template(chat_template)
 
 
-def _write(p: ModelPreset, path: Path, progress: bool) -> None:
-    tokens, scores, types = build_vocab(p.n_vocab)
+def _write(p: ModelPreset, path: Path, progress: bool, chat_template: str | None) -> None:
+    tokens, scores, types = build_vocab(p.n_vocab, _CHATML_TOKENS if p.chat else ())
+    if chat_template is None:
+        chat_template = CHATML_TEMPLATE if p.chat else ""
     n_vocab = len(tokens)
     arch = "llama"
     with gguf_writer(path, arch) as writer:
@@ -245,7 +287,7 @@ def _write(p: ModelPreset, path: Path, progress: bool) -> None:
         writer.add_rope_dimension_count(p.n_embd // p.n_head)
         writer.add_rope_freq_base(p.rope_freq_base)
         writer.add_layer_norm_rms_eps(p.rms_eps)
-        add_vocab(writer, tokens, scores, types)
+        add_vocab(writer, tokens, scores, types, chat_template)
 
         rng = np.random.Generator(np.random.PCG64(p.seed))
         specs = _tensor_specs(p, n_vocab)
@@ -269,15 +311,19 @@ def _write(p: ModelPreset, path: Path, progress: bool) -> None:
         writer.write_tensors_to_file(progress=progress)
 
 
-def write_model(preset: str, out: Path, *, progress: bool = False) -> Path:
+def write_model(
+    preset: str, out: Path, *, progress: bool = False, chat_template: str | None = None
+) -> Path:
     """Write the preset's GGUF to ``out`` atomically (temp file + ``os.replace``); return ``out``.
 
-    ``progress`` shows tqdm bars (useful for the ~200 MB ``bench`` preset).
+    ``progress`` shows tqdm bars (useful for the ~200 MB ``bench`` preset). ``chat_template``:
+    the ``tokenizer.chat_template`` to write instead of the preset's (ChatML for ``chat``, none
+    for the others); "" writes none.
     """
     p = get_preset(preset)
     out = Path(out)
     with atomic_output(out) as tmp:
-        _write(p, tmp, progress)
+        _write(p, tmp, progress, chat_template)
     return out
 
 

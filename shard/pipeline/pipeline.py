@@ -302,6 +302,30 @@ class Pipeline:
                 finally:
                     closing.set()
 
+    async def serving(self, *, timeout: float | None = 5.0) -> list[tuple[Hop, str]]:
+        """Every hop that cannot take a generation now, with why (empty: all can). A hop can
+        when one of its replicas answers Health with SERVING (a generation fails over to it);
+        all replicas are asked at once, each within ``timeout``."""
+
+        async def ask(replica: Replica, answers: dict[str, str]) -> None:
+            if replica.client is None or replica.refused is not None:
+                answers[replica.target] = "not connected" if replica.refused is None else str(replica.refused)
+                return
+            try:
+                status = (await replica.client.health(timeout=timeout)).status
+            except ShardError as err:
+                answers[replica.target] = f"{err.code.name}: {err.message}"
+                return
+            answers[replica.target] = pb.HealthResponse.Status.Name(status)
+
+        answers: list[dict[str, str]] = [{} for _ in self._replicas]
+        async with trio.open_nursery() as nursery:
+            for hop, out in zip(self._replicas, answers):
+                for replica in hop.replicas:
+                    nursery.start_soon(ask, replica, out)
+        return [(hop.hop(), "; ".join(f"{t}: {a}" for t, a in out.items()))
+                for hop, out in zip(self._replicas, answers) if "STATUS_SERVING" not in out.values()]
+
     # ---- generation ----------------------------------------------------------------------
 
     async def generate(
@@ -322,12 +346,16 @@ class Pipeline:
         on_token: OnToken | None = None,
         speculate: int = 0,
         drafter: Drafter | None = None,
+        parse_special: bool = False,
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
         whole-model worker's ``Generate``. ``on_token`` (sync or async) sees each token's
         StepResult as it arrives, once, also across failovers. Every shard's session is released
-        when this returns or fails.
+        when this returns or fails. ``parse_special``: special-token texts in a text prompt
+        become special tokens (a rendered chat template; ``Hop.caps.parse_special`` says
+        whether the first shard honours it). A pipeline of one hop (a whole-model worker)
+        decodes in the worker's own loop (``Generate``), as a chain relay does.
 
         ``speculate=K`` (K >= 1): each pass through the chain carries the next token and up to K
         tokens drafted by prompt lookup (``shard.pipeline.drafting``: n-grams of the prompt, a
@@ -372,6 +400,7 @@ class Pipeline:
                     failovers=result.failovers,
                     blames=blames,
                     batch_group=group,
+                    parse_special=parse_special,
                 )
                 last = len(self._replicas) - 1
                 chained = self.relay == "chain" and last > 0
@@ -381,7 +410,7 @@ class Pipeline:
                     runners = [HopRunner(r, gen, last=r.index == last) for r in self._replicas]
                 try:
                     with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
-                        if chained and not speculate:  # the workers loop: Generate on hop 0
+                        if (chained or last == 0) and not speculate:  # the workers loop: Generate on hop 0
                             await chain.run(runners[0], result, prompt, rules, on_token, blames,
                                             self.pass_cost)
                         else:  # the client steps (a chain's passes go through hop 0's route)

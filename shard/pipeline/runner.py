@@ -125,6 +125,8 @@ class Generation:
     blames: Blames = field(default_factory=Blames)
     #: Every session of the generation is opened in this batch group (``shard.pipeline.groups``).
     batch_group: int = 0
+    #: A text prompt's special-token texts become special tokens (``Prefill.parse_special``).
+    parse_special: bool = False
 
     def cleanup_deadline(self) -> float:
         return min(trio.current_time() + RELEASE_TIMEOUT, self.deadline + CLEANUP_GRACE)
@@ -222,7 +224,7 @@ class HopRunner:
             steps = session.prefill_chunks(
                 tokens, text=text, chunk_tokens=self.gen.chunk_tokens,
                 sampling=self.gen.sampling, top_logprobs=self.gen.top_logprobs,
-                echo_tokens=text is not None,
+                echo_tokens=text is not None, parse_special=self.gen.parse_special,
             )
             while (step := await self._timed(lambda: _next(steps))) is not None:
                 if step.HasField("input_tokens"):
@@ -601,7 +603,8 @@ class HopRunner:
             prompt = self.tokens.prompt
             assert prompt is not None
             if isinstance(prompt, str):
-                last = await self._drain(session.prefill_chunks(text=prompt, chunk_tokens=chunk), steps)
+                last = await self._drain(session.prefill_chunks(
+                    text=prompt, chunk_tokens=chunk, parse_special=self.gen.parse_special), steps)
                 if self.tokens.tokens:
                     last = await self._drain(
                         session.prefill_chunks(self.tokens.tokens, chunk_tokens=chunk), steps)

@@ -109,11 +109,9 @@ class TokenAuthenticator:
         log.info("token file reloaded: %d token(s)", len(tokens))
         return True
 
-    async def __call__(self, ctx: CallContext) -> str:
-        offered = _bearer(ctx)
-        if offered is None:
-            log.warning("unauthenticated call %s from %s: no bearer token", ctx.method, ctx.peer)
-            raise ShardError(ErrorCode.UNAUTHENTICATED, "missing bearer token (authorization metadata)")
+    def principal(self, offered: bytes) -> str | None:
+        """The principal whose token ``offered`` is, None for none (also used by the HTTP front
+        door for its API keys)."""
         # Digests have one length, so the comparison does not even reveal a token's length;
         # every token is compared, so nothing times which one matched.
         offered_digest = hashlib.sha256(offered).digest()
@@ -121,6 +119,14 @@ class TokenAuthenticator:
         for token in self._tokens:
             if hmac.compare_digest(token.digest, offered_digest) and principal is None:
                 principal = token.principal
+        return principal
+
+    async def __call__(self, ctx: CallContext) -> str:
+        offered = _bearer(ctx)
+        if offered is None:
+            log.warning("unauthenticated call %s from %s: no bearer token", ctx.method, ctx.peer)
+            raise ShardError(ErrorCode.UNAUTHENTICATED, "missing bearer token (authorization metadata)")
+        principal = self.principal(offered)
         if principal is None:
             log.warning("unauthenticated call %s from %s: unknown bearer token", ctx.method, ctx.peer)
             raise ShardError(ErrorCode.UNAUTHENTICATED, "invalid bearer token")

@@ -166,7 +166,7 @@ def step_to_proto(
 
 def logits_to_proto(lg: LogitsResult) -> pb.Logits:
     return pb.Logits(
-        top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in lg.top],
+        top=[pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob, piece=t.piece) for t in lg.top],
         token_id=lg.token_id,
         logprob=lg.logprob,
         piece=lg.piece,
@@ -209,6 +209,11 @@ def capabilities_to_proto(
         layer_ranges_supported=caps.layer_ranges.supported,
         layer_ranges_detail=caps.layer_ranges.detail,
         max_logits_positions=caps.max_logits_positions,
+        chat=pb.ChatTemplate(
+            template=caps.chat.template, bos_token=caps.chat.bos_token,
+            eos_token=caps.chat.eos_token, eot_token=caps.chat.eot_token, add_bos=caps.chat.add_bos,
+        ),
+        parse_special=caps.is_first,
     )
 
 

@@ -72,6 +72,7 @@ from trio_util import AsyncBool, AsyncValue
 
 from shard.engine import (
     Capabilities,
+    ContextExceeded,
     DecodeRequest,
     EngineError,
     EngineState,
@@ -971,7 +972,8 @@ class SessionCall:
             self._check_room(position, len(p.tokens.ids))  # before copying millions of ids
             tokens = tuple(p.tokens.ids)
         elif which == "text":
-            tokens = await self._tokenize(p.text, add_bos=position == 0, position=position)
+            tokens = await self._tokenize(p.text, add_bos=position == 0, position=position,
+                                          parse_special=p.parse_special)
         elif which == "hidden_states":
             hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid, dtype=self._wire_dtype)
         else:
@@ -1122,7 +1124,8 @@ class SessionCall:
             self._check_room(end, len(g.tokens.ids))
             prompt = tuple(g.tokens.ids)
         elif which == "text":
-            prompt = await self._tokenize(g.text, add_bos=end == 0, position=end)
+            prompt = await self._tokenize(g.text, add_bos=end == 0, position=end,
+                                          parse_special=g.parse_special)
             self._check_room(end, len(prompt))
         elif self.positions.next_token is None:
             raise _illegal("Generate without a prompt needs a previous step to continue from", sid)
@@ -1226,7 +1229,9 @@ class SessionCall:
             return  # released or the engine failed: the stream ends anyway
         self.positions.resync(held)
 
-    async def _tokenize(self, text: str, *, add_bos: bool, position: int) -> tuple[int, ...]:
+    async def _tokenize(
+        self, text: str, *, add_bos: bool, position: int, parse_special: bool = False
+    ) -> tuple[int, ...]:
         """Tokenize a remote caller's text off the event loop, after refusing (before any work)
         a text too long to fit: a token stands for at most ``max_token_bytes`` bytes, and a
         character is at least one, so the text needs at least ``len / max_token_bytes`` tokens
@@ -1235,7 +1240,7 @@ class SessionCall:
         if caps.max_token_bytes:
             self._check_room(position, len(text) // (_TEXT_SLACK * caps.max_token_bytes))
         try:
-            return await self._engine.tokenize_async(text, add_bos=add_bos)
+            return await self._engine.tokenize_async(text, add_bos=add_bos, parse_special=parse_special)
         except EngineError as exc:
             raise ShardError.from_engine(exc) from None
 
@@ -1244,7 +1249,7 @@ class SessionCall:
         caps, sid = self.caps, self.session_id
         new_len = position + n_tokens
         if new_len > caps.n_ctx_per_session:
-            raise ShardError.from_engine(InvalidInput(
+            raise ShardError.from_engine(ContextExceeded(
                 f"{new_len} positions exceed the per-session context of {caps.n_ctx_per_session}",
                 session_id=sid,
             ))

@@ -102,7 +102,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,8 @@ class GetCapabilitiesResponse(_message.Message):
     RELAY_RETURN_FIELD_NUMBER: _ClassVar[int]
     SESSION_REWIND_FIELD_NUMBER: _ClassVar[int]
     BATCH_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -165,7 +167,23 @@ class GetCapabilitiesResponse(_message.Message):
     relay_return: bool
     session_rewind: bool
     batch_groups: bool
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ...) -> None: ...
+    chat: ChatTemplate
+    parse_special: bool
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ...) -> None: ...
+
+class ChatTemplate(_message.Message):
+    __slots__ = ("template", "bos_token", "eos_token", "eot_token", "add_bos")
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    template: str
+    bos_token: str
+    eos_token: str
+    eot_token: str
+    add_bos: bool
+    def __init__(self, template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., eot_token: _Optional[str] = ..., add_bos: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("version",)
@@ -380,7 +398,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens", "all_logits", "echo_tokens")
+    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens", "all_logits", "echo_tokens", "parse_special")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +408,7 @@ class Prefill(_message.Message):
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ALL_LOGITS_FIELD_NUMBER: _ClassVar[int]
     ECHO_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     hidden_states: Tensor
     text: str
@@ -399,7 +418,8 @@ class Prefill(_message.Message):
     chunk_tokens: int
     all_logits: bool
     echo_tokens: bool
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ..., echo_tokens: _Optional[bool] = ...) -> None: ...
+    parse_special: bool
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ..., echo_tokens: _Optional[bool] = ..., parse_special: _Optional[bool] = ...) -> None: ...
 
 class Decode(_message.Message):
     __slots__ = ("token", "hidden_state", "sampling", "top_logprobs", "relay_tag")
@@ -416,7 +436,7 @@ class Decode(_message.Message):
     def __init__(self, token: _Optional[int] = ..., hidden_state: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., relay_tag: _Optional[int] = ...) -> None: ...
 
 class Generate(_message.Message):
-    __slots__ = ("tokens", "text", "sampling", "max_tokens", "stop_tokens", "ignore_eos", "top_logprobs")
+    __slots__ = ("tokens", "text", "sampling", "max_tokens", "stop_tokens", "ignore_eos", "top_logprobs", "parse_special")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +444,7 @@ class Generate(_message.Message):
     STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     text: str
     sampling: SamplingParams
@@ -431,7 +452,8 @@ class Generate(_message.Message):
     stop_tokens: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     top_logprobs: int
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    parse_special: bool
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., parse_special: _Optional[bool] = ...) -> None: ...
 
 class Credit(_message.Message):
     __slots__ = ("messages",)
@@ -502,12 +524,14 @@ class SessionOpened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., cache: _Optional[_Union[CacheResult, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., n_past: _Optional[int] = ..., credit: _Optional[int] = ..., version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., hidden_wire_dtype: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob")
+    __slots__ = ("token_id", "logprob", "piece")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PIECE_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    piece: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., piece: _Optional[bytes] = ...) -> None: ...
 
 class Logits(_message.Message):
     __slots__ = ("top", "token_id", "logprob", "piece", "is_eog")
