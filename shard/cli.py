@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # imported lazily at run time so --help stays fast
     from shard.rpc.server import RunningServer
 
 DEFAULT_PORT = 50051
+DEFAULT_API_PORT = 8000
+API_ENV_PREFIX = "TRIO_SHARD_API_"
 T = TypeVar("T")
 ENV_PREFIX = "TRIO_SHARD_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -106,12 +108,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def env_name(action: argparse.Action) -> str | None:
-    """``TRIO_SHARD_<LONG_OPTION>`` for an option, None for positionals and help."""
+def env_name(action: argparse.Action, prefix: str = ENV_PREFIX) -> str | None:
+    """``TRIO_SHARD_<LONG_OPTION>`` (``prefix`` + the option) for an option, None for
+    positionals and help."""
     longs = [o for o in action.option_strings if o.startswith("--")]
     if not longs or isinstance(action, argparse._HelpAction | argparse._VersionAction):
         return None
-    return ENV_PREFIX + longs[0][2:].upper().replace("-", "_")
+    return prefix + longs[0][2:].upper().replace("-", "_")
 
 
 def _from_env(action: argparse.Action, raw: str) -> object:
@@ -140,9 +143,11 @@ def _from_env(action: argparse.Action, raw: str) -> object:
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose options can default from ``TRIO_SHARD_*`` when ``from_env``."""
+    """An ArgumentParser whose options can default from ``TRIO_SHARD_*`` (``env_prefix``) when
+    ``from_env``."""
 
     from_env = False
+    env_prefix = ENV_PREFIX
     env_sources: dict[str, str]  # dest -> the variable that set its default
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
@@ -154,7 +159,7 @@ class _Parser(argparse.ArgumentParser):
         """Take option defaults from ``environ``; a bad value is a usage error naming it."""
         sources = {}
         for action in self._actions:
-            name = env_name(action)
+            name = env_name(action, self.env_prefix)
             if name is None or name not in environ:
                 continue
             if environ[name] == "" and action.nargs != 0:
@@ -169,7 +174,7 @@ class _Parser(argparse.ArgumentParser):
     def document_environment(self) -> None:
         """Name each option's environment variable in its --help text."""
         for action in self._actions:
-            name = env_name(action)
+            name = env_name(action, self.env_prefix)
             if name is not None and action.help is not argparse.SUPPRESS:
                 action.help = f"{action.help or ''} [env {name}]".strip()
 
@@ -307,6 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --pipeline: concurrent generations move through the hops in N "
                      "groups (default: hops + 1; 0: none; docs/pipelines.md, \"Throughput under "
                      "concurrency\")")
+    special = gen.add_mutually_exclusive_group()
+    special.add_argument("--chat", action="store_true",
+                         help="send the prompt as one user message of a conversation: rendered "
+                         "with the model's chat template (the first worker reports it) and "
+                         "tokenized with special tokens parsed, as `trio-shard api` does")
+    special.add_argument("--parse-special", action="store_true",
+                         help="tokenize the prompt with special tokens parsed: their texts (e.g. "
+                         "'<|im_end|>') become the model's control tokens instead of plain text")
     gen.add_argument("--max-tokens", type=_positive_int, default=64,
                      help="most tokens to generate (default: 64)")
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
@@ -393,10 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
         "tied or untied head; a few MB).",
     )
     which = mk.add_mutually_exclusive_group()
-    which.add_argument("--preset", default="tiny", help="tiny (default) or bench (214 MB, Q8_0)")
+    which.add_argument("--preset", default="tiny",
+                       help="tiny (default), chat (tiny with ChatML control tokens and a chat "
+                       "template) or bench (214 MB, Q8_0)")
     which.add_argument("--arch", metavar="ARCH",
                        help="the test model of architecture ARCH (llama, qwen2, gemma3, ...: one "
                        "per architecture whose layer ranges are served; an unknown name lists them)")
+    mk.add_argument("--chat-template", type=Path, metavar="FILE",
+                    help="with a preset: write this Jinja2 chat template (tokenizer.chat_template) "
+                    "into the model instead of the preset's")
     mk.add_argument("--out", type=Path, required=True, help="output file")
 
     sl = sub.add_parser(
@@ -415,11 +433,65 @@ def build_parser() -> argparse.ArgumentParser:
                     help="blocks A..B-1 (0-based, half-open)")
     sl.add_argument("--out", type=Path, required=True, help="output file (written atomically)")
 
+    api = _add_api_parser(sub)
+
     # Last, so that options other modules add to ``serve`` above are covered too.
-    for env_parser in (parser, serve):
+    api.env_prefix = API_ENV_PREFIX
+    for env_parser in (parser, serve, api):
         env_parser.from_env = True
         env_parser.document_environment()
     return parser
+
+
+def _add_api_parser(sub: Any) -> _Parser:
+    api: _Parser = sub.add_parser(
+        "api", help="serve an OpenAI-compatible HTTP API over a worker or a pipeline",
+        description="Serve GET /v1/models, POST /v1/completions and POST /v1/chat/completions "
+        "(streaming as server-sent events), GET /health and GET /metrics over one worker "
+        "serving a whole model (--target) or a chain of workers (--pipeline), on hypercorn "
+        "(docs/api.md). Chat renders the model's own chat template, which the first worker "
+        "reports. Every option can also come from TRIO_SHARD_API_<OPTION>.",
+    )
+    _add_target(api, pipeline=True)
+    api.add_argument("--relay", choices=["client", "chain"], default="client",
+                     help="with --pipeline: who carries the hidden states between hops (see "
+                     "`generate --relay`; default: client)")
+    api.add_argument("--speculate", type=_non_negative_int, default=0, metavar="K",
+                     help="with --pipeline: draft up to K tokens by prompt lookup per pass (see "
+                     "`generate --speculate`; default: 0, off)")
+    api.add_argument("--step-timeout", type=_positive_float, metavar="SECONDS",
+                     help="a worker that answers no step within this many seconds counts as hung "
+                     "and its hop fails over to a replica (default: no bound but --timeout)")
+    api.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    api.add_argument("--port", type=_port, default=DEFAULT_API_PORT,
+                     help=f"port to bind, 0 picks a free one (default: {DEFAULT_API_PORT})")
+    api.add_argument("--model-name", metavar="NAME",
+                     help="the model id clients ask for (default: the architecture and the first "
+                     "12 hex digits of the model fingerprint, e.g. llama-0123456789ab)")
+    api.add_argument("--chat-template", type=Path, metavar="FILE",
+                     help="render chat with this Jinja2 template instead of the model's own")
+    api.add_argument("--api-key-file", type=Path, metavar="FILE",
+                     help="require 'Authorization: Bearer KEY' on /v1 routes; FILE holds one "
+                     "'KEY [NAME]' per line, re-read on SIGHUP")
+    api.add_argument("--http-tls-cert", type=Path, metavar="PEM",
+                     help="serve HTTPS with this certificate chain (with --http-tls-key)")
+    api.add_argument("--http-tls-key", type=Path, metavar="PEM", help="private key for --http-tls-cert")
+    api.add_argument("--http-tls-client-ca", type=Path, metavar="PEM",
+                     help="require client certificates signed by this CA (mutual TLS)")
+    api.add_argument("--insecure", action="store_true",
+                     help="allow plaintext HTTP without API keys on a non-loopback --host")
+    api.add_argument("--timeout", type=_positive_float, default=600.0,
+                     help="deadline in seconds of one generation (default: 600)")
+    api.add_argument("--connect-timeout", type=_positive_float, default=60.0,
+                     help="seconds to wait at start for the workers to answer and serve "
+                     "(default: 60)")
+    api.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
+                     help="largest request body accepted, larger ones get 413 (default: 4 MiB)")
+    api.add_argument("--grace", type=_non_negative_float, default=10.0,
+                     help="seconds running requests may finish after SIGTERM/SIGINT (default: 10)")
+    api.add_argument("--log-format", choices=["text", "json"], default="text",
+                     help="log lines as text or as one JSON object each (default: text)")
+    return api
 
 
 def _add_target(p: argparse.ArgumentParser, *, pipeline: bool = False) -> None:
@@ -507,6 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "metrics": _cmd_metrics,
         "make-model": _cmd_make_model,
         "slice": _cmd_slice,
+        "api": _cmd_api,
     }[args.command]
     if args.command == "serve" and args.print_config:
         return _print_config(parser, args)
@@ -562,6 +635,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     if args.arch is not None:
         from shard.models.arch_models import ARCHS, write_arch_model
 
+        if args.chat_template is not None:
+            return _fail("--chat-template goes with --preset", 2)
         if args.arch not in ARCHS:
             return _fail(f"no test model for architecture {args.arch!r}; choose one of {', '.join(ARCHS)}", 2)
         logging.getLogger("gguf").setLevel(logging.WARNING)
@@ -569,7 +644,14 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         return 0
     if args.preset not in PRESETS:
         return _fail(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}", 2)
-    path = write_model(args.preset, args.out, progress=sys.stderr.isatty())
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = args.chat_template.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            return _fail(f"cannot read --chat-template {args.chat_template}: {exc}", 2)
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # the writer's INFO lines are noise here
+    path = write_model(args.preset, args.out, progress=sys.stderr.isatty(), chat_template=template)
     print(path)
     return 0
 
@@ -780,6 +862,72 @@ async def _stop_on_signal(server: RunningServer, scope: trio.CancelScope, grace:
                 nursery.start_soon(drain_then_stop)
 
 
+def _cmd_api(args: argparse.Namespace) -> int:
+    """``trio-shard api``: the OpenAI-compatible front door (``shard.api``)."""
+    from shard.rpc.auth import TokenAuthenticator, TokenFileError, binding_refusal
+
+    hops = args.pipeline if args.pipeline is not None else [[args.target]]
+    if args.pipeline is None and (args.relay != "client" or args.speculate):
+        return _fail("--relay and --speculate need --pipeline", 2)
+    try:
+        options = _client_options(args)
+        tls = _http_tls(args)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"set-up failed: {exc}", 2)
+    keys = None
+    if args.api_key_file is not None:
+        try:
+            keys = TokenAuthenticator(args.api_key_file)
+        except TokenFileError as exc:
+            return _fail(str(exc), 2)
+    refusal = binding_refusal(args.host, tls=tls is not None, authenticated=keys is not None,
+                              insecure=args.insecure)
+    if refusal is not None:
+        return _fail(refusal.replace("--tls-cert/--tls-key, or --auth-token-file",
+                                     "--http-tls-cert/--http-tls-key, or --api-key-file"), 2)
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = args.chat_template.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            return _fail(f"cannot read --chat-template {args.chat_template}: {exc}", 2)
+
+    import trio
+
+    from shard.api import run_api
+    from shard.chat import ChatTemplateError
+    from shard.client import ShardError
+
+    try:
+        trio.run(functools.partial(
+            run_api, hops, host=args.host, port=args.port, tls=tls, keys=keys,
+            model_name=args.model_name, chat_template=template, relay=args.relay,
+            speculate=args.speculate, step_timeout=args.step_timeout, timeout=args.timeout,
+            connect_timeout=args.connect_timeout, max_body_bytes=args.max_body_bytes,
+            grace=args.grace, **options,
+        ))
+    except ChatTemplateError as exc:
+        return _fail(str(exc), 2)
+    except ShardError as exc:
+        return _fail(f"the workers cannot serve: {exc}")
+    except OSError as exc:
+        return _fail(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}")
+    return 0
+
+
+def _http_tls(args: argparse.Namespace) -> Any:
+    """The front door's own TLS (``HttpTls``), None for plaintext; ValueError for half a pair."""
+    from shard.api.server import HttpTls
+
+    if (args.http_tls_cert is None) != (args.http_tls_key is None):
+        raise ValueError("--http-tls-cert and --http-tls-key go together")
+    if args.http_tls_cert is None:
+        if args.http_tls_client_ca is not None:
+            raise ValueError("--http-tls-client-ca needs --http-tls-cert and --http-tls-key")
+        return None
+    return HttpTls(args.http_tls_cert, args.http_tls_key, args.http_tls_client_ca)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     if args.prompts_file is not None and not args.pipeline:
         return _fail("--prompts-file needs --pipeline (one pipeline serves them all at once)", 2)
@@ -810,12 +958,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
             async def stream() -> None:
                 await client.wait_for_ready()  # a worker still loading: wait, like gRPC
+                prompt, parse_special = _prompt_for(args, args.prompt, await client.capabilities())
                 async for chunk in client.generate_text(
-                    args.prompt,
+                    prompt,
                     max_tokens=args.max_tokens,
                     temperature=args.temperature,
                     seed=args.seed,
                     timeout=deadline - trio.current_time(),
+                    parse_special=parse_special,
                 ):
                     out.add(chunk.token_id, chunk.text, chunk.finish_reason)
 
@@ -875,10 +1025,12 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
 
         async def generate() -> None:
             async with _connect_pipeline(args, options) as pipe:
+                prompt, parse_special = _prompt_for(args, args.prompt, pipe.hops[0].caps)
                 result = await pipe.generate(
-                    args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                    prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                     seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
                     timeout=deadline - trio.current_time(), speculate=args.speculate,
+                    parse_special=parse_special,
                 )
             out.failovers = [f.as_dict() for f in result.failovers]
             out.stats = {"traversals": result.traversals}
@@ -889,6 +1041,24 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
         return await _until_sigint(generate)
 
     return _finish_generate(run, out)
+
+
+def _prompt_for(args: argparse.Namespace, prompt: str, caps: Any) -> tuple[str, bool]:
+    """The text to send for ``prompt`` and whether its special tokens are parsed (``--chat``:
+    the first worker's chat template renders it as a user message; ``--parse-special``)."""
+    from shard.chat import ChatTemplate, ChatTemplateError
+    from shard.client import ErrorCode, ShardError
+
+    if not args.chat:
+        return prompt, args.parse_special
+    template = ChatTemplate.of(caps.chat) if caps is not None else None
+    if template is None:
+        raise ShardError(ErrorCode.INVALID_ARGUMENT, "--chat: the model has no chat template "
+                         "(its GGUF carries none); drop --chat")
+    try:
+        return template.render([{"role": "user", "content": prompt}]), True
+    except ChatTemplateError as exc:
+        raise ShardError(ErrorCode.INVALID_ARGUMENT, f"--chat: {exc}") from None
 
 
 def _connect_pipeline(args: argparse.Namespace, options: dict[str, object]) -> Any:
@@ -945,10 +1115,12 @@ def _cmd_generate_many(args: argparse.Namespace) -> int:
                         step.finish_reason)
 
             try:
+                prompt, parse_special = _prompt_for(args, prompts[i], pipe.hops[0].caps)
                 result = await pipe.generate(
-                    prompts[i], max_tokens=args.max_tokens, temperature=args.temperature,
+                    prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                     seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
                     timeout=deadline - trio.current_time(), speculate=args.speculate,
+                    parse_special=parse_special,
                 )
             except ShardError as exc:  # this prompt's failure; the others go on
                 failed.append(i)

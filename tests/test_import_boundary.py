@@ -363,3 +363,31 @@ def test_the_layering_check_finds_a_planted_violation() -> None:
         ("shard.relay.policy", "shard.pipeline.runner"),
         ("shard.pipeline.chain", "shard.relay.routed"),
     }
+
+
+# ---- the HTTP front door's libraries belong to shard/api ----------------------------------------
+
+WEB_LIBRARIES = ("starlette", "hypercorn", "pydantic", "jinja2")
+WEB_ALLOWED = (Path("shard/api"), Path("shard/chat.py"))
+
+
+def web_imports(source: str) -> list[tuple[int, str]]:
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            hits += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] in WEB_LIBRARIES]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in WEB_LIBRARIES:
+                hits.append((node.lineno, node.module))
+    return hits
+
+
+def test_only_the_front_door_imports_web_libraries() -> None:
+    found = {
+        str(path.relative_to(ROOT)): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not any(path.relative_to(ROOT).is_relative_to(a) for a in WEB_ALLOWED)
+        and (hits := web_imports(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}
+    assert web_imports("from starlette.routing import Route\nimport jinja2.sandbox")

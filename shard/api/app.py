@@ -1,0 +1,199 @@
+"""The OpenAI-compatible HTTP front door as a Starlette app (served by hypercorn on Trio).
+
+Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
+``POST /v1/chat/completions`` (whole bodies, or server-sent events with ``stream: true``),
+``GET /health`` (200 only while a replica of every hop serves) and ``GET /metrics``
+(Prometheus). ``/v1`` routes need ``Authorization: Bearer KEY`` when the app has keys; health
+and metrics do not (probes and scrapers; they show counts, never text).
+
+Request bodies are read up to ``max_body_bytes`` (413 past it), must be a JSON object (400
+otherwise) and are checked by the Pydantic models of ``shard.api.schemas`` before any worker is
+asked: unknown and unsupported parameters are refused with a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import trio
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from shard.rpc.auth import TokenAuthenticator
+
+from .backend import Backend, Request
+from .errors import ApiError
+from .metrics import ApiMetrics
+from .replies import ChatReply, CompletionReply
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    Model,
+    ModelList,
+)
+from .streaming import GenerationResponse
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app"]
+
+log = logging.getLogger(__name__)
+
+#: Request bodies are bounded: 4 MiB holds any prompt a worker's context takes.
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+
+def build_app(
+    backend: Backend, *, keys: TokenAuthenticator | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ApiMetrics | None = None,
+) -> Starlette:
+    """The front door over ``backend``; ``keys``: the accepted API keys (None: no key needed)."""
+    metrics = metrics if metrics is not None else ApiMetrics()
+    created = int(time.time())
+
+    def model_card() -> Model:
+        return Model(id=backend.model_id, created=created)
+
+    def principal(request: HttpRequest) -> str | None:
+        if keys is None:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
+        who = keys.principal(key.strip().encode()) if scheme.lower() == "bearer" and key.strip() else None
+        if who is None:
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                           code="invalid_api_key")
+        return who
+
+    async def parse(request: HttpRequest, model: type[GenerationRequest]) -> GenerationRequest:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            raise ApiError(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > max_body_bytes:
+                raise ApiError(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
+            chunks.append(chunk)
+        try:
+            raw = json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(raw, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            body = model.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(x) for x in first["loc"]) or None
+            kind = "unknown parameter" if first["type"] == "extra_forbidden" else first["msg"]
+            raise ApiError(400, f"{param}: {kind}", param=param, code="invalid_parameter") from None
+        refused = body.unsupported()
+        if refused is not None:
+            raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
+        if body.model != backend.model_id:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{backend.model_id!r}", param="model", code="model_not_found")
+        return body
+
+    def sampling(body: GenerationRequest) -> dict[str, Any]:
+        return {"temperature": 1.0 if body.temperature is None else body.temperature,
+                "top_p": 1.0 if body.top_p is None else body.top_p, "seed": body.seed,
+                "stops": body.stops}
+
+    def include_usage(body: GenerationRequest) -> bool:
+        return body.stream_options is not None and body.stream_options.include_usage
+
+    async def completions(request: HttpRequest) -> Response | GenerationResponse:
+        started = trio.current_time()
+        who = principal(request)
+        body = await parse(request, CompletionRequest)
+        assert isinstance(body, CompletionRequest)
+        prompt = body.single_prompt
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_parameter")
+        job = Request(prompt=prompt, max_tokens=body.max_tokens, top_logprobs=body.logprobs or 0,
+                      **sampling(body))
+        reply = CompletionReply(backend.model_id, logprobs=body.logprobs,
+                                include_usage=include_usage(body))
+        return GenerationResponse(backend, job, reply, stream=bool(body.stream),
+                                  endpoint="completions", metrics=metrics, started=started,
+                                  principal=who)
+
+    async def chat_completions(request: HttpRequest) -> Response | GenerationResponse:
+        started = trio.current_time()
+        who = principal(request)
+        body = await parse(request, ChatCompletionRequest)
+        assert isinstance(body, ChatCompletionRequest)
+        text = backend.render_chat([{"role": m.role, "content": m.text} for m in body.messages])
+        job = Request(prompt=text, max_tokens=body.token_limit,
+                      top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+                      prompt_param="messages", **sampling(body))
+        reply = ChatReply(backend.model_id, logprobs=bool(body.logprobs),
+                          include_usage=include_usage(body))
+        return GenerationResponse(backend, job, reply, stream=bool(body.stream),
+                                  endpoint="chat_completions", metrics=metrics, started=started,
+                                  principal=who)
+
+    async def models(request: HttpRequest) -> Response:
+        principal(request)
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    async def model(request: HttpRequest) -> Response:
+        principal(request)
+        if request.path_params["model"] != backend.model_id:
+            raise ApiError(404, f"the model {request.path_params['model']!r} does not exist",
+                           param="model", code="model_not_found")
+        return JSONResponse(model_card().model_dump())
+
+    async def health(request: HttpRequest) -> Response:
+        failing = await backend.not_serving()
+        if failing:
+            return JSONResponse({"status": "unavailable", "detail": failing}, status_code=503)
+        return JSONResponse({"status": "ok", "model": backend.model_id})
+
+    async def prometheus(request: HttpRequest) -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    def counted(endpoint: str, handler: Any) -> Any:
+        """Refusals before a generation starts are counted and answered in OpenAI's shape; a
+        generation's own response counts itself (``GenerationResponse``)."""
+
+        async def run(request: HttpRequest) -> Any:
+            try:
+                response = await handler(request)
+            except ApiError as err:
+                metrics.requests.labels(endpoint, str(err.status)).inc()
+                return err.response()
+            if not isinstance(response, GenerationResponse):
+                metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            return response
+
+        return run
+
+    routes = [
+        Route("/v1/models", counted("models", models), methods=["GET"]),
+        Route("/v1/models/{model:path}", counted("models", model), methods=["GET"]),
+        Route("/v1/completions", counted("completions", completions), methods=["POST"]),
+        Route("/v1/chat/completions", counted("chat_completions", chat_completions), methods=["POST"]),
+        Route("/health", counted("health", health), methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={
+        404: _not_found, 405: _not_allowed,
+    })
+    app.state.metrics = metrics
+    return app
+
+
+async def _not_found(request: HttpRequest, exc: Exception) -> Response:
+    return ApiError(404, f"no route {request.url.path}", code="not_found").response()
+
+
+async def _not_allowed(request: HttpRequest, exc: Exception) -> Response:
+    return ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                    code="method_not_allowed").response()

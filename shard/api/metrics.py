@@ -1,0 +1,51 @@
+"""The front door's Prometheus metrics: requests by endpoint and status, time to first token,
+tokens per second and token counts, served at ``GET /metrics``.
+
+Each app has its own ``CollectorRegistry`` (not prometheus_client's global one), so several
+front doors in one process (tests) never share counters. Everything is updated on the Trio
+thread that serves the requests; the page is rendered there too.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+__all__ = ["ApiMetrics"]
+
+PREFIX = "trio_shard_api"
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+class ApiMetrics:
+    """Counters and histograms of one front door."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered, by endpoint and "
+                                "status code", ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "generations running now",
+                               registry=r)
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "from a generation request's arrival to its "
+            "first text", ["endpoint"], buckets=_TTFT_BUCKETS, registry=r)
+        self.tokens_per_second = Histogram(
+            f"{PREFIX}_tokens_per_second", "completion tokens per second of one generation, after "
+            "its first token", ["endpoint"], buckets=_RATE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens computed",
+                                     registry=r)
+        self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "tokens generated",
+                                         registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,274 @@
+"""The OpenAI-compatible request and response bodies, as Pydantic models.
+
+Requests are strict (``extra="forbid"``): a parameter the front door does not know is refused
+with a 400 naming it, never silently ignored, and so is a known one the engine cannot honour
+(``unsupported``: ``n`` other than 1, penalties, ``logit_bias``, tools, ``echo``, ...). Responses
+are built from the same models so that their shape is written down once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "MAX_STOPS",
+    "MAX_TOP_LOGPROBS",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "GenerationRequest",
+]
+
+#: OpenAI's limits: at most 4 stop sequences, at most 20 alternatives per token.
+MAX_STOPS = 4
+MAX_TOP_LOGPROBS = 20
+_U64 = 2**64
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class GenerationRequest(_Strict):
+    """What both endpoints take."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=_U64)
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("a stop sequence must not be empty")
+        return value
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, why) for a parameter given that the engine cannot honour, None if none."""
+        if self.n not in (None, 1):
+            return "n", "only n=1 is supported (one choice per request)"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                return name, f"{name} is not supported (the engine applies no penalties)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options needs stream: true"
+        return None
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported"
+        p = self.prompt
+        if isinstance(p, list) and len(p) > 1 and not isinstance(p[0], int):
+            return "prompt", "one prompt per request (a list of prompts is not supported)"
+        return super().unsupported()
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tools (function calling) are not supported"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool_choice is not supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().unsupported()
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "trio-shard"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,181 @@
+"""One generation as an ASGI response: run it while the client is connected, answer with the
+whole body or with server-sent events.
+
+Why an ASGI callable of its own rather than a streaming response over an async generator: the
+generation, the reader of its deltas and the watch for the client's disconnect are three tasks
+of one nursery that this response owns, so a disconnect cancels the generation (every hop's
+session is reset and released by the pipeline client) and nothing outlives the request. The
+deltas pass through a bounded channel: a client that reads slowly slows its own generation.
+
+Errors: before the first text, a refusal is an HTTP error with its status (429, 503, 400, ...);
+a streamed generation that fails later ends with an ``error`` event (OpenAI's SDKs raise it),
+a non-streamed one is an HTTP error as a whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import trio
+
+from shard.logs import kv
+
+from .backend import Backend, Outcome, Request
+from .errors import ApiError
+from .metrics import ApiMetrics
+from .replies import Reply
+from .text import Delta
+
+__all__ = ["GenerationResponse"]
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Event = Delta | Outcome | ApiError
+
+#: Deltas buffered between the generation and a slow client.
+DELTA_BUFFER = 8
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies: pass every event on at once
+]
+
+
+def _log(what: str, /, **fields: object) -> None:
+    log.info("%s %s", what, kv(fields), extra={"fields": fields})
+
+
+def _event(body: object) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class GenerationResponse:
+    """``await response(scope, receive, send)``: see the module docstring."""
+
+    def __init__(
+        self, backend: Backend, request: Request, reply: Reply, *, stream: bool,
+        endpoint: str, metrics: ApiMetrics, started: float, principal: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.request = request
+        self.reply = reply
+        self.stream = stream
+        self.endpoint = endpoint
+        self.metrics = metrics
+        self.started = started
+        self.principal = principal
+        self.status = 0
+        self._first_at: float | None = None
+        #: Set before the last bytes are sent: the client may disconnect (and cancel this
+        #: response's tasks) as soon as it has them.
+        self._outcome: Outcome | None = None
+        self._complete = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.metrics.in_flight.inc()
+        try:
+            events_in, events = trio.open_memory_channel[Event](DELTA_BUFFER)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
+                nursery.start_soon(self._generate, events_in)
+                await self._respond(events, scope, receive, send)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.metrics.in_flight.dec()
+            self._account(self._outcome)
+
+    async def _watch_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if self._complete:
+                    return  # the whole response was handed over: the client may leave
+                _log("client disconnected, generation cancelled",
+                     endpoint=self.endpoint, id=self.reply.id)
+                self.status = 499  # nginx's "client closed request"
+                scope.cancel()
+                return
+
+    async def _generate(self, out: trio.MemorySendChannel[Event]) -> None:
+        async with out:
+            try:
+                outcome: Event = await self.backend.generate(self.request, out)  # type: ignore[arg-type]
+            except ApiError as err:
+                outcome = err
+            except Exception:
+                log.exception("generation failed", extra={"fields": {"id": self.reply.id}})
+                outcome = ApiError(500, "internal error in the front door", type="server_error",
+                                   code="internal_error")
+            await out.send(outcome)
+
+    async def _next(self, events: trio.MemoryReceiveChannel[Event]) -> Event:
+        event = await events.receive()
+        if isinstance(event, Delta) and self._first_at is None:
+            self._first_at = trio.current_time()
+            self.metrics.time_to_first_token.labels(self.endpoint).observe(
+                self._first_at - self.started)
+        return event
+
+    async def _respond(
+        self, events: trio.MemoryReceiveChannel[Event], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        event = await self._next(events)
+        if not self.stream:
+            deltas: list[Delta] = []
+            while isinstance(event, Delta):
+                deltas.append(event)
+                event = await self._next(events)
+            if isinstance(event, ApiError):
+                await self._error(event, scope, receive, send)
+                return
+            self.status, self._outcome, self._complete = 200, event, True
+            body = json.dumps(self.reply.body(deltas, event), ensure_ascii=False).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        if isinstance(event, ApiError):  # nothing sent yet: a plain HTTP error
+            await self._error(event, scope, receive, send)
+            return
+        self.status = 200
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        while isinstance(event, Delta):
+            chunk = self.reply.chunk(event)
+            if chunk is not None:
+                await send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+            event = await self._next(events)
+        if isinstance(event, ApiError):
+            self.status = event.status
+            tail = _event(event.body())
+        else:
+            tail = b"".join(_event(c) for c in self.reply.final_chunks(event))
+            self._outcome = event
+        self._complete = True
+        await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+
+    async def _error(self, err: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
+        self.status, self._complete = err.status, True
+        _log("generation refused", endpoint=self.endpoint, id=self.reply.id, status=err.status,
+             code=err.code, message=err.message)
+        await err.response()(scope, receive, send)
+
+    def _account(self, outcome: Outcome | None) -> None:
+        m, now = self.metrics, trio.current_time()
+        m.requests.labels(self.endpoint, str(self.status or 499)).inc()
+        if outcome is None:
+            return
+        m.prompt_tokens.inc(outcome.prompt_tokens)
+        m.completion_tokens.inc(outcome.completion_tokens)
+        if self._first_at is not None and outcome.completion_tokens > 1 and now > self._first_at:
+            m.tokens_per_second.labels(self.endpoint).observe(
+                (outcome.completion_tokens - 1) / (now - self._first_at))
+        _log("generation done", endpoint=self.endpoint, id=self.reply.id, status=self.status,
+             principal=self.principal, prompt_tokens=outcome.prompt_tokens,
+             completion_tokens=outcome.completion_tokens, finish_reason=outcome.finish_reason,
+             ttft_ms=None if self._first_at is None else round((self._first_at - self.started) * 1e3, 1))

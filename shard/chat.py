@@ -1,0 +1,110 @@
+"""Chat templates: a conversation rendered into the one prompt text the model was trained on.
+
+A GGUF model carries its template as ``tokenizer.chat_template`` (Jinja2, the format
+transformers defined); the first shard reports it with the texts of its BOS, EOS and end-of-turn
+tokens in its capabilities (``GetCapabilitiesResponse.chat``), so a client renders a
+conversation without the model file. Rendering follows transformers and llama.cpp's server: a
+sandboxed, immutable Jinja2 environment (a template cannot reach Python objects or change the
+messages), ``trim_blocks`` and ``lstrip_blocks``, the ``raise_exception`` and ``strftime_now``
+helpers and a ``tojson`` filter that keeps non-ASCII text. The rendered text is tokenized with
+special tokens parsed (``parse_special``), so its markers become the model's control tokens.
+
+BOS: a template usually writes ``bos_token`` itself, and a tokenizer that adds BOS would then
+put a second one in front; as llama.cpp does, a leading ``bos_token`` is dropped from the text
+when the tokenizer adds one (``ChatTemplate.add_bos``).
+
+A leaf module (Jinja2 and the generated protocol code only): the CLI and the HTTP front door
+share it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, NoReturn
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from shard.v1 import shard_pb2 as pb
+
+__all__ = ["ChatTemplate", "ChatTemplateError"]
+
+
+class ChatTemplateError(ValueError):
+    """A template that does not compile, or that refused to render a conversation (its own
+    ``raise_exception``, e.g. roles that do not alternate)."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+        autoescape=False,
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """One model's chat template, compiled once; ``render`` a conversation with it."""
+
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+    eot_token: str = ""
+    add_bos: bool = False
+    _compiled: jinja2.Template = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.source.strip():
+            raise ChatTemplateError("the chat template is empty")
+        try:
+            compiled = _environment().from_string(self.source)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
+        object.__setattr__(self, "_compiled", compiled)
+
+    @classmethod
+    def of(cls, chat: pb.ChatTemplate, override: str | None = None) -> ChatTemplate | None:
+        """The template a first shard reports (``override``: an operator's own text instead);
+        None when there is neither."""
+        source = override if override is not None else chat.template
+        if not source:
+            return None
+        return cls(source, chat.bos_token, chat.eos_token, chat.eot_token, chat.add_bos)
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """The prompt text for ``messages`` (each a mapping with ``role`` and ``content``),
+        ending with the assistant's turn opened when ``add_generation_prompt``."""
+        try:
+            text = self._compiled.render(
+                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token, **extra,
+            )
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ChatTemplateError(f"the chat template failed to render: {exc}") from None
+        if self.add_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]  # the tokenizer adds it
+        return text

@@ -1,0 +1,450 @@
+"""The OpenAI-compatible front door (``trio-shard api``, ``shard.api``) with the official
+``openai`` client: completions and chat, whole bodies and streams, over one worker and over a
+2-hop pipeline; tokens equal the workers' own; concurrency, disconnects, refusals.
+
+The front door runs in-process on a free port (hypercorn on Trio, as the CLI runs it); the
+clients run in threads, as an application would. Workers are FakeEngine workers (a chat
+template in the fake model) unless a test says llama.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import trio
+from rpc_harness import (
+    Worker,
+    no_engine_leaks,  # noqa: F401 - autouse: no sessions/KV cells leak
+    worker,
+)
+from test_pipeline import TIMEOUT, assert_all_free
+
+from shard.api import Backend, build_app, serve_http
+from shard.chat import ChatTemplate
+from shard.client import ShardClient
+from shard.engine import LayerRange, LoadSpec
+from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
+from shard.pipeline import Pipeline
+from shard.rpc.auth import TokenAuthenticator
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+MODEL = FakeModel(n_layers_total=4, n_embd=8, seed=7, chat_template=TEMPLATE)
+PLAIN = FakeModel(n_layers_total=4, n_embd=8, seed=7)  # the same weights, no chat template
+NAME = "fake-chat"
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+SHAPES = {"whole": [None], "pipeline": [LayerRange(0, 2), LayerRange(2, 4)]}
+
+
+@dataclass
+class FrontDoor:
+    url: str  # http://127.0.0.1:PORT
+    workers: list[Worker]
+    backend: Backend
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                             timeout=TIMEOUT)
+
+
+@asynccontextmanager
+async def front_door(
+    ranges: Sequence[LayerRange | None] = (None,), *, model: FakeModel = MODEL,
+    max_sessions: int = 4, script: FakeScript | None = None, keys: TokenAuthenticator | None = None,
+    timeout: float | None = TIMEOUT, relay: str = "client", **app_kw: Any,
+) -> AsyncIterator[FrontDoor]:
+    async with AsyncExitStack() as stack:
+        workers = []
+        for lr in ranges:
+            engine = FakeEngine(model=model, script=script or FakeScript())
+            spec = LoadSpec(n_ctx=max_sessions * 512, max_sessions=max_sessions, layer_range=lr)
+            relaying = None
+            if relay == "chain":
+                from shard.relay import ChainRelay
+                relaying = ChainRelay()
+            workers.append(await stack.enter_async_context(
+                worker(engine=engine, load=spec, relay=relaying)))
+        backend = await stack.enter_async_context(Backend.connect(
+            [[w.target] for w in workers], model_id=NAME, timeout=timeout, relay=relay))
+        app = build_app(backend, keys=keys, **app_kw)
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        shutdown = trio.Event()
+        binds = await nursery.start(partial(serve_http, app, host="127.0.0.1", port=0,
+                                            shutdown=shutdown, grace=1.0))
+        yield FrontDoor(binds[0], workers, backend)
+        shutdown.set()
+
+
+async def in_thread(fn: Callable[[], Any]) -> Any:
+    return await trio.to_thread.run_sync(fn)
+
+
+def post(url: str, body: object, *, headers: dict[str, str] | None = None,
+         raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:
+    """One POST with urllib: (status, headers, parsed JSON body)."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST",
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+            return resp.status, _lower(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, _lower(err.headers), json.loads(err.read())
+
+
+def _lower(headers: Any) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+async def direct_text(door: FrontDoor, prompt: str | list[int], *, max_tokens: int,
+                      parse_special: bool = True, **kw: Any) -> tuple[str, list[int]]:
+    """What the workers themselves generate for ``prompt``: the reference."""
+    async with Pipeline.connect([w.target for w in door.workers], timeout=TIMEOUT) as pipe:
+        result = await pipe.generate(prompt, max_tokens=max_tokens, parse_special=parse_special, **kw)
+    text = b"".join(s.logits.piece for s in result.steps).decode("utf-8", "replace")
+    return text, result.tokens
+
+
+def rendered(messages: Sequence[dict[str, str]] = MESSAGES) -> str:
+    return ChatTemplate(TEMPLATE, "<s>", "</s>", "</s>", add_bos=True).render(messages)
+
+
+# ---- the official client, both endpoints, both shapes -------------------------------------
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+async def test_openai_client_gets_the_workers_tokens(shape: str) -> None:
+    async with front_door(SHAPES[shape]) as door:
+        want_text, _ = await direct_text(door, "hello world", max_tokens=12, seed=5,
+                                         temperature=0.8)
+        want_chat, _ = await direct_text(door, rendered(), max_tokens=12, seed=5, temperature=0.8)
+
+        def calls() -> dict[str, Any]:
+            c = door.client
+            out: dict[str, Any] = {}
+            out["models"] = [m.id for m in c.models.list()]
+            out["completion"] = c.completions.create(
+                model=NAME, prompt="hello world", max_tokens=12, seed=5, temperature=0.8)
+            out["completion_stream"] = list(c.completions.create(
+                model=NAME, prompt="hello world", max_tokens=12, seed=5, temperature=0.8,
+                stream=True, stream_options={"include_usage": True}))
+            out["chat"] = c.chat.completions.create(
+                model=NAME, messages=MESSAGES, max_tokens=12, seed=5, temperature=0.8)
+            out["chat_stream"] = list(c.chat.completions.create(
+                model=NAME, messages=MESSAGES, max_completion_tokens=12, seed=5,
+                temperature=0.8, stream=True))
+            return out
+
+        got = await in_thread(calls)
+        assert got["models"] == [NAME]
+        completion = got["completion"]
+        assert completion.choices[0].text == want_text
+        assert completion.choices[0].finish_reason == "length"
+        assert completion.usage.completion_tokens == 12
+        assert completion.usage.prompt_tokens == len("hello world") + 1  # bytes + BOS
+        chunks = got["completion_stream"]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want_text
+        assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == completion.usage.total_tokens
+        chat = got["chat"]
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.choices[0].message.content == want_chat
+        stream = got["chat_stream"]
+        assert stream[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == want_chat
+        assert stream[-1].choices[0].finish_reason == "length"
+        assert all(c.usage is None for c in stream)  # not asked for: no usage chunk
+        await assert_all_free(door.workers)
+
+
+async def test_chat_markers_become_special_tokens_and_user_text_does_not() -> None:
+    """The rendered template is tokenized with special tokens parsed: each of its ``</s>``
+    markers is one EOS token, and its own leading BOS is dropped (the tokenizer adds one)."""
+    async with front_door() as door:
+        got = await in_thread(lambda: door.client.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=2, temperature=0))
+        text = rendered()
+        assert not text.startswith("<s>")
+        markers = text.count("</s>")
+        assert markers == 2
+        assert got.usage.prompt_tokens == 1 + len(text.encode()) - markers * (len("</s>") - 1)
+        async with Pipeline.connect([w.target for w in door.workers], timeout=TIMEOUT) as pipe:
+            plain = await pipe.generate(text, max_tokens=1)  # parse_special off: bytes
+        assert plain.prompt_tokens == 1 + len(text.encode())
+
+
+async def test_logprobs_in_both_shapes() -> None:
+    async with front_door() as door:
+        _, chat_tokens = await direct_text(door, rendered(), max_tokens=4, temperature=0)
+
+        def calls() -> tuple[Any, Any]:
+            c = door.client
+            comp = c.completions.create(model=NAME, prompt="hello", max_tokens=4, temperature=0,
+                                        logprobs=3)
+            chat = c.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4,
+                                             temperature=0, logprobs=True, top_logprobs=2)
+            return comp, chat
+
+        comp, chat = await in_thread(calls)
+        lp = comp.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+        for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert 0 < len(top) <= 3 and chosen <= 0
+            assert max(top.values()) >= chosen - 1e-6  # greedy: the chosen one is the best
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        content = chat.choices[0].logprobs.content
+        # the fake's tokens 3..258 are the bytes 0..255
+        assert [bytes(e.bytes) for e in content] == [bytes([t - 3]) for t in chat_tokens]
+        for entry in content:
+            assert len(entry.top_logprobs) == 2
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+            assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+            assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_sequences_end_the_text_and_are_never_emitted(stream: bool) -> None:
+    async with front_door() as door:
+        full, _ = await direct_text(door, "hello world", max_tokens=24, temperature=0)
+        stop = full[9:11]  # two characters from the middle of what the model writes
+        assert stop and stop in full
+        want = full[:full.index(stop)]
+
+        def call() -> tuple[str, str | None]:
+            r = door.client.completions.create(model=NAME, prompt="hello world", max_tokens=24,
+                                               temperature=0, stop=[stop, "\x00never"],
+                                               stream=stream)
+            if not stream:
+                return r.choices[0].text, r.choices[0].finish_reason
+            chunks = list(r)
+            return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+        text, reason = await in_thread(call)
+        assert (text, reason) == (want, "stop")
+        await assert_all_free(door.workers)
+
+
+async def test_sixteen_concurrent_streams_each_get_their_own_text() -> None:
+    prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(16)]
+    async with front_door([LayerRange(0, 2), LayerRange(2, 4)], max_sessions=16,
+                          script=FakeScript(batched=True, tick_latency=0.001)) as door:
+        want = [(await direct_text(door, p, max_tokens=10, temperature=0))[0] for p in prompts]
+        got: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            def call() -> str:
+                chunks = door.client.completions.create(
+                    model=NAME, prompt=prompts[i], max_tokens=10, temperature=0, stream=True)
+                return "".join(c.choices[0].text for c in chunks)
+            got[i] = await in_thread(call)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+        assert [got[i] for i in range(16)] == want
+        await assert_all_free(door.workers)
+
+
+# ---- cancellation and limits ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("relay", ["client", "chain"])
+async def test_a_client_that_disconnects_mid_stream_frees_every_hop(relay: str) -> None:
+    steps: list[int] = []
+
+    def count(step: FakeStep) -> None:
+        steps.append(step.index)
+
+    script = FakeScript(step_latency=0.01, on_step=count)
+    async with front_door([LayerRange(0, 2), LayerRange(2, 4)], script=script, relay=relay) as door:
+        host, port = door.url.removeprefix("http://").split(":")
+
+        def read_then_leave() -> int:
+            conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT)
+            conn.request("POST", "/v1/completions", json.dumps({
+                "model": NAME, "prompt": "hello", "max_tokens": 2000, "temperature": 0,
+                "stream": True}), {"content-type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200
+            events = 0
+            while events < 3:
+                if resp.fp.readline().startswith(b"data: "):
+                    events += 1
+            conn.sock.close()  # leave without reading on
+            conn.close()
+            return events
+
+        await in_thread(read_then_leave)
+        at_close = len(steps)
+        with trio.fail_after(10):
+            while door.backend.pipeline is not None:
+                m = [await _sessions(w) for w in door.workers]
+                if m == [0, 0]:
+                    break
+                await trio.sleep(0.02)
+        at_free = len(steps)
+        await trio.sleep(0.2)
+        assert len(steps) == at_free  # nothing computed after the sessions were freed
+        # Stopped within a step of each hop (generous slack: steps in flight, the time the
+        # front door takes to see the connection close), far from the 2000 tokens asked for.
+        assert at_free - at_close <= 8, (at_close, at_free)
+        await assert_all_free(door.workers)
+        _, body = await in_thread(lambda: get(door.url + "/metrics"))
+        assert b'trio_shard_api_requests_total{endpoint="completions",status="499"} 1.0' in body
+
+
+async def _sessions(w: Worker) -> int:
+    async with ShardClient.connect(w.target, timeout=TIMEOUT) as client:
+        return (await client.metrics()).engine["sessions_active"]
+
+
+async def test_full_workers_answer_429_with_retry_after() -> None:
+    gate = trio.Event()
+
+    async def hold(step: FakeStep) -> None:
+        await gate.wait()
+
+    async with front_door(max_sessions=1, script=FakeScript(on_step=hold)) as door:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(in_thread, lambda: post(door.url + "/v1/completions", {
+                "model": NAME, "prompt": "a", "max_tokens": 2}))
+            with trio.fail_after(10):
+                while await _sessions(door.workers[0]) == 0:
+                    await trio.sleep(0.01)
+            status, headers, body = await in_thread(lambda: post(
+                door.url + "/v1/completions", {"model": NAME, "prompt": "b", "max_tokens": 2}))
+            gate.set()
+        assert status == 429, body
+        assert headers["retry-after"] == "1"
+        assert body["error"]["type"] == "rate_limit_error"
+        await assert_all_free(door.workers)
+
+
+async def test_a_deadline_is_504_and_no_serving_replica_is_503() -> None:
+    async with front_door(script=FakeScript(step_latency=0.05), timeout=0.3) as door:
+        status, _, body = await in_thread(lambda: post(door.url + "/v1/completions", {
+            "model": NAME, "prompt": "hello", "max_tokens": 100, "temperature": 0}))
+        assert status == 504, body
+        assert body["error"]["code"] == "timeout"
+        await assert_all_free(door.workers)
+        assert (await in_thread(lambda: get(door.url + "/health")))[0] == 200
+        door.workers[0].stop()
+        with trio.fail_after(10):
+            while (await in_thread(lambda: get(door.url + "/health")))[0] != 503:
+                await trio.sleep(0.05)
+        status, _, body = await in_thread(lambda: post(door.url + "/v1/completions", {
+            "model": NAME, "prompt": "hello", "max_tokens": 2}))
+        assert status == 503, body
+        assert body["error"]["code"] == "service_unavailable"
+
+
+async def test_every_refusal_is_a_structured_error_and_the_door_stays_healthy() -> None:
+    async with front_door(max_body_bytes=4096) as door:
+        url = door.url + "/v1/completions"
+        chat = door.url + "/v1/chat/completions"
+        base = {"model": NAME, "prompt": "hello", "max_tokens": 2}
+        cases: list[tuple[str, dict[str, Any] | None, bytes | None, int, str | None, str]] = [
+            (url, {**base, "n": 2}, None, 400, "n", "unsupported_parameter"),
+            (url, {**base, "presence_penalty": 0.5}, None, 400, "presence_penalty", "unsupported_parameter"),
+            (url, {**base, "logit_bias": {"5": 1}}, None, 400, "logit_bias", "unsupported_parameter"),
+            (url, {**base, "echo": True}, None, 400, "echo", "unsupported_parameter"),
+            (url, {**base, "best_of": 3}, None, 400, "best_of", "unsupported_parameter"),
+            (url, {**base, "frobnicate": 1}, None, 400, "frobnicate", "invalid_parameter"),
+            (url, {**base, "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop", "invalid_parameter"),
+            (url, {**base, "temperature": -1}, None, 400, "temperature", "invalid_parameter"),
+            (url, {**base, "max_tokens": 0}, None, 400, "max_tokens", "invalid_parameter"),
+            (url, {**base, "logprobs": 21}, None, 400, "logprobs", "invalid_parameter"),
+            (url, {**base, "prompt": ["a", "b"]}, None, 400, "prompt", "unsupported_parameter"),
+            (url, {**base, "prompt": ""}, None, 400, "prompt", "invalid_parameter"),
+            (url, {**base, "model": "gpt-4"}, None, 404, "model", "model_not_found"),
+            (url, {**base, "prompt": "x" * 3000}, None, 400, "prompt", "context_length_exceeded"),
+            (url, {**base, "prompt": [1] * 3000}, None, 413, None, "body_too_large"),
+            (url, None, b"{not json", 400, None, "invalid_json"),
+            (url, None, b"[1, 2]", 400, None, "invalid_json"),
+            (chat, {"model": NAME, "messages": MESSAGES, "tools": [{"type": "function"}]}, None,
+             400, "tools", "unsupported_parameter"),
+            (chat, {"model": NAME, "messages": []}, None, 400, "messages", "invalid_parameter"),
+            (chat, {"model": NAME, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, None, "invalid_parameter"),
+            (chat, {"model": NAME, "messages": MESSAGES, "top_logprobs": 2}, None, 400,
+             "top_logprobs", "unsupported_parameter"),
+        ]
+        for target, body, raw, status, param, code in cases:
+            got_status, _, got = await in_thread(partial(post, target, body, raw=raw))
+            assert got_status == status, (body, raw, got)
+            error = got["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == code and error["message"], got
+            if param is not None:
+                assert (error["param"] or "").startswith(param), got
+        assert (await in_thread(lambda: get(door.url + "/nowhere")))[0] == 404
+        assert (await in_thread(lambda: get(door.url + "/v1/completions")))[0] == 405
+        assert (await in_thread(lambda: get(door.url + "/health")))[0] == 200
+        await assert_all_free(door.workers)
+        got = await in_thread(lambda: door.client.completions.create(
+            model=NAME, prompt="still fine", max_tokens=3))
+        assert got.usage.completion_tokens == 3
+
+
+async def test_a_model_without_a_template_refuses_chat_but_completes() -> None:
+    async with front_door(model=PLAIN) as door:
+        def calls() -> Any:
+            with pytest.raises(openai.BadRequestError) as info:
+                door.client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=2)
+            assert info.value.code == "chat_template_missing"
+            return door.client.completions.create(model=NAME, prompt="hello", max_tokens=2)
+
+        assert (await in_thread(calls)).usage.completion_tokens == 2
+
+
+async def test_a_template_file_overrides_the_models(tmp_path: Path) -> None:
+    async with AsyncExitStack() as stack:
+        w = await stack.enter_async_context(worker(engine=FakeEngine(model=PLAIN),
+                                                   load=LoadSpec(n_ctx=2048, max_sessions=4)))
+        backend = await stack.enter_async_context(Backend.connect(
+            [[w.target]], model_id=NAME, chat_template="{% for m in messages %}{{ m.content }}|{% endfor %}"))
+        assert backend.render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a|b|"
+
+
+async def test_api_keys_are_required_and_health_is_not(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("sk-one alice\n")
+    keys = TokenAuthenticator(keys_file)
+    async with front_door(keys=keys) as door:
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 1}
+        for headers in ({}, {"authorization": "Bearer sk-two"}, {"authorization": "Basic sk-one"}):
+            status, _, got = await in_thread(partial(post, door.url + "/v1/completions", body, headers=headers))
+            assert status == 401 and got["error"]["code"] == "invalid_api_key"
+        assert (await in_thread(lambda: get(door.url + "/v1/models")))[0] == 401
+        status, _, _ = await in_thread(lambda: post(
+            door.url + "/v1/completions", body, headers={"authorization": "Bearer sk-one"}))
+        assert status == 200
+        assert (await in_thread(lambda: get(door.url + "/health")))[0] == 200
+        keys_file.write_text("sk-two bob\n")
+        assert keys.reload()  # what SIGHUP does in `trio-shard api`
+        status, _, _ = await in_thread(lambda: post(
+            door.url + "/v1/completions", body, headers={"authorization": "Bearer sk-two"}))
+        assert status == 200
+        client = openai.OpenAI(base_url=door.url + "/v1", api_key="sk-two", max_retries=0)
+        assert (await in_thread(lambda: client.completions.create(
+            model=NAME, prompt="x", max_tokens=1))).usage.completion_tokens == 1
