@@ -30,7 +30,7 @@ from rpc_harness import (
 )
 from test_pipeline import TIMEOUT, assert_all_free
 
-from shard.api import Backend, build_app, serve_http
+from shard.api import Backend, HttpTls, build_app, serve_http
 from shard.chat import ChatTemplate
 from shard.client import ShardClient
 from shard.engine import LayerRange, LoadSpec
@@ -44,7 +44,9 @@ MODEL = FakeModel(n_layers_total=4, n_embd=8, seed=7, chat_template=TEMPLATE)
 PLAIN = FakeModel(n_layers_total=4, n_embd=8, seed=7)  # the same weights, no chat template
 NAME = "fake-chat"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
-SHAPES = {"whole": [None], "pipeline": [LayerRange(0, 2), LayerRange(2, 4)]}
+HALVES = [LayerRange(0, 2), LayerRange(2, 4)]
+#: (layer ranges, relay): one whole-model worker, two hops with either relay
+SHAPES = {"whole": ([None], "client"), "pipeline": (HALVES, "client"), "chain": (HALVES, "chain")}
 
 
 @dataclass
@@ -63,7 +65,8 @@ class FrontDoor:
 async def front_door(
     ranges: Sequence[LayerRange | None] = (None,), *, model: FakeModel = MODEL,
     max_sessions: int = 4, script: FakeScript | None = None, keys: TokenAuthenticator | None = None,
-    timeout: float | None = TIMEOUT, relay: str = "client", **app_kw: Any,
+    timeout: float | None = TIMEOUT, relay: str = "client", speculate: int = 0,
+    tls: HttpTls | None = None, **app_kw: Any,
 ) -> AsyncIterator[FrontDoor]:
     async with AsyncExitStack() as stack:
         workers = []
@@ -77,12 +80,13 @@ async def front_door(
             workers.append(await stack.enter_async_context(
                 worker(engine=engine, load=spec, relay=relaying)))
         backend = await stack.enter_async_context(Backend.connect(
-            [[w.target] for w in workers], model_id=NAME, timeout=timeout, relay=relay))
+            [[w.target] for w in workers], model_id=NAME, timeout=timeout, relay=relay,
+            speculate=speculate))
         app = build_app(backend, keys=keys, **app_kw)
         nursery = await stack.enter_async_context(trio.open_nursery())
         shutdown = trio.Event()
         binds = await nursery.start(partial(serve_http, app, host="127.0.0.1", port=0,
-                                            shutdown=shutdown, grace=1.0))
+                                            shutdown=shutdown, grace=1.0, tls=tls))
         yield FrontDoor(binds[0], workers, backend)
         shutdown.set()
 
@@ -135,7 +139,8 @@ def rendered(messages: Sequence[dict[str, str]] = MESSAGES) -> str:
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 async def test_openai_client_gets_the_workers_tokens(shape: str) -> None:
-    async with front_door(SHAPES[shape]) as door:
+    ranges, relay = SHAPES[shape]
+    async with front_door(ranges, relay=relay) as door:
         want_text, _ = await direct_text(door, "hello world", max_tokens=12, seed=5,
                                          temperature=0.8)
         want_chat, _ = await direct_text(door, rendered(), max_tokens=12, seed=5, temperature=0.8)
@@ -448,3 +453,58 @@ async def test_api_keys_are_required_and_health_is_not(tmp_path: Path) -> None:
         client = openai.OpenAI(base_url=door.url + "/v1", api_key="sk-two", max_retries=0)
         assert (await in_thread(lambda: client.completions.create(
             model=NAME, prompt="x", max_tokens=1))).usage.completion_tokens == 1
+
+
+async def test_speculation_behind_the_front_door_gives_the_same_tokens() -> None:
+    prompt = "one two three one two three one two three one two"
+    async with front_door(HALVES, speculate=3) as door:
+        want, _ = await direct_text(door, prompt, max_tokens=24, temperature=0)
+        got = await in_thread(lambda: door.client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=24, temperature=0))
+        assert got.choices[0].text == want
+        await assert_all_free(door.workers)
+
+
+async def test_a_stream_that_fails_mid_way_ends_with_an_error_event() -> None:
+    async with front_door(script=FakeScript(fail_at_step=8)) as door:
+        def call() -> tuple[list[str], Exception | None]:
+            texts: list[str] = []
+            try:
+                for chunk in door.client.completions.create(
+                        model=NAME, prompt="hi", max_tokens=30, temperature=0, stream=True):
+                    texts.append(chunk.choices[0].text)
+            except openai.APIError as exc:
+                return texts, exc
+            return texts, None
+
+        texts, error = await in_thread(call)
+        assert texts  # the first tokens arrived before the engine failed
+        assert error is not None and "scripted failure" in str(error), error
+        _, body = await in_thread(lambda: get(door.url + "/metrics"))
+        assert b'trio_shard_api_requests_total{endpoint="completions",status="503"} 1.0' in body
+
+
+async def test_https_with_the_front_doors_own_certificate(tmp_path: Path) -> None:
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    async with front_door(tls=HttpTls(cert, key)) as door:
+        assert door.url.startswith("https://")
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+
+        def fetch() -> tuple[int, bytes]:
+            with urllib.request.urlopen(door.url + "/v1/models", context=context, timeout=TIMEOUT) as r:
+                return r.status, r.read()
+
+        status, body = await in_thread(fetch)
+        assert status == 200 and json.loads(body)["data"][0]["id"] == NAME
+        plain = door.url.replace("https://", "http://")
+        with pytest.raises(OSError):
+            await in_thread(lambda: urllib.request.urlopen(plain + "/health", timeout=5).read())

@@ -14,8 +14,7 @@ import os
 import re
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from functools import partial
 from pathlib import Path
 
@@ -24,33 +23,19 @@ import pytest
 import trio
 from rpc_harness import (
     CLI,
-    Worker,
     no_engine_leaks,  # noqa: F401 - autouse: no sessions/KV cells leak
     worker,
 )
 from test_api import get, post
 from test_pipeline import TIMEOUT, assert_all_free
+from test_pipeline_llama import llama_workers
 
 from shard.api import Backend, build_app, serve_http
 from shard.cli import _subparser, build_parser, env_name
-from shard.engine import LayerRange, LoadSpec
-from shard.engine.llama import LlamaCppEngine
-from shard.models import ensure_model, ensure_slice
+from shard.engine import LayerRange
 
 NAME = "chat-test"
 MESSAGES = [{"role": "user", "content": "hello, how are you"}]
-
-
-@asynccontextmanager
-async def llama_chat_workers(ranges: Sequence[LayerRange | None]) -> AsyncIterator[list[Worker]]:
-    source = ensure_model("chat")
-    async with AsyncExitStack() as stack:
-        workers = []
-        for lr in ranges:
-            path = source if lr is None else await trio.to_thread.run_sync(ensure_slice, source, lr)
-            spec = LoadSpec(model_path=path, layer_range=lr, n_ctx=1024, max_sessions=2, n_threads=1)
-            workers.append(await stack.enter_async_context(worker(engine=LlamaCppEngine(), load=spec)))
-        yield workers
 
 
 def cli_generate(*argv: str) -> dict[str, object]:
@@ -62,7 +47,7 @@ def cli_generate(*argv: str) -> dict[str, object]:
 @pytest.mark.parametrize("shape", ["whole", "pipeline"])
 async def test_llama_chat_through_the_front_door_equals_generate_chat(shape: str) -> None:
     ranges: list[LayerRange | None] = [None] if shape == "whole" else [LayerRange(0, 2), LayerRange(2, 4)]
-    async with llama_chat_workers(ranges) as workers, AsyncExitStack() as stack:
+    async with llama_workers(ranges, preset="chat") as workers, AsyncExitStack() as stack:
         targets = [w.target for w in workers]
         where = ["--target", targets[0]] if shape == "whole" else ["--pipeline", ",".join(targets)]
         backend = await stack.enter_async_context(

@@ -35,13 +35,13 @@ CHAINS = {"2-workers": [0, 2, 4], "3-workers": [0, 1, 3, 4]}
 
 @asynccontextmanager
 async def llama_workers(
-    ranges: Sequence[LayerRange | None], *, relay: bool = False
+    ranges: Sequence[LayerRange | None], *, relay: bool = False, preset: str = "tiny"
 ) -> AsyncIterator[list[Worker]]:
-    """One live LlamaCppEngine worker per range (None: the whole tiny model); ``relay``: each
-    one relays routes (``serve --allow-relay``)."""
+    """One live LlamaCppEngine worker per range (None: the whole model of ``preset``);
+    ``relay``: each one relays routes (``serve --allow-relay``)."""
     from shard.relay import ChainRelay
 
-    source = ensure_model("tiny")
+    source = ensure_model(preset)
     async with AsyncExitStack() as stack:
         workers = []
         for lr in ranges:

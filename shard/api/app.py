@@ -102,7 +102,8 @@ def build_app(
 
     def sampling(body: GenerationRequest) -> dict[str, Any]:
         return {"temperature": 1.0 if body.temperature is None else body.temperature,
-                "top_p": 1.0 if body.top_p is None else body.top_p, "seed": body.seed,
+                "top_p": 1.0 if body.top_p is None else body.top_p,
+                "seed": None if body.seed is None else body.seed % 2**64,
                 "stops": body.stops}
 
     def include_usage(body: GenerationRequest) -> bool:

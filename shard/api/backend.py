@@ -140,7 +140,8 @@ class Backend:
         with trio.CancelScope() as scope:
             try:
                 await self.pipeline.generate(
-                    request.prompt, max_tokens=request.max_tokens or self.context,
+                    # no generation outlives the context: a larger limit is the context's
+                    request.prompt, max_tokens=min(request.max_tokens or self.context, self.context),
                     temperature=request.temperature, top_p=request.top_p, seed=seed,
                     top_logprobs=request.top_logprobs, timeout=self.timeout, on_token=on_token,
                     speculate=self.speculate, parse_special=request.parse_special,

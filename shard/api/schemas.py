@@ -45,7 +45,8 @@ class GenerationRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=_U64)
+    #: Any 64-bit value; a negative one is taken modulo 2**64 (some clients send -1).
+    seed: int | None = Field(None, ge=-(2**63), lt=_U64)
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -14,6 +14,7 @@ writers simply race to rename identical bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -107,21 +108,9 @@ _PRESETS: dict[str, ModelPreset] = {
         weight_type="Q8_0",
         seed=20240602,
     ),
-    # The tiny shape with a chat template and its end-of-turn token (tests of chat rendering).
-    "chat": ModelPreset(
-        name="chat",
-        n_embd=64,
-        n_layer=4,
-        n_head=4,
-        n_head_kv=2,
-        n_ff=128,
-        n_vocab=None,
-        context_length=4096,
-        weight_type="F32",
-        seed=20240603,
-        chat=True,
-    ),
 }
+# The tiny shape with a chat template and its end-of-turn token (tests of chat rendering).
+_PRESETS["chat"] = dataclasses.replace(_PRESETS["tiny"], name="chat", seed=20240603, chat=True)
 
 #: Names accepted by ``write_model`` and ``ensure_model``.
 PRESETS: tuple[str, ...] = tuple(_PRESETS)

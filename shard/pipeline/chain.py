@@ -120,7 +120,9 @@ async def run(
     with Blame(runner, blames):
         if step.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             before, started = len(result.steps), trio.current_time()
-            await runner.generate(take, max_tokens=rules.max_tokens - 1,
+            # (no more than the session holds: the loop stops at the context anyway, and the
+            # wire's max_tokens is 32 bits)
+            await runner.generate(take, max_tokens=min(rules.max_tokens - 1, capacity),
                                   stop_tokens=sorted(rules.stop_tokens),
                                   ignore_eos=rules.ignore_eos, fed=step.logits.token_id)
             if cost is not None:
