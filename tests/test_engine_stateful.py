@@ -33,6 +33,7 @@ from hypothesis.stateful import (
 )
 
 from shard.engine import (
+    ContextExceeded,
     DecodeRequest,
     EngineCancelled,
     EngineError,
@@ -183,7 +184,7 @@ class SessionLifecycle(RuleBasedStateMachine):
         if not tokens or any(t in BAD_IDS for t in tokens):
             return InvalidInput
         if position + len(tokens) > PER_SESSION:
-            return InvalidInput
+            return ContextExceeded
         if position + len(tokens) > ref.kv_budget:
             return KvCacheFull
         return None
@@ -197,7 +198,7 @@ class SessionLifecycle(RuleBasedStateMachine):
         if token in BAD_IDS:
             return InvalidInput
         if ref.n_past + 1 > PER_SESSION:
-            return InvalidInput
+            return ContextExceeded
         if ref.n_past + 1 > ref.kv_budget:
             return KvCacheFull
         return None
