@@ -9,6 +9,13 @@ messages), ``trim_blocks`` and ``lstrip_blocks``, the ``raise_exception`` and ``
 helpers and a ``tojson`` filter that keeps non-ASCII text. The rendered text is tokenized with
 special tokens parsed (``parse_special``), so its markers become the model's control tokens.
 
+Message contents are the users' text, so special-token texts in them must stay text: the
+whole rendered prompt is tokenized with special tokens parsed, and a message saying
+``<|im_end|><|im_start|>system`` would otherwise open a system turn of its own. Every special
+text the first shard reports (``ChatTemplate.special_texts``) found in a message's content is
+broken by a WORD JOINER (U+2060) after its first character before rendering: it then tokenizes
+as the plain text it is.
+
 BOS: a template usually writes ``bos_token`` itself, and a tokenizer that adds BOS would then
 put a second one in front; as llama.cpp does, a leading ``bos_token`` is dropped from the text
 when the tokenizer adds one (``ChatTemplate.add_bos``).
@@ -20,6 +27,7 @@ share it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -30,7 +38,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shard.v1 import shard_pb2 as pb
 
-__all__ = ["ChatTemplate", "ChatTemplateError"]
+__all__ = ["WORD_JOINER", "ChatTemplate", "ChatTemplateError"]
+
+WORD_JOINER = "\u2060"
 
 
 class ChatTemplateError(ValueError):
@@ -70,7 +80,9 @@ class ChatTemplate:
     eos_token: str = ""
     eot_token: str = ""
     add_bos: bool = False
+    special_texts: tuple[str, ...] = ()
     _compiled: jinja2.Template = field(init=False, repr=False, compare=False)
+    _special: re.Pattern[str] | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.source.strip():
@@ -80,6 +92,14 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
         object.__setattr__(self, "_compiled", compiled)
+        texts = sorted({t for t in self.special_texts if t}, key=len, reverse=True)
+        object.__setattr__(self, "_special", re.compile("|".join(map(re.escape, texts))) if texts else None)
+
+    def neutralise(self, content: str) -> str:
+        """``content`` with every special-token text broken by U+2060 (see the module doc)."""
+        if self._special is None:
+            return content
+        return self._special.sub(lambda m: m.group()[0] + WORD_JOINER + m.group()[1:], content)
 
     @classmethod
     def of(cls, chat: pb.ChatTemplate, override: str | None = None) -> ChatTemplate | None:
@@ -88,7 +108,8 @@ class ChatTemplate:
         source = override if override is not None else chat.template
         if not source:
             return None
-        return cls(source, chat.bos_token, chat.eos_token, chat.eot_token, chat.add_bos)
+        return cls(source, chat.bos_token, chat.eos_token, chat.eot_token, chat.add_bos,
+                   tuple(chat.special_texts))
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
@@ -96,15 +117,17 @@ class ChatTemplate:
     ) -> str:
         """The prompt text for ``messages`` (each a mapping with ``role`` and ``content``),
         ending with the assistant's turn opened when ``add_generation_prompt``."""
+        safe = [{**m, "content": self.neutralise(m["content"])} if isinstance(m.get("content"), str)
+                else dict(m) for m in messages]
         try:
             text = self._compiled.render(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                messages=safe, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token, **extra,
             )
         except ChatTemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise ChatTemplateError(f"the chat template failed to render: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a template's own failure, whatever it is
+            raise ChatTemplateError(f"the chat template failed to render: {exc!r}") from None
         if self.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]  # the tokenizer adds it
         return text

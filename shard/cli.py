@@ -479,7 +479,8 @@ def _add_api_parser(sub: Any) -> _Parser:
     api.add_argument("--http-tls-client-ca", type=Path, metavar="PEM",
                      help="require client certificates signed by this CA (mutual TLS)")
     api.add_argument("--insecure", action="store_true",
-                     help="allow plaintext HTTP without API keys on a non-loopback --host")
+                     help="allow serving on a non-loopback --host without --api-key-file or "
+                     "--http-tls-client-ca (TLS alone does not say who may generate)")
     api.add_argument("--timeout", type=_positive_float, default=600.0,
                      help="deadline in seconds of one generation (default: 600)")
     api.add_argument("--connect-timeout", type=_positive_float, default=60.0,
@@ -880,11 +881,14 @@ def _cmd_api(args: argparse.Namespace) -> int:
             keys = TokenAuthenticator(args.api_key_file)
         except TokenFileError as exc:
             return _fail(str(exc), 2)
-    refusal = binding_refusal(args.host, tls=tls is not None, authenticated=keys is not None,
-                              insecure=args.insecure)
-    if refusal is not None:
-        return _fail(refusal.replace("--tls-cert/--tls-key, or --auth-token-file",
-                                     "--http-tls-cert/--http-tls-key, or --api-key-file"), 2)
+    # TLS alone keeps the traffic private, not the model: who may generate is the keys' or the
+    # client certificates' to say.
+    who = keys is not None or (tls is not None and tls.client_ca is not None)
+    if binding_refusal(args.host, tls=False, authenticated=who, insecure=args.insecure):
+        return _fail(f"refusing to serve the API on non-loopback address {args.host or '(all)'!r} "
+                     "without API keys or client certificates: anyone who can connect could "
+                     "generate with the model. Add --api-key-file, or --http-tls-client-ca (with "
+                     "--http-tls-cert/--http-tls-key), or pass --insecure.", 2)
     template = None
     if args.chat_template is not None:
         try:

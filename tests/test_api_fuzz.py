@@ -18,9 +18,9 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_api import NAME, front_door, get, post
 
 from shard.client import ShardClient
-from test_api import NAME, front_door, get, post
 
 ANY_JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)

@@ -44,17 +44,49 @@ def assemble(pieces: list[bytes], stops: list[str]) -> tuple[str, list[TokenOut]
 def test_the_text_ends_before_the_first_stop_sequence(case: tuple[str, list[bytes]], stops: list[str]) -> None:
     whole, pieces = case
     got, tokens, stopped = assemble(pieces, stops)
-    hits = [whole.find(s) for s in stops if s and s in whole]
-    if hits:
-        assert stopped and got == whole[:min(hits)]
+    # The naive reference: after each token, the first stop sequence anywhere in the text so far
+    # (tokens arrive whole, so of the stops one token completes the earliest-starting wins, as
+    # in llama.cpp's server).
+    want = None
+    for n in range(1, len(pieces) + 1):
+        so_far = b"".join(pieces[:n]).decode("utf-8", "ignore")
+        hits = [so_far.find(s) for s in stops if s and s in so_far]
+        if hits:
+            want = so_far[:min(hits)]
+            break
+    if want is not None:
+        assert stopped and got == want
     else:
         assert not stopped and got == whole
         assert [t.piece for t in tokens] == pieces  # every token, in order, once
     assert not any(s and s in got for s in stops)
-    # Released tokens are a prefix of the generated ones, and their bytes never run past the
-    # released text (a token is sent with the last of its text).
+    # Released tokens are a prefix of the generated ones: every token whose text was sent (in
+    # part, after a stop sequence that starts inside it), and no other.
     assert [t.piece for t in tokens] == pieces[:len(tokens)]
-    assert len(b"".join(t.piece for t in tokens)) <= len(got.encode()) or not stopped
+    # Token n covers the characters [ends[n-1], ends[n]): those its bytes complete, and the one
+    # it leaves incomplete (a token that ends inside a character ends with that character).
+    ends = [0]
+    for n in range(1, len(pieces) + 1):
+        data = b"".join(pieces[:n])
+        complete = data.decode("utf-8", "ignore")
+        ends.append(len(complete) + (len(complete.encode()) < len(data)))
+    wanted = sum(1 for n in range(1, len(pieces) + 1)
+                 if ends[n] <= len(got) or (stopped and ends[n - 1] < len(got)))
+    assert len(tokens) == (wanted if stopped else len(pieces))
+
+
+def test_offsets_say_where_each_tokens_text_starts() -> None:
+    text = TextAssembler()
+    deltas = [text.push(TokenOut(b"abx", 0.0)), text.push(TokenOut(b"q\xc3", 0.0)),
+              text.push(TokenOut(b"\xa9!", 0.0)), text.finish()]
+    assert "".join(d.text for d in deltas) == "abxq\u00e9!"
+    assert [o for d in deltas for o in d.offsets] == [0, 3, 5]
+
+
+def test_a_stop_inside_a_token_keeps_that_tokens_log_probs() -> None:
+    text = TextAssembler(["ST"])
+    delta = text.push(TokenOut(b"hello ST more", -0.5))
+    assert (delta.text, [t.logprob for t in delta.tokens], text.stopped) == ("hello ", [-0.5], True)
 
 
 def test_a_stop_sequence_split_over_tokens_is_held_back_then_dropped() -> None:

@@ -150,6 +150,29 @@ async def test_a_lost_connection_to_a_live_worker_fails_over_and_releases_it(
             assert proxy.accepted == 2  # the pipeline's connection, then the Release's
 
 
+async def test_a_draining_whole_model_worker_hands_over_to_its_replica() -> None:
+    """A pipeline of one hop with replicas (what the HTTP front door drives for `--target`
+    replicas) steps each token itself, so a draining worker hands over between two tokens."""
+    gates = [StepGate() for _ in range(3)]
+    whole_ranges = [LayerRange(0, 4)] * 3
+    async with shards(whole_ranges, gates=gates) as (whole, primary, standby):
+        want = await reference(whole)
+        drained: list[bool] = []
+
+        async def drain() -> None:
+            await after_steps(gates[1], len(LONG) + 1 + 5, lambda: None)
+            with trio.fail_after(10):  # the grace is 60 s: only the handover ends it this soon
+                drained.append(await primary.server.drain_for(60))
+
+        async with Pipeline.connect([[primary.target, standby.target]], timeout=TIMEOUT) as pipe:
+            got, seen = await run_with(drain, pipe)
+        assert_same(got, want, seen)
+        assert drained == [True]
+        (f,) = got.failovers
+        assert (f.reason, f.handover, f.to_target) == ("DRAINING", True, standby.target)
+        await assert_all_free([whole, standby])
+
+
 @pytest.mark.parametrize("relay", RELAYS)
 async def test_a_hung_worker_is_detected_within_step_timeout_and_failed_over(relay: str) -> None:
     """The middle worker's steps stop (a held gate: it answers nothing more on the stream):

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: Request bodies are bounded: 4 MiB holds any prompt a worker's context takes.
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+#: ``max_tokens`` of a completion that gives none (or null), as OpenAI's.
+DEFAULT_COMPLETION_TOKENS = 16
 
 
 def build_app(
@@ -70,6 +72,12 @@ def build_app(
         return who
 
     async def parse(request: HttpRequest, model: type[GenerationRequest]) -> GenerationRequest:
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            # Also what keeps a web page's form posts out: a browser sends application/json to
+            # another origin only after a CORS preflight, which this server never answers.
+            raise ApiError(415, f"the body must be application/json, not {media or 'untyped'}",
+                           code="unsupported_media_type")
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             raise ApiError(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
@@ -81,7 +89,7 @@ def build_app(
             chunks.append(chunk)
         try:
             raw = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
             raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(raw, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
@@ -106,6 +114,23 @@ def build_app(
                 "seed": None if body.seed is None else body.seed % 2**64,
                 "stops": body.stops}
 
+    def encodable(text: str, param: str) -> None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800" is valid JSON)
+            raise ApiError(400, f"{param} is not valid Unicode (a lone surrogate)", param=param,
+                           code="invalid_parameter") from None
+
+    def checked_prompt(prompt: str | list[int]) -> str | list[int]:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_parameter")
+        if isinstance(prompt, str):
+            encodable(prompt, "prompt")
+        elif not all(0 <= t < backend.first.n_vocab for t in prompt):
+            raise ApiError(400, f"token ids must be in [0, {backend.first.n_vocab})",
+                           param="prompt", code="invalid_parameter")
+        return prompt
+
     def include_usage(body: GenerationRequest) -> bool:
         return body.stream_options is not None and body.stream_options.include_usage
 
@@ -114,23 +139,23 @@ def build_app(
         who = principal(request)
         body = await parse(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
-        prompt = body.single_prompt
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_parameter")
-        job = Request(prompt=prompt, max_tokens=body.max_tokens, top_logprobs=body.logprobs or 0,
-                      **sampling(body))
+        prompt = checked_prompt(body.single_prompt)
+        job = Request(prompt=prompt, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
+                      top_logprobs=body.logprobs or 0, **sampling(body))
         reply = CompletionReply(backend.model_id, logprobs=body.logprobs,
                                 include_usage=include_usage(body))
         return GenerationResponse(backend, job, reply, stream=bool(body.stream),
                                   endpoint="completions", metrics=metrics, started=started,
-                                  principal=who)
+                                  principal=who, user=body.user)
 
     async def chat_completions(request: HttpRequest) -> Response | GenerationResponse:
         started = trio.current_time()
         who = principal(request)
         body = await parse(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
-        text = backend.render_chat([{"role": m.role, "content": m.text} for m in body.messages])
+        for i, m in enumerate(body.messages):
+            encodable(m.text, f"messages.{i}.content")
+        text = backend.render_chat([m.for_template() for m in body.messages])
         job = Request(prompt=text, max_tokens=body.token_limit,
                       top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
                       prompt_param="messages", **sampling(body))
@@ -138,7 +163,7 @@ def build_app(
                           include_usage=include_usage(body))
         return GenerationResponse(backend, job, reply, stream=bool(body.stream),
                                   endpoint="chat_completions", metrics=metrics, started=started,
-                                  principal=who)
+                                  principal=who, user=body.user)
 
     async def models(request: HttpRequest) -> Response:
         principal(request)
@@ -152,9 +177,8 @@ def build_app(
         return JSONResponse(model_card().model_dump())
 
     async def health(request: HttpRequest) -> Response:
-        failing = await backend.not_serving()
-        if failing:
-            return JSONResponse({"status": "unavailable", "detail": failing}, status_code=503)
+        if await backend.not_serving():  # the hops and why: in the log, not for anyone asking
+            return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok", "model": backend.model_id})
 
     async def prometheus(request: HttpRequest) -> Response:

@@ -35,6 +35,8 @@ __all__ = ["Backend", "Outcome", "Request"]
 log = logging.getLogger(__name__)
 
 _LENGTH = frozenset({pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_CONTEXT_FULL})
+#: Seconds a health answer is reused (``Backend.not_serving``).
+HEALTH_TTL = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,20 @@ class Backend:
         self.model_id = model_id
         self.speculate = speculate
         self.timeout = timeout
+        self._health: tuple[float, list[str]] | None = None  # (when, the answer)
         first = pipeline.hops[0].caps
         assert first is not None
         self.first = first
-        #: The chat template (the operator's file over the model's own), None without one.
-        self.chat = ChatTemplate.of(first.chat, chat_template)
+        #: The chat template (the operator's file over the model's own), None without one. A
+        #: model's own template that does not compile leaves chat off (completions still
+        #: serve); an operator's file that does not is an error at start.
+        try:
+            self.chat = ChatTemplate.of(first.chat, chat_template)
+        except ChatTemplateError as exc:
+            if chat_template is not None:
+                raise
+            log.error("chat is off: the model's own %s", exc)
+            self.chat = None
 
     @classmethod
     @asynccontextmanager
@@ -113,8 +124,16 @@ class Backend:
             raise ApiError(400, str(exc), param="messages", code="chat_template_error") from None
 
     async def not_serving(self) -> list[str]:
-        """Why the front door cannot serve now: one line per hop none of whose replicas serves."""
-        return [f"{hop}: {why}" for hop, why in await self.pipeline.serving(timeout=2.0)]
+        """Why the front door cannot serve now: one line per hop none of whose replicas serves
+        (logged). The answer is kept for ``HEALTH_TTL`` seconds, so probes cannot multiply into
+        Health calls on every worker."""
+        now = trio.current_time()
+        if self._health is None or now - self._health[0] > HEALTH_TTL:
+            failing = [f"{hop}: {why}" for hop, why in await self.pipeline.serving(timeout=2.0)]
+            if failing:
+                log.warning("not serving: %s", "; ".join(failing))
+            self._health = (trio.current_time(), failing)
+        return self._health[1]
 
     async def generate(self, request: Request, out: trio.MemorySendChannel[Delta]) -> Outcome:
         """Run one generation, sending each ``Delta`` to ``out``; raises ``ApiError``."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse
 
+from shard.pipeline import PipelineError
 from shard.rpc.errors import ErrorCode, GrpcStatus, ShardError
 
 from .schemas import ErrorDetail, ErrorResponse
@@ -21,8 +22,10 @@ __all__ = ["ApiError", "from_shard_error"]
 
 #: Seconds a client is asked to wait after a 429 (the workers' sessions were all taken).
 RETRY_AFTER_SECONDS = 1
-#: ``ShardError.reason`` of input longer than a session's context (``shard.errors.ContextExceeded``).
+#: ``ShardError.reason`` of input longer than a session's context (``shard.errors.ContextExceeded``),
+#: and of input beyond a session's KV budget (with chain relay: a later hop's smaller context).
 CONTEXT_REASON = "CONTEXT_LENGTH_EXCEEDED"
+KV_FULL_REASON = "KV_CACHE_FULL"
 
 
 @dataclass
@@ -35,6 +38,9 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    #: What the operator's log gets beyond ``message`` (a worker's full error, with its address;
+    #: clients are told which hop, never where it runs).
+    detail: str = ""
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -49,19 +55,29 @@ class ApiError(Exception):
 
 def from_shard_error(err: ShardError, *, prompt_param: str = "prompt") -> ApiError:
     """The HTTP error for a worker's (or the pipeline's) error."""
-    if err.reason == CONTEXT_REASON:
+    error = _shaped(err, prompt_param)
+    if isinstance(err, PipelineError):  # the hop by its place only: its address is for the log
+        error.detail, error.message = error.message, f"hop {err.hop_index}: {err.cause.message}"
+    return error
+
+
+def _shaped(err: ShardError, prompt_param: str) -> ApiError:
+    retry = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+    if err.reason in (CONTEXT_REASON, KV_FULL_REASON):  # KV full: a later hop's smaller context
         return ApiError(400, err.message, param=prompt_param, code="context_length_exceeded")
     if err.code == ErrorCode.INVALID_ARGUMENT:
         return ApiError(400, err.message, code="invalid_argument")
     if err.code == ErrorCode.RESOURCE_EXHAUSTED:
+        if not err.retryable:  # it would fail again: not a reason to come back later
+            return ApiError(400, err.message, param=prompt_param, code="request_too_large")
         return ApiError(429, err.message, type="rate_limit_error", code="rate_limit_exceeded",
-                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                        headers=retry)
     if err.code == ErrorCode.DEADLINE_EXCEEDED:
         return ApiError(504, err.message, type="timeout_error", code="timeout")
     if err.code in (ErrorCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED):
         # The front door's own credentials were refused: the operator's problem, not the caller's.
         return ApiError(502, err.message, type="server_error", code="upstream_refused")
-    if err.grpc_status == GrpcStatus.UNAVAILABLE:
+    if err.grpc_status == GrpcStatus.UNAVAILABLE or err.code in (ErrorCode.SESSION_BUSY, ErrorCode.CANCELLED):
         return ApiError(503, err.message, type="server_error", code="service_unavailable",
-                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                        headers=retry)
     return ApiError(500, err.message, type="server_error", code=err.code.name.lower())

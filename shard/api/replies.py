@@ -15,7 +15,7 @@ from typing import Any
 
 from . import schemas as s
 from .backend import Outcome
-from .text import Delta, TokenOut
+from .text import Delta
 
 __all__ = ["ChatReply", "CompletionReply", "Reply"]
 
@@ -57,14 +57,8 @@ class CompletionReply(Reply):
     def _logprobs(self, deltas: Sequence[Delta]) -> s.CompletionLogprobs | None:
         if self.logprobs is None:
             return None
-        tokens: list[TokenOut] = []
-        offsets: list[int] = []
-        for delta in deltas:
-            offset = delta.offset
-            for token in delta.tokens:
-                tokens.append(token)
-                offsets.append(offset)
-                offset += len(token.text)
+        tokens = [t for d in deltas for t in d.tokens]
+        offsets = [o for d in deltas for o in d.offsets]
         return s.CompletionLogprobs(
             tokens=[t.text for t in tokens], token_logprobs=[t.logprob for t in tokens],
             top_logprobs=[{a.text: a.logprob for a in t.top} for t in tokens] if self.logprobs else None,

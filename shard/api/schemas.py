@@ -86,7 +86,7 @@ class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)  # null: 16 too
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
@@ -122,6 +122,19 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # What the openai SDK puts in an assistant message it returned, when a client sends it back
+    # in the history: taken when empty (tool calls are refused, ``unsupported``).
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    annotations: list[Any] | None = None
+
+    def for_template(self) -> dict[str, str]:
+        """The message as a chat template reads it (``developer`` is OpenAI's newer name for
+        the system role, which templates know)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     @property
     def text(self) -> str:
@@ -150,6 +163,9 @@ class ChatCompletionRequest(GenerationRequest):
     parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
+        for i, m in enumerate(self.messages):
+            if m.tool_calls:
+                return f"messages.{i}.tool_calls", "tool calls are not supported"
         if self.tools:
             return "tools", "tools (function calling) are not supported"
         if self.tool_choice not in (None, "none"):

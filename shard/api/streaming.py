@@ -61,6 +61,7 @@ class GenerationResponse:
     def __init__(
         self, backend: Backend, request: Request, reply: Reply, *, stream: bool,
         endpoint: str, metrics: ApiMetrics, started: float, principal: str | None = None,
+        user: str | None = None,
     ) -> None:
         self.backend = backend
         self.request = request
@@ -70,6 +71,7 @@ class GenerationResponse:
         self.metrics = metrics
         self.started = started
         self.principal = principal
+        self.user = user
         self.status = 0
         self._first_at: float | None = None
         #: Set before the last bytes are sent: the client may disconnect (and cancel this
@@ -152,6 +154,8 @@ class GenerationResponse:
             event = await self._next(events)
         if isinstance(event, ApiError):
             self.status = event.status
+            _log("generation failed mid-stream", endpoint=self.endpoint, id=self.reply.id,
+                 status=event.status, code=event.code, message=event.detail or event.message)
             tail = _event(event.body())
         else:
             tail = b"".join(_event(c) for c in self.reply.final_chunks(event))
@@ -162,7 +166,7 @@ class GenerationResponse:
     async def _error(self, err: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
         self.status, self._complete = err.status, True
         _log("generation refused", endpoint=self.endpoint, id=self.reply.id, status=err.status,
-             code=err.code, message=err.message)
+             code=err.code, message=err.detail or err.message)
         await err.response()(scope, receive, send)
 
     def _account(self, outcome: Outcome | None) -> None:
@@ -176,6 +180,6 @@ class GenerationResponse:
             m.tokens_per_second.labels(self.endpoint).observe(
                 (outcome.completion_tokens - 1) / (now - self._first_at))
         _log("generation done", endpoint=self.endpoint, id=self.reply.id, status=self.status,
-             principal=self.principal, prompt_tokens=outcome.prompt_tokens,
+             principal=self.principal, user=self.user, prompt_tokens=outcome.prompt_tokens,
              completion_tokens=outcome.completion_tokens, finish_reason=outcome.finish_reason,
              ttft_ms=None if self._first_at is None else round((self._first_at - self.started) * 1e3, 1))

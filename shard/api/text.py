@@ -48,12 +48,12 @@ class TokenOut:
 
 @dataclass
 class Delta:
-    """Text released to the client, and the tokens whose text it completes."""
+    """Text released to the client, and the tokens whose text it completes, with where each
+    token's text starts in the whole completion (a completion's ``text_offset``)."""
 
     text: str = ""
     tokens: list[TokenOut] = field(default_factory=list)
-    #: Offset of ``text`` in the whole completion (a completion's ``text_offset``).
-    offset: int = 0
+    offsets: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.text or self.tokens)
@@ -65,55 +65,59 @@ class TextAssembler:
     def __init__(self, stops: Sequence[str] = ()) -> None:
         self._stops = tuple(s for s in stops if s)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._text = ""  # everything decoded so far
-        self._sent = 0  # characters of it released
-        self._tokens: list[tuple[TokenOut, int]] = []  # held tokens, with where their text ends
+        self._sent = 0  # characters released
+        self._tail = ""  # decoded text not released yet (it starts at ``_sent``)
+        #: held tokens: (token, where its text starts, where it ends), in characters
+        self._tokens: list[tuple[TokenOut, int, int]] = []
+        self._end = 0  # where the last token's text ends
         self.stopped = False
 
     def push(self, token: TokenOut) -> Delta:
         """Add one token. After a stop sequence matched (``stopped``) the generation is over:
         further tokens are ignored."""
         if self.stopped:
-            return Delta(offset=self._sent)
-        self._text += self._decoder.decode(token.piece)
+            return Delta()
+        self._tail += self._decoder.decode(token.piece)
         # A token that ends inside a character ends with that character (the next one).
         pending = bool(self._decoder.getstate()[0])
-        self._tokens.append((token, len(self._text) + pending))
+        start, self._end = self._end, self._sent + len(self._tail) + pending
+        self._tokens.append((token, start, self._end))
         # No stop sequence can start in released text: its start would have been held back.
-        hits = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
+        hits = [i for i in (self._tail.find(s) for s in self._stops) if i >= 0]
         if hits:
             self.stopped = True
-            return self._release(min(hits), stop=True)
-        return self._release(len(self._text) - self._held_back())
+            return self._release(self._sent + min(hits), stop=True)
+        return self._release(self._sent + len(self._tail) - self._held_back())
 
     def finish(self) -> Delta:
         """The generation ended without a stop sequence: release everything held."""
         if self.stopped:
-            return Delta(offset=self._sent)
-        self._text += self._decoder.decode(b"", final=True)
-        if self._tokens:  # the decoder's flush belongs to the last token
-            self._tokens[-1] = (self._tokens[-1][0], len(self._text))
-        return self._release(len(self._text), flush=True)
+            return Delta()
+        self._tail += self._decoder.decode(b"", final=True)
+        return self._release(self._sent + len(self._tail), flush=True)
 
     def _held_back(self) -> int:
         """Characters at the end that are the start of a stop sequence."""
-        tail = self._text[self._sent:]
         longest = 0
         for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(tail)), longest, -1):
-                if tail.endswith(stop[:n]):
+            for n in range(min(len(stop) - 1, len(self._tail)), longest, -1):
+                if self._tail.endswith(stop[:n]):
                     longest = n
                     break
         return longest
 
     def _release(self, end: int, *, stop: bool = False, flush: bool = False) -> Delta:
-        delta = Delta(self._text[self._sent:end], offset=self._sent)
-        self._sent = max(self._sent, end)
+        """Release the text up to ``end`` with the tokens it completes (after a stop: the
+        tokens any released text is from; their text past ``end`` is the stop's, never sent)."""
+        cut = max(end - self._sent, 0)
+        delta = Delta(self._tail[:cut])
+        self._tail, self._sent = self._tail[cut:], self._sent + cut
         keep = []
-        for token, token_end in self._tokens:
-            if token_end <= end or flush:
+        for token, start, token_end in self._tokens:
+            if flush or token_end <= end or (stop and start < end):
                 delta.tokens.append(token)
+                delta.offsets.append(start)
             elif not stop:
-                keep.append((token, token_end))
+                keep.append((token, start, token_end))
         self._tokens = keep
         return delta

@@ -225,7 +225,8 @@ class FakeEngine(ShardEngine):
             eos_token_id=EOS_ID,
             max_token_bytes=len(_SPECIAL_TEXT[EOS_ID]),  # a byte per token, or a special one
             chat=ChatTemplate(m.chat_template, _SPECIAL_TEXT[BOS_ID], _SPECIAL_TEXT[EOS_ID],
-                              _SPECIAL_TEXT[EOS_ID], add_bos=True) if layers.start == 0 else ChatTemplate(),
+                              _SPECIAL_TEXT[EOS_ID], add_bos=True,
+                              special_texts=tuple(_SPECIAL_ID)) if layers.start == 0 else ChatTemplate(),
             layer_ranges=LayerRangeSupport(True, "any boundary (the fake model computes every range)"),
         )
 

@@ -220,12 +220,17 @@ def _chat_template(model: Any, vocab: Any) -> ChatTemplate:
             return ""
         return (lc.llama_vocab_get_text(vocab, token) or b"").decode("utf-8", "replace")
 
+    # What llama_tokenize's parse_special turns into tokens (user-defined tokens are always
+    # parsed, with or without it).
+    special = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN
     return ChatTemplate(
         template=raw.decode("utf-8", "replace") if raw else "",
         bos_token=text(int(lc.llama_vocab_bos(vocab))),
         eos_token=text(int(lc.llama_vocab_eos(vocab))),
         eot_token=text(int(lc.llama_vocab_eot(vocab))),
         add_bos=bool(lc.llama_vocab_get_add_bos(vocab)),
+        special_texts=tuple(t for i in range(int(lc.llama_vocab_n_tokens(vocab)))
+                            if lc.llama_vocab_get_attr(vocab, i) & special and (t := text(i))),
     )
 
 

@@ -168,6 +168,8 @@ class ChatTemplate:
     eos_token: str = ""
     eot_token: str = ""  # end of turn
     add_bos: bool = False  # tokenizing a text at position 0 adds BOS
+    #: Every text that ``parse_special`` turns into a control token.
+    special_texts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,8 @@ class Pipeline:
         when this returns or fails. ``parse_special``: special-token texts in a text prompt
         become special tokens (a rendered chat template; ``Hop.caps.parse_special`` says
         whether the first shard honours it). A pipeline of one hop (a whole-model worker)
-        decodes in the worker's own loop (``Generate``), as a chain relay does.
+        without replicas decodes in the worker's own loop (``Generate``), as a chain relay
+        does; with replicas the client steps, so a draining worker hands over between tokens.
 
         ``speculate=K`` (K >= 1): each pass through the chain carries the next token and up to K
         tokens drafted by prompt lookup (``shard.pipeline.drafting``: n-grams of the prompt, a
@@ -404,13 +405,17 @@ class Pipeline:
                 )
                 last = len(self._replicas) - 1
                 chained = self.relay == "chain" and last > 0
+                # A whole-model worker without replicas decodes in its own loop; with replicas
+                # the client steps, so that a draining worker hands over at the next token
+                # (the hand-over is checked before each step the client sends).
+                alone = last == 0 and len(self._replicas[0].replicas) == 1
                 if chained:  # one runner: the first hop, answering with the last shard's results
                     runners = [chain.first_hop_runner(self._replicas, gen)]
                 else:
                     runners = [HopRunner(r, gen, last=r.index == last) for r in self._replicas]
                 try:
                     with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
-                        if (chained or last == 0) and not speculate:  # the workers loop: Generate on hop 0
+                        if (chained or alone) and not speculate:  # the workers loop: Generate on hop 0
                             await chain.run(runners[0], result, prompt, rules, on_token, blames,
                                             self.pass_cost)
                         else:  # the client steps (a chain's passes go through hop 0's route)

@@ -212,6 +212,7 @@ def capabilities_to_proto(
         chat=pb.ChatTemplate(
             template=caps.chat.template, bos_token=caps.chat.bos_token,
             eos_token=caps.chat.eos_token, eot_token=caps.chat.eot_token, add_bos=caps.chat.add_bos,
+            special_texts=caps.chat.special_texts,
         ),
         parse_special=caps.is_first,
     )
