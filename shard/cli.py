@@ -1283,8 +1283,20 @@ def _cmd_caps(args: argparse.Namespace) -> int:
     else:
         width = max(len(k) for k in caps)
         for key, value in caps.items():
+            if key == "chat" and isinstance(value, dict):  # a template and thousands of texts
+                value = _chat_summary(value)
             print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _chat_summary(chat: dict[str, Any]) -> str:
+    """``caps``' one line for the chat template (``--json`` prints it whole)."""
+    template = chat.get("template", "")
+    parts = [f"template of {len(template)} characters" if template else "no template"]
+    parts += [f"{name} {chat[key]!r}" for key, name in
+              (("bos_token", "bos"), ("eos_token", "eos"), ("eot_token", "end of turn")) if chat.get(key)]
+    parts.append(f"{len(chat.get('special_texts', []))} special-token texts")
+    return ", ".join(parts)
 
 
 def _cmd_health(args: argparse.Namespace) -> int:
