@@ -551,3 +551,18 @@ async def test_what_clients_send_back_and_newer_roles_are_taken() -> None:
         assert "<system>be brief" in rendered_
         assert chat.usage.prompt_tokens == 1 + len(rendered_.encode()) - rendered_.count("</s>") * 3
         assert status == 200 and body["usage"]["completion_tokens"] == 16  # null: the default
+
+
+async def test_a_keyless_door_on_loopback_answers_loopback_hosts_only() -> None:
+    """DNS rebinding: a page whose own name now points at 127.0.0.1 sends its name as Host."""
+    async with front_door(loopback_hosts_only=True) as door:
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 1}
+        status, _, got = await in_thread(lambda: post(
+            door.url + "/v1/completions", body, headers={"host": "evil.example:8000"}))
+        assert status == 403 and got["error"]["code"] == "host_not_allowed"
+        for host in ("localhost:8000", "127.0.0.1"):
+            status, _, _ = await in_thread(partial(
+                post, door.url + "/v1/completions", body, headers={"host": host}))
+            assert status == 200, host
+        got = await in_thread(lambda: door.client.completions.create(model=NAME, prompt="x", max_tokens=1))
+        assert got.usage.completion_tokens == 1

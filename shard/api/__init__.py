@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import trio
 
-from shard.rpc.auth import TokenAuthenticator
+from shard.rpc.auth import TokenAuthenticator, is_loopback
 
 from .app import DEFAULT_MAX_BODY_BYTES, build_app
 from .backend import Backend
@@ -49,7 +49,8 @@ async def run_api(
         step_timeout=step_timeout, connect_timeout=connect_timeout,
     ) as backend:
         backend.model_id = model_name or default_model_name(backend.first)
-        app = build_app(backend, keys=keys, max_body_bytes=max_body_bytes)
+        app = build_app(backend, keys=keys, max_body_bytes=max_body_bytes,
+                        loopback_hosts_only=keys is None and is_loopback(host))
         shutdown = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(_handle_signals, shutdown, nursery.cancel_scope, keys, grace)

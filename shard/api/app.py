@@ -13,6 +13,7 @@ asked: unknown and unsupported parameters are refused with a 400 naming them.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import time
@@ -53,8 +54,12 @@ DEFAULT_COMPLETION_TOKENS = 16
 def build_app(
     backend: Backend, *, keys: TokenAuthenticator | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ApiMetrics | None = None,
+    loopback_hosts_only: bool = False,
 ) -> Starlette:
-    """The front door over ``backend``; ``keys``: the accepted API keys (None: no key needed)."""
+    """The front door over ``backend``; ``keys``: the accepted API keys (None: no key needed).
+    ``loopback_hosts_only``: refuse requests whose ``Host`` is not a loopback name (a door on
+    loopback without keys: a web page that rebinds its own name to 127.0.0.1 would otherwise
+    be same-origin with it and read its answers)."""
     metrics = metrics if metrics is not None else ApiMetrics()
     created = int(time.time())
 
@@ -62,6 +67,9 @@ def build_app(
         return Model(id=backend.model_id, created=created)
 
     def principal(request: HttpRequest) -> str | None:
+        if loopback_hosts_only and not _loopback_host(request.headers.get("host", "")):
+            raise ApiError(403, "this server answers requests for a loopback host only (it has "
+                           "no API keys)", code="host_not_allowed")
         if keys is None:
             return None
         scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
@@ -213,6 +221,18 @@ def build_app(
     })
     app.state.metrics = metrics
     return app
+
+
+def _loopback_host(host: str) -> bool:
+    """Whether a ``Host`` header names this machine by a loopback name or address."""
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    name = name.strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 async def _not_found(request: HttpRequest, exc: Exception) -> Response:
