@@ -486,6 +486,9 @@ def _add_api_parser(sub: Any) -> _Parser:
     api.add_argument("--connect-timeout", type=_positive_float, default=60.0,
                      help="seconds to wait at start for the workers to answer and serve "
                      "(default: 60)")
+    api.add_argument("--send-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+                     help="a client that takes no data for this long (it stopped reading) has its "
+                     "generation cancelled and its sessions released (default: 30)")
     api.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
                      help="largest request body accepted, larger ones get 413 (default: 4 MiB)")
     api.add_argument("--grace", type=_non_negative_float, default=10.0,
@@ -908,6 +911,7 @@ def _cmd_api(args: argparse.Namespace) -> int:
             model_name=args.model_name, chat_template=template, relay=args.relay,
             speculate=args.speculate, step_timeout=args.step_timeout, timeout=args.timeout,
             connect_timeout=args.connect_timeout, max_body_bytes=args.max_body_bytes,
+            send_timeout=args.send_timeout,
             grace=args.grace, **options,
         ))
     except ChatTemplateError as exc:

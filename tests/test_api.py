@@ -566,3 +566,32 @@ async def test_a_keyless_door_on_loopback_answers_loopback_hosts_only() -> None:
             assert status == 200, host
         got = await in_thread(lambda: door.client.completions.create(model=NAME, prompt="x", max_tokens=1))
         assert got.usage.completion_tokens == 1
+
+
+async def test_a_client_that_stops_reading_loses_its_generation_not_the_workers() -> None:
+    """An ASGI ``send`` that never returns (the client's socket full) is given up after
+    ``send_timeout``: the generation is cancelled and every hop's session released."""
+    from shard.api.backend import Request
+    from shard.api.metrics import ApiMetrics
+    from shard.api.replies import CompletionReply
+    from shard.api.streaming import GenerationResponse
+
+    async with front_door(HALVES, script=FakeScript(step_latency=0.005)) as door:
+        response = GenerationResponse(
+            door.backend, Request(prompt="hello", max_tokens=400, temperature=0.0),
+            CompletionReply(NAME, logprobs=None), stream=True, endpoint="completions",
+            metrics=ApiMetrics(), started=trio.current_time(), send_timeout=0.3)
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+            if len(sent) > 3:  # the headers and two events went out; then the socket is full
+                await trio.sleep_forever()
+
+        async def receive() -> Any:
+            await trio.sleep_forever()  # no disconnect: the client holds its connection
+
+        with trio.fail_after(10):
+            await response({"type": "http"}, receive, send)
+        assert response.status == 499 and len(sent) == 4
+        await assert_all_free(door.workers)

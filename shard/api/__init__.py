@@ -38,7 +38,7 @@ async def run_api(
     chat_template: str | None = None, relay: str = "client", speculate: int = 0,
     step_timeout: float | None = None, timeout: float | None = 600.0,
     connect_timeout: float | None = 60.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    grace: float = 10.0, ssl_context: ssl.SSLContext | None = None,
+    grace: float = 10.0, send_timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None,
     metadata: Sequence[tuple[str, str]] = (),
 ) -> None:
     """Connect to the workers, then serve until SIGTERM/SIGINT (running requests get ``grace``
@@ -50,7 +50,8 @@ async def run_api(
     ) as backend:
         backend.model_id = model_name or default_model_name(backend.first)
         app = build_app(backend, keys=keys, max_body_bytes=max_body_bytes,
-                        loopback_hosts_only=keys is None and is_loopback(host))
+                        loopback_hosts_only=keys is None and is_loopback(host),
+                        send_timeout=send_timeout)
         shutdown = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(_handle_signals, shutdown, nursery.cancel_scope, keys, grace)

@@ -39,7 +39,7 @@ from .schemas import (
     Model,
     ModelList,
 )
-from .streaming import GenerationResponse
+from .streaming import DEFAULT_SEND_TIMEOUT, GenerationResponse
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app"]
 
@@ -54,7 +54,7 @@ DEFAULT_COMPLETION_TOKENS = 16
 def build_app(
     backend: Backend, *, keys: TokenAuthenticator | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ApiMetrics | None = None,
-    loopback_hosts_only: bool = False,
+    loopback_hosts_only: bool = False, send_timeout: float = DEFAULT_SEND_TIMEOUT,
 ) -> Starlette:
     """The front door over ``backend``; ``keys``: the accepted API keys (None: no key needed).
     ``loopback_hosts_only``: refuse requests whose ``Host`` is not a loopback name (a door on
@@ -154,7 +154,7 @@ def build_app(
                                 include_usage=include_usage(body))
         return GenerationResponse(backend, job, reply, stream=bool(body.stream),
                                   endpoint="completions", metrics=metrics, started=started,
-                                  principal=who, user=body.user)
+                                  principal=who, user=body.user, send_timeout=send_timeout)
 
     async def chat_completions(request: HttpRequest) -> Response | GenerationResponse:
         started = trio.current_time()
@@ -171,7 +171,7 @@ def build_app(
                           include_usage=include_usage(body))
         return GenerationResponse(backend, job, reply, stream=bool(body.stream),
                                   endpoint="chat_completions", metrics=metrics, started=started,
-                                  principal=who, user=body.user)
+                                  principal=who, user=body.user, send_timeout=send_timeout)
 
     async def models(request: HttpRequest) -> Response:
         principal(request)

@@ -40,6 +40,10 @@ Event = Delta | Outcome | ApiError
 
 #: Deltas buffered between the generation and a slow client.
 DELTA_BUFFER = 8
+#: Seconds one write to the client may wait (its socket full: it stopped reading) before the
+#: generation is cancelled and its sessions released, so a client that holds its connection
+#: open without reading cannot hold a worker's session until the deadline.
+DEFAULT_SEND_TIMEOUT = 30.0
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -61,7 +65,7 @@ class GenerationResponse:
     def __init__(
         self, backend: Backend, request: Request, reply: Reply, *, stream: bool,
         endpoint: str, metrics: ApiMetrics, started: float, principal: str | None = None,
-        user: str | None = None,
+        user: str | None = None, send_timeout: float = DEFAULT_SEND_TIMEOUT,
     ) -> None:
         self.backend = backend
         self.request = request
@@ -72,6 +76,7 @@ class GenerationResponse:
         self.started = started
         self.principal = principal
         self.user = user
+        self.send_timeout = send_timeout
         self.status = 0
         self._first_at: float | None = None
         #: Set before the last bytes are sent: the client may disconnect (and cancel this
@@ -86,7 +91,18 @@ class GenerationResponse:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
                 nursery.start_soon(self._generate, events_in)
-                await self._respond(events, scope, receive, send)
+
+                async def bounded_send(message: MutableMapping[str, Any]) -> None:
+                    with trio.move_on_after(self.send_timeout) as waited:
+                        await send(message)
+                    if waited.cancelled_caught:
+                        _log("client not reading, generation cancelled", endpoint=self.endpoint,
+                             id=self.reply.id, waited_s=self.send_timeout)
+                        self.status = 499
+                        nursery.cancel_scope.cancel()
+                        await trio.lowlevel.checkpoint()
+
+                await self._respond(events, scope, receive, bounded_send)
                 nursery.cancel_scope.cancel()
         finally:
             self.metrics.in_flight.dec()
