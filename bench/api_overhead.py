@@ -13,8 +13,8 @@ per-trial differences). Targets (issue 34): >= 0.95 of the tokens/s, < 2 ms adde
 Ratios from one run on one machine (the environment is recorded). Writes ``api_overhead.json``
 to ``--out-dir``.
 
-    python -m bench.api_overhead [--model bench|tiny|gemma3-270m|FILE] [--trials 7]
-        [--tokens 64] [--threads N] [--out-dir DIR]
+    python -m bench.api_overhead [--model bench|tiny|gemma3-270m|FILE] [--trials 21]
+        [--tokens 32] [--threads N] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def _timing(sent: float, stamps: list[float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="bench")
-    parser.add_argument("--trials", type=int, default=7)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--trials", type=int, default=21)
+    parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=default_threads())
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
