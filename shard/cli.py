@@ -1014,7 +1014,6 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ssl.SSLError) as exc:
         return _fail(f"client set-up failed: {exc}", 2)
 
-    from shard.pipeline import Pipeline
     from shard.v1 import shard_pb2 as pb
 
     out = _GenerateOutput(as_json=args.json)

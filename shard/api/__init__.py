@@ -26,12 +26,6 @@ __all__ = ["Backend", "HttpTls", "build_app", "run_api", "serve_http"]
 log = logging.getLogger(__name__)
 
 
-def default_model_name(backend_caps: object) -> str:
-    """``<architecture>-<first 12 hex digits of the model fingerprint>``."""
-    arch = getattr(backend_caps, "architecture", "") or "model"
-    return f"{arch}-{getattr(backend_caps, 'model_fingerprint', '')[:12]}"
-
-
 async def run_api(
     hops: Sequence[Sequence[str]], *, host: str, port: int, tls: HttpTls | None = None,
     keys: TokenAuthenticator | None = None, model_name: str | None = None,
@@ -44,11 +38,10 @@ async def run_api(
     """Connect to the workers, then serve until SIGTERM/SIGINT (running requests get ``grace``
     seconds; a second signal stops at once). SIGHUP re-reads the API key file."""
     async with Backend.connect(
-        hops, model_id="", relay=relay, ssl_context=ssl_context, metadata=metadata,
+        hops, model_id=model_name, relay=relay, ssl_context=ssl_context, metadata=metadata,
         chat_template=chat_template, speculate=speculate, timeout=timeout,
         step_timeout=step_timeout, connect_timeout=connect_timeout,
     ) as backend:
-        backend.model_id = model_name or default_model_name(backend.first)
         app = build_app(backend, keys=keys, max_body_bytes=max_body_bytes,
                         loopback_hosts_only=keys is None and is_loopback(host),
                         send_timeout=send_timeout)

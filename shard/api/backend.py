@@ -65,17 +65,18 @@ class Backend:
     """One pipeline, shared by every request (see the module docstring)."""
 
     def __init__(
-        self, pipeline: Pipeline, *, model_id: str, chat_template: str | None = None,
+        self, pipeline: Pipeline, *, model_id: str | None = None, chat_template: str | None = None,
         speculate: int = 0, timeout: float | None = None,
     ) -> None:
         self.pipeline = pipeline
-        self.model_id = model_id
         self.speculate = speculate
         self.timeout = timeout
         self._health: tuple[float, list[str]] | None = None  # (when, the answer)
         first = pipeline.hops[0].caps
         assert first is not None
         self.first = first
+        #: The id clients ask for; default ``<architecture>-<12 hex digits of the fingerprint>``.
+        self.model_id = model_id or f"{first.architecture or 'model'}-{first.model_fingerprint[:12]}"
         #: The chat template (the operator's file over the model's own), None without one. A
         #: model's own template that does not compile leaves chat off (completions still
         #: serve); an operator's file that does not is an error at start.
@@ -90,7 +91,7 @@ class Backend:
     @classmethod
     @asynccontextmanager
     async def connect(
-        cls, hops: Sequence[Sequence[str]], *, model_id: str, relay: str = "client",
+        cls, hops: Sequence[Sequence[str]], *, model_id: str | None = None, relay: str = "client",
         ssl_context: ssl.SSLContext | None = None, metadata: Sequence[tuple[str, str]] = (),
         chat_template: str | None = None, speculate: int = 0, timeout: float | None = None,
         step_timeout: float | None = None, connect_timeout: float | None = 30.0,
