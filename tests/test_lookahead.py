@@ -401,6 +401,33 @@ async def test_a_failed_native_thread_fails_the_llama_engine(tiny_path: Path) ->
         gate.set()
 
 
+async def test_the_llama_engine_closes_while_its_failed_thread_is_still_ending(tiny_path: Path) -> None:
+    """CI found a race: the engine turned FAILED while the failed thread had not yet ended, and
+    close then queued its call to that thread and raised EngineFailure instead of closing. Here
+    the thread lingers 1 s after its failure, so close always meets it alive."""
+    async with LlamaCppEngine() as eng:
+        await eng.load(LoadSpec(model_path=tiny_path, n_ctx=512, max_sessions=2, n_threads=1))
+        await eng.open_session("s")
+        native = eng._native  # noqa: SLF001 - the planted fault
+        fail = native._fail  # noqa: SLF001
+
+        def broken() -> bool:
+            raise RuntimeError("planted fault")
+
+        def fail_and_linger(exc: BaseException) -> None:
+            fail(exc)
+            threading.Event().wait(1)  # still ending when close comes (close joins it)
+
+        native._fail = fail_and_linger  # noqa: SLF001
+        native._background = broken  # noqa: SLF001
+        native.wake()
+        with trio.fail_after(20):
+            while eng.health().state is not EngineState.FAILED:
+                await trio.sleep(0.001)
+        assert native.running and native.failure is not None  # the window the race needs
+    assert not native.running
+
+
 async def test_a_tick_of_one_row_steps_gives_the_same_results_joined_or_split(tiny_path: Path) -> None:
     """Two sessions decoding together: their ticks run as one llama_decode and as one per row
     (the chooser measures both ways first), and every token equals the session's alone."""

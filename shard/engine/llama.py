@@ -480,10 +480,14 @@ class LlamaCppEngine(ShardEngine):
         if self._native.running:
             try:
                 await self._native.run(self._close_sync)
+                return
+            except EngineFailure:
+                if self._native.failure is None:
+                    raise
+                # The thread failed and may still be ending: free the context here once it has.
             finally:
                 await self._native.aclose()
-        else:
-            self._close_sync()
+        self._close_sync()
 
     # ---- native-thread bodies (shard.engine.native_thread: one thread, one call at a time) ----
 

@@ -82,6 +82,11 @@ class NativeThread:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the thread stopped (its background work raised), or None."""
+        return self._failure
+
     def in_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
