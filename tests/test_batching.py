@@ -15,7 +15,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard.engine import DecodeRequest, EngineCancelled, PrefillRequest
+from shard.engine import DecodeRequest, EngineCancelled, LoadSpec, PrefillRequest
 from shard.engine.batching import DEADLINE_SHARE, Step, TickPlanner
 from shard.testing import EngineOptions, llama_factory
 from shard.testing.contract import count_tasks, prompt_tokens, start_op, wait_running
@@ -509,3 +509,38 @@ def test_split_chooser_ignores_sizes_it_never_splits() -> None:
     chooser.observe(MAX_SPLIT_ROWS + 1, True, 0.001)
     chooser.observe(1, True, 0.001)
     assert chooser.choose(MAX_SPLIT_ROWS + 1) is False and chooser.choose(1) is False
+
+
+async def test_a_batch_group_back_from_the_other_hops_is_gathered_into_one_tick(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Issue 32: a pipeline hop sees a batch group come back after the other groups' ticks, its
+    members a moment apart. The group's two sessions must share each tick: a gather that only
+    remembered the sessions of the last two ticks (of any group) had forgotten them, started
+    the tick with the first member back and split the group for good (one session a tick)."""
+    from shard.engine.fake import FakeEngine, FakeScript
+
+    tick, transit, steps = 0.010, 0.035, 12  # a group is away for 3.5 ticks, members 1 ms apart
+    async with FakeEngine(script=FakeScript(batched=True, tick_latency=tick)) as engine:
+        await engine.load(LoadSpec(n_ctx=1024, max_sessions=6))
+        for g in range(3):
+            for m in range(2):
+                await engine.open_session(f"g{g}m{m}", batch_group=g + 1)
+                await engine.prefill(PrefillRequest(f"g{g}m{m}", tokens=(1, 5, 6)))
+        before = engine.metrics()
+
+        async def member(g: int, m: int) -> None:
+            token = 7
+            for _ in range(steps):
+                await trio.sleep(transit + 0.001 * m + 0.003 * g)  # the other hops, then back
+                token = (await engine.decode(DecodeRequest(f"g{g}m{m}", token=token))).logits.token_id
+
+        async with trio.open_nursery() as nursery:
+            for g in range(3):
+                for m in range(2):
+                    nursery.start_soon(member, g, m)
+        after = engine.metrics()
+    ticks = after.batch_ticks_total - before.batch_ticks_total
+    sessions = after.batch_sessions_total - before.batch_sessions_total
+    assert sessions == 3 * 2 * steps
+    assert ticks == 3 * steps, f"{sessions} session-steps in {ticks} ticks: groups were split"
