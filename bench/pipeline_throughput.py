@@ -21,7 +21,8 @@ Ratios are from one run on one machine (the environment is recorded); never comp
 numbers across machines. Writes ``pipeline_throughput.json`` and ``.png`` to ``--out-dir``.
 
     python -m bench.pipeline_throughput [--quick] [--parts real,sim] [--sessions 1,8,16]
-        [--tokens 48] [--relays client,chain] [--sim-hops 2,4,8] [--out-dir DIR]
+        [--tokens 48] [--relays client,chain] [--cuts half,7] [--sim-hops 2,4,8]
+        [--sim-scale 1] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ from shard.client import ShardClient
 from shard.pipeline import Pipeline
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-SAMPLE_EVERY = 0.05  # seconds between two reads of every worker's metrics
+#: Seconds between two reads of every worker's metrics (interpolated to the window's ends; a
+#: read is a GetMetrics call the worker answers on its event loop, so not too often).
+SAMPLE_EVERY = 0.1
 PROMPT_TOKENS = 16
 
 
@@ -66,15 +69,32 @@ class Run:
     sessions_per_tick: list[float]
     #: This process's CPU (the pipeline client, and the sampling) per token, in microseconds.
     client_cpu_us_per_token: float
+    #: Per worker, by thread (``/proc/PID/task``): the event loop's thread (the process's main
+    #: thread: protocol, scheduling, sampling) per session-step, in microseconds, and the
+    #: engine's threads (llama.cpp's compute) as a fraction of the window. ``busy`` is time
+    #: inside the engine's native calls, which also counts the time the compute thread waited
+    #: for its core while the event loop ran on it; ``compute_cpu`` is the CPU it got.
+    loop_cpu_us_per_step: list[float]
+    compute_cpu: list[float]
+    #: Every process of the run (workers and client) together: CPU seconds per wall second (of
+    #: the machine's ``os.cpu_count()`` cores; near it, the machine and not the scheduling is
+    #: the limit).
+    cores_used: float
 
 
 _COUNTERS = ("native_step_us_total", "batch_sessions_total", "batch_ticks_total")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU time of process ``pid`` (all its threads), or of its thread ``tid``."""
+    stat = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_pair(pid: int) -> list[float]:
+    """[all threads, the main thread] CPU seconds of ``pid`` (its main thread runs Trio)."""
+    return [_cpu_seconds(pid), _cpu_seconds(pid, pid)]
 
 
 def _prompt(i: int, vocab: int) -> list[int]:
@@ -84,7 +104,7 @@ def _prompt(i: int, vocab: int) -> list[int]:
     return [1, *(low + (i * 131 + k * 37) % (vocab - low) for k in range(PROMPT_TOKENS - 1))]
 
 
-Sample = tuple[float, list[list[float]]]  # (time, per worker: the counters, then CPU seconds)
+Sample = tuple[float, list[list[float]]]  # (time, per worker: the counters, CPU seconds, main thread)
 
 
 def _at(samples: list[Sample], t: float, k: int, j: int) -> float:
@@ -120,8 +140,8 @@ async def measure(
                 values = []
                 for c, w in zip(clients, workers):
                     engine = (await c.metrics()).engine
-                    values.append([float(engine[k]) for k in _COUNTERS] + [_cpu_seconds(w.proc.pid)])
-                values.append([0.0, 0.0, 0.0, _cpu_seconds(os.getpid())])  # the client
+                    values.append([float(engine[k]) for k in _COUNTERS] + _cpu_pair(w.proc.pid))
+                values.append([0.0, 0.0, 0.0, *_cpu_pair(os.getpid())])  # the client
                 samples.append((time.perf_counter(), values))
 
             async def sample() -> None:
@@ -152,9 +172,9 @@ async def measure(
     def delta(k: int, j: int) -> float:
         return _at(samples, end, k, j) - _at(samples, start, k, j)
 
-    busy, per_step, per_tick, per_tick_sessions = [], [], [], []
+    busy, per_step, per_tick, per_tick_sessions, loop, compute = [], [], [], [], [], []
     for k in range(len(workers)):
-        native_s, steps, ticks, cpu_s = (delta(k, j) for j in range(4))
+        native_s, steps, ticks, cpu_s, main_s = (delta(k, j) for j in range(5))
         native_s /= 1e6
         busy.append(round(native_s / window, 3))
         # the fake engine's "native" step is a sleep (no CPU): all its CPU is the worker's own
@@ -162,9 +182,12 @@ async def measure(
         per_step.append(round(own * 1e6 / steps, 1) if steps else 0.0)
         per_tick.append(round(own * 1e6 / ticks, 1) if ticks else 0.0)
         per_tick_sessions.append(round(steps / ticks, 2) if ticks else 0.0)
+        loop.append(round(main_s * 1e6 / steps, 1) if steps else 0.0)
+        compute.append(round((cpu_s - main_s) / window, 3))
     client = round(delta(len(workers), 3) * 1e6 / inside, 1)
+    cores = sum(delta(k, 3) for k in range(len(workers) + 1)) / window
     return Run(inside / window, busy, round(window, 3), inside, sessions, per_step, per_tick,
-               per_tick_sessions, client)
+               per_tick_sessions, client, loop, compute, round(cores, 2))
 
 
 async def _hold_client(target: str, task_status: trio.TaskStatus[ShardClient]) -> None:
@@ -183,7 +206,9 @@ def _row(name: str, run: Run, **extra: Any) -> dict[str, Any]:
             "busy": run.busy, "window_s": run.window_s, "tokens_in_window": run.tokens_in_window,
             "cpu_us_per_step": run.cpu_us_per_step, "cpu_us_per_tick": run.cpu_us_per_tick,
             "sessions_per_tick": run.sessions_per_tick,
-            "client_cpu_us_per_token": run.client_cpu_us_per_token, **extra}
+            "client_cpu_us_per_token": run.client_cpu_us_per_token,
+            "loop_cpu_us_per_step": run.loop_cpu_us_per_step, "compute_cpu": run.compute_cpu,
+            "cores_used": run.cores_used, **extra}
 
 
 # ---- real compute --------------------------------------------------------------------------
@@ -253,8 +278,8 @@ def _variants(groups: list[int] | None) -> list[tuple[str, int | None]]:
 
 def sim_part(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     n_layers = 16
-    costs = ["--tick-ms", str(args.sim_tick_ms), "--row-ms", str(args.sim_row_ms), "--per-layer",
-             "--n-layers", str(n_layers)]
+    costs = ["--tick-ms", str(args.sim_tick_ms * args.sim_scale),
+             "--row-ms", str(args.sim_row_ms * args.sim_scale), "--per-layer", "--n-layers", str(n_layers)]
     rows: list[dict[str, Any]] = []
 
     @contextmanager
@@ -304,12 +329,12 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({**{k: r[k] for k in ("config", "relay", "groups", "sessions")},
                         "vs_whole_1core": round(r["tokens_per_s"] / whole[("whole_1core", n)], 3),
                         "vs_whole_2threads": round(r["tokens_per_s"] / whole[("whole_2threads", n)], 3),
-                        "busy": r["busy"]})
+                        "busy": r["busy"], "compute_cpu": r["compute_cpu"]})
         elif r["config"].startswith("sim_hops"):
             n, h = r["sessions"], r["hops"]
             out.append({**{k: r[k] for k in ("config", "relay", "groups", "sessions", "hops")},
                         "vs_h_x_whole": round(r["tokens_per_s"] / (h * whole[("sim_whole", n)]), 3),
-                        "min_busy": min(r["busy"])})
+                        "min_busy": min(r["busy"]), "cores_used": r["cores_used"]})
     return out
 
 
@@ -360,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
                    "a row, as the bench model's ticks on a CPU)")
     p.add_argument("--sim-row-ms", type=float, default=1.0,
                    help="sim part: a tick's cost per row and layer, ms (default 1)")
+    p.add_argument("--sim-scale", type=float, default=1.0,
+                   help="sim part: multiply both costs (a slower simulated machine): the fake "
+                   "workers' own CPU per step stays what it is, so a larger scale leaves more of "
+                   "this machine's cores idle and measures the scheduling alone (see cores_used)")
     p.add_argument("--groups", default=None,
                    help="batch groups of the 'after' runs, comma-separated counts, one run each "
                    "(default: the pipeline's own choice)")
@@ -395,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"environment": env, "settings": {
         "parts": sorted(parts), "sessions": args.sessions, "tokens": args.tokens,
         "relays": args.relays, "sim_hops": args.sim_hops, "cuts": args.cuts, "groups": args.groups, "sim_tick_ms_per_layer": args.sim_tick_ms,
-        "sim_row_ms_per_layer": args.sim_row_ms, "prompt_tokens": PROMPT_TOKENS},
+        "sim_row_ms_per_layer": args.sim_row_ms, "sim_scale": args.sim_scale,
+        "prompt_tokens": PROMPT_TOKENS},
         "rows": rows, "ratios": ratios(rows)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     why = plot(rows, args.out_dir / "pipeline_throughput.png")

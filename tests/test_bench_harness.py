@@ -397,5 +397,11 @@ def test_pipeline_throughput_bench_reports_every_configuration(tmp_path: Path) -
     for r in rows:
         assert r["tokens_per_s"] > 0 and len(r["busy"]) == len(r["cpu_us_per_step"])
         assert len(r["busy"]) == (2 if "hops2" in r["config"] else 1)
+        assert len(r["loop_cpu_us_per_step"]) == len(r["compute_cpu"]) == len(r["busy"])
+    # per thread (/proc counts in 10 ms ticks, so a short window may read 0 for one row): the
+    # workers' event loops spent CPU on their steps, the real workers' engine threads computed
+    assert any(x > 0 for r in rows for x in r["loop_cpu_us_per_step"])
+    assert any(x > 0 for r in rows if not r["config"].startswith("sim") for x in r["compute_cpu"])
+    assert all(r["cores_used"] >= 0 for r in rows) and any(r["cores_used"] > 0 for r in rows)
     assert len(report["ratios"]) == sum(1 for r in rows if "hops" in r["config"])
     assert report["environment"]["model"].endswith(".gguf")
