@@ -169,23 +169,37 @@ async def measure(
     inside = sum(1 for a in arrivals for t in a if start < t <= end)
     window = end - start
 
-    def delta(k: int, j: int) -> float:
-        return _at(samples, end, k, j) - _at(samples, start, k, j)
+    # The counters over the samples inside the window: a tick's native time is counted when it
+    # ends, so interpolating across the window's start would credit part of the prompts' tick
+    # (seconds long, ended just before the start) to the window (busy fractions above 1).
+    inner = [s for s in samples if start <= s[0] <= end]
+    if len(inner) >= 2:
+        (t0, first), (t1, last) = inner[0], inner[-1]
+
+        def delta(k: int, j: int) -> float:
+            return last[k][j] - first[k][j]
+    else:  # a window shorter than two reads: interpolate
+        t0, t1 = start, end
+
+        def delta(k: int, j: int) -> float:
+            return _at(samples, end, k, j) - _at(samples, start, k, j)
+    span = t1 - t0
+    tokens_in_span = sum(1 for a in arrivals for t in a if t0 < t <= t1) or inside
 
     busy, per_step, per_tick, per_tick_sessions, loop, compute = [], [], [], [], [], []
     for k in range(len(workers)):
         native_s, steps, ticks, cpu_s, main_s = (delta(k, j) for j in range(5))
         native_s /= 1e6
-        busy.append(round(native_s / window, 3))
+        busy.append(round(native_s / span, 3))
         # the fake engine's "native" step is a sleep (no CPU): all its CPU is the worker's own
         own = cpu_s - (0.0 if workers[k].fake else native_s)
         per_step.append(round(own * 1e6 / steps, 1) if steps else 0.0)
         per_tick.append(round(own * 1e6 / ticks, 1) if ticks else 0.0)
         per_tick_sessions.append(round(steps / ticks, 2) if ticks else 0.0)
         loop.append(round(main_s * 1e6 / steps, 1) if steps else 0.0)
-        compute.append(round((cpu_s - main_s) / window, 3))
-    client = round(delta(len(workers), 3) * 1e6 / inside, 1)
-    cores = sum(delta(k, 3) for k in range(len(workers) + 1)) / window
+        compute.append(round((cpu_s - main_s) / span, 3))
+    client = round(delta(len(workers), 3) * 1e6 / tokens_in_span, 1)
+    cores = sum(delta(k, 3) for k in range(len(workers) + 1)) / span
     return Run(inside / window, busy, round(window, 3), inside, sessions, per_step, per_tick,
                per_tick_sessions, client, loop, compute, round(cores, 2))
 
