@@ -12,6 +12,7 @@ import hashlib
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -96,7 +97,21 @@ def environment(model: Path, threads: int, *, argv: list[str] | None = None) -> 
         "llama_cpp_system_info": llama_system_info(),
         "llama_cpp_build": llama_build(),
         "load_average_before": load_average(),
+        "source": source_revision(),
     }
+
+
+def source_revision() -> str | None:
+    """The checkout's commit (``-dirty`` with uncommitted changes), or None outside git."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "")
 
 
 def save_chart(fig: Any, ax: Any, path: Path, title: str) -> None:
