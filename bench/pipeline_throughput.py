@@ -365,6 +365,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> str | None:
     parts = [p for p in ("real", "sim") if any(r["config"].startswith("sim") == (p == "sim") for r in rows)]
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
     for ax, part in zip(axes[0], parts):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more series than tab10's 10 colours
         mine = [r for r in rows if r["config"].startswith("sim") == (part == "sim")]
         series: dict[str, list[tuple[int, float]]] = {}
         for r in mine:
