@@ -404,19 +404,20 @@ async def test_a_failed_native_thread_fails_the_llama_engine(tiny_path: Path) ->
 async def test_the_llama_engine_closes_while_its_failed_thread_is_still_ending(tiny_path: Path) -> None:
     """CI found a race: the engine turned FAILED while the failed thread had not yet ended, and
     close then queued its call to that thread and raised EngineFailure instead of closing. Here
-    the thread lingers 1 s after its failure, so close always meets it alive."""
+    the thread lingers after its failure until close has begun, so close always meets it
+    alive."""
     async with LlamaCppEngine() as eng:
         await eng.load(LoadSpec(model_path=tiny_path, n_ctx=512, max_sessions=2, n_threads=1))
         await eng.open_session("s")
         native = eng._native  # noqa: SLF001 - the planted fault
-        fail = native._fail  # noqa: SLF001
+        fail, closing = native._fail, threading.Event()  # noqa: SLF001
 
         def broken() -> bool:
             raise RuntimeError("planted fault")
 
         def fail_and_linger(exc: BaseException) -> None:
             fail(exc)
-            threading.Event().wait(1)  # still ending when close comes (close joins it)
+            closing.wait(30)  # still ending when close comes (set as the engine closes)
 
         native._fail = fail_and_linger  # noqa: SLF001
         native._background = broken  # noqa: SLF001
@@ -425,6 +426,15 @@ async def test_the_llama_engine_closes_while_its_failed_thread_is_still_ending(t
             while eng.health().state is not EngineState.FAILED:
                 await trio.sleep(0.001)
         assert native.running and native.failure is not None  # the window the race needs
+        close = eng._impl_close  # noqa: SLF001
+
+        async def close_then_release() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close)
+                await trio.sleep(0.05)  # close has met the thread alive and waits for it
+                closing.set()
+
+        eng._impl_close = close_then_release  # noqa: SLF001
     assert not native.running
 
 

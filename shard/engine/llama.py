@@ -482,6 +482,9 @@ class LlamaCppEngine(ShardEngine):
                 await self._native.run(self._close_sync)
                 return
             except EngineFailure:
+                # Ours unless the thread failed. (A real EngineFailure from _close_sync and a
+                # background failure right after it cannot coincide: _close_sync drops the
+                # context first, and background work then finds nothing to do.)
                 if self._native.failure is None:
                     raise
                 # The thread failed and may still be ending: free the context here once it has.

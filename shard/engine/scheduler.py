@@ -42,9 +42,6 @@ MAX_GATHER_ROUNDS = 16
 #: session resubmits within milliseconds or not soon (its prompt is done and its client is
 #: elsewhere), and after a prompt chunk of seconds, a quarter of that tick would hold everyone.
 MAX_GATHER_SECONDS = 0.02
-#: A session not in a tick for this long (seconds) is not waited for, whatever its group did
-#: meanwhile: it paused (its client is elsewhere), and the next tick should not wait for it.
-GATHER_FORGET_SECONDS = 1.0
 #: A session that submitted a step with a timeout this recently (seconds) may submit its next
 #: one at any moment: ticks are sized so that it would not wait longer than its timeout allows.
 TIMED_SESSION_IDLE = 0.5
@@ -292,7 +289,10 @@ class BatchScheduler:
         if group == 0:  # no groups: the last two ticks, in time (a single worker's sessions)
             return now - 2 * self.tick_seconds - 0.001
         ends = self._group_ticks.get(group)
-        return max(ends[0] - 0.001, now - GATHER_FORGET_SECONDS) if ends else math.inf
+        # No limit in time: a slow pipeline's group may be away for seconds, and forgetting it
+        # would split it for good. A member that paused is forgotten after two of its group's
+        # ticks, each gather waiting for it at most min(tick / 4, MAX_GATHER_SECONDS).
+        return ends[0] - 0.001 if ends else math.inf
 
     def _expected(self, now: float) -> float | None:
         """The shortest step timeout of a session that is not pending but recently submitted
@@ -335,7 +335,6 @@ __all__ = [
     "BatchScheduler",
     "Job",
     "LearnedTickCost",
-    "GATHER_FORGET_SECONDS",
     "MAX_GATHER_ROUNDS",
     "MAX_GATHER_SECONDS",
     "TIMED_SESSION_IDLE",
