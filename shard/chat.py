@@ -71,6 +71,35 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _trie_pattern(texts: set[str]) -> str:
+    """A regular expression matching any of ``texts``, the longest first, in time linear in
+    the text searched.
+
+    Why a trie: a plain alternation of N texts is tried branch by branch at every position, and
+    a real model has thousands of special texts sharing their first character (Gemma 3: 6,250,
+    most starting with ``<``): a 1 MB message of ``<`` took 41 s of the front door's event loop.
+    As a trie each position tries one branch per distinct next character."""
+    trie: dict[str, dict] = {}
+    for text in texts:
+        node = trie
+        for ch in text:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a text ends here
+
+    def emit(node: dict[str, dict]) -> str:
+        out = ""
+        while len(node) == 1 and "" not in node:  # a chain without branches: no group
+            (ch, node), = node.items()
+            out += re.escape(ch)
+        branches = [re.escape(ch) + emit(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return out
+        group = "(?:" + "|".join(branches) + ")"
+        return out + (group + "?" if "" in node else group)  # greedy: the longer text first
+
+    return emit(trie)
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """One model's chat template, compiled once; ``render`` a conversation with it."""
@@ -92,8 +121,8 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
         object.__setattr__(self, "_compiled", compiled)
-        texts = sorted({t for t in self.special_texts if t}, key=len, reverse=True)
-        object.__setattr__(self, "_special", re.compile("|".join(map(re.escape, texts))) if texts else None)
+        texts = {t for t in self.special_texts if t}
+        object.__setattr__(self, "_special", re.compile(_trie_pattern(texts)) if texts else None)
 
     def neutralise(self, content: str) -> str:
         """``content`` with every special-token text broken by U+2060 (see the module doc)."""
