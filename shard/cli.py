@@ -489,6 +489,12 @@ def _add_api_parser(sub: Any) -> _Parser:
     api.add_argument("--send-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
                      help="a client that takes no data for this long (it stopped reading) has its "
                      "generation cancelled and its sessions released (default: 30)")
+    api.add_argument("--keepalive", type=_non_negative_float, default=15.0, metavar="SECONDS",
+                     help="a stream silent this long (a long prompt, a slow hop) sends an SSE "
+                     "comment so that proxies do not cut it; 0 sends none (default: 15)")
+    api.add_argument("--requests-per-key", type=_positive_int, metavar="N",
+                     help="with --api-key-file: generations one key (its NAME) may run at once, "
+                     "more get 429, so one key cannot take every session (default: no bound)")
     api.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
                      help="largest request body accepted, larger ones get 413 (default: 4 MiB)")
     api.add_argument("--grace", type=_non_negative_float, default=10.0,
@@ -892,6 +898,12 @@ def _cmd_api(args: argparse.Namespace) -> int:
                      "without API keys or client certificates: anyone who can connect could "
                      "generate with the model. Add --api-key-file, or --http-tls-client-ca (with "
                      "--http-tls-cert/--http-tls-key), or pass --insecure.", 2)
+    if args.requests_per_key is not None and keys is None:
+        return _fail("--requests-per-key needs --api-key-file (requests are counted by key)", 2)
+    from shard.api.limits import Limits
+
+    limits = Limits(max_body_bytes=args.max_body_bytes, send_timeout=args.send_timeout,
+                    keepalive=args.keepalive or None, requests_per_key=args.requests_per_key)
     template = None
     if args.chat_template is not None:
         try:
@@ -910,9 +922,7 @@ def _cmd_api(args: argparse.Namespace) -> int:
             run_api, hops, host=args.host, port=args.port, tls=tls, keys=keys,
             model_name=args.model_name, chat_template=template, relay=args.relay,
             speculate=args.speculate, step_timeout=args.step_timeout, timeout=args.timeout,
-            connect_timeout=args.connect_timeout, max_body_bytes=args.max_body_bytes,
-            send_timeout=args.send_timeout,
-            grace=args.grace, **options,
+            connect_timeout=args.connect_timeout, limits=limits, grace=args.grace, **options,
         ))
     except ChatTemplateError as exc:
         return _fail(str(exc), 2)

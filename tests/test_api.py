@@ -30,7 +30,7 @@ from rpc_harness import (
 )
 from test_pipeline import TIMEOUT, assert_all_free
 
-from shard.api import Backend, HttpTls, build_app, serve_http
+from shard.api import Backend, HttpTls, Limits, build_app, serve_http
 from shard.chat import ChatTemplate
 from shard.client import ShardClient
 from shard.engine import LayerRange, LoadSpec
@@ -366,7 +366,7 @@ async def test_a_deadline_is_504_and_no_serving_replica_is_503() -> None:
 
 
 async def test_every_refusal_is_a_structured_error_and_the_door_stays_healthy() -> None:
-    async with front_door(max_body_bytes=4096) as door:
+    async with front_door(limits=Limits(max_body_bytes=4096)) as door:
         url = door.url + "/v1/completions"
         chat = door.url + "/v1/chat/completions"
         base = {"model": NAME, "prompt": "hello", "max_tokens": 2}
@@ -580,7 +580,7 @@ async def test_a_client_that_stops_reading_loses_its_generation_not_the_workers(
         response = GenerationResponse(
             door.backend, Request(prompt="hello", max_tokens=400, temperature=0.0),
             CompletionReply(NAME, logprobs=None), stream=True, endpoint="completions",
-            metrics=ApiMetrics(), started=trio.current_time(), send_timeout=0.3)
+            metrics=ApiMetrics(), started=trio.current_time(), limits=Limits(send_timeout=0.3))
         sent: list[dict[str, Any]] = []
 
         async def send(message: Any) -> None:
@@ -594,4 +594,112 @@ async def test_a_client_that_stops_reading_loses_its_generation_not_the_workers(
         with trio.fail_after(10):
             await response({"type": "http"}, receive, send)
         assert response.status == 499 and len(sent) == 4
+        await assert_all_free(door.workers)
+
+
+async def test_a_silent_stream_sends_keep_alive_comments_that_clients_ignore() -> None:
+    """Steps slower than the keep-alive: comments go out before the first text and between
+    texts (a proxy sees a live connection), and the openai client's text is unchanged."""
+    slow = FakeScript(step_latency=0.25)
+    async with front_door(script=slow, limits=Limits(keepalive=0.05)) as door:
+        want, _ = await direct_text(door, "hello", max_tokens=3, temperature=0.0)
+
+        def raw_stream() -> list[bytes]:
+            conn = http.client.HTTPConnection(door.url.removeprefix("http://"), timeout=TIMEOUT)
+            try:
+                conn.request("POST", "/v1/completions", json.dumps({
+                    "model": NAME, "prompt": "hello", "max_tokens": 3, "temperature": 0,
+                    "stream": True}), {"content-type": "application/json"})
+                resp = conn.getresponse()
+                assert resp.status == 200
+                return [e for e in resp.read().split(b"\n\n") if e]
+            finally:
+                conn.close()
+
+        events = await in_thread(raw_stream)
+        kinds = ["ping" if e == b": keep-alive" else "data" for e in events]
+        assert kinds[0] == "ping"  # before the first token: the prompt's step is slow too
+        first, last = kinds.index("data"), len(kinds) - 1 - kinds[::-1].index("data")
+        assert "ping" in kinds[first:last], kinds  # between tokens as well
+        texts = [json.loads(e[len(b"data: "):])["choices"][0]["text"] for e in events
+                 if e.startswith(b"data: {")]
+        assert "".join(texts) == want and events[-1] == b"data: [DONE]"
+        got = await in_thread(lambda: "".join(c.choices[0].text for c in door.client.completions.create(
+            model=NAME, prompt="hello", max_tokens=3, temperature=0, stream=True)))
+        assert got == want
+        await assert_all_free(door.workers)
+
+
+async def test_one_key_runs_at_most_requests_per_key_generations(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("sk-a alice\nsk-a2 alice\nsk-b bob\n")  # two keys of one name share
+    gate = trio.Event()
+
+    async def hold(step: FakeStep) -> None:
+        await gate.wait()
+
+    async with front_door(keys=TokenAuthenticator(keys_file), script=FakeScript(on_step=hold),
+                          limits=Limits(requests_per_key=1)) as door:
+        body = {"model": NAME, "prompt": "a", "max_tokens": 2}
+
+        def as_key(key: str) -> tuple[int, dict[str, str], Any]:
+            return post(door.url + "/v1/completions", body, headers={"authorization": f"Bearer {key}"})
+
+        async with trio.open_nursery() as nursery:
+            first: list[Any] = []
+            nursery.start_soon(lambda: _append(first, in_thread(partial(as_key, "sk-a"))))
+            with trio.fail_after(10):
+                while await _sessions(door.workers[0]) == 0:
+                    await trio.sleep(0.01)
+            for key in ("sk-a", "sk-a2"):
+                status, headers, got = await in_thread(partial(as_key, key))
+                assert status == 429 and headers["retry-after"] == "1", got
+                assert got["error"]["code"] == "too_many_requests_for_key"
+            bob: list[Any] = []
+            nursery.start_soon(lambda: _append(bob, in_thread(partial(as_key, "sk-b"))))
+            with trio.fail_after(10):
+                while await _sessions(door.workers[0]) < 2:
+                    await trio.sleep(0.01)
+            gate.set()
+        assert first[0][0] == 200 and bob[0][0] == 200
+        assert (await in_thread(partial(as_key, "sk-a")))[0] == 200  # alice's slot came back
+        _, metrics = await in_thread(lambda: get(door.url + "/metrics"))
+        assert b'trio_shard_api_requests_total{endpoint="completions",status="429"} 2.0' in metrics
+        await assert_all_free(door.workers)
+
+
+async def _append(into: list[Any], result: Any) -> None:
+    into.append(await result)
+
+
+async def test_a_large_body_is_checked_and_rendered_off_the_event_loop() -> None:
+    """A body of ``OFF_LOOP_BYTES`` or more is decoded and its chat rendered in a worker
+    thread (a 4 MiB conversation is the better part of a second of Python); small ones stay on
+    the event loop (no thread hop on the common path). The answers are the same either way."""
+    import threading
+
+    from shard.api.app import OFF_LOOP_BYTES
+
+    async with front_door() as door:
+        rendered_in: list[int] = []
+        render = door.backend.render_chat
+
+        def spy(messages: Any) -> str:
+            rendered_in.append(threading.get_ident())
+            return render(messages)
+
+        door.backend.render_chat = spy  # type: ignore[method-assign]
+        small = {"model": NAME, "messages": MESSAGES, "max_tokens": 1}
+        many = [{"role": "user", "content": "hi"}] * (OFF_LOOP_BYTES // 30)
+        large = {"model": NAME, "messages": many, "max_tokens": 1}
+        assert len(json.dumps(large)) >= OFF_LOOP_BYTES
+        url = door.url + "/v1/chat/completions"
+        status, _, _ = await in_thread(lambda: post(url, small))
+        assert status == 200
+        status, _, got = await in_thread(lambda: post(url, large))
+        assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
+        status, _, got = await in_thread(lambda: post(url, {**large, "n": 2}))
+        assert status == 400 and got["error"]["param"] == "n"  # refusals from the thread too
+        assert rendered_in[0] == threading.get_ident()  # the event loop's thread
+        assert len(rendered_in) == 2 and rendered_in[1] != threading.get_ident()
         await assert_all_free(door.workers)

@@ -102,8 +102,11 @@ def test_environment_sets_api_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRIO_SHARD_API_PIPELINE", "127.0.0.1:1,127.0.0.1:2")
     monkeypatch.setenv("TRIO_SHARD_API_RELAY", "chain")
     monkeypatch.setenv("TRIO_SHARD_PORT", "1")  # serve's variable: not the api's
+    monkeypatch.setenv("TRIO_SHARD_API_KEEPALIVE", "0")
+    monkeypatch.setenv("TRIO_SHARD_API_REQUESTS_PER_KEY", "3")
     args: argparse.Namespace = build_parser().parse_args(["api", "--max-body-bytes", "100"])
     assert (args.port, args.relay, args.max_body_bytes) == (9123, "chain", 100)
+    assert (args.keepalive, args.requests_per_key) == (0.0, 3)
     assert args.pipeline == [["127.0.0.1:1"], ["127.0.0.1:2"]]
 
 
@@ -112,6 +115,12 @@ def test_a_public_bind_without_keys_or_tls_is_refused() -> None:
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2
     assert "--api-key-file" in out.stderr and "--insecure" in out.stderr
+
+
+def test_requests_per_key_without_keys_is_refused() -> None:
+    out = subprocess.run([*CLI, "api", "--target", "127.0.0.1:1", "--requests-per-key", "2"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "--requests-per-key needs --api-key-file" in out.stderr
 
 
 def test_unreachable_workers_are_an_error_not_a_hang() -> None:

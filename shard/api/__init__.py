@@ -1,9 +1,10 @@
 """An OpenAI-compatible HTTP front door over one worker or a pipeline (``trio-shard api``).
 
-``shard.api.app`` (routes, Starlette), ``schemas`` (Pydantic bodies), ``backend`` (the pipeline
-client and one generation), ``text`` (UTF-8 and stop sequences), ``replies`` (each endpoint's
-body and stream chunks), ``streaming`` (a generation as an ASGI response), ``errors`` (OpenAI's
-error shape), ``metrics`` (Prometheus) and ``server`` (hypercorn on Trio). docs/api.md.
+``shard.api.app`` (routes, Starlette), ``limits`` (what a request and a key may take),
+``schemas`` (Pydantic bodies), ``backend`` (the pipeline client and one generation), ``text``
+(UTF-8 and stop sequences), ``replies`` (each endpoint's body and stream chunks),
+``streaming`` (a generation as an ASGI response), ``errors`` (OpenAI's error shape),
+``metrics`` (Prometheus) and ``server`` (hypercorn on Trio). docs/api.md.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import trio
 
 from shard.rpc.auth import TokenAuthenticator, is_loopback
 
-from .app import DEFAULT_MAX_BODY_BYTES, build_app
+from .app import build_app
 from .backend import Backend
+from .limits import DEFAULT_LIMITS, Limits
 from .server import HttpTls, serve_http
 
-__all__ = ["Backend", "HttpTls", "build_app", "run_api", "serve_http"]
+__all__ = ["Backend", "HttpTls", "Limits", "build_app", "run_api", "serve_http"]
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +33,8 @@ async def run_api(
     keys: TokenAuthenticator | None = None, model_name: str | None = None,
     chat_template: str | None = None, relay: str = "client", speculate: int = 0,
     step_timeout: float | None = None, timeout: float | None = 600.0,
-    connect_timeout: float | None = 60.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    grace: float = 10.0, send_timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None,
-    metadata: Sequence[tuple[str, str]] = (),
+    connect_timeout: float | None = 60.0, limits: Limits = DEFAULT_LIMITS, grace: float = 10.0,
+    ssl_context: ssl.SSLContext | None = None, metadata: Sequence[tuple[str, str]] = (),
 ) -> None:
     """Connect to the workers, then serve until SIGTERM/SIGINT (running requests get ``grace``
     seconds; a second signal stops at once). SIGHUP re-reads the API key file."""
@@ -42,9 +43,8 @@ async def run_api(
         chat_template=chat_template, speculate=speculate, timeout=timeout,
         step_timeout=step_timeout, connect_timeout=connect_timeout,
     ) as backend:
-        app = build_app(backend, keys=keys, max_body_bytes=max_body_bytes,
-                        loopback_hosts_only=keys is None and is_loopback(host),
-                        send_timeout=send_timeout)
+        app = build_app(backend, keys=keys, limits=limits,
+                        loopback_hosts_only=keys is None and is_loopback(host))
         shutdown = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(_handle_signals, shutdown, nursery.cancel_scope, keys, grace)

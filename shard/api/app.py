@@ -6,7 +6,7 @@ Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 (Prometheus). ``/v1`` routes need ``Authorization: Bearer KEY`` when the app has keys; health
 and metrics do not (probes and scrapers; they show counts, never text).
 
-Request bodies are read up to ``max_body_bytes`` (413 past it), must be a JSON object (400
+Request bodies are read up to ``Limits.max_body_bytes`` (413 past it), must be a JSON object (400
 otherwise) and are checked by the Pydantic models of ``shard.api.schemas`` before any worker is
 asked: unknown and unsupported parameters are refused with a 400 naming them.
 """
@@ -17,6 +17,7 @@ import ipaddress
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -30,8 +31,9 @@ from shard.rpc.auth import TokenAuthenticator
 
 from .backend import Backend, Request
 from .errors import ApiError
+from .limits import DEFAULT_LIMITS, KeySlots, Limits
 from .metrics import ApiMetrics
-from .replies import ChatReply, CompletionReply
+from .replies import ChatReply, CompletionReply, Reply
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,29 +41,33 @@ from .schemas import (
     Model,
     ModelList,
 )
-from .streaming import DEFAULT_SEND_TIMEOUT, GenerationResponse
+from .streaming import GenerationResponse
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app"]
+__all__ = ["build_app"]
 
 log = logging.getLogger(__name__)
 
-#: Request bodies are bounded: 4 MiB holds any prompt a worker's context takes.
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+#: Bodies from this size on are decoded, checked and rendered (chat) in a worker thread: a
+#: 4 MiB conversation of many short messages takes the better part of a second of Python, which
+#: on the event loop would stall every other request's stream for as long.
+OFF_LOOP_BYTES = 64 * 1024
 #: ``max_tokens`` of a completion that gives none (or null), as OpenAI's.
 DEFAULT_COMPLETION_TOKENS = 16
 
 
 def build_app(
-    backend: Backend, *, keys: TokenAuthenticator | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, metrics: ApiMetrics | None = None,
-    loopback_hosts_only: bool = False, send_timeout: float = DEFAULT_SEND_TIMEOUT,
+    backend: Backend, *, keys: TokenAuthenticator | None = None, limits: Limits = DEFAULT_LIMITS,
+    metrics: ApiMetrics | None = None, loopback_hosts_only: bool = False,
 ) -> Starlette:
-    """The front door over ``backend``; ``keys``: the accepted API keys (None: no key needed).
+    """The front door over ``backend``; ``keys``: the accepted API keys (None: no key needed),
+    ``limits``: what a request and a key may take.
     ``loopback_hosts_only``: refuse requests whose ``Host`` is not a loopback name (a door on
     loopback without keys: a web page that rebinds its own name to 127.0.0.1 would otherwise
     be same-origin with it and read its answers)."""
     metrics = metrics if metrics is not None else ApiMetrics()
     created = int(time.time())
+    max_body_bytes = limits.max_body_bytes
+    slots = KeySlots(limits.requests_per_key)
 
     def model_card() -> Model:
         return Model(id=backend.model_id, created=created)
@@ -79,7 +85,7 @@ def build_app(
                            code="invalid_api_key")
         return who
 
-    async def parse(request: HttpRequest, model: type[GenerationRequest]) -> GenerationRequest:
+    async def read(request: HttpRequest) -> bytes:
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media != "application/json":
             # Also what keeps a web page's form posts out: a browser sends application/json to
@@ -95,8 +101,11 @@ def build_app(
             if total > max_body_bytes:
                 raise ApiError(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
             chunks.append(chunk)
+        return b"".join(chunks)
+
+    def decode(data: bytes, model: type[GenerationRequest]) -> GenerationRequest:
         try:
-            raw = json.loads(b"".join(chunks))
+            raw = json.loads(data)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
             raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(raw, dict):
@@ -142,24 +151,17 @@ def build_app(
     def include_usage(body: GenerationRequest) -> bool:
         return body.stream_options is not None and body.stream_options.include_usage
 
-    async def completions(request: HttpRequest) -> Response | GenerationResponse:
-        started = trio.current_time()
-        who = principal(request)
-        body = await parse(request, CompletionRequest)
+    def completion_job(data: bytes) -> tuple[GenerationRequest, Request, Reply]:
+        body = decode(data, CompletionRequest)
         assert isinstance(body, CompletionRequest)
         prompt = checked_prompt(body.single_prompt)
         job = Request(prompt=prompt, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
                       top_logprobs=body.logprobs or 0, **sampling(body))
-        reply = CompletionReply(backend.model_id, logprobs=body.logprobs,
-                                include_usage=include_usage(body))
-        return GenerationResponse(backend, job, reply, stream=bool(body.stream),
-                                  endpoint="completions", metrics=metrics, started=started,
-                                  principal=who, user=body.user, send_timeout=send_timeout)
+        return body, job, CompletionReply(backend.model_id, logprobs=body.logprobs,
+                                          include_usage=include_usage(body))
 
-    async def chat_completions(request: HttpRequest) -> Response | GenerationResponse:
-        started = trio.current_time()
-        who = principal(request)
-        body = await parse(request, ChatCompletionRequest)
+    def chat_job(data: bytes) -> tuple[GenerationRequest, Request, Reply]:
+        body = decode(data, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
         for i, m in enumerate(body.messages):
             encodable(m.text, f"messages.{i}.content")
@@ -167,11 +169,31 @@ def build_app(
         job = Request(prompt=text, max_tokens=body.token_limit,
                       top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
                       prompt_param="messages", **sampling(body))
-        reply = ChatReply(backend.model_id, logprobs=bool(body.logprobs),
-                          include_usage=include_usage(body))
-        return GenerationResponse(backend, job, reply, stream=bool(body.stream),
-                                  endpoint="chat_completions", metrics=metrics, started=started,
-                                  principal=who, user=body.user, send_timeout=send_timeout)
+        return body, job, ChatReply(backend.model_id, logprobs=bool(body.logprobs),
+                                    include_usage=include_usage(body))
+
+    async def generation(
+        request: HttpRequest, endpoint: str,
+        prepare: Callable[[bytes], tuple[GenerationRequest, Request, Reply]],
+    ) -> GenerationResponse:
+        """Check the body and build the job; a large body in a worker thread (see
+        ``OFF_LOOP_BYTES``)."""
+        started = trio.current_time()
+        who = principal(request)
+        data = await read(request)
+        if len(data) < OFF_LOOP_BYTES:
+            body, job, reply = prepare(data)
+        else:
+            body, job, reply = await trio.to_thread.run_sync(prepare, data)
+        return GenerationResponse(backend, job, reply, stream=bool(body.stream), endpoint=endpoint,
+                                  metrics=metrics, started=started, principal=who, user=body.user,
+                                  limits=limits, slots=slots)
+
+    async def completions(request: HttpRequest) -> GenerationResponse:
+        return await generation(request, "completions", completion_job)
+
+    async def chat_completions(request: HttpRequest) -> GenerationResponse:
+        return await generation(request, "chat_completions", chat_job)
 
     async def models(request: HttpRequest) -> Response:
         principal(request)

@@ -10,6 +10,12 @@ deltas pass through a bounded channel: a client that reads slowly slows its own 
 Errors: before the first text, a refusal is an HTTP error with its status (429, 503, 400, ...);
 a streamed generation that fails later ends with an ``error`` event (OpenAI's SDKs raise it),
 a non-streamed one is an HTTP error as a whole.
+
+Keep-alive: a stream that has nothing to send for ``keepalive`` seconds (a long prompt, a slow
+or failing-over hop) sends an SSE comment (``: keep-alive``, which clients ignore), so proxies
+and load balancers that cut idle connections (nginx: 60 s) do not end a healthy generation. A
+stream whose first text takes longer than that commits to 200 at the first comment: a refusal
+after it arrives as an ``error`` event, as a later failure does.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from shard.logs import kv
 
 from .backend import Backend, Outcome, Request
 from .errors import ApiError
+from .limits import DEFAULT_LIMITS, KeySlots, Limits
 from .metrics import ApiMetrics
 from .replies import Reply
 from .text import Delta
@@ -40,10 +47,7 @@ Event = Delta | Outcome | ApiError
 
 #: Deltas buffered between the generation and a slow client.
 DELTA_BUFFER = 8
-#: Seconds one write to the client may wait (its socket full: it stopped reading) before the
-#: generation is cancelled and its sessions released, so a client that holds its connection
-#: open without reading cannot hold a worker's session until the deadline.
-DEFAULT_SEND_TIMEOUT = 30.0
+_KEEPALIVE = b": keep-alive\n\n"
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -65,7 +69,7 @@ class GenerationResponse:
     def __init__(
         self, backend: Backend, request: Request, reply: Reply, *, stream: bool,
         endpoint: str, metrics: ApiMetrics, started: float, principal: str | None = None,
-        user: str | None = None, send_timeout: float = DEFAULT_SEND_TIMEOUT,
+        user: str | None = None, limits: Limits = DEFAULT_LIMITS, slots: KeySlots | None = None,
     ) -> None:
         self.backend = backend
         self.request = request
@@ -76,7 +80,9 @@ class GenerationResponse:
         self.started = started
         self.principal = principal
         self.user = user
-        self.send_timeout = send_timeout
+        self.send_timeout = limits.send_timeout
+        self.keepalive = limits.keepalive  # None: no comments
+        self.slots = slots if slots is not None else KeySlots(None)
         self.status = 0
         self._first_at: float | None = None
         #: Set before the last bytes are sent: the client may disconnect (and cancel this
@@ -85,6 +91,16 @@ class GenerationResponse:
         self._complete = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            slot = self.slots.take(self.principal)
+        except ApiError as err:  # the key runs its most already: nothing started
+            await self._error(err, scope, receive, send)
+            self._account(None)
+            return
+        with slot:
+            await self._run(scope, receive, send)
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics.in_flight.inc()
         try:
             events_in, events = trio.open_memory_channel[Event](DELTA_BUFFER)
@@ -140,34 +156,32 @@ class GenerationResponse:
                 self._first_at - self.started)
         return event
 
+    async def _next_or_silence(self, events: trio.MemoryReceiveChannel[Event]) -> Event | None:
+        """The next event, or None after ``keepalive`` seconds without one (a stream only)."""
+        if self.keepalive is None:
+            return await self._next(events)
+        with trio.move_on_after(self.keepalive):
+            return await self._next(events)  # a cancelled receive loses no event
+        return None
+
     async def _respond(
         self, events: trio.MemoryReceiveChannel[Event], scope: Scope, receive: Receive, send: Send
     ) -> None:
-        event = await self._next(events)
         if not self.stream:
-            deltas: list[Delta] = []
-            while isinstance(event, Delta):
-                deltas.append(event)
-                event = await self._next(events)
-            if isinstance(event, ApiError):
-                await self._error(event, scope, receive, send)
-                return
-            self.status, self._outcome, self._complete = 200, event, True
-            body = json.dumps(self.reply.body(deltas, event), ensure_ascii=False).encode()
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await self._respond_whole(events, scope, receive, send)
             return
+        event = await self._next_or_silence(events)
         if isinstance(event, ApiError):  # nothing sent yet: a plain HTTP error
             await self._error(event, scope, receive, send)
             return
         self.status = 200
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        while isinstance(event, Delta):
-            chunk = self.reply.chunk(event)
+        while event is None or isinstance(event, Delta):
+            chunk = _KEEPALIVE if event is None else self.reply.chunk(event)
             if chunk is not None:
-                await send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
-            event = await self._next(events)
+                body = chunk if isinstance(chunk, bytes) else _event(chunk)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            event = await self._next_or_silence(events)
         if isinstance(event, ApiError):
             self.status = event.status
             _log("generation failed mid-stream", endpoint=self.endpoint, id=self.reply.id,
@@ -178,6 +192,23 @@ class GenerationResponse:
             self._outcome = event
         self._complete = True
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+
+    async def _respond_whole(
+        self, events: trio.MemoryReceiveChannel[Event], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        event = await self._next(events)
+        deltas: list[Delta] = []
+        while isinstance(event, Delta):
+            deltas.append(event)
+            event = await self._next(events)
+        if isinstance(event, ApiError):
+            await self._error(event, scope, receive, send)
+            return
+        self.status, self._outcome, self._complete = 200, event, True
+        body = json.dumps(self.reply.body(deltas, event), ensure_ascii=False).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     async def _error(self, err: ApiError, scope: Scope, receive: Receive, send: Send) -> None:
         self.status, self._complete = err.status, True

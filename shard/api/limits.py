@@ -1,0 +1,82 @@
+"""What one request, and one API key, may take of the front door.
+
+``Limits`` gathers the operator's bounds (``trio-shard api`` options) in one value that the app
+and each generation read. ``KeySlots`` counts the generations each key's principal runs: with
+``requests_per_key`` set, one key cannot take every session of the workers (the others would
+get 429s from full workers); its own extra requests get a 429 instead.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass
+
+from .errors import RETRY_AFTER_SECONDS, ApiError
+
+__all__ = ["DEFAULT_KEEPALIVE", "DEFAULT_LIMITS", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_SEND_TIMEOUT", "KeySlots", "Limits"]
+
+#: Request bodies are bounded: 4 MiB holds any prompt a worker's context takes.
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+#: Seconds one write to the client may wait (its socket full: it stopped reading) before the
+#: generation is cancelled and its sessions released, so a client that holds its connection
+#: open without reading cannot hold a worker's session until the deadline.
+DEFAULT_SEND_TIMEOUT = 30.0
+#: Seconds of silence after which a stream sends an SSE comment (``shard.api.streaming``).
+DEFAULT_KEEPALIVE = 15.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """``max_body_bytes``: larger bodies get 413. ``send_timeout``: see
+    ``DEFAULT_SEND_TIMEOUT``. ``keepalive``: None sends no comments. ``requests_per_key``:
+    generations one key's principal may run at once (None: no bound)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    send_timeout: float = DEFAULT_SEND_TIMEOUT
+    keepalive: float | None = DEFAULT_KEEPALIVE
+    requests_per_key: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1 or self.send_timeout <= 0:
+            raise ValueError("max_body_bytes and send_timeout must be positive")
+        if self.keepalive is not None and self.keepalive <= 0:
+            raise ValueError("keepalive must be positive (None: off)")
+        if self.requests_per_key is not None and self.requests_per_key < 1:
+            raise ValueError("requests_per_key must be at least 1 (None: no bound)")
+
+
+#: The defaults above (a value: ``Limits`` is frozen).
+DEFAULT_LIMITS = Limits()
+
+
+class KeySlots:
+    """Generations running per principal, bounded by ``limit`` (None: counted, not bounded)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self._running: Counter[str] = Counter()
+
+    def running(self, principal: str) -> int:
+        return self._running[principal]
+
+    def take(self, principal: str | None) -> AbstractContextManager[object]:
+        """Take one slot of ``principal`` now (an ``ApiError`` 429 when it has none left); the
+        returned context manager gives it back on exit: enter it at once. Requests without a
+        principal (a door without keys) are not bounded here."""
+        if principal is None:
+            return nullcontext()
+        if self.limit is not None and self._running[principal] >= self.limit:
+            raise ApiError(429, f"this API key already runs {self.limit} request(s) at once, the "
+                           "most it may; retry when one has finished", type="rate_limit_error",
+                           code="too_many_requests_for_key",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        self._running[principal] += 1
+        slot = ExitStack()
+        slot.callback(self._give_back, principal)
+        return slot
+
+    def _give_back(self, principal: str) -> None:
+        self._running[principal] -= 1
+        if not self._running[principal]:
+            del self._running[principal]
