@@ -690,8 +690,8 @@ async def test_a_large_body_is_checked_and_rendered_off_the_event_loop() -> None
 
         door.backend.render_chat = spy  # type: ignore[method-assign]
         small = {"model": NAME, "messages": MESSAGES, "max_tokens": 1}
-        many = [{"role": "user", "content": "hi"}] * (OFF_LOOP_BYTES // 30)
-        large = {"model": NAME, "messages": many, "max_tokens": 1}
+        long = [{"role": "user", "content": "hi " * (OFF_LOOP_BYTES // 30)}] * 10
+        large = {"model": NAME, "messages": long, "max_tokens": 1}
         assert len(json.dumps(large)) >= OFF_LOOP_BYTES
         url = door.url + "/v1/chat/completions"
         status, _, _ = await in_thread(lambda: post(url, small))
@@ -702,4 +702,24 @@ async def test_a_large_body_is_checked_and_rendered_off_the_event_loop() -> None
         assert status == 400 and got["error"]["param"] == "n"  # refusals from the thread too
         assert rendered_in[0] == threading.get_ident()  # the event loop's thread
         assert len(rendered_in) == 2 and rendered_in[1] != threading.get_ident()
+        await assert_all_free(door.workers)
+
+
+async def test_more_messages_or_token_ids_than_positions_are_refused_before_validation() -> None:
+    """Each message renders to one token at least: a conversation of more messages than a
+    session has positions cannot fit, and is refused before pydantic validates it (one call
+    that holds the GIL for as long as the list is long), even when its items are not messages."""
+    async with front_door() as door:
+        n = door.backend.context + 1
+        cases = [("/v1/chat/completions", {"messages": [0] * n}, "messages"),
+                 ("/v1/completions", {"prompt": [1] * n}, "prompt"),
+                 ("/v1/completions", {"prompt": [[1] * n]}, "prompt")]
+        for path, extra, param in cases:
+            status, _, got = await in_thread(lambda: post(
+                door.url + path, {"model": NAME, **extra}))  # noqa: B023 - awaited at once
+            assert status == 400, got
+            assert (got["error"]["code"], got["error"]["param"]) == ("context_length_exceeded", param)
+        fits = {"model": NAME, "prompt": [1] * (n - 2), "max_tokens": 1}
+        status, _, got = await in_thread(lambda: post(door.url + "/v1/completions", fits))
+        assert status == 200, got
         await assert_all_free(door.workers)

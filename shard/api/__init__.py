@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import ssl
@@ -45,6 +46,12 @@ async def run_api(
     ) as backend:
         app = build_app(backend, keys=keys, limits=limits,
                         loopback_hosts_only=keys is None and is_loopback(host))
+        # What start-up made (libraries, the app, the chat template) lives as long as the
+        # process: out of the collector's sight, a full collection no longer walks it. Those
+        # walks took 27-33 ms each, stalling every stream on the event loop (bench/api_abuse.py,
+        # "quiet": the worst gap between two tokens 41.7 -> 29.1 ms, /health 35.3 -> 7.1 ms).
+        gc.collect()
+        gc.freeze()
         shutdown = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(_handle_signals, shutdown, nursery.cancel_scope, keys, grace)
