@@ -497,6 +497,10 @@ def _add_api_parser(sub: Any) -> _Parser:
                      "more get 429, so one key cannot take every session (default: no bound)")
     api.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
                      help="largest request body accepted, larger ones get 413 (default: 4 MiB)")
+    api.add_argument("--body-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+                     help="a request body that has not arrived whole after this long gets 408 and "
+                     "its connection is closed (a client trickling bytes holds nothing; "
+                     "default: 30)")
     api.add_argument("--grace", type=_non_negative_float, default=10.0,
                      help="seconds running requests may finish after SIGTERM/SIGINT (default: 10)")
     api.add_argument("--log-format", choices=["text", "json"], default="text",
@@ -903,7 +907,8 @@ def _cmd_api(args: argparse.Namespace) -> int:
     from shard.api.limits import Limits
 
     limits = Limits(max_body_bytes=args.max_body_bytes, send_timeout=args.send_timeout,
-                    keepalive=args.keepalive or None, requests_per_key=args.requests_per_key)
+                    keepalive=args.keepalive or None, requests_per_key=args.requests_per_key,
+                    body_timeout=args.body_timeout)
     template = None
     if args.chat_template is not None:
         try:

@@ -723,3 +723,38 @@ async def test_more_messages_or_token_ids_than_positions_are_refused_before_vali
         status, _, got = await in_thread(lambda: post(door.url + "/v1/completions", fits))
         assert status == 200, got
         await assert_all_free(door.workers)
+
+
+async def test_a_body_that_trickles_in_is_cut_after_the_body_timeout() -> None:
+    """A large Content-Length, then a byte now and then: 408 and the connection closed, instead
+    of a connection and a task held for as long as the client likes."""
+    import socket
+
+    async with front_door(limits=Limits(body_timeout=0.5)) as door:
+        host, port = door.url.removeprefix("http://").split(":")
+
+        def trickle() -> bytes:
+            with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+                s.settimeout(0.1)
+                got = b""
+                for _ in range(300):  # 30 s at most
+                    try:
+                        s.sendall(b" ")
+                    except OSError:
+                        pass  # the door closed its side
+                    try:
+                        chunk = s.recv(4096)
+                    except TimeoutError:
+                        continue
+                    if not chunk:
+                        return got  # closed after the answer
+                    got += chunk
+                return got + b" (still open)"
+
+        answer = await in_thread(trickle)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert answer.endswith(b"}") and b'"code":"request_timeout"' in answer, answer
+        got = await in_thread(lambda: door.client.completions.create(model=NAME, prompt="x", max_tokens=1))
+        assert got.usage.completion_tokens == 1

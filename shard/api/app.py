@@ -96,11 +96,16 @@ def build_app(
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             raise ApiError(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
         chunks, total = [], 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > max_body_bytes:
-                raise ApiError(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
-            chunks.append(chunk)
+        with trio.move_on_after(limits.body_timeout) as waited:
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > max_body_bytes:
+                    raise ApiError(413, f"request body over {max_body_bytes} bytes",
+                                   code="body_too_large")
+                chunks.append(chunk)
+        if waited.cancelled_caught:
+            raise ApiError(408, f"the request body did not arrive within {limits.body_timeout:g} "
+                           "s", code="request_timeout", headers={"Connection": "close"})
         return b"".join(chunks)
 
     def beyond_context(raw: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .errors import RETRY_AFTER_SECONDS, ApiError
 
-__all__ = ["DEFAULT_KEEPALIVE", "DEFAULT_LIMITS", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_SEND_TIMEOUT", "KeySlots", "Limits"]
+__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_KEEPALIVE", "DEFAULT_LIMITS", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_SEND_TIMEOUT", "KeySlots", "Limits"]
 
 #: Request bodies are bounded: 4 MiB holds any prompt a worker's context takes.
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -24,22 +24,29 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_SEND_TIMEOUT = 30.0
 #: Seconds of silence after which a stream sends an SSE comment (``shard.api.streaming``).
 DEFAULT_KEEPALIVE = 15.0
+#: Seconds a request's body may take to arrive whole (408 after): hypercorn bounds the wait for
+#: a request's headers (its keep-alive timeout, 5 s) but not for its body, and a client that
+#: sends a large Content-Length, then a byte now and then, would hold its connection and a
+#: task of the door for ever.
+DEFAULT_BODY_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
 class Limits:
     """``max_body_bytes``: larger bodies get 413. ``send_timeout``: see
     ``DEFAULT_SEND_TIMEOUT``. ``keepalive``: None sends no comments. ``requests_per_key``:
-    generations one key's principal may run at once (None: no bound)."""
+    generations one key's principal may run at once (None: no bound). ``body_timeout``: see
+    ``DEFAULT_BODY_TIMEOUT``."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     send_timeout: float = DEFAULT_SEND_TIMEOUT
     keepalive: float | None = DEFAULT_KEEPALIVE
     requests_per_key: int | None = None
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes < 1 or self.send_timeout <= 0:
-            raise ValueError("max_body_bytes and send_timeout must be positive")
+        if self.max_body_bytes < 1 or self.send_timeout <= 0 or self.body_timeout <= 0:
+            raise ValueError("max_body_bytes, send_timeout and body_timeout must be positive")
         if self.keepalive is not None and self.keepalive <= 0:
             raise ValueError("keepalive must be positive (None: off)")
         if self.requests_per_key is not None and self.requests_per_key < 1:
