@@ -326,6 +326,7 @@ def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["passes"]) == {"this", "other"}
+    engine_cpu = 0.0
     for per_mode in report["passes"].values():
         assert set(per_mode) == {"generate", "decode", "generate_grpcio"}
         for rows in per_mode.values():
@@ -333,8 +334,12 @@ def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None
             for row in rows:
                 assert row["tokens"] == 64
                 assert row["native_us"] > 0 and row["wall_us"] > row["native_us"]
-                assert row["engine_cpu_us"] > 0
+                assert row["engine_cpu_us"] >= 0
+                engine_cpu += row["engine_cpu_us"]
                 assert 10 < row["client_cpu_us"] < 5 * row["wall_us"]  # per token, not per pass
+    # A thread's CPU is counted in clock ticks (10 ms): one quick pass of the tiny model may
+    # fall between two (0 once in a local run under load); the six passes together may not.
+    assert engine_cpu > 0
     assert set(report["ratios"]) == {"generate", "decode", "generate_grpcio"}
     assert report["environment"]["model"].endswith(".gguf")
 
