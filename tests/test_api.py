@@ -378,6 +378,7 @@ async def test_every_refusal_is_a_structured_error_and_the_door_stays_healthy() 
             (url, {**base, "best_of": 3}, None, 400, "best_of", "unsupported_parameter"),
             (url, {**base, "frobnicate": 1}, None, 400, "frobnicate", "invalid_parameter"),
             (url, {**base, "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop", "invalid_parameter"),
+            (url, {**base, "stop": ["x" * 1025]}, None, 400, "stop", "invalid_parameter"),
             (url, {**base, "temperature": -1}, None, 400, "temperature", "invalid_parameter"),
             (url, {**base, "max_tokens": 0}, None, 400, "max_tokens", "invalid_parameter"),
             (url, {**base, "logprobs": 21}, None, 400, "logprobs", "invalid_parameter"),

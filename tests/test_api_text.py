@@ -103,3 +103,32 @@ def test_a_false_start_is_released_once_it_cannot_be_a_stop() -> None:
     assert text.push(TokenOut(b"E", 0.0)).text == ""
     delta = text.push(TokenOut(b"x", 0.0))
     assert delta.text == "Ex" and len(delta.tokens) == 2 and not text.stopped
+
+
+@given(cut(), STOPS)
+def test_text_is_held_back_only_while_it_may_start_a_stop_sequence(
+        case: tuple[str, list[bytes]], stops: list[str]) -> None:
+    """After every token, the client has all the text except the longest end of it that is a
+    stop sequence's beginning (the naive definition: every length tried)."""
+    _, pieces = case
+    text, released = TextAssembler(stops), ""
+    for n, piece in enumerate(pieces, 1):
+        released += text.push(TokenOut(piece, 0.0)).text
+        if text.stopped:
+            return
+        decoded = b"".join(pieces[:n]).decode("utf-8", "ignore")
+        held = max([k for s in stops if s for k in range(1, len(s))
+                    if decoded.endswith(s[:k])], default=0)
+        assert released == decoded[:len(decoded) - held]
+
+
+def test_an_output_held_back_whole_by_long_stop_sequences_is_released_at_the_end() -> None:
+    """A stop sequence that the whole output begins holds it back to the end, beside long ones
+    that never match (what costs each token its look is measured by bench/api_abuse.py)."""
+    out = "ab" * 500
+    stops = ["\x7f" * 1024, "a" * 1023 + "\x7f", "ab" * 511 + "x", out + "\x7f"]
+    text = TextAssembler(stops)
+    for i in range(0, len(out), 2):
+        assert not text.push(TokenOut(out[i:i + 2].encode(), 0.0))  # all held back
+        assert len(text._tokens) == i // 2 + 1
+    assert text.finish().text == out

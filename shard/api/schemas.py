@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "MAX_STOPS",
+    "MAX_STOP_CHARS",
     "MAX_TOP_LOGPROBS",
     "ChatCompletionRequest",
     "ChatMessage",
@@ -24,6 +25,11 @@ __all__ = [
 #: OpenAI's limits: at most 4 stop sequences, at most 20 alternatives per token.
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
+#: Characters in one stop sequence. Text that may start a stop sequence is held back and looked
+#: at again with every token (``shard.api.text``): a stop as long as the whole output (the
+#: output itself and one more character) held all of it back, the others being checked against
+#: ever more text. Bounded, a token's look costs at most about a millisecond.
+MAX_STOP_CHARS = 1024
 _U64 = 2**64
 
 
@@ -60,6 +66,8 @@ class GenerationRequest(_Strict):
             raise ValueError(f"at most {MAX_STOPS} stop sequences")
         if any(s == "" for s in stops):
             raise ValueError("a stop sequence must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may hold at most {MAX_STOP_CHARS} characters")
         return value
 
     @property

@@ -97,13 +97,20 @@ class TextAssembler:
         return self._release(self._sent + len(self._tail), flush=True)
 
     def _held_back(self) -> int:
-        """Characters at the end that are the start of a stop sequence."""
-        longest = 0
+        """Characters at the end that are the start of a stop sequence.
+
+        Only where a stop's first character occurs can its start be; ``str.find`` jumps
+        between those places and one comparison checks each, both in C (trying every length
+        was a Python loop of as many steps as the tail has characters, for every stop and
+        every token)."""
+        tail, longest = self._tail, 0
         for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(self._tail)), longest, -1):
-                if self._tail.endswith(stop[:n]):
-                    longest = n
+            at = tail.find(stop[0], max(len(tail) - len(stop) + 1, 0), len(tail) - longest)
+            while at >= 0:
+                if stop.startswith(tail[at:]):
+                    longest = len(tail) - at
                     break
+                at = tail.find(stop[0], at + 1, len(tail) - longest)
         return longest
 
     def _release(self, end: int, *, stop: bool = False, flush: bool = False) -> Delta:
@@ -112,12 +119,17 @@ class TextAssembler:
         cut = max(end - self._sent, 0)
         delta = Delta(self._tail[:cut])
         self._tail, self._sent = self._tail[cut:], self._sent + cut
-        keep = []
+        # Tokens are in order: the released ones are the first ones (looking at the others
+        # too made a long held-back text quadratic in its tokens).
+        released = 0
         for token, start, token_end in self._tokens:
-            if flush or token_end <= end or (stop and start < end):
-                delta.tokens.append(token)
-                delta.offsets.append(start)
-            elif not stop:
-                keep.append((token, start, token_end))
-        self._tokens = keep
+            if not (flush or token_end <= end or (stop and start < end)):
+                break
+            delta.tokens.append(token)
+            delta.offsets.append(start)
+            released += 1
+        if stop:
+            self._tokens = []
+        elif released:
+            del self._tokens[:released]
         return delta
