@@ -410,3 +410,25 @@ def test_pipeline_throughput_bench_reports_every_configuration(tmp_path: Path) -
     assert all(r["cores_used"] >= 0 for r in rows) and any(r["cores_used"] > 0 for r in rows)
     assert len(report["ratios"]) == sum(1 for r in rows if "hops" in r["config"])
     assert report["environment"]["model"].endswith(".gguf")
+
+
+def test_api_abuse_bench_runs_each_kind_against_both_doors(tmp_path: Path) -> None:
+    """A short run of bench/api_abuse.py on the tiny model against this checkout twice
+    (``--door-root``): every door answered the neighbour and the probe, the trickling bodies
+    were still held (the window is shorter than the body timeout), and the stop sequences ran
+    through the door and through each checkout's text assembler."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.api_abuse", "--model", "tiny", "--seconds", "1",
+         "--slow-seconds", "1", "--slow-connections", "3", "--kinds", "slow_bodies,stops",
+         "--door-root", str(ROOT), "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "api_abuse.json").read_text())
+    assert set(report["results"]) == {"this", "other"}
+    for rows in report["results"].values():
+        assert set(rows) == {"quiet", "slow_bodies", "stops"}
+        for row in rows.values():
+            assert row["neighbour_events"] > 0 and row["health_answers"] > 0
+        assert rows["slow_bodies"]["slow_bodies"] == {"held_open": 3}
+        assert rows["stops"]["assembler_stop_chars"] == 1024 and rows["stops"]["assembler_s"] > 0
