@@ -42,6 +42,8 @@ def exposed_name(key: str) -> str:
     section, _, name = key.partition(".")
     if name.startswith("errors_total:"):
         return f'trio_shard_worker_errors_total{{code="{name.split(":")[1].removeprefix("ERROR_CODE_")}"}}'
+    if name.startswith("connections_cut_total:"):
+        return f'trio_shard_worker_connections_cut_total{{reason="{name.split(":")[1]}"}}'
     if section == "worker" and name.startswith("rpc_") and name.endswith("_total"):
         return f'trio_shard_worker_rpc_total{{method="{name[4:-6]}"}}'
     return f"trio_shard_{section}_{name}"
@@ -124,7 +126,8 @@ async def test_hidden_state_bytes_in_and_out_on_a_middle_shard() -> None:
 def test_families_map_every_key_once() -> None:
     snap = pb.GetMetricsResponse(
         engine={"kv_cells_used": 3, "steps_total": 9},
-        worker={"errors_total:ERROR_CODE_CANCELLED": 2, "rpc_Health_total": 4, "sessions_open": 1},
+        worker={"errors_total:ERROR_CODE_CANCELLED": 2, "rpc_Health_total": 4, "sessions_open": 1,
+                "connections_cut_total:pings_flood": 1},
     )
     rendered = {f.name: (f.type, [(s.labels, s.value) for s in f.samples]) for f in families(snap)}
     assert rendered == {
@@ -133,6 +136,7 @@ def test_families_map_every_key_once() -> None:
         "trio_shard_worker_sessions_open": ("gauge", [({}, 1)]),
         "trio_shard_worker_errors": ("counter", [({"code": "CANCELLED"}, 2)]),
         "trio_shard_worker_rpc": ("counter", [({"method": "Health"}, 4)]),
+        "trio_shard_worker_connections_cut": ("counter", [({"reason": "pings_flood"}, 1)]),
     }
 
 

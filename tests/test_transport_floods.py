@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ from hyperframe.frame import (
 
 from raw_h2 import RawConnection
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from rpc_harness import worker
+from rpc_harness import V, worker
 from shard.client import ShardClient
 from shard.rpc.transport import TransportLimits
 from shard.rpc.transport.frames import (
@@ -106,7 +107,8 @@ def _calmed(frames: list[Any]) -> bool:
 
 
 @pytest.mark.parametrize("kind", sorted(FLOODS))
-async def test_a_flood_of_one_frame_kind_ends_at_its_budget_while_a_neighbour_generates(kind: str) -> None:
+async def test_a_flood_of_one_frame_kind_ends_at_its_budget_while_a_neighbour_generates(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
     field, make = FLOODS[kind]
     limits = TransportLimits()
     budget: FrameRate = getattr(limits, field)
@@ -153,6 +155,39 @@ async def test_a_flood_of_one_frame_kind_ends_at_its_budget_while_a_neighbour_ge
         assert authorized <= 2 + limits.resets.burst, authorized  # + the neighbour's Session and Health
         await trio.testing.wait_all_tasks_blocked()
         assert w.server.transport.open_calls == 0 and w.server.transport.buffered_bytes == 0
+        # Counted by reason (GetMetrics and Prometheus), and logged with the peer's counters.
+        assert dict(w.server.transport.cuts) == {f"{kind}_flood": 1}
+        assert w.server.metrics.snapshot().worker[f"connections_cut_total:{kind}_flood"] == 1
+        cut = [r.getMessage() for r in caplog.records if "closing connection" in r.getMessage()]
+        assert len(cut) == 1 and f" {kind}" in cut[0] and "it was sent 0 DATA frames" in cut[0], cut
+
+
+async def test_a_peer_that_takes_data_floods_no_further_than_the_data_earned() -> None:
+    """Earned frames are in proportion to what the worker sent: a peer that made 20 calls
+    (each answered with one DATA frame) and then floods WINDOW_UPDATE frames is cut after its
+    bucket plus 4 per DATA frame, as one that took nothing is cut after its bucket."""
+    limits = TransportLimits()
+    async with worker() as w:
+        port = int(w.target.rpartition(":")[2])
+        peer = await RawConnection.open("127.0.0.1", port)
+        try:
+            await peer.handshake()
+            for _ in range(20):
+                sid = await peer.start(UNARY, pb.GetCapabilitiesRequest(version=V), end=True)
+                assert (await peer.headers_of(sid))["grpc-status"] == "0"
+            budget = next(iter(w.server.transport._connections)).budget  # noqa: SLF001
+            assert budget.data_frames_sent == 20 and budget.answers == 20
+            with contextlib.suppress(trio.BrokenResourceError):
+                await peer.send(WindowUpdateFrame(0, window_increment=1).serialize() * FLOOD_FRAMES)
+            frames = await peer.closed_within(30)
+        finally:
+            await peer.aclose()
+        assert _calmed(frames)
+        taken = budget.received["window_updates"]
+        allowed = limits.window_updates.burst + 20 * limits.window_updates.per_data_frame
+        # (+ what the bucket refills, 500 a second, while the flood is read)
+        assert allowed < taken <= allowed + HANDSHAKE_FRAMES["window_updates"] + 50, taken
+        assert dict(w.server.transport.cuts) == {"window_updates_flood": 1}
 
 
 async def test_reconnecting_buys_no_fresh_budget_and_a_polite_neighbour_on_the_host_still_connects() -> None:
@@ -209,6 +244,65 @@ def test_a_budget_allows_its_burst_then_its_rate() -> None:
     with pytest.raises(FrameFlood):
         budget.spend("pings")
     budget.spend("window_updates")  # a kind without a budget is not counted
+
+
+def test_data_the_worker_sent_earns_control_frames_up_to_the_burst() -> None:
+    clock = Clock()
+    budget = FrameBudget({"window_updates": FrameRate(10, 1.0, per_data_frame=2.0),
+                          "resets": FrameRate(5, 1.0, per_answer=1.0)}, clock)
+    for _ in range(3):
+        budget.sent_data(100)  # 3 small DATA frames: 6 frames earned
+    budget.sent_data(16384)  # a 16 KiB frame counts as 2: 4 more
+    for _ in range(HANDSHAKE_FRAMES["window_updates"] + 10 + 10):  # handshake, earned, bucket
+        budget.spend("window_updates")
+    with pytest.raises(FrameFlood) as err:
+        budget.spend("window_updates")
+    assert "beyond the 2 per DATA frame sent" in str(err.value)
+    for _ in range(1000):
+        budget.sent_data(10)  # banked up to the burst, never beyond
+    for _ in range(10):
+        budget.spend("window_updates")
+    with pytest.raises(FrameFlood):
+        budget.spend("window_updates")
+    # Answers earn what ``per_answer`` says, and only that kind.
+    budget.answered()
+    budget.answered()
+    for _ in range(2 + 5):
+        budget.spend("resets")
+    with pytest.raises(FrameFlood):
+        budget.spend("resets")
+    assert budget.counters() == {"window_updates": 33, "resets": 8, "data_frames_sent": 1004,
+                                 "data_bytes_sent": 3 * 100 + 16384 + 10_000,
+                                 "calls_answered": 2}
+
+
+def test_earned_frames_are_spent_first_and_never_carried_to_the_next_connection() -> None:
+    """A busy honest client pays with earned frames, so it leaves its host's buckets full (a
+    reconnect after a cut found them empty and was cut again); nothing earned carries over."""
+    clock = Clock()
+    memory = PeerMemory({"window_updates": FrameRate(10, 1.0, per_data_frame=1.0)}, clock)
+    busy = memory.budget("10.0.0.1")
+    for _ in range(5000):
+        busy.sent_data(13)
+        busy.spend("window_updates")
+    memory.left("10.0.0.1", busy)
+    assert len(memory) == 0  # every bucket full: nothing to remember
+    banked = memory.budget("10.0.0.1")
+    for _ in range(10):
+        banked.sent_data(13)  # 10 banked on this connection
+    memory.left("10.0.0.1", banked)
+    fresh = memory.budget("10.0.0.1")
+    for _ in range(HANDSHAKE_FRAMES["window_updates"] + 10):  # the bucket only
+        fresh.spend("window_updates")
+    with pytest.raises(FrameFlood):
+        fresh.spend("window_updates")
+
+
+@pytest.mark.parametrize("field", ["per_data_frame", "per_answer"])
+@pytest.mark.parametrize("value", [-1.0, math.inf, math.nan])
+def test_a_frame_rate_refuses_a_bad_ratio(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        FrameRate(10, 1.0, **{field: value})
 
 
 def test_a_connections_handshake_is_free_and_only_its_handshake() -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -65,6 +65,7 @@ class WorkerMetrics:
         self.prometheus = CollectorRegistry(auto_describe=False)
         self._engine: ShardEngine | None = None
         self._registry: Registry | None = None
+        self._cuts: Callable[[], Mapping[str, int]] = dict
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=self.prometheus)
@@ -86,8 +87,12 @@ class WorkerMetrics:
         self._collector = _SnapshotCollector(self)
         self.prometheus.register(self._collector)
 
-    def attach(self, engine: ShardEngine, registry: Registry) -> None:
+    def attach(self, engine: ShardEngine, registry: Registry,
+               cuts: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """What the snapshot reads; ``cuts``: the transport's connections cut, by reason."""
         self._engine, self._registry = engine, registry
+        if cuts is not None:
+            self._cuts = cuts
 
     # ---- lifecycle.Counts (what a StreamWatch reports) -----------------------------------------
 
@@ -107,6 +112,8 @@ class WorkerMetrics:
             raise RuntimeError("WorkerMetrics.attach() was not called")
         em = engine.metrics()
         worker: dict[str, int] = dict(registry.worker_metrics())
+        for reason, n in self._cuts().items():
+            worker[f"connections_cut_total:{reason}"] = n
         if engine.health().ready:
             try:
                 total = engine.capabilities().n_ctx
@@ -127,7 +134,8 @@ def families(snapshot: pb.GetMetricsResponse) -> Iterator[Metric]:
 
     ``engine`` key ``k`` -> ``trio_shard_engine_k``; ``worker`` key ``k`` ->
     ``trio_shard_worker_k``; keys ending in ``_total`` are counters, others gauges. Worker keys
-    ``errors_total:ERROR_CODE_X`` -> ``trio_shard_worker_errors_total{code="X"}`` and
+    ``errors_total:ERROR_CODE_X`` -> ``trio_shard_worker_errors_total{code="X"}``,
+    ``connections_cut_total:R`` -> ``trio_shard_worker_connections_cut_total{reason="R"}`` and
     ``rpc_M_total`` -> ``trio_shard_worker_rpc_total{method="M"}``.
     """
     labelled: dict[str, tuple[str, str, list[tuple[str, int]]]] = {}
@@ -137,6 +145,13 @@ def families(snapshot: pb.GetMetricsResponse) -> Iterator[Metric]:
             if section == "worker" and key.startswith("errors_total:"):
                 code = key.split(":", 1)[1].removeprefix("ERROR_CODE_")
                 labelled.setdefault("errors_total", ("code", "Errors sent, by code.", []))[2].append((code, value))
+                continue
+            if section == "worker" and key.startswith("connections_cut_total:"):
+                reason = key.split(":", 1)[1]
+                labelled.setdefault("connections_cut_total", (
+                    "reason", "Connections the worker closed on their peer, by reason (a frame "
+                    "kind's budget: <kind>_flood; protocol_error, handshake_timeout, "
+                    "keepalive_timeout, max_connections).", []))[2].append((reason, value))
                 continue
             m = re.fullmatch(r"rpc_(\w+?)_total", key)
             if section == "worker" and m:

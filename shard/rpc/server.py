@@ -143,12 +143,12 @@ async def serve(
     metrics = WorkerMetrics()
     engine = metrics.meter(engine)  # times every step for the latency histograms
     registry = Registry(engine, limits, relay)
-    metrics.attach(engine, registry)
+    transport = Server(host=host, port=port, limits=transport_limits, ssl_context=ssl_context)
+    metrics.attach(engine, registry, cuts=lambda: transport.cuts)
     servicer = ShardServicer(
         engine, registry, transport_limits=transport_limits, authorize=authorize, metrics=metrics
     )
     health = HealthService()
-    transport = Server(host=host, port=port, limits=transport_limits, ssl_context=ssl_context)
     # The auth hook runs from each call's headers, before its request bytes are acknowledged.
     transport.add_service(
         servicer.service, authorize=servicer.authorize_call if authorize is not None else None

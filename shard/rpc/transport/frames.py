@@ -10,6 +10,18 @@ SETTINGS); flow control bounds bytes, never frames. Two things follow:
   before h2 sees it, so h2 answers with GOAWAY(ENHANCE_YOUR_CALM) and the events of the whole
   read are dropped: no call is created past the limit, whatever else the read held. A bound
   checked per read let one write of 20,000 HEADERS+RST_STREAM pairs start 3,504 calls.
+- **What the worker sent pays for what answers it.** A control frame that answers the worker's
+  own traffic is not abuse: a gRPC client sends a WINDOW_UPDATE as it consumes DATA, a BDP PING
+  (and the SETTINGS that adjust its windows) with bursts of DATA, and a RST_STREAM or a new
+  HEADERS for a call that was answered. So besides its bucket each kind *earns* frames on the
+  connection (``FrameRate.per_data_frame``: per DATA frame the worker sent, a frame's worth per
+  16 KiB counted as one more; ``FrameRate.per_answer``: per call the worker answered with a
+  message), banked up to ``burst`` and spent before the bucket. A fixed rate alone cut exactly
+  the clients that matter most: grpcio multiplexing 16 generations on one channel sent more than
+  500 WINDOW_UPDATE frames a second, in step with the tokens it was sent (issue 43). A peer that
+  takes no data earns nothing and is cut as before; one that does can send control frames at
+  most in proportion to what the worker chose to send it (as Envoy's
+  ``max_inbound_window_update_frames_per_data_frame_sent``).
 - **Cutting is linear.** h2 3.2's ``FrameBuffer`` copies the rest of its buffer after every
   frame (``data = data[n:]``), quadratic in the frames of one read: 80,000 WINDOW_UPDATE
   frames took 1.7 s to cut, before h2 handled any. ``FrameReader`` keeps an offset instead and
@@ -52,17 +64,30 @@ HANDSHAKE_FRAMES = {"settings": 2, "window_updates": 1}
 #: Peer hosts remembered at once (``PeerMemory``); the oldest record goes first.
 MAX_PEERS_REMEMBERED = 4096
 
+#: Bytes of DATA that earn as much as one more DATA frame (the default frame size): a client
+#: acknowledges bytes, so a large frame may be answered by more than one WINDOW_UPDATE.
+DATA_UNIT_BYTES = 16384
+
 
 @dataclass(frozen=True)
 class FrameRate:
-    """A token bucket: ``burst`` frames at once, then ``per_second`` on average."""
+    """A token bucket: ``burst`` frames at once, then ``per_second`` on average; plus frames
+    earned on the connection by what the worker sent it (see the module docs):
+    ``per_data_frame`` for each DATA frame (and each 16 KiB of it), ``per_answer`` for each
+    call the worker answered with a message. Earned frames are banked up to ``burst``."""
 
     burst: int
     per_second: float
+    per_data_frame: float = 0.0
+    per_answer: float = 0.0
 
     def __post_init__(self) -> None:
         if self.burst < 1 or not (self.per_second > 0 and math.isfinite(self.per_second)):
             raise ValueError("a frame rate needs burst >= 1 and a finite per_second > 0")
+        for name in ("per_data_frame", "per_answer"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"a frame rate's {name} must be a finite number >= 0")
 
 
 def kind_of(frame_type: int, flags: int, length: int) -> str | None:
@@ -84,9 +109,15 @@ class FrameFlood(DenialOfServiceError):
     """A peer went over one of its frame budgets (h2 answers GOAWAY(ENHANCE_YOUR_CALM))."""
 
     def __init__(self, kind: str, rate: FrameRate) -> None:
+        earned = []
+        if rate.per_data_frame:
+            earned.append(f"{rate.per_data_frame:g} per DATA frame sent")
+        if rate.per_answer:
+            earned.append(f"{rate.per_answer:g} per call answered")
+        beyond = f" beyond the {' and '.join(earned)}" if earned else ""
         super().__init__(
-            f"more than {rate.burst} {kind.replace('_', ' ')} frames at once or "
-            f"{rate.per_second:g} per second")
+            f"more {kind.replace('_', ' ')} frames than {rate.burst} at once or "
+            f"{rate.per_second:g} per second{beyond}")
         self.kind = kind
 
 
@@ -94,7 +125,9 @@ Levels = dict[str, tuple[float, float]]  # kind -> (tokens, when they were count
 
 
 class FrameBudget:
-    """One token bucket per frame kind (see the module docs)."""
+    """One connection's frame budgets: a token bucket per frame kind, and the frames each kind
+    earned from what the worker sent (see the module docs). It also counts what it saw, so a
+    cut connection can be logged with the evidence (``counters``)."""
 
     def __init__(self, rates: Mapping[str, FrameRate], clock: Callable[[], float],
                  levels: Levels | None = None) -> None:
@@ -107,14 +140,56 @@ class FrameBudget:
             if kind in self._rates:
                 self._tokens[kind], self._at[kind] = tokens, at
         self._free = dict(HANDSHAKE_FRAMES)  # this connection's setup (see HANDSHAKE_FRAMES)
+        self._earned = dict.fromkeys(self._rates, 0.0)
+        # (kind, frames earned per unit, bank cap) of the kinds that earn: the per-frame loop
+        # of ``sent_data`` runs on every DATA frame the worker sends.
+        self._per_data = tuple((k, r.per_data_frame, float(r.burst))
+                               for k, r in self._rates.items() if r.per_data_frame)
+        self._per_answer = tuple((k, r.per_answer, float(r.burst))
+                                 for k, r in self._rates.items() if r.per_answer)
+        self.received = dict.fromkeys(self._rates, 0)  # budgeted frames the peer sent, by kind
+        self.data_frames_sent = 0
+        self.data_bytes_sent = 0
+        self.answers = 0  # calls answered with a message
+
+    def sent_data(self, size: int) -> None:
+        """The worker sent one DATA frame of ``size`` bytes on this connection."""
+        self.data_frames_sent += 1
+        self.data_bytes_sent += size
+        units = 1 + size // DATA_UNIT_BYTES
+        earned = self._earned
+        for kind, per, cap in self._per_data:
+            value = earned[kind] + per * units
+            earned[kind] = value if value < cap else cap
+
+    def answered(self) -> None:
+        """The worker answered a call on this connection (sent its first message)."""
+        self.answers += 1
+        earned = self._earned
+        for kind, per, cap in self._per_answer:
+            value = earned[kind] + per
+            earned[kind] = value if value < cap else cap
+
+    def counters(self) -> dict[str, int]:
+        """What the peer sent (budgeted frames by kind) and what the worker sent it."""
+        out = {kind: n for kind, n in self.received.items() if n}
+        out.update(data_frames_sent=self.data_frames_sent,
+                   data_bytes_sent=self.data_bytes_sent, calls_answered=self.answers)
+        return out
 
     def spend(self, kind: str) -> None:
-        """Count one frame of ``kind``; raises ``FrameFlood`` past its bucket."""
+        """Count one frame of ``kind``; raises ``FrameFlood`` past what it earned and its
+        bucket."""
         rate = self._rates.get(kind)
         if rate is None:
             return
+        self.received[kind] += 1
         if self._free.get(kind):
             self._free[kind] -= 1
+            return
+        earned = self._earned[kind]
+        if earned >= 1.0:
+            self._earned[kind] = earned - 1.0
             return
         now = self._clock()
         tokens = min(float(rate.burst), self._tokens[kind] + (now - self._at[kind]) * rate.per_second)
@@ -245,6 +320,7 @@ class FrameReader(FrameBuffer):
 
 
 __all__ = [
+    "DATA_UNIT_BYTES",
     "KINDS",
     "MAX_PEERS_REMEMBERED",
     "FrameBudget",

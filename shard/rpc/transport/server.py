@@ -36,6 +36,7 @@ purerpc on the same bench: ~600-850, ~2,900-4,200 and ~80-230.  The grpcio clien
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
@@ -324,6 +325,7 @@ class _Connection:
         finally:
             self.h2.close_ledger()
             self.server.peers.left(self.host, self.budget)
+            log.debug("connection from %s closed (%s)", self.peer, _evidence(self.budget.counters()))
 
     def abort_calls(self, reason: EndReason) -> None:
         for call in list(self.calls.values()):
@@ -372,6 +374,7 @@ class _Connection:
         with trio.move_on_after(limits.handshake_timeout):
             await self._greeted.wait()
         if not self._greeted.is_set():
+            self.server.cut("handshake_timeout")
             log.info("closing connection from %s: no HTTP/2 handshake within %gs",
                      self.peer, limits.handshake_timeout)
             self.close(EndReason.CONNECTION_LOST)
@@ -389,6 +392,7 @@ class _Connection:
             self.send_pending()
             await trio.sleep(limits.keepalive_timeout)
             if not self._heard:
+                self.server.cut("keepalive_timeout")
                 log.info("closing connection from %s: no answer to a keepalive PING in %gs",
                          self.peer, limits.keepalive_timeout)
                 self.close(EndReason.CONNECTION_LOST)
@@ -442,14 +446,18 @@ class _Connection:
             except FrameFlood as exc:
                 # h2 queued GOAWAY(ENHANCE_YOUR_CALM) and dropped the read's events: no call
                 # past the limit starts (the budget's levels outlive the connection).
-                log.warning("closing connection from %s: %s", self.peer, exc)
+                self.server.cut(f"{exc.kind}_flood")
+                log.warning("closing connection from %s: %s (%s)", self.peer, exc,
+                            _evidence(self.budget.counters()))
                 self.send_pending()
                 with trio.move_on_after(1.0):
                     await self._outbox.wait_below(0)
                 return
             except (h2.exceptions.ProtocolError, ProtocolError) as exc:
                 # h2 queued a GOAWAY with the error code (FRAME_SIZE_ERROR, ...): best effort.
-                log.info("closing connection from %s: %r", self.peer, exc)
+                self.server.cut("protocol_error")
+                log.info("closing connection from %s: %r (%s)", self.peer, exc,
+                         _evidence(self.budget.counters()))
                 self.send_pending()
                 with trio.move_on_after(1.0):
                     await self._outbox.wait_below(0)
@@ -693,6 +701,15 @@ def _invalid(message: str) -> StatusError:
 _INTERNAL_TRAILERS = ShardError(ErrorCode.INTERNAL).trailers()
 
 
+def _evidence(counters: dict[str, int]) -> str:
+    """A cut connection's counters for the log: budgeted frames by kind, then what it was sent."""
+    sent = ("data_frames_sent", "data_bytes_sent", "calls_answered")
+    frames = ", ".join(f"{n} {kind}" for kind, n in counters.items() if kind not in sent)
+    return (f"it sent {frames or 'no budgeted frames'}; it was sent "
+            f"{counters['data_frames_sent']} DATA frames ({counters['data_bytes_sent']} bytes) "
+            f"on {counters['calls_answered']} answered calls")
+
+
 def _find_status_error(exc: BaseException) -> StatusError | None:
     """The StatusError a handler raised, also from inside a nursery's exception group."""
     if isinstance(exc, BaseExceptionGroup):
@@ -755,6 +772,9 @@ class Server:
                                reserve=limits.connection_reserve_bytes)
         self.draining = False
         self.refused_connections = 0  # accepted and closed at once: over max_connections
+        #: Connections the server closed on a peer, by reason (``cut``): an operator tells an
+        #: attack from a false positive with these and the log line each cut writes.
+        self.cuts: collections.Counter[str] = collections.Counter()
         # Per peer host: the levels of the frame budgets its closed connections left.
         self.peers = PeerMemory(limits.frame_rates, trio.current_time)
         self._changed = trio.Event()  # set whenever a call ends or an outbox drains
@@ -776,6 +796,12 @@ class Server:
         self._services[service.name] = service
         if authorize is not None:
             self._gates[service.name] = authorize
+
+    def cut(self, reason: str) -> None:
+        """Count a connection closed on its peer: ``<kind>_flood`` (a frame budget, see
+        ``shard.rpc.transport.frames``), ``protocol_error``, ``handshake_timeout``,
+        ``keepalive_timeout``, ``max_connections``."""
+        self.cuts[reason] += 1
 
     @property
     def open_connections(self) -> int:
@@ -886,6 +912,7 @@ class Server:
             # Closed at once (serve_listeners closes the stream when this returns): a flood
             # of connections costs a socket each for a moment, never a connection's buffers.
             self.refused_connections += 1
+            self.cut("max_connections")
             log.warning("refusing a connection from %s: %d connections open",
                         peer, len(self._connections))
             return

@@ -103,6 +103,7 @@ def missing_private_names() -> list[str]:
     # Methods BoundedH2 overrides: renamed in purerpc, the override would never run.
     checks += [("purerpc.grpclib.connection.GRPCConnection", GRPCConnection, name) for name in (
         "_set_h2_connection_local_settings", "_request_received", "_response_received",
+        "send_data", "start_response",
         "_data_received", "_remote_settings_changed", "_stream_reset", "_connection_terminated",
     )]
     grpc_conn = GRPCConnection(GRPCConfiguration(client_side=False))
@@ -176,19 +177,24 @@ class TransportLimits:
     #: the message are given back: an unfinished message cannot hold buffer space for ever.
     message_timeout: float = 30.0
     #: Frames a peer may send of each kind: a burst, then a rate (token buckets, counted per
-    #: frame as it is parsed; see ``shard.rpc.transport.frames``).  Past one the connection
-    #: gets GOAWAY(ENHANCE_YOUR_CALM) before h2 handles that frame; a new connection from the
-    #: same host starts from the levels its closed ones left.  ``new_streams`` counts HEADERS
-    #: (a gRPC client sends one per call); ``resets`` RST_STREAM ("rapid reset": a client resets
-    #: at most the streams it has open, 80, at once); ``empty_frames`` PRIORITY, unknown frame
-    #: types and DATA frames with neither payload nor END_STREAM.
-    new_streams: FrameRate = FrameRate(1000, 500.0)
-    resets: FrameRate = FrameRate(500, 100.0)
-    pings: FrameRate = FrameRate(100, 10.0)
-    settings: FrameRate = FrameRate(32, 4.0)
-    window_updates: FrameRate = FrameRate(1000, 500.0)
+    #: frame as it is parsed; see ``shard.rpc.transport.frames``), plus what the worker's own
+    #: traffic on the connection earns it: ``per_data_frame`` frames for each DATA frame sent,
+    #: ``per_answer`` for each call answered with a message (banked up to the burst, spent
+    #: first). Past them the connection gets GOAWAY(ENHANCE_YOUR_CALM) before h2 handles that
+    #: frame; a new connection from the same host starts from the levels its closed ones left
+    #: (earned frames do not carry over). ``new_streams`` counts HEADERS (a gRPC client sends
+    #: one per call); ``resets`` RST_STREAM ("rapid reset": a client resets at most the streams
+    #: it has open, 80, at once); ``empty_frames`` PRIORITY, unknown frame types and DATA frames
+    #: with neither payload nor END_STREAM. Why each number: docs/protocol.md, "Transport
+    #: limits" (measured: grpcio sent 0.45-0.73 WINDOW_UPDATE frames per DATA frame, one PING
+    #: per 1,400 and no SETTINGS beyond its handshake, 16-32 streams on one channel).
+    new_streams: FrameRate = FrameRate(1000, 500.0, per_answer=1.0)
+    resets: FrameRate = FrameRate(500, 100.0, per_answer=1.0)
+    pings: FrameRate = FrameRate(100, 10.0, per_data_frame=1.0)
+    settings: FrameRate = FrameRate(32, 4.0, per_data_frame=1 / 16)
+    window_updates: FrameRate = FrameRate(1000, 500.0, per_data_frame=4.0)
     continuations: FrameRate = FrameRate(64, 8.0)
-    empty_frames: FrameRate = FrameRate(200, 20.0)
+    empty_frames: FrameRate = FrameRate(200, 20.0, per_answer=2.0)
     #: Seconds a call may wait with a response to send while the peer reads nothing (no
     #: flow-control window, or nothing written to the socket); past that the call ends
     #: RESOURCE_EXHAUSTED (reason SEND_IDLE_TIMEOUT), which releases a session.  ``math.inf``
@@ -475,6 +481,19 @@ class BoundedH2(GRPCConnection):
         # h2 has no public knob for this; its own dict type, with a smaller bound.
         self.h2_connection._closed_streams = h2.utilities.SizeLimitDict(
             size_limit=limits.closed_streams_remembered)
+        self.budget = budget
+
+    def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        """One DATA frame (purerpc never splits); it earns the peer control frames."""
+        super().send_data(stream_id, data, end_stream=end_stream)
+        if self.budget is not None:
+            self.budget.sent_data(len(data))
+
+    def start_response(self, stream_id: int, *args: Any, **kwargs: Any) -> None:
+        """The call on ``stream_id`` is answered (its first message follows)."""
+        super().start_response(stream_id, *args, **kwargs)
+        if self.budget is not None:
+            self.budget.answered()
 
     def _set_h2_connection_local_settings(self) -> None:
         limits, h2c = self.limits, self.h2_connection
