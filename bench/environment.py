@@ -73,8 +73,9 @@ def default_threads() -> int:
     return max(1, min(usable // 2, 8))
 
 
-def environment(model: Path, threads: int, *, argv: list[str] | None = None) -> dict[str, Any]:
-    """The environment record written into every result file."""
+def environment(model: Path | None, threads: int, *, argv: list[str] | None = None) -> dict[str, Any]:
+    """The environment record written into every result file (``model`` None: a fake engine's
+    bench, no model file)."""
     import llama_cpp
 
     try:
@@ -84,9 +85,9 @@ def environment(model: Path, threads: int, *, argv: list[str] | None = None) -> 
     return {
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": shlex.join([Path(sys.executable).name, *(argv if argv is not None else sys.argv)]),
-        "model": str(model),
-        "model_bytes": model.stat().st_size,
-        "model_sha256": sha256_file(model),
+        "model": str(model) if model is not None else None,
+        "model_bytes": model.stat().st_size if model is not None else None,
+        "model_sha256": sha256_file(model) if model is not None else None,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu": cpu_model(),

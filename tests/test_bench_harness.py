@@ -263,6 +263,23 @@ def test_floods_bench_cuts_every_flooding_connection(tmp_path: Path) -> None:
         assert run["tokens_during_flood"] > 0
 
 
+def test_busy_client_bench_soaks_grpcio_and_reports_cuts(tmp_path: Path) -> None:
+    """A smoke run of bench/busy_client.py: grpcio generations for 2 s on one channel against
+    the zero-compute fake worker; tokens counted, no connection cut."""
+    out = tmp_path / "busy.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.busy_client", "--quick", "--seconds", "2", "--streams", "4",
+         "--out", str(out), "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    run = record["results"]["this_checkout"]
+    assert run["tokens"] > 0 and run["generations_finished"] >= 1, run
+    assert run["connections_cut"] == 0 and run["client_errors"] == {}, run
+    assert record["environment"]["model"] is None and record["streams"] == 4
+
+
 def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
     """A smoke run of bench/failover.py on the tiny model: each trial kills the middle worker
     after the first token and the replica replays exactly the prompt's positions."""
