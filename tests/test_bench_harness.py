@@ -280,6 +280,25 @@ def test_busy_client_bench_soaks_grpcio_and_reports_cuts(tmp_path: Path) -> None
     assert record["environment"]["model"] is None and record["streams"] == 4
 
 
+def test_stack_floor_bench_streams_every_message_to_every_reader(tmp_path: Path) -> None:
+    """A ``--quick`` run of bench/stack_floor.py: both floor servers (hardened transport and
+    stock purerpc) each read whole by grpcio and by the Shard client transport, and the worker's
+    Generate by both readers; every pass counted its messages (the bench asserts it)."""
+    out = tmp_path / "floor.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.stack_floor", "--quick", "--out", str(out),
+         "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert set(record["medians"]) == {
+        f"floor_{impl}_{reader}" for impl in ("transport", "purerpc") for reader in ("grpcio", "shard")
+    } | {"worker_generate_shard", "worker_generate_grpcio"}
+    assert all(m["messages"] == 500 for m in record["medians"].values())
+    assert set(record["worker_over_floor"]) == {"grpcio", "shard"}
+
+
 def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
     """A smoke run of bench/failover.py on the tiny model: each trial kills the middle worker
     after the first token and the replica replays exactly the prompt's positions."""

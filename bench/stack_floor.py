@@ -1,0 +1,173 @@
+"""The stack's floor beside the worker: CPU per streamed message, server and client, one run.
+
+The worker's Python spends about a millisecond of CPU per token (bench/hot_path.py); before
+calling that a ceiling, measure what the required stack itself costs. ``bench/floor_server.py``
+streams one small ``SessionResponse`` per message from a plain handler, with nothing of the
+worker around it, on the worker's hardened transport (``transport``) and on stock purerpc
+(``purerpc``). Each is read by the official grpcio client and by the project's own client
+transport (``shard``: the ``ClientConnection`` under ``ShardClient``, reading the stream message
+by message as ``ShardClient`` does). In the same run, alternating pass by pass, a real
+``trio-shard serve`` on the tiny model streams ``Generate`` tokens read by ``ShardClient`` and
+by grpcio (``bench.hot_path.one_pass``), so the worker's event loop is judged against the floor
+on one machine at one moment.
+
+Per message (microseconds of CPU, medians over ``--rounds``):
+
+  server_main_us   the serving process's main thread (its event loop): the floor's, and for the
+                   worker its event loop per token (``main_cpu_us`` of bench/hot_path.py)
+  client_cpu_us    the reading process (this one: grpcio's C threads included)
+
+and ``worker_over_floor``: the worker's event loop per ``Generate`` token over the floor's per
+message, for each reader.
+
+    python -m bench.stack_floor [--quick] [--messages 4000] [--rounds 5] [--model PATH] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import grpc
+import trio
+
+from bench import grpcio_stream
+from bench.environment import environment
+from bench.hot_path import V10, one_pass, thread_cpu
+from bench.processes import free_port, served, shard_server, wait_serving
+from shard.client import ShardClient
+from shard.v1 import shard_pb2 as pb
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stack_floor.json"
+IMPLS = ("transport", "purerpc")
+READERS = ("grpcio", "shard")
+
+
+def _read_grpcio(channel: grpc.Channel, n: int) -> int:
+    call = channel.unary_stream(
+        "/shard.v1.Shard/Floor", request_serializer=pb.Generate.SerializeToString,
+        response_deserializer=pb.SessionResponse.FromString)
+    return sum(1 for _ in call(pb.Generate(max_tokens=n), timeout=600))
+
+
+async def _read_shard(client: ShardClient, n: int) -> int:
+    """Read the stream message by message on ``ShardClient``'s own connection."""
+    stream = client._conn.open_stream("Floor", trio.current_time() + 600, ())  # noqa: SLF001
+    try:
+        await stream.send(pb.Generate(max_tokens=n))
+        await stream.half_close()
+        got = 0
+        while await stream.receive(pb.SessionResponse) is not None:
+            got += 1
+        if (err := stream.error()) is not None:
+            raise err
+        return got
+    finally:
+        stream.close()
+
+
+async def floor_pass(target: str, pid: int, reader: str, n: int, channel: grpc.Channel,
+                     client: ShardClient) -> dict[str, float]:
+    before = thread_cpu(pid)
+    t0, c0 = time.perf_counter(), time.process_time()
+    if reader == "grpcio":
+        got = await trio.to_thread.run_sync(_read_grpcio, channel, n)
+    else:
+        got = await _read_shard(client, n)
+    wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert got == n, (got, n)
+    after = thread_cpu(pid)
+    main = after.get(str(pid), 0.0) - before.get(str(pid), 0.0)
+    per = 1e6 / n
+    return {"messages": n, "wall_us": wall * per, "server_main_us": main * per,
+            "client_cpu_us": client_cpu * per}
+
+
+def _median(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]} if rows else {}
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    passes: dict[str, list[dict[str, float]]] = {}
+    with ExitStack() as stack:
+        floors = {}
+        for impl in IMPLS:
+            port = free_port() if impl == "purerpc" else 0
+            floors[impl] = stack.enter_context(served(
+                [sys.executable, "-m", "bench.floor_server", "--impl", impl, "--port", str(port)],
+                log=args.logs / f"stack_floor_{impl}.log", fake=True))
+        worker = stack.enter_context(shard_server(
+            args.model, threads=1, ctx=2 * (args.messages + 128), max_sessions=2,
+            log=args.logs / "stack_floor_worker.log"))
+        await wait_serving(worker.target, version=V10)
+        for round_no in range(args.rounds + 1):  # round 0 warms up and is dropped
+            n = 64 if round_no == 0 else args.messages
+            for impl, srv in floors.items():
+                channel = grpcio_stream.connect(srv.target)
+                try:
+                    async with ShardClient.connect(srv.target, timeout=600) as client:
+                        for reader in READERS:
+                            row = await floor_pass(srv.target, srv.proc.pid, reader, n, channel, client)
+                            if round_no:
+                                passes.setdefault(f"floor_{impl}_{reader}", []).append(row)
+                finally:
+                    channel.close()
+            channel = grpcio_stream.connect(worker.target)
+            try:
+                async with ShardClient.connect(worker.target, timeout=600, version=V10) as client:
+                    for reader, mode in (("shard", "generate"), ("grpcio", "generate_grpcio")):
+                        row = await one_pass(client, worker.proc.pid, mode, n, channel=channel)
+                        if round_no:
+                            passes.setdefault(f"worker_generate_{reader}", []).append({
+                                "messages": n, "wall_us": row["wall_us"],
+                                "server_main_us": row["main_cpu_us"],
+                                "client_cpu_us": row["client_cpu_us"]})
+            finally:
+                channel.close()
+            if round_no:
+                print(f"round {round_no}: " + ", ".join(
+                    f"{name} {rows[-1]['server_main_us']:.0f}/{rows[-1]['client_cpu_us']:.0f}"
+                    for name, rows in passes.items()), file=sys.stderr, flush=True)
+    medians = {name: _median(rows) for name, rows in passes.items()}
+    over = {reader: round(medians[f"worker_generate_{reader}"]["server_main_us"]
+                          / max(medians[f"floor_transport_{reader}"]["server_main_us"], 1e-9), 2)
+            for reader in READERS}
+    return {"passes": passes, "medians": medians, "worker_over_floor": over}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.stack_floor", description=__doc__.split("\n")[0])
+    p.add_argument("--messages", type=int, default=4000, help="messages (tokens) per pass")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--model", type=Path, help="the worker's GGUF (default: the tiny preset)")
+    p.add_argument("--quick", action="store_true", help="500 messages, 1 round: checks the harness")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--logs", type=Path, default=Path(__file__).resolve().parent / "results" / "logs")
+    args = p.parse_args(argv)
+    if args.messages < 64 or args.rounds < 1:
+        p.error("--messages must be >= 64 and --rounds >= 1")
+    if args.quick:
+        args.messages, args.rounds = 500, 1
+    if args.model is None:
+        from shard.models import ensure_model
+
+        args.model = ensure_model("tiny", progress=sys.stderr.isatty())
+    args.logs.mkdir(parents=True, exist_ok=True)
+    result = trio.run(measure, args)
+    record = {"environment": environment(args.model, 1), "messages": args.messages,
+              "rounds": args.rounds, **result}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({"medians": result["medians"], "worker_over_floor": result["worker_over_floor"]},
+                     indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
