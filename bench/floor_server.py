@@ -1,8 +1,9 @@
 """The stack's floor: a minimal server-streaming RPC on Trio, nothing of the worker around it.
 
-``python -m bench.floor_server --impl transport|purerpc`` serves one method,
-``/shard.v1.Shard/Floor``: a ``Generate`` request asks for ``max_tokens`` messages, and the
-handler yields that many ``SessionResponse`` steps, each built field by field the way the worker
+``python -m bench.floor_server --impl transport|purerpc`` serves two methods,
+``/shard.v1.Shard/Floor`` and ``FloorPaced``: a ``Generate`` request asks for ``max_tokens``
+messages, and the handler yields that many ``SessionResponse`` steps (``FloorPaced``: one per
+millisecond, so each is its own wake-up and socket write, as a worker's token is), each built field by field the way the worker
 builds a token's step (``StepResult`` with ``Logits``: step, position, token id, log-prob, a
 one-byte piece), as fast as the reader takes them. No engine, no session, no credit: what is
 left is what the required stack (Trio, h2, purerpc's codec, protobuf's C implementation) costs
@@ -38,10 +39,23 @@ async def floor(request: pb.Generate) -> AsyncIterator[pb.SessionResponse]:
         yield pb.SessionResponse(step=step)
 
 
+async def floor_paced(request: pb.Generate) -> AsyncIterator[pb.SessionResponse]:
+    """The same, one message per ``PACE`` seconds: each message its own wake-up and socket
+    write, as a worker's token is when the engine produces one per tick (unpaced, the writer
+    task coalesces many messages into one write)."""
+    async for message in floor(request):
+        await trio.sleep(PACE)
+        yield message
+
+
+PACE = 0.001
+
+
 def service() -> purerpc.Service:
     svc = purerpc.Service(SERVICE)
-    svc.add_method(METHOD, floor, purerpc.RPCSignature(
-        purerpc.Cardinality.UNARY_STREAM, pb.Generate, pb.SessionResponse))
+    for name, fn in ((METHOD, floor), (METHOD + "Paced", floor_paced)):
+        svc.add_method(name, fn, purerpc.RPCSignature(
+            purerpc.Cardinality.UNARY_STREAM, pb.Generate, pb.SessionResponse))
     return svc
 
 

@@ -18,7 +18,9 @@ Per message (microseconds of CPU, medians over ``--rounds``):
   client_cpu_us    the reading process (this one: grpcio's C threads included)
 
 and ``worker_over_floor``: the worker's event loop per ``Generate`` token over the floor's per
-message, for each reader.
+message, for each reader. The hardened transport's floor is also measured *paced*
+(``FloorPaced``: one message a millisecond, so each is its own wake-up and socket write, as a
+worker's token is at one session; unpaced, the writer coalesces many messages per write).
 
     python -m bench.stack_floor [--quick] [--messages 4000] [--rounds 5] [--model PATH] [--out FILE]
 """
@@ -49,16 +51,16 @@ IMPLS = ("transport", "purerpc")
 READERS = ("grpcio", "shard")
 
 
-def _read_grpcio(channel: grpc.Channel, n: int) -> int:
+def _read_grpcio(channel: grpc.Channel, n: int, method: str = "Floor") -> int:
     call = channel.unary_stream(
-        "/shard.v1.Shard/Floor", request_serializer=pb.Generate.SerializeToString,
+        f"/shard.v1.Shard/{method}", request_serializer=pb.Generate.SerializeToString,
         response_deserializer=pb.SessionResponse.FromString)
     return sum(1 for _ in call(pb.Generate(max_tokens=n), timeout=600))
 
 
-async def _read_shard(client: ShardClient, n: int) -> int:
+async def _read_shard(client: ShardClient, n: int, method: str = "Floor") -> int:
     """Read the stream message by message on ``ShardClient``'s own connection."""
-    stream = client._conn.open_stream("Floor", trio.current_time() + 600, ())  # noqa: SLF001
+    stream = client._conn.open_stream(method, trio.current_time() + 600, ())  # noqa: SLF001
     try:
         await stream.send(pb.Generate(max_tokens=n))
         await stream.half_close()
@@ -73,13 +75,13 @@ async def _read_shard(client: ShardClient, n: int) -> int:
 
 
 async def floor_pass(target: str, pid: int, reader: str, n: int, channel: grpc.Channel,
-                     client: ShardClient) -> dict[str, float]:
+                     client: ShardClient, method: str = "Floor") -> dict[str, float]:
     before = thread_cpu(pid)
     t0, c0 = time.perf_counter(), time.process_time()
     if reader == "grpcio":
-        got = await trio.to_thread.run_sync(_read_grpcio, channel, n)
+        got = await trio.to_thread.run_sync(_read_grpcio, channel, n, method)
     else:
-        got = await _read_shard(client, n)
+        got = await _read_shard(client, n, method)
     wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
     assert got == n, (got, n)
     after = thread_cpu(pid)
@@ -116,6 +118,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                             row = await floor_pass(srv.target, srv.proc.pid, reader, n, channel, client)
                             if round_no:
                                 passes.setdefault(f"floor_{impl}_{reader}", []).append(row)
+                        if impl == "transport":  # one message a millisecond: a write each
+                            for reader in READERS:
+                                row = await floor_pass(srv.target, srv.proc.pid, reader, n,
+                                                       channel, client, "FloorPaced")
+                                if round_no:
+                                    passes.setdefault(f"paced_{impl}_{reader}", []).append(row)
                 finally:
                     channel.close()
             channel = grpcio_stream.connect(worker.target)
@@ -135,9 +143,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     f"{name} {rows[-1]['server_main_us']:.0f}/{rows[-1]['client_cpu_us']:.0f}"
                     for name, rows in passes.items()), file=sys.stderr, flush=True)
     medians = {name: _median(rows) for name, rows in passes.items()}
-    over = {reader: round(medians[f"worker_generate_{reader}"]["server_main_us"]
-                          / max(medians[f"floor_transport_{reader}"]["server_main_us"], 1e-9), 2)
-            for reader in READERS}
+    over = {f"{floor}_{reader}": round(
+        medians[f"worker_generate_{reader}"]["server_main_us"]
+        / max(medians[f"{floor}_transport_{reader}"]["server_main_us"], 1e-9), 2)
+        for floor in ("floor", "paced") for reader in READERS}
     return {"passes": passes, "medians": medians, "worker_over_floor": over}
 
 

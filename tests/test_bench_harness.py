@@ -294,9 +294,11 @@ def test_stack_floor_bench_streams_every_message_to_every_reader(tmp_path: Path)
     record = json.loads(out.read_text())
     assert set(record["medians"]) == {
         f"floor_{impl}_{reader}" for impl in ("transport", "purerpc") for reader in ("grpcio", "shard")
-    } | {"worker_generate_shard", "worker_generate_grpcio"}
+    } | {"paced_transport_grpcio", "paced_transport_shard", "worker_generate_shard",
+         "worker_generate_grpcio"}
     assert all(m["messages"] == 500 for m in record["medians"].values())
-    assert set(record["worker_over_floor"]) == {"grpcio", "shard"}
+    assert set(record["worker_over_floor"]) == {
+        f"{floor}_{reader}" for floor in ("floor", "paced") for reader in ("grpcio", "shard")}
 
 
 def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
