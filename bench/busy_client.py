@@ -34,7 +34,7 @@ from typing import Any
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # one log line per GOAWAY otherwise (before)
 import grpc  # noqa: E402 - after its log level
 
-from bench.environment import environment
+from bench.environment import environment, save_record
 from bench.processes import served
 from shard.rpc.versions import current_proto
 from shard.v1 import shard_pb2 as pb
@@ -48,13 +48,22 @@ KEEPALIVE = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 10_
 _CUT = re.compile(r"closing connection from \S+: (.*)")
 
 
-def _generation(session: Any, name: str, version: pb.ProtocolVersion) -> tuple[int, str | None]:
-    """One generation read as a tracker reads it: (tokens, error status or None)."""
+def session_method(channel: grpc.Channel) -> Any:
+    """The ``Session`` method of a grpcio channel."""
+    return channel.stream_stream(
+        "/shard.v1.Shard/Session", request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=pb.SessionResponse.FromString)
+
+
+def generation(session: Any, name: str, version: pb.ProtocolVersion,
+               tokens_wanted: int = TOKENS) -> tuple[int, str | None]:
+    """One generation of ``tokens_wanted`` tokens read as a tracker reads it, granting 16 more
+    messages every 16 tokens: (tokens, error status or None). Blocking (grpcio)."""
     requests: queue.Queue[pb.SessionRequest | None] = queue.Queue()
     requests.put(pb.SessionRequest(version=version, open=pb.OpenSession(
         session_id=name, initial_credit=CREDIT)))
     requests.put(pb.SessionRequest(version=version, generate=pb.Generate(
-        tokens=pb.TokenIds(ids=[1, 2, 3]), max_tokens=TOKENS, ignore_eos=True)))
+        tokens=pb.TokenIds(ids=[1, 2, 3]), max_tokens=tokens_wanted, ignore_eos=True)))
 
     def feed() -> Any:
         while (item := requests.get()) is not None:
@@ -68,7 +77,7 @@ def _generation(session: Any, name: str, version: pb.ProtocolVersion) -> tuple[i
                 tokens += 1
                 if tokens % CREDIT == 0:
                     requests.put(pb.SessionRequest(version=version, credit=pb.Credit(messages=CREDIT)))
-                if tokens == TOKENS:
+                if tokens == tokens_wanted:
                     requests.put(pb.SessionRequest(version=version, close=pb.CloseSession()))
                     requests.put(None)
             elif kind == "error":
@@ -84,9 +93,7 @@ def soak(target: str, streams: int, seconds: float) -> dict[str, Any]:
     """``streams`` generation loops on one channel for ``seconds``."""
     version = current_proto()
     channel = grpc.insecure_channel(target, options=KEEPALIVE)
-    session = channel.stream_stream(
-        "/shard.v1.Shard/Session", request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=pb.SessionResponse.FromString)
+    session = session_method(channel)
     grpc.channel_ready_future(channel).result(timeout=30)
     lock = threading.Lock()
     tokens, finished, errors = [0], [0], collections.Counter[str]()
@@ -95,7 +102,7 @@ def soak(target: str, streams: int, seconds: float) -> dict[str, Any]:
     def loop(i: int) -> None:
         n = 0
         while time.monotonic() < end:
-            got, error = _generation(session, f"soak-{i}-{n}", version)
+            got, error = generation(session, f"soak-{i}-{n}", version)
             n += 1
             with lock:
                 tokens[0] += got
@@ -157,9 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         "worker_root": str(args.worker_root) if args.worker_root else None,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(results, indent=1))
+    save_record(args.out, record)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from typing import Any
 
 import trio
 
-from bench.environment import default_threads, environment
+from bench.environment import default_threads, environment, save_record
 from bench.processes import shard_server, wait_serving
 from shard.client import ShardClient, ShardError
 from shard.v1 import shard_pb2 as pb
@@ -294,9 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         "worker_root": str(args.worker_root) if args.worker_root else "this checkout",
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(results, indent=1))
+    save_record(args.out, record)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ the load average before and after the run. Only ratios measured in one run are c
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import shlex
@@ -100,6 +101,13 @@ def environment(model: Path | None, threads: int, *, argv: list[str] | None = No
         "load_average_before": load_average(),
         "source": source_revision(),
     }
+
+
+def save_record(out: Path, record: dict[str, Any]) -> None:
+    """Write a bench's result file (its folder made first), then print its results."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record.get("results", record), indent=1))
 
 
 def source_revision() -> str | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from bench.environment import default_threads, environment
+from bench.environment import default_threads, environment, save_record
 from bench.processes import shard_server, wait_serving
 
 KINDS = ("resets", "pings", "settings", "window_updates", "continuations", "empty")
@@ -245,9 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         "worker_root": str(args.worker_root) if args.worker_root else None,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps(results, indent=1))
+    save_record(args.out, record)
 
 
 if __name__ == "__main__":

@@ -15,30 +15,25 @@ the event loop allows (the test is heavier than most; it still runs in seconds).
 from __future__ import annotations
 
 import json
-import queue
 import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
 
 import grpc
 import trio
 
+from bench.busy_client import KEEPALIVE, generation, session_method
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import MODEL, V, Worker, worker
 from shard.api import Backend, build_app, serve_http
 from shard.client import ShardClient
 from shard.engine import LoadSpec
 from shard.engine.fake import FakeEngine, FakeScript
-from shard.v1 import shard_pb2 as pb
 
 STREAMS, TOKENS = 32, 640  # 20,480 tokens on one connection
-CREDIT = 16  # a reader grants 16 more messages every 16 tokens, as the issue's tracker did
-#: grpcio with keepalive PINGs every second, allowed without data, and BDP probing (on by default)
-KEEPALIVE = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 10_000),
-             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
-             ("grpc.http2.bdp_probe", 1)]
+# grpcio reads as the issue's tracker did (16 more messages every 16 tokens), with keepalive
+# PINGs every second allowed without data and BDP probing: bench.busy_client's reader.
 
 
 @asynccontextmanager
@@ -54,49 +49,15 @@ def assert_never_cut(w: Worker) -> None:
     assert not transport.cuts, dict(transport.cuts)
 
 
-def _grpcio_generation(channel: grpc.Channel, i: int) -> tuple[int, str | None]:
-    """One session stream driven as a tracker reads it: (tokens received, error or None)."""
-    session = channel.stream_stream(
-        "/shard.v1.Shard/Session", request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=pb.SessionResponse.FromString)
-    requests: queue.Queue[pb.SessionRequest | None] = queue.Queue()
-    requests.put(pb.SessionRequest(version=V, open=pb.OpenSession(
-        session_id=f"busy-{i}", initial_credit=CREDIT)))
-    requests.put(pb.SessionRequest(version=V, generate=pb.Generate(
-        tokens=pb.TokenIds(ids=[1, 2, 3]), max_tokens=TOKENS, ignore_eos=True)))
-
-    def feed() -> Any:
-        while (item := requests.get()) is not None:
-            yield item
-
-    tokens = 0
-    try:
-        for response in session(feed(), timeout=120):
-            kind = response.WhichOneof("kind")
-            if kind == "step":
-                tokens += 1
-                if tokens % CREDIT == 0:
-                    requests.put(pb.SessionRequest(version=V, credit=pb.Credit(messages=CREDIT)))
-                if tokens == TOKENS:
-                    requests.put(pb.SessionRequest(version=V, close=pb.CloseSession()))
-                    requests.put(None)
-            elif kind == "error":
-                requests.put(None)
-                return tokens, response.error.message
-        return tokens, None
-    except grpc.RpcError as exc:
-        return tokens, f"{exc.code()}: {exc.details()}"
-    finally:
-        requests.put(None)
-
-
 async def test_grpcio_32_generations_on_one_channel_with_keepalive_are_never_cut() -> None:
     async with busy_worker() as w:
         with grpc.insecure_channel(w.target, options=KEEPALIVE) as channel:
             results: list[tuple[int, str | None]] = []
+            session = session_method(channel)
 
             async def one(i: int) -> None:
-                results.append(await trio.to_thread.run_sync(_grpcio_generation, channel, i))
+                results.append(await trio.to_thread.run_sync(
+                    generation, session, f"busy-{i}", V, TOKENS))
 
             async with trio.open_nursery() as nursery:
                 for i in range(STREAMS):

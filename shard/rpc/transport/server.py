@@ -325,7 +325,9 @@ class _Connection:
         finally:
             self.h2.close_ledger()
             self.server.peers.left(self.host, self.budget)
-            log.debug("connection from %s closed (%s)", self.peer, _evidence(self.budget.counters()))
+            if log.isEnabledFor(logging.DEBUG):  # its counters, to compare with a cut's
+                log.debug("connection from %s closed (%s)", self.peer,
+                          _evidence(self.budget.counters()))
 
     def abort_calls(self, reason: EndReason) -> None:
         for call in list(self.calls.values()):
