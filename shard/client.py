@@ -1011,7 +1011,7 @@ class StepStream:
         with s._exclusive():
             if self._serial is None:
                 self._serial = await s._begin(self._request, self)
-            elif self._consumed:
+            elif self._consumed and s._outstanding <= s._window // 2:
                 await s._top_up()  # the caller came back for more: grant credit
             try:
                 step = await s._read_result(self._serial)

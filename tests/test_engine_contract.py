@@ -16,10 +16,12 @@ from shard.testing import EngineContractSuite, EngineFactory, fake_factory, llam
 # One llama.cpp thread: on a tiny model a second thread buys nothing, and llama.cpp's spinning
 # thread pool turns milliseconds into seconds when other processes compete for the 2 cores
 # (measured: a 12-token prefill took ~1 s with n_threads=2 under load, ~3 ms with 1).
-# The batched fake runs the batching scheduler llama.cpp runs (shard.engine.scheduler).
+# The batched fake runs the batching scheduler llama.cpp runs (shard.engine.scheduler), with a
+# tick of 1 ms as a native step takes time: a free tick ends a decode within one scheduler pass,
+# and the tests that cancel a running step (``wait_running``) could then never see it running.
 FACTORIES = [
     fake_factory(),
-    fake_factory(script=FakeScript(batched=True), name="fake-batched"),
+    fake_factory(script=FakeScript(batched=True, tick_latency=0.001), name="fake-batched"),
     llama_factory("tiny", n_threads=1),
 ]
 

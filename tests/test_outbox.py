@@ -106,7 +106,8 @@ async def test_a_decode_result_and_its_usage_leave_in_one_write(monkeypatch: pyt
     from shard.client import ShardClient
 
     server_writes: list[bytes] = []
-    real = wire._plain_sender
+    server_fds: set[int] = set()
+    real, real_now = wire._plain_sender, wire._write_now
     port = 0
 
     def counting(stream: trio.abc.SendStream) -> Any:
@@ -114,6 +115,8 @@ async def test_a_decode_result_and_its_usage_leave_in_one_write(monkeypatch: pyt
         if send is None or not isinstance(stream, trio.SocketStream):
             return send
         local_port = stream.socket.getsockname()[1]
+        if local_port == port:
+            server_fds.add(stream.socket.fileno())
 
         async def counted(data: bytes) -> None:
             if local_port == port:  # the worker's side of the connection
@@ -122,7 +125,13 @@ async def test_a_decode_result_and_its_usage_leave_in_one_write(monkeypatch: pyt
 
         return counted
 
+    def counting_now(fd: int, data: bytearray) -> int:  # a lone stream's write-through
+        if fd in server_fds:
+            server_writes.append(bytes(data))
+        return real_now(fd, data)
+
     monkeypatch.setattr(wire, "_plain_sender", counting)
+    monkeypatch.setattr(wire, "_write_now", counting_now)
     async with worker() as w:
         port = int(w.target.rsplit(":", 1)[1])
         async with ShardClient.connect(w.target, timeout=10) as client:

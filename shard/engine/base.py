@@ -238,6 +238,11 @@ class ShardEngine(abc.ABC):
         self._counters: dict[str, int] = {
             name: 0 for name in EngineMetrics.__dataclass_fields__ if name.endswith("_total")
         }
+        #: ``_impl_compute`` stops by itself when its caller is cancelled: it sets the slot's
+        #: cancel flag and returns (raising ``trio.Cancelled``) only once its work stopped
+        #: (``BatchScheduler.compute``). Then a step without a timeout is awaited directly,
+        #: not through ``_run_guarded``'s nursery and task, a third of a step's scaffolding.
+        self._compute_stops_itself = False
 
     # ---- implementation hooks --------------------------------------------------------------
 
@@ -736,7 +741,11 @@ class ShardEngine(abc.ABC):
         try:
             raw = await self._claim(slot, plan)
             if raw is None:
-                raw = await self._run_guarded(slot, lambda: self._impl_compute(slot, plan), plan.deadline)
+                if self._compute_stops_itself and plan.deadline == math.inf:
+                    raw = await self._guard_impl(self._impl_compute(slot, plan))
+                else:
+                    raw = await self._run_guarded(
+                        slot, lambda: self._impl_compute(slot, plan), plan.deadline)
             if slot.cancel.is_set() and not slot.cancel.timed_out:
                 raise slot.cancel.error(slot.session_id)
             try:
@@ -853,12 +862,15 @@ class ShardEngine(abc.ABC):
             # Row i ends at position keep + i: sampled as a decode ending there would be (the
             # sampler's stream is keyed by the session length), so a verified draft gives the
             # very tokens plain decoding gives, sampled or greedy.
-            results = tuple(
-                self._logits_result(row, params, top_k, new_len - rows + 1 + i)
-                for i, row in enumerate(logits)
-            )
-            logits_result = results[-1]
-            per_position = results if plan.all_logits else ()
+            if rows == 1:  # (every decode: no generator per step)
+                logits_result = self._logits_result(logits[0], params, top_k, new_len)
+                per_position = (logits_result,) if plan.all_logits else ()
+            else:
+                per_position = tuple(
+                    self._logits_result(row, params, top_k, new_len - rows + 1 + i)
+                    for i, row in enumerate(logits)
+                )
+                logits_result = per_position[-1]
         else:
             hidden = np.asarray(raw, dtype=np.float32)
             if hidden.shape != (n_new, caps.n_embd):
@@ -893,7 +905,7 @@ class ShardEngine(abc.ABC):
         lse = sampling.logsumexp(logits, logits[token] if params.greedy else None)
         return LogitsResult(
             top=tuple(dataclasses.replace(t, piece=self._impl_token_piece(t.token_id))
-                      for t in sampling.top_logprobs(logits, top_k, lse)),
+                      for t in sampling.top_logprobs(logits, top_k, lse)) if top_k > 0 else (),
             token_id=token,
             logprob=float(logits[token]) - lse,
             piece=self._impl_token_piece(token),

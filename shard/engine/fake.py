@@ -206,6 +206,7 @@ class FakeEngine(ShardEngine):
                 min(spec.max_batch_sessions or spec.max_sessions, spec.max_sessions),
                 mix=last,
             )
+            self._compute_stops_itself = True  # a scheduler job (BatchScheduler.compute)
             self._scheduler = BatchScheduler(
                 planner, self._run_tick, counters=self._counters,
                 is_open=lambda slot: not slot.releasing and self._slots.get(slot.session_id) is slot,

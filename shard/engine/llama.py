@@ -337,6 +337,7 @@ class LlamaCppEngine(ShardEngine):
         # it aborts only when every session of the running tick is cancelled.
         self._decoding: tuple[CancelFlag, ...] = ()
         # Continuous batching (see "Batching" in docs/engine.md); the planner is set at load.
+        self._compute_stops_itself = True  # a scheduler job (BatchScheduler.compute)
         self._scheduler = BatchScheduler(
             TickPlanner(1, 1), self._run_tick, counters=self._counters, is_open=self._is_open
         )

@@ -9,7 +9,8 @@ scripted delay. The policy of *which* rows go into a tick is ``shard.engine.batc
 No background task: a compute is submitted to a pending list; the first caller that finds no
 leader becomes one and runs ticks (``run_tick``) for every pending compute until its own is
 done, wakes the sessions each tick finished, then wakes the oldest waiter, which takes over.
-The base class runs ``_impl_compute`` shielded, so a leader is never abandoned mid-tick.
+A leader runs each tick shielded, so it is never abandoned mid-tick; a caller cancelled while it
+waits or gathers stops its own job (``compute``).
 
 Cancellation and timeouts: a job whose cancel flag is set (Cancel, release, a caller's
 cancellation, its step timeout) leaves the queue at once when it is not inside the running
@@ -157,13 +158,30 @@ class BatchScheduler:
                     group=slot.batch_group)
 
     async def compute(self, job: Job) -> None:
-        """Queue ``job`` and return once it is finished (result or error set)."""
+        """Queue ``job`` and return once it is finished (result or error set).
+
+        A caller cancelled meanwhile (its deadline, a reset) sets the job's cancel flag and
+        waits, shielded, until the job has left the queue or its tick ended; then
+        ``trio.Cancelled`` propagates. So a step is never abandoned with a tick computing it,
+        and no task of its own is needed to watch the caller (``ShardEngine._run``)."""
         now = trio.current_time()
         if job.plan.deadline < math.inf:
             self._timed[id(job.slot)] = (job.slot, job.plan.deadline - now, now)
         self._pending.append(job)
         self._submitted.set()
         self._submitted = trio.Event()
+        try:
+            await self._wait(job)
+            # Cancelled while its last tick ran (shielded): the caller gets no result.
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except trio.Cancelled:
+            if not job.finished and not job.slot.cancel.is_set():
+                job.slot.cancel.set()
+            with trio.CancelScope(shield=True):
+                await self._wait(job)
+            raise
+
+    async def _wait(self, job: Job) -> None:
         flag = job.slot.cancel
         try:
             while not job.finished:
@@ -200,6 +218,7 @@ class BatchScheduler:
         self._leading = True
         try:
             while not mine.finished:
+                await trio.lowlevel.checkpoint_if_cancelled()  # between ticks (see compute)
                 await self._let_submitters_in()
                 tick = self._form_tick()
                 if mine.finished:  # dropped: another task leads the rest
@@ -208,7 +227,8 @@ class BatchScheduler:
                 started = trio.current_time()
                 self._running = {job for job, _ in tick}
                 try:
-                    await self._run_tick(tick)
+                    with trio.CancelScope(shield=True):  # a tick is never abandoned
+                        await self._run_tick(tick)
                 finally:
                     self._running = set()
                 ended = trio.current_time()

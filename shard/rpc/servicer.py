@@ -26,7 +26,7 @@ from . import convert, lifecycle
 from .errors import ERROR_TRAILER, ErrorCode, ShardError, internal_error
 from .metrics import WorkerMetrics
 from .registry import Registry
-from .session import SessionLimits, StreamEnd, return_refused
+from .session import SessionCall, SessionLimits, StreamEnd, return_refused
 from .transport import CallContext, EndReason, StatusError, TransportLimits, current_call
 from .versions import check_version
 
@@ -266,9 +266,16 @@ class ShardServicer(_ShardServicerBase):
             )
         except ShardError as err:
             raise self._refuse(err) from None
+        def direct(message: pb.SessionResponse, more_follows: bool) -> bool:
+            if ctx.send_now(message, not more_follows):
+                watch.response(message)
+                return True
+            return False
+
+        call.send_directly(direct)
         finished = False
         try:
-            while (message := await _next_response(call.responses)) is not None:
+            while (message := await _next_response(call)) is not None:
                 watch.response(message)
                 yield message
             finished = True
@@ -298,28 +305,32 @@ class ShardServicer(_ShardServicerBase):
         return status_error(err)
 
 
-async def _next_response(
-    responses: trio.MemoryReceiveChannel[pb.SessionResponse],
-) -> pb.SessionResponse | None:
+async def _next_response(call: SessionCall) -> pb.SessionResponse | None:
     """The session's next response (None once it sent its last); one already queued is taken
     without a scheduler pass.
 
     Why: a step's result and its ``Usage`` are queued together (``SessionCall._send``); taken
     one scheduler pass apart, the transport's writer would send each in a socket write of its
     own (and wake the client twice). The channel is bounded, so a full one is drained in a
-    bounded run. (A plain function, not an async generator inside this one, which would be
-    finalized by the garbage collector when the call ends mid-stream.)
+    bounded run. While this waits on an empty channel, the session frames its responses itself
+    (``session.Outbox``). (A plain function, not an async generator inside this one, which
+    would be finalized by the garbage collector when the call ends mid-stream.)
     """
+    responses = call.responses
     try:
         return responses.receive_nowait()
     except trio.WouldBlock:
         pass
     except trio.EndOfChannel:
         return None
+    out = call.outbox
+    out.idle = True
     try:
         return await responses.receive()
     except trio.EndOfChannel:
         return None
+    finally:
+        out.idle = False
 
 
 def _note_end(ctx: CallContext) -> None:

@@ -61,9 +61,8 @@ import logging
 import math
 import sys
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import numpy as np
 import trio
@@ -349,6 +348,78 @@ _CLOSED_REASON = {
 }
 
 
+class Outbox:
+    """Where a session's responses go: a bounded channel its handler forwards to the
+    transport, or, while that handler waits on an empty channel, straight to the transport
+    from the session's own task (``direct``, set by the handler).
+
+    Why: a token that travels session task -> channel -> handler task -> transport costs a
+    task step and a scheduler pass more than one framed by the task that produced it. The
+    channel stays the bound and the path for anything that must wait (no window, a slow
+    reader): ``direct`` refuses those, and once a response went through the channel, every
+    later one follows it there until the handler has forwarded them all (order is kept)."""
+
+    def __init__(self, size: int) -> None:
+        self._send, self.receive = trio.open_memory_channel[pb.SessionResponse](size)
+        self.direct: Callable[[pb.SessionResponse, bool], bool] | None = None
+        self.idle = False  # the handler waits on an empty channel, holding nothing
+        self.through_handler = False  # every response takes the channel (a slower path)
+
+    def statistics(self) -> Any:
+        return self._send.statistics()
+
+    def _sent_directly(self, msg: pb.SessionResponse, more_follows: bool) -> bool:
+        return (self.idle and self.direct is not None and not self.through_handler
+                and self.direct(msg, more_follows))
+
+    def send_nowait(self, msg: pb.SessionResponse, *, more_follows: bool = False) -> None:
+        """``more_follows``: another response follows in this task step (they are written
+        together)."""
+        if not self._sent_directly(msg, more_follows):
+            self.idle = False
+            self._send.send_nowait(msg)
+
+    async def send(self, msg: pb.SessionResponse) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()  # a cancel point, as the channel is
+        if self._sent_directly(msg, False):
+            await trio.lowlevel.cancel_shielded_checkpoint()  # and a scheduler pass
+        else:
+            self.idle = False
+            await self._send.send(msg)
+
+    def close(self) -> None:
+        self._send.close()
+
+
+class _Cancellable:
+    """``SessionCall.cancellable``'s region: a cancel scope the Cancel RPC finds. (A class,
+    not a generator-based context manager: it is entered once per token.)"""
+
+    __slots__ = ("_call", "_scope")
+
+    def __init__(self, call: SessionCall) -> None:
+        self._call = call
+        self._scope = trio.CancelScope()
+
+    def __enter__(self) -> None:
+        call, scope = self._call, self._scope
+        if call._cancel_requested:
+            scope.cancel()
+        call._step_scope = scope
+        scope.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool:
+        scope = self._scope
+        try:
+            swallowed = scope.__exit__(*exc)
+        finally:
+            self._call._step_scope = None
+        if scope.cancelled_caught:
+            raise ShardError(ErrorCode.CANCELLED, "the step was cancelled (Cancel RPC)",
+                             session_id=self._call.session_id)
+        return bool(swallowed)
+
+
 def _illegal(message: str, session_id: str = "") -> ShardError:
     return ShardError(ErrorCode.ILLEGAL_TRANSITION, message, session_id=session_id)
 
@@ -385,9 +456,8 @@ class SessionCall:
         self._max_message_bytes = max_message_bytes
         self._requests = requests
         self._deadline = deadline
-        send, recv = trio.open_memory_channel[pb.SessionResponse](limits.max_credit + _CONTROL_SLOTS)
-        self._outbox = send
-        self.responses: trio.MemoryReceiveChannel[pb.SessionResponse] = recv
+        self._outbox = Outbox(limits.max_credit + _CONTROL_SLOTS)
+        self.responses: trio.MemoryReceiveChannel[pb.SessionResponse] = self._outbox.receive
 
         self.phase: AsyncValue[Phase] = AsyncValue(Phase.AWAITING_OPEN)
         self.credit: AsyncValue[int] = AsyncValue(0)
@@ -452,6 +522,14 @@ class SessionCall:
         if self.routed is None:
             raise return_refused(self.session_id)
         return self.routed.offer_return(secret, tag, step)
+
+    def send_directly(self, direct: Callable[[pb.SessionResponse, bool], bool]) -> None:
+        """The handler's way to take responses straight to the transport (``Outbox``)."""
+        self._outbox.direct = direct
+
+    @property
+    def outbox(self) -> Outbox:
+        return self._outbox
 
     def buffered(self) -> int:
         """Responses produced but not yet taken by the transport (bounded by the channel)."""
@@ -668,6 +746,9 @@ class SessionCall:
             self.returner = await self._relay.open_return(
                 req.route.return_to, deadline=self._deadline, nursery=self._nursery
             )
+            # The chain's copy of each answer is the fallback: it leaves through the handler,
+            # after the direct copy the returner sends (which is why the route asked for one).
+            self._outbox.through_handler = True
         self._queue_ok = returning
         credit = min(req.initial_credit or self._limits.default_credit, self._limits.max_credit)
         self.credit.value = credit
@@ -938,22 +1019,10 @@ class SessionCall:
         else:  # blocked senders go first when room frees: no later response overtakes it
             await self._send(usage)
 
-    @contextmanager
-    def cancellable(self) -> Iterator[None]:
-        """A region an out-of-band Cancel stops (also one requested before it was entered)."""
-        scope = trio.CancelScope()
-        if self._cancel_requested:
-            scope.cancel()
-        self._step_scope = scope
-        try:
-            with scope:
-                yield
-        finally:
-            self._step_scope = None
-        if scope.cancelled_caught:
-            raise ShardError(
-                ErrorCode.CANCELLED, "the step was cancelled (Cancel RPC)", session_id=self.session_id
-            )
+    def cancellable(self) -> _Cancellable:
+        """A region an out-of-band Cancel stops (also one requested before it was entered);
+        ends with ``ShardError(CANCELLED)`` when it did."""
+        return _Cancellable(self)
 
     async def prefill_input(
         self, p: pb.Prefill
@@ -1080,11 +1149,12 @@ class SessionCall:
             )
         sampling, prompt = await self.generate_input(g)
         rules = stop_rules(g)
+        ahead = self._limits.lookahead != "off"
         emitted = 0
         while True:
             # The steps that may follow this one: the engine may compute the next ahead.
             hint = None
-            if self._limits.lookahead != "off" and g.max_tokens - emitted > 1:
+            if ahead and g.max_tokens - emitted > 1:
                 hint = Lookahead(g.max_tokens - emitted - 1, rules.stop_tokens,
                                  stop_at_eog=not g.ignore_eos)
             with self.cancellable():
@@ -1104,7 +1174,8 @@ class SessionCall:
             emitted += 1
             finish = self.finish_reason(rules, result.logits.token_id, result.logits.is_eog,
                                         emitted, result.n_past)
-            await self.send_step(result, start, finish,
+            # (queued without a scheduler pass: the next step's engine call is one)
+            await self.send_step(result, start, finish, now=True,
                                  usage_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
             count_generated(usage, result, prompt_step=emitted == 1 and prompt is not None)
             if finish != pb.FINISH_REASON_UNSPECIFIED:
@@ -1289,14 +1360,16 @@ class SessionCall:
     async def send_step(
         self, result: StepResult, start: int, finish: int = pb.FINISH_REASON_UNSPECIFIED,
         input_tokens: Sequence[int] | None = None, *, usage_follows: bool = False,
+        now: bool = False,
     ) -> None:
         """Send one of this engine's results (one credit), split into chunks when it exceeds
-        one message. ``usage_follows``: the step's ``Usage`` comes next (see ``_send``)."""
+        one message. ``usage_follows``: the step's ``Usage`` comes next (see ``_send``).
+        ``now``: queued without a scheduler pass when there is room (see ``_send``)."""
         msg = convert.step_to_proto(result, self._step_no + 1, start, self._wire_dtype)
         if input_tokens is not None:
             msg.input_tokens.ids.extend(input_tokens)
         msg.finish_reason = finish  # type: ignore[assignment]
-        await self._send_numbered(msg, usage_follows)
+        await self._send_numbered(msg, usage_follows, now)
         self.positions.sent(result.n_past)
 
     async def send_result(self, msg: pb.StepResult, *, usage_follows: bool = False) -> None:
@@ -1304,17 +1377,19 @@ class SessionCall:
         this worker's own accounting), numbered as this session's next step (one credit)."""
         await self._send_numbered(msg, usage_follows)
 
-    async def _send_numbered(self, msg: pb.StepResult, usage_follows: bool) -> None:
+    async def _send_numbered(self, msg: pb.StepResult, usage_follows: bool, now: bool = False) -> None:
         self._step_no += 1
         msg.step = self._step_no
         self._credits_spent += 1  # spent now, even if the stream ends during the send
         for chunk in _chunks(msg, self._max_message_bytes - _CHUNK_OVERHEAD):
             # only the last chunk: chunks are far larger than one write, and each waits its turn
             await self._send(pb.SessionResponse(step=chunk),
-                             more_follows=usage_follows and not chunk.more_chunks)
+                             more_follows=usage_follows and not chunk.more_chunks, now=now)
         self._registry.count("steps_sent_total")
 
-    async def _send(self, msg: pb.SessionResponse, *, more_follows: bool = False) -> None:
+    async def _send(
+        self, msg: pb.SessionResponse, *, more_follows: bool = False, now: bool = False
+    ) -> None:
         """Hand a response to the transport; blocks while the bounded channel is full.
 
         ``more_follows``: this task sends another response right after this one (a step's
@@ -1322,11 +1397,12 @@ class SessionCall:
         so the transport finds both and frames them into one socket write (the next ``_send``
         is the schedule point). ``send_nowait`` is no cancel point: a result may be queued
         just after the stream ended, and is then counted as delivered, as ``send_step`` does
-        for any result handed over."""
+        for any result handed over. ``now``: queued so too (the caller's next await is a
+        scheduler pass anyway), though nothing follows."""
         try:
-            if more_follows:
+            if more_follows or now:
                 try:
-                    self._outbox.send_nowait(msg)
+                    self._outbox.send_nowait(msg, more_follows=more_follows)
                     return
                 except trio.WouldBlock:
                     pass

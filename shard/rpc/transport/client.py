@@ -136,11 +136,22 @@ class ClientStream:
 
     async def receive(self, message_type: type[M]) -> M | None:
         """The next message, or None once the response ended (then see ``error()``)."""
-        with self._deadline_scope():
-            try:
-                event = await self._in.receive()
-            except trio.EndOfChannel:
-                return None
+        try:
+            # One already read from the socket is taken without a cancel scope (a scope per
+            # message cost more than parsing it); still a checkpoint, and never past the deadline.
+            if trio.current_time() >= self.deadline:
+                raise trio.WouldBlock
+            await trio.lowlevel.checkpoint_if_cancelled()  # (as a channel's receive does)
+            event = self._in.receive_nowait()
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        except trio.EndOfChannel:
+            return None
+        except trio.WouldBlock:
+            with self._deadline_scope():
+                try:
+                    event = await self._in.receive()
+                except trio.EndOfChannel:
+                    return None
         self.conn.consumed(self.sid, event.flow_controlled_length + PREFIX)
         message = message_type()
         try:

@@ -151,6 +151,12 @@ class CallContext:
     deadline: float = math.inf  # trio.current_time() based; inf when no grpc-timeout
     end_reason: EndReason | None = None  # set before the handler is cancelled early
     trailers: list[tuple[str, str | bytes]] = field(default_factory=list)  # sent with the status
+    #: ``send_now(message, flush)``: frame one response now, from the caller's own task, if the
+    #: peer's windows and the connection's unsent bytes allow it without waiting; False
+    #: otherwise (nothing was sent: hand it to the handler's stream as usual). Only while the
+    #: handler itself sends nothing (see ``_Call.send_now``); a streaming handler's producer
+    #: uses it to skip a task hop. ``flush``: False when another response follows at once.
+    send_now: Callable[[Any, bool], bool] = lambda _message, _flush=True: False
 
 
 _current: ContextVar[CallContext] = ContextVar("shard_rpc_call")
@@ -194,6 +200,7 @@ class _Call:
             peer=conn.peer,
             deadline=math.inf if timeout is None else trio.current_time() + timeout.total_seconds(),
         )
+        self.ctx.send_now = self.send_now
         self.scope = trio.CancelScope()
         # Unbounded in items, bounded in bytes: the ledger stops acknowledging (flow control)
         # once a window of messages waits here.
@@ -278,6 +285,38 @@ class _Call:
         if not await self.conn.flush(limits.send_idle_timeout):
             await self._stalled("nothing written to the socket")
 
+    def send_now(self, message: Any, flush: bool = True) -> bool:
+        """Frame ``message`` at once, without waiting, or do nothing and return False.
+
+        Why: a served token used to pass from the session's task through a channel to the
+        handler's task, then to the connection's writer: three task steps (and scheduler
+        passes) per token where one does. The producer calls this instead while the handler
+        is idle (so responses stay in order); it refuses whatever would need a wait: no
+        window for the whole message, more than ``OUTBOX_HIGH_WATER`` bytes unsent, a call
+        that is ending, an oversized message (``send`` then waits, or raises, as before).
+        ``flush``: False when the caller frames another response right after this one (a
+        result and its ``Usage``): then both leave in one socket write."""
+        conn = self.conn
+        if self.scope.cancel_called or conn.unsent > OUTBOX_HIGH_WATER:
+            return False
+        data = message.SerializeToString()
+        h2c = conn.h2
+        if len(data) > h2c.limits.max_message_bytes:
+            return False
+        try:
+            if h2c.flow_control_window(self.sid) < len(data) + PREFIX:
+                return False
+            if not self.headers_sent:
+                h2c.start_response(self.sid)
+                self.headers_sent = True
+            framed = struct.pack(">?I", False, len(data)) + data
+            if not h2c.send_message(self.sid, framed):
+                h2c.send_data(self.sid, framed)
+        except h2.exceptions.ProtocolError:  # the connection is closing: ``send`` reports it
+            return False
+        conn.send_soon(self.streaming and flush)
+        return True
+
     async def _stalled(self, what: str) -> None:
         """The peer read nothing for ``send_idle_timeout``: end the call (RESOURCE_EXHAUSTED,
         reason SEND_IDLE_TIMEOUT; a session is released, not retained)."""
@@ -354,6 +393,14 @@ class _Connection:
 
     def send_pending(self) -> None:
         self._outbox.push(self.h2.data_to_send())
+
+    def send_soon(self, write: bool) -> None:
+        """Queue h2's output for a response framed by ``send_now``; with ``write``, written at
+        once by the caller when the connection carries only that one stream (nothing to
+        coalesce with, and the writer's task step is saved), else by the writer with the
+        others."""
+        self._outbox.push(self.h2.data_to_send(),
+                          write_through=write and self.streaming_calls == 1)
 
     async def flush(self, idle: float = math.inf) -> bool:
         """Queue h2's output; a handler waits here while the peer reads slowly. False if
