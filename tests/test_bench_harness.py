@@ -280,6 +280,29 @@ def test_busy_client_bench_soaks_grpcio_and_reports_cuts(tmp_path: Path) -> None
     assert record["environment"]["model"] is None and record["streams"] == 4
 
 
+def test_session_steps_bench_counts_every_token_of_both_workers(tmp_path: Path) -> None:
+    """A ``--quick`` run of bench/session_steps.py against this checkout as the other one too:
+    every round generated all its tokens (the bench asserts it), both workers have medians for
+    each session count, and the ratios compare them."""
+    out = tmp_path / "steps.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.session_steps", "--quick", "--worker-root", str(ROOT),
+         "--out", str(out), "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    results = record["results"]
+    for name in ("this", "other"):
+        assert set(results["medians"][name]) == {"2", "4"}
+        for row in results["medians"][name].values():
+            assert row["tokens_per_s"] > 0 and row["worker_cpu_us"] >= 0
+    assert set(results["ratios"]) == {"2", "4"} and record["environment"]["model"] is None
+    bad = subprocess.run([sys.executable, "-m", "bench.session_steps", "--sessions", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "must be positive" in bad.stderr
+
+
 def test_stack_floor_bench_streams_every_message_to_every_reader(tmp_path: Path) -> None:
     """A ``--quick`` run of bench/stack_floor.py: both floor servers (hardened transport and
     stock purerpc) each read whole by grpcio and by the Shard client transport, and the worker's

@@ -398,9 +398,10 @@ class _Connection:
         """Queue h2's output for a response framed by ``send_now``; with ``write``, written at
         once by the caller when the connection carries only that one stream (nothing to
         coalesce with, and the writer's task step is saved), else by the writer with the
-        others."""
+        others. Without ``write`` another response follows at once and writes both (through
+        ``send_now`` or the handler's ``send``: every push writes or wakes the writer)."""
         self._outbox.push(self.h2.data_to_send(),
-                          write_through=write and self.streaming_calls == 1)
+                          write_through=write and self.streaming_calls == 1, wake=write)
 
     async def flush(self, idle: float = math.inf) -> bool:
         """Queue h2's output; a handler waits here while the peer reads slowly. False if

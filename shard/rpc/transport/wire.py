@@ -283,14 +283,16 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._data)
 
-    def push(self, data: bytes, *, write_through: bool = False) -> None:
+    def push(self, data: bytes, *, write_through: bool = False, wake: bool = True) -> None:
         """Queue ``data`` for the writer. ``write_through``: write it, and whatever is
         queued before it, from the caller's task when the writer is idle (a plain socket
         only): a lone stream's response then leaves in the task step that framed it; what
-        the socket does not take at once is left to the writer as usual."""
+        the socket does not take at once is left to the writer as usual. ``wake=False``:
+        the caller pushes again at once (a result, then its ``Usage``), and that push writes
+        or wakes the writer for both (every push does, even an empty one)."""
         if data:
             self._data += data
-        if not self._data:
+        if not self._data or not wake:
             return
         if write_through and self._fd >= 0:
             try:
