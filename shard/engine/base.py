@@ -240,8 +240,10 @@ class ShardEngine(abc.ABC):
         }
         #: ``_impl_compute`` stops by itself when its caller is cancelled: it sets the slot's
         #: cancel flag and returns (raising ``trio.Cancelled``) only once its work stopped
-        #: (``BatchScheduler.compute``). Then a step without a timeout is awaited directly,
-        #: not through ``_run_guarded``'s nursery and task, a third of a step's scaffolding.
+        #: (``BatchScheduler.compute``). Then a one-row step without a timeout (every decode)
+        #: is awaited directly, not through ``_run_guarded``'s nursery and task, a third of a
+        #: step's scaffolding. (It sets the flag once its tick ended, where the watching task
+        #: sets it at once: a prompt chunk stops early only then, so prompts keep the task.)
         self._compute_stops_itself = False
 
     # ---- implementation hooks --------------------------------------------------------------
@@ -741,7 +743,9 @@ class ShardEngine(abc.ABC):
         try:
             raw = await self._claim(slot, plan)
             if raw is None:
-                if self._compute_stops_itself and plan.deadline == math.inf:
+                if self._compute_stops_itself and plan.deadline == math.inf and plan.n_new == 1:
+                    # (one row: a prompt's chunks keep the watching task, whose flag stops
+                    # a running chunk at once through the abort callback)
                     raw = await self._guard_impl(self._impl_compute(slot, plan))
                 else:
                     raw = await self._run_guarded(
