@@ -1,5 +1,5 @@
 """The served token's short path (issue "a lean per-token path"): a response framed by the
-session's own task (``session.Outbox``, ``_Call.send_now``), a DATA frame built without h2's
+session's own task (``session.Responses``, ``_Call.send_now``), a DATA frame built without h2's
 frame objects (``BoundedH2.send_message``) and a lone stream's bytes written by the task that
 framed them (``wire.Outbox.push(write_through=True)``). Each must be indistinguishable on the
 wire from the long path it replaces, and must refuse whatever would need a wait."""
@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from shard.rpc.session import Outbox as SessionOutbox
+from shard.rpc.session import Responses
 from shard.rpc.transport import wire
 from shard.v1 import shard_pb2 as pb
 
@@ -89,7 +89,7 @@ async def test_responses_keep_their_order_across_the_direct_path_and_the_channel
         wire_order.append(msg.step.step)
         return True
 
-    out = SessionOutbox(8)
+    out = Responses(8)
     out.direct = direct
     out.idle = True  # the handler waits on an empty channel
     out.send_nowait(_response(1))  # direct

@@ -313,7 +313,7 @@ async def _next_response(call: SessionCall) -> pb.SessionResponse | None:
     one scheduler pass apart, the transport's writer would send each in a socket write of its
     own (and wake the client twice). The channel is bounded, so a full one is drained in a
     bounded run. While this waits on an empty channel, the session frames its responses itself
-    (``session.Outbox``). (A plain function, not an async generator inside this one, which
+    (``session.Responses``). (A plain function, not an async generator inside this one, which
     would be finalized by the garbage collector when the call ends mid-stream.)
     """
     responses = call.responses

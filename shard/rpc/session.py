@@ -348,7 +348,7 @@ _CLOSED_REASON = {
 }
 
 
-class Outbox:
+class Responses:
     """Where a session's responses go: a bounded channel its handler forwards to the
     transport, or, while that handler waits on an empty channel, straight to the transport
     from the session's own task (``direct``, set by the handler).
@@ -456,7 +456,7 @@ class SessionCall:
         self._max_message_bytes = max_message_bytes
         self._requests = requests
         self._deadline = deadline
-        self._outbox = Outbox(limits.max_credit + _CONTROL_SLOTS)
+        self._outbox = Responses(limits.max_credit + _CONTROL_SLOTS)
         self.responses: trio.MemoryReceiveChannel[pb.SessionResponse] = self._outbox.receive
 
         self.phase: AsyncValue[Phase] = AsyncValue(Phase.AWAITING_OPEN)
@@ -524,11 +524,11 @@ class SessionCall:
         return self.routed.offer_return(secret, tag, step)
 
     def send_directly(self, direct: Callable[[pb.SessionResponse, bool], bool]) -> None:
-        """The handler's way to take responses straight to the transport (``Outbox``)."""
+        """The handler's way to take responses straight to the transport (``Responses``)."""
         self._outbox.direct = direct
 
     @property
-    def outbox(self) -> Outbox:
+    def outbox(self) -> Responses:
         return self._outbox
 
     def buffered(self) -> int:
