@@ -628,9 +628,13 @@ class ClientSession:
         self.opened = msg.opened
         self._window = self._outstanding = max(1, msg.opened.credit)
 
+    def _needs_top_up(self) -> bool:
+        """Half the credit window is used (and credit can still be granted)."""
+        return self._outstanding <= self._window // 2 and self.closed is None and self._dead is None
+
     async def _top_up(self) -> None:
         """Grant credit back once half the window is used (the caller consumed results)."""
-        if self._outstanding <= self._window // 2 and self.closed is None and self._dead is None:
+        if self._needs_top_up():
             grant = self._window - self._outstanding
             await self._send(self._request(credit=pb.Credit(messages=grant)))
             self._outstanding += grant
@@ -1011,7 +1015,7 @@ class StepStream:
         with s._exclusive():
             if self._serial is None:
                 self._serial = await s._begin(self._request, self)
-            elif self._consumed and s._outstanding <= s._window // 2:
+            elif self._consumed and s._needs_top_up():  # (no await per token otherwise)
                 await s._top_up()  # the caller came back for more: grant credit
             try:
                 step = await s._read_result(self._serial)

@@ -266,6 +266,7 @@ class ShardServicer(_ShardServicerBase):
             )
         except ShardError as err:
             raise self._refuse(err) from None
+
         def direct(message: pb.SessionResponse, more_follows: bool) -> bool:
             if ctx.send_now(message, not more_follows):
                 watch.response(message)

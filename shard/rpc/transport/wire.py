@@ -79,6 +79,7 @@ def missing_private_names() -> list[str]:
     from purerpc.grpclib.buffers import MessageReadBuffer
 
     h2c = h2.connection.H2Connection()
+    stream = h2.stream.H2Stream(1, h2c.config, 1, 1)
     checks: list[tuple[str, object, str]] = [
         ("h2.utilities", h2.utilities, "SizeLimitDict"),
         ("h2.connection", h2.connection, "ConnectionState"),
@@ -95,8 +96,8 @@ def missing_private_names() -> list[str]:
         ("h2.connection.H2Connection", h2c, "max_inbound_frame_size"),
         ("h2.connection.H2Connection", h2c, "state_machine"),
         ("h2.connection.H2Connection", h2c, "outbound_flow_control_window"),
-        ("h2.stream.H2Stream", h2.stream.H2Stream(1, h2c.config, 1, 1), "state_machine"),
-        ("h2.stream.H2Stream", h2.stream.H2Stream(1, h2c.config, 1, 1), "outbound_flow_control_window"),
+        ("h2.stream.H2Stream", stream, "state_machine"),
+        ("h2.stream.H2Stream", stream, "outbound_flow_control_window"),
         ("h2.connection.H2Connection", h2c.decoder, "max_header_list_size"),
         ("hyperframe.frame", hyperframe.frame, "GoAwayFrame"),
         ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer(), "_buffer"),
