@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -54,11 +54,20 @@ class FrontDoor:
     url: str  # http://127.0.0.1:PORT
     workers: list[Worker]
     backend: Backend
+    _clients: list[openai.OpenAI] = field(default_factory=list)
 
     @property
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
-                             timeout=TIMEOUT)
+        """A new official client (closed with the door: an unclosed one's socket would be
+        reported by whichever later test the garbage collector happens to run in)."""
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=TIMEOUT)
+        self._clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        for client in self._clients:
+            client.close()
 
 
 @asynccontextmanager
@@ -87,7 +96,11 @@ async def front_door(
         shutdown = trio.Event()
         binds = await nursery.start(partial(serve_http, app, host="127.0.0.1", port=0,
                                             shutdown=shutdown, grace=1.0, tls=tls))
-        yield FrontDoor(binds[0], workers, backend)
+        door = FrontDoor(binds[0], workers, backend)
+        try:
+            yield door
+        finally:
+            door.close_clients()
         shutdown.set()
 
 
@@ -461,9 +474,9 @@ async def test_api_keys_are_required_and_health_is_not(tmp_path: Path) -> None:
         status, _, _ = await in_thread(lambda: post(
             door.url + "/v1/completions", body, headers={"authorization": "Bearer sk-two"}))
         assert status == 200
-        client = openai.OpenAI(base_url=door.url + "/v1", api_key="sk-two", max_retries=0)
-        assert (await in_thread(lambda: client.completions.create(
-            model=NAME, prompt="x", max_tokens=1))).usage.completion_tokens == 1
+        with openai.OpenAI(base_url=door.url + "/v1", api_key="sk-two", max_retries=0) as client:
+            assert (await in_thread(lambda: client.completions.create(
+                model=NAME, prompt="x", max_tokens=1))).usage.completion_tokens == 1
 
 
 async def test_speculation_behind_the_front_door_gives_the_same_tokens() -> None:

@@ -57,7 +57,7 @@ async def test_llama_chat_through_the_front_door_equals_generate_chat(shape: str
         stop = trio.Event()
         url = (await nursery.start(partial(serve_http, build_app(backend), host="127.0.0.1",
                                            port=0, shutdown=stop)))[0]
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        client = stack.enter_context(openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0))
         args = ["--max-tokens", "12", "--temperature", "0.7", "--seed", "9"]
         want_chat = await trio.to_thread.run_sync(lambda: cli_generate(
             *where, "--chat", MESSAGES[0]["content"], *args))

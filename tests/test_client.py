@@ -517,3 +517,30 @@ async def test_the_client_steps_down_to_an_older_workers_version(monkeypatch: py
                 await c.capabilities()
             assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
         await w.idle()
+
+
+async def test_a_session_whose_connection_its_owner_closed_fails_with_a_shard_error() -> None:
+    """A connection held by another task (as a pool holds each worker's) is closed by its owner
+    after it broke, while a session on it still reads: the session fails with the status its
+    stream ended with (the worker's DRAINING here), not with the transport's
+    ClosedResourceError."""
+    async with worker() as w, trio.open_nursery() as nursery:
+        closer = trio.Event()
+
+        async def hold(task_status: trio.TaskStatus[ShardClient]) -> None:
+            async with ShardClient.connect(w.target, timeout=10) as client:
+                task_status.started(client)
+                await closer.wait()
+
+        client: ShardClient = await nursery.start(hold)
+        session = await client.open_session("orphan")
+        await session.prefill(tokens=[1, 2, 3])
+        w.stop()  # the connection breaks under the open session
+        with trio.fail_after(10):
+            while client.connected:
+                await trio.sleep(0.01)
+        closer.set()  # its owner closes it (resetting the streams it still lists)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(ShardError) as caught:
+            await session.decode(token=4)
+        assert caught.value.code in (ErrorCode.DRAINING, ErrorCode.NOT_READY), caught.value

@@ -144,13 +144,13 @@ class ClientStream:
             await trio.lowlevel.checkpoint_if_cancelled()  # (as a channel's receive does)
             event = self._in.receive_nowait()
             await trio.lowlevel.cancel_shielded_checkpoint()
-        except trio.EndOfChannel:
+        except (trio.EndOfChannel, trio.ClosedResourceError):  # (closed: its owner let it go)
             return None
         except trio.WouldBlock:
             with self._deadline_scope():
                 try:
                     event = await self._in.receive()
-                except trio.EndOfChannel:
+                except (trio.EndOfChannel, trio.ClosedResourceError):
                     return None
         self.conn.consumed(self.sid, event.flow_controlled_length + PREFIX)
         message = message_type()
