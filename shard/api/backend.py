@@ -1,5 +1,6 @@
 """The workers behind the front door: one ``Pipeline`` (a single whole-model worker is a
-pipeline of one hop), its shared connections, and one generation as a stream of text deltas.
+pipeline of one hop) or a pool of workers (``shard.pool``: every model it serves, each
+generation on the least-loaded complete route), and one generation as a stream of text deltas.
 
 Why the pipeline client for one worker too: failover to replicas, batch groups, speculation and
 every later change to the client reach the front door without a second code path; a one-hop
@@ -17,20 +18,23 @@ import logging
 import secrets
 import ssl
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
 from shard.chat import ChatTemplate, ChatTemplateError
 from shard.pipeline import Pipeline
+from shard.pool import Pool
+from shard.pool import model_id as pool_model_id
 from shard.rpc.errors import ShardError
 from shard.v1 import shard_pb2 as pb
 
 from .errors import ApiError, from_shard_error
 from .text import Alternative, Delta, TextAssembler, TokenOut
 
-__all__ = ["Backend", "Outcome", "Request"]
+__all__ = ["Backend", "Catalog", "Outcome", "PipelineRoutes", "PoolRoutes", "Request", "Routes"]
 
 log = logging.getLogger(__name__)
 
@@ -61,32 +65,124 @@ class Outcome:
     completion_tokens: int
 
 
+class Routes(Protocol):
+    """Where one model's generations run: a fixed pipeline, or a pool's least-loaded route."""
+
+    def lease(self) -> AbstractAsyncContextManager[tuple[Pipeline, Sequence[str] | None]]: ...
+
+    @property
+    def first(self) -> pb.GetCapabilitiesResponse | None: ...
+
+    @property
+    def context(self) -> int: ...
+
+    async def not_serving(self) -> list[str]: ...
+
+
+class PipelineRoutes:
+    """One pipeline for every generation (``api --target`` / ``--pipeline``)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    @asynccontextmanager
+    async def lease(self) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
+        yield self.pipeline, None
+
+    @property
+    def first(self) -> pb.GetCapabilitiesResponse | None:
+        return self.pipeline.hops[0].caps
+
+    @property
+    def context(self) -> int:
+        return min(h.caps.n_ctx_per_session for h in self.pipeline.hops if h.caps is not None)
+
+    async def not_serving(self) -> list[str]:
+        return [f"{hop}: {why}" for hop, why in await self.pipeline.serving(timeout=2.0)]
+
+
+class PoolRoutes:
+    """One model of a pool (``api --workers``): each generation on its least-loaded route."""
+
+    def __init__(self, pool: Pool, model: str) -> None:
+        self.pool = pool
+        self.model = model
+        self.pipeline = None  # (no single pipeline)
+
+    @asynccontextmanager
+    async def lease(self) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
+        async with self.pool.lease(self.model) as chosen:
+            yield chosen.pipeline, chosen.route
+
+    @property
+    def first(self) -> pb.GetCapabilitiesResponse | None:
+        return self.pool.first_caps(self.model)
+
+    @property
+    def context(self) -> int:
+        return self.pool.context(self.model)
+
+    async def not_serving(self) -> list[str]:
+        await trio.lowlevel.checkpoint()
+        return [w for w in self.pool.not_serving() if w.startswith(f"model {self.model}:")]
+
+
 class Backend:
-    """One pipeline, shared by every request (see the module docstring)."""
+    """One model the front door serves, over its routes (see the module docstring)."""
 
     def __init__(
-        self, pipeline: Pipeline, *, model_id: str | None = None, chat_template: str | None = None,
-        speculate: int = 0, timeout: float | None = None,
+        self, pipeline: Pipeline | Routes, *, model_id: str | None = None,
+        chat_template: str | None = None, speculate: int = 0, timeout: float | None = None,
     ) -> None:
-        self.pipeline = pipeline
+        self.routes: Routes = PipelineRoutes(pipeline) if isinstance(pipeline, Pipeline) else pipeline
         self.speculate = speculate
         self.timeout = timeout
         self._health: tuple[float, list[str]] | None = None  # (when, the answer)
-        first = pipeline.hops[0].caps
-        assert first is not None
-        self.first = first
-        #: The id clients ask for; default ``<architecture>-<12 hex digits of the fingerprint>``.
-        self.model_id = model_id or f"{first.architecture or 'model'}-{first.model_fingerprint[:12]}"
-        #: The chat template (the operator's file over the model's own), None without one. A
-        #: model's own template that does not compile leaves chat off (completions still
-        #: serve); an operator's file that does not is an error at start.
+        self._template = chat_template
+        self._chat_of: str | None = None  # the fingerprint ``chat`` was made for
+        self._chat: ChatTemplate | None = None
+        first = self.routes.first
+        #: The id clients ask for; default ``<architecture>-<12 hex digits of the fingerprint>``
+        #: or the name the workers report (``serve --model-name``).
+        self.model_id = model_id or (pool_model_id(first) if first is not None else "model")
+        if first is not None:
+            self._chat_for(first)
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The single pipeline (None for a pool's model)."""
+        return self.routes.pipeline if isinstance(self.routes, PipelineRoutes) else None
+
+    @property
+    def first(self) -> pb.GetCapabilitiesResponse:
+        """The first shard's capabilities (vocabulary, chat template, parse_special)."""
+        first = self.routes.first
+        if first is None:
+            raise ApiError(503, f"the model {self.model_id!r} has no complete route now",
+                           type="server_error", code="service_unavailable",
+                           headers={"Retry-After": "1"})
+        return first
+
+    @property
+    def chat(self) -> ChatTemplate | None:
+        """The chat template (the operator's file over the model's own), None without one."""
+        first = self.routes.first
+        return self._chat_for(first) if first is not None else self._chat
+
+    def _chat_for(self, first: pb.GetCapabilitiesResponse) -> ChatTemplate | None:
+        """A model's own template that does not compile leaves chat off (completions still
+        serve); an operator's file that does not is an error at start."""
+        if self._chat_of == first.model_fingerprint:
+            return self._chat
         try:
-            self.chat = ChatTemplate.of(first.chat, chat_template)
+            self._chat = ChatTemplate.of(first.chat, self._template)
         except ChatTemplateError as exc:
-            if chat_template is not None:
+            if self._template is not None:
                 raise
-            log.error("chat is off: the model's own %s", exc)
-            self.chat = None
+            log.error("%s: chat is off: the model's own %s", self.model_id, exc)
+            self._chat = None
+        self._chat_of = first.model_fingerprint
+        return self._chat
 
     @classmethod
     @asynccontextmanager
@@ -108,7 +204,7 @@ class Backend:
     @property
     def context(self) -> int:
         """The most positions one generation may hold (the chain's smallest session)."""
-        return min(h.caps.n_ctx_per_session for h in self.pipeline.hops if h.caps is not None)
+        return self.routes.context
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         """The prompt text of a conversation; a 400 without a template or when it refuses."""
@@ -130,7 +226,7 @@ class Backend:
         Health calls on every worker."""
         now = trio.current_time()
         if self._health is None or now - self._health[0] > HEALTH_TTL:
-            failing = [f"{hop}: {why}" for hop, why in await self.pipeline.serving(timeout=2.0)]
+            failing = await self.routes.not_serving()
             if failing:
                 log.warning("not serving: %s", "; ".join(failing))
             self._health = (trio.current_time(), failing)
@@ -159,13 +255,16 @@ class Backend:
 
         with trio.CancelScope() as scope:
             try:
-                await self.pipeline.generate(
-                    # no generation outlives the context: a larger limit is the context's
-                    request.prompt, max_tokens=min(request.max_tokens or self.context, self.context),
-                    temperature=request.temperature, top_p=request.top_p, seed=seed,
-                    top_logprobs=request.top_logprobs, timeout=self.timeout, on_token=on_token,
-                    speculate=self.speculate, parse_special=request.parse_special,
-                )
+                async with self.routes.lease() as (pipeline, route):
+                    context = min(h.caps.n_ctx_per_session for h in pipeline.hops if h.caps)
+                    await pipeline.generate(
+                        # no generation outlives the context: a larger limit is the context's
+                        request.prompt, max_tokens=min(request.max_tokens or context, context),
+                        temperature=request.temperature, top_p=request.top_p, seed=seed,
+                        top_logprobs=request.top_logprobs, timeout=self.timeout,
+                        on_token=on_token, speculate=self.speculate,
+                        parse_special=request.parse_special, route=route,
+                    )
             except ShardError as err:
                 raise from_shard_error(err, prompt_param=request.prompt_param) from None
         if not text.stopped:
@@ -174,3 +273,55 @@ class Backend:
                 await out.send(delta)
         reason = "length" if finish in _LENGTH and not text.stopped else "stop"
         return Outcome(reason, counts["prompt"], counts["completion"])
+
+
+class Catalog:
+    """The models a front door serves, by id: one ``Backend`` (``--target``/``--pipeline``), or
+    every model of a pool with a complete route now (``--workers``; a backend is made for a
+    model when it first appears and kept, since its routes are the pool's to choose)."""
+
+    def __init__(
+        self, backend: Backend | None = None, *, pool: Pool | None = None,
+        chat_template: str | None = None, speculate: int = 0, timeout: float | None = None,
+    ) -> None:
+        assert (backend is None) != (pool is None), "one backend or one pool"
+        self.pool = pool
+        self._backends: dict[str, Backend] = {backend.model_id: backend} if backend else {}
+        self._options = {"chat_template": chat_template, "speculate": speculate,
+                         "timeout": timeout}
+
+    def ids(self) -> list[str]:
+        """The model ids served now (``/v1/models``)."""
+        if self.pool is None:
+            return list(self._backends)
+        return sorted(self.pool.servable())
+
+    def find(self, model: str) -> Backend | None:
+        """The backend of ``model``, None when it is not served now."""
+        if self.pool is None:
+            return self._backends.get(model)
+        if model not in self.pool.servable():
+            return None
+        backend = self._backends.get(model)
+        if backend is None:
+            backend = self._backends[model] = Backend(
+                PoolRoutes(self.pool, model), model_id=model, **self._options)  # type: ignore[arg-type]
+        return backend
+
+    def get(self, model: str) -> Backend:
+        """The backend of ``model``; a 404 naming the models served otherwise."""
+        backend = self.find(model)
+        if backend is None:
+            served = ", ".join(repr(m) for m in self.ids()) or "none now"
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{served}", param="model", code="model_not_found")
+        return backend
+
+    async def not_serving(self) -> list[str]:
+        """Why the door is not ready (empty: it is): a single backend while no replica of some
+        hop serves; a pool while a model it knows has no complete route (or none is known)."""
+        if self.pool is None:
+            (backend,) = self._backends.values()
+            return await backend.not_serving()
+        await trio.lowlevel.checkpoint()
+        return self.pool.not_serving()

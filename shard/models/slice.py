@@ -180,6 +180,11 @@ def _stand_in(rows: int, n_embd: int) -> tuple[tuple[int, int], int, int]:
     return (n_embd, rows), int(gguf.GGMLQuantizationType.F16), rows * n_embd * 2
 
 
+def stand_in_bytes(rows: int, n_embd: int) -> int:
+    """Bytes of the stand-in a part writes for a ``[rows, n_embd]`` tensor it never uses."""
+    return _stand_in(rows, n_embd)[2]
+
+
 @dataclass(frozen=True)
 class _Out:
     """One tensor of the slice: copied from ``source`` (an absolute offset), or all zeros."""

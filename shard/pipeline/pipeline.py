@@ -178,8 +178,13 @@ class Pipeline:
         replay_bytes: int | None = DEFAULT_REPLAY_BYTES,
         relay: str = "client",
         batch_groups: int | None = None,
+        step_replicas: bool = True,
     ) -> None:
         self._replicas = [HopReplicas(i, targets, connect) for i, targets in enumerate(hops)]
+        #: A whole-model hop with replicas: the client steps each token (True), so that a
+        #: draining worker hands over between tokens; or the worker decodes in its own loop
+        #: like a lone worker (False: a pool's replicas; a failure still fails over, by replay).
+        self.step_replicas = step_replicas
         #: Concurrent generations move through the hops in these groups (shard.pipeline.groups).
         self.batch_groups = BatchGroups(
             default_groups(len(hops)) if batch_groups is None else batch_groups)
@@ -193,6 +198,33 @@ class Pipeline:
         # What a pass through this chain costs, learned across generations (speculation drafts
         # only as many tokens as pay for their rows; shard.pipeline.speculation).
         self.pass_cost = PassCost()
+
+    @classmethod
+    def of_known(
+        cls,
+        hops: Sequence[Sequence[tuple[str, ShardClient | None, pb.GetCapabilitiesResponse]]],
+        connect: Callable[[str, float | None], Awaitable[ShardClient]],
+        **options: Any,
+    ) -> Pipeline:
+        """A pipeline over workers whose connections and capabilities the caller already holds
+        (a pool: ``shard.pool``): each hop a list of (target, client, capabilities), the first
+        one serving; ``connect(target, timeout)`` gives a usable connection to a target again
+        (the caller owns them all). Checked as ``connect`` checks a chain (PipelineError);
+        ``options``: ``Pipeline.connect``'s keywords but ``targets``, ``wait_for_ready``."""
+        options.setdefault("timeout", None)
+        options.setdefault("hidden_dtype", convert.HIDDEN_DTYPE)
+        pipe = cls(hop_targets([[t for t, _, _ in hop] for hop in hops]), connect, **options)
+        for replicas, known in zip(pipe._replicas, hops):
+            for replica, (_, client, caps) in zip(replicas.replicas, known):
+                replica.client, replica.caps = client, caps
+            replicas.reference = replicas.replica.caps
+        check_chain(pipe.hops)
+        for replicas in pipe._replicas:
+            replicas.check_alternatives()
+        if pipe.relay == "chain":
+            chain.check_relay_allowed(pipe.hops)
+            chain.set_aside_non_relaying(pipe._replicas)
+        return pipe
 
     @property
     def hops(self) -> list[Hop]:
@@ -347,6 +379,7 @@ class Pipeline:
         speculate: int = 0,
         drafter: Drafter | None = None,
         parse_special: bool = False,
+        route: Sequence[str] | None = None,
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
@@ -367,6 +400,10 @@ class Pipeline:
         samples each position as a decode ending there would; see docs/pipelines.md). Needs a
         last shard that reports ``max_logits_positions`` > K. ``drafter``: any object with
         ``propose(history, k) -> list[int]`` instead of prompt lookup.
+
+        ``route``: the replica each hop starts on (one target per hop, each one of the hop's
+        replicas), for this generation only; by default the one serving the hop now. A
+        failover then moves this generation alone.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -375,6 +412,12 @@ class Pipeline:
         if speculate < 0:
             raise ValueError("speculate must be >= 0")
         self._check_chunk(chunk_tokens)
+        hops = self._replicas
+        if route is not None:
+            if len(route) != len(hops) or any(
+                    t not in {r.target for r in h.replicas} for t, h in zip(route, hops)):
+                raise ValueError("route must name one replica of each hop, first hop first")
+            hops = [h.starting_at(t) for h, t in zip(hops, route)]
         if speculate:
             self._check_speculation(speculate)
         if timeout is _DEFAULT:
@@ -403,16 +446,16 @@ class Pipeline:
                     batch_group=group,
                     parse_special=parse_special,
                 )
-                last = len(self._replicas) - 1
+                last = len(hops) - 1
                 chained = self.relay == "chain" and last > 0
                 # A whole-model worker without replicas decodes in its own loop; with replicas
                 # the client steps, so that a draining worker hands over at the next token
                 # (the hand-over is checked before each step the client sends).
-                alone = last == 0 and len(self._replicas[0].replicas) == 1
+                alone = last == 0 and (len(hops[0].replicas) == 1 or not self.step_replicas)
                 if chained:  # one runner: the first hop, answering with the last shard's results
-                    runners = [chain.first_hop_runner(self._replicas, gen)]
+                    runners = [chain.first_hop_runner(hops, gen)]
                 else:
-                    runners = [HopRunner(r, gen, last=r.index == last) for r in self._replicas]
+                    runners = [HopRunner(r, gen, last=r.index == last) for r in hops]
                 try:
                     with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
                         if (chained or alone) and not speculate:  # the workers loop: Generate on hop 0

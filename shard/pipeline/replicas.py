@@ -8,6 +8,7 @@ connections and capabilities) and checks that every replica serves what the hop 
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,14 @@ class HopReplicas:
     @property
     def replica(self) -> Replica:
         return self.replicas[self.current]
+
+    def starting_at(self, target: str) -> HopReplicas:
+        """This hop for one generation that starts on ``target`` (one of its replicas): the
+        same replicas and connections, its own serving index, so a failover of that
+        generation does not move the others (a pool chooses each generation's route)."""
+        view = copy.copy(self)
+        view.current = next(i for i, r in enumerate(self.replicas) if r.target == target)
+        return view
 
     def hop(self, replica: Replica | None = None) -> Hop:
         replica = replica if replica is not None else self.replica

@@ -119,6 +119,7 @@ async def serve(
     metrics_host: str = "127.0.0.1",
     reflection: bool = True,
     relay: Relay | None = None,
+    model_name: str = "",
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``engine`` on ``host:port`` until cancelled.
@@ -134,7 +135,8 @@ async def serve(
     reflection (v1 and v1alpha) next to the Shard and health services. ``relay``: serve the
     routed side of sessions opened with a route (chain relay, ``shard.relay.ChainRelay``;
     ``serve --allow-relay``; it runs in the server's nursery, told the bound address) and report
-    ``relay_allowed``; None (default) refuses every route.
+    ``relay_allowed``; None (default) refuses every route. ``model_name``: the model's name as
+    ``GetCapabilitiesResponse.model_name`` reports it (a pool's front door serves it under it).
     """
     if not (math.isfinite(health_interval) and health_interval > 0):
         raise ValueError("health_interval must be a positive number of seconds")
@@ -146,7 +148,8 @@ async def serve(
     transport = Server(host=host, port=port, limits=transport_limits, ssl_context=ssl_context)
     metrics.attach(engine, registry, cuts=lambda: transport.cuts)
     servicer = ShardServicer(
-        engine, registry, transport_limits=transport_limits, authorize=authorize, metrics=metrics
+        engine, registry, transport_limits=transport_limits, authorize=authorize, metrics=metrics,
+        model_name=model_name,
     )
     health = HealthService()
     # The auth hook runs from each call's headers, before its request bytes are acknowledged.

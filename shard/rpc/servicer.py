@@ -103,8 +103,11 @@ class ShardServicer(_ShardServicerBase):
         transport_limits: TransportLimits = TransportLimits(),
         authorize: Authorizer | None = None,
         metrics: WorkerMetrics | None = None,
+        model_name: str = "",
     ) -> None:
         self.engine = engine
+        #: What ``GetCapabilitiesResponse.model_name`` says (``serve --model-name``).
+        self.model_name = model_name
         self.registry = registry
         self._transport_limits = transport_limits
         self._authorize = authorize
@@ -190,6 +193,7 @@ class ShardServicer(_ShardServicerBase):
         )
         caps.relay_allowed = caps.relay_return = self.registry.relay is not None  # unset unless allowed
         caps.session_rewind = caps.batch_groups = True
+        caps.model_name = self.model_name
         return caps
 
     async def _health(self, _: pb.HealthRequest) -> pb.HealthResponse:
