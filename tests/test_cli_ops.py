@@ -131,7 +131,8 @@ def non_default_argv(action: argparse.Action) -> list[str]:
         return [option, next(str(c) for c in action.choices if c != action.default)]
     sample = {
         cli._port: "7", cli._positive_int: "7", cli._non_negative_int: "7",
-        cli._non_negative_float: "2.5", cli._layer_range: "1:3",
+        cli._non_negative_float: "2.5", cli._layer_range: "1:3", cli._part: "2/3",
+        cli._memory: "1G,512M,2G",
         Path: "/srv/my models/it's.gguf", None: "10.0.0.5",
     }[action.type]
     return [option, sample]

@@ -503,3 +503,55 @@ def test_the_kubernetes_manifests_in_the_docs_parse_and_their_arguments_are_acce
     door = parser.parse_args([str(a) for a in commands[-1]])
     source = parse_workers(door.workers)
     assert source.describe == "dns:trio-shard-workers.default.svc.cluster.local:50051"
+
+
+async def test_the_door_reads_its_worker_file_again_on_sighup(tmp_path: Path) -> None:
+    """`trio-shard api --workers @FILE`: a worker added to the file is used after SIGHUP."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    layout = {"b1": (B, LayerRange(0, 4), "b"), "b2": (B, LayerRange(0, 4), "b")}
+    async with fleet(layout) as f:
+        listed = tmp_path / "workers"
+        listed.write_text(f.target("b1") + "\n")
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "shard.cli", "api", "--workers", f"@{listed}", "--port", "0",
+             "--probe-interval", "0.1"],
+            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.stderr is not None
+        log = bytearray()
+
+        async def read_log() -> None:
+            assert proc.stderr is not None
+            while chunk := await proc.stderr.receive_some():
+                log.extend(chunk)
+
+        def routes(url: str) -> bytes:
+            page = get(url + "/metrics")[1]
+            return next((line for line in page.splitlines()
+                         if line.startswith(b'trio_shard_api_pool_routes{model="b"}')), b"")
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_log)
+                with trio.fail_after(30):
+                    while not (m := re.search(rb"Running on (http://\S+)", log)):
+                        await trio.sleep(0.05)
+                url = m.group(1).decode()
+                assert (await in_thread(lambda: routes(url))).endswith(b" 1.0")
+                listed.write_text(f.target("b1") + "\n" + f.target("b2") + "\n")
+                proc.send_signal(signal.SIGHUP)
+                with trio.fail_after(30):
+                    while not (await in_thread(lambda: routes(url))).endswith(b" 2.0"):
+                        await trio.sleep(0.1)
+                proc.send_signal(signal.SIGTERM)
+                with trio.fail_after(30):
+                    assert await proc.wait() == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert b"SIGHUP: reading the worker list" in log and b"joined" in log
