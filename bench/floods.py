@@ -1,7 +1,7 @@
 """Frame floods against a live worker while a neighbour session generates.
 
 For each kind of cheap frame (stream resets, PING, SETTINGS, WINDOW_UPDATE, CONTINUATION,
-empty PRIORITY frames) an attacker process sends it as fast as it can for ``--seconds`` over a
+empty PRIORITY frames, 1-byte DATA frames of a Session call) an attacker process sends it as fast as it can for ``--seconds`` over a
 raw socket, reconnecting whenever the worker closes the connection (so the reset flood is also
 "resets across reconnects"). Meanwhile a neighbour generates on the worker and a probe calls
 Health back to back on a connection of its own. Printed per flood: the neighbour's worst and
@@ -30,7 +30,7 @@ import trio
 from bench.environment import default_threads, environment, save_record
 from bench.processes import shard_server, wait_serving
 
-KINDS = ("resets", "pings", "settings", "window_updates", "continuations", "empty")
+KINDS = ("resets", "pings", "settings", "window_updates", "continuations", "empty", "small_data")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "floods.json"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 ENHANCE_YOUR_CALM = 0xB
@@ -42,6 +42,7 @@ ENHANCE_YOUR_CALM = 0xB
 def _chunk(kind: str, encoder: Any, next_sid: list[int], n: int) -> bytes:
     from hyperframe.frame import (
         ContinuationFrame,
+        DataFrame,
         HeadersFrame,
         PingFrame,
         PriorityFrame,
@@ -58,6 +59,14 @@ def _chunk(kind: str, encoder: Any, next_sid: list[int], n: int) -> bytes:
         return WindowUpdateFrame(0, window_increment=1).serialize() * n
     if kind == "empty":
         return PriorityFrame(1, depends_on=0, stream_weight=16).serialize() * n
+    if kind == "small_data":  # a Session call, its request one byte per DATA frame
+        sid = next_sid[0]
+        next_sid[0] += 2
+        block = encoder.encode([
+            (":method", "POST"), (":scheme", "http"), (":path", "/shard.v1.Shard/Session"),
+            (":authority", "flood"), ("te", "trailers"), ("content-type", "application/grpc")])
+        one = DataFrame(sid, data=b"\0").serialize()
+        return HeadersFrame(sid, data=block, flags={"END_HEADERS"}).serialize() + one * min(n, 60000)
     out = bytearray()
     for _ in range(n // (2 if kind == "resets" else 10)):
         sid = next_sid[0]

@@ -19,6 +19,7 @@ import pytest
 import trio
 from hyperframe.frame import (
     ContinuationFrame,
+    DataFrame,
     GoAwayFrame,
     HeadersFrame,
     PingFrame,
@@ -78,6 +79,13 @@ def _continuations(peer: RawConnection, n: int) -> bytes:
     return bytes(out)
 
 
+def _small_data(peer: RawConnection, n: int) -> bytes:
+    """A Session call, then its request message one byte per DATA frame (flow control allows
+    a whole stream window of them)."""
+    sid, head = peer.headers(SESSION)
+    return head + b"".join(DataFrame(sid, data=b"\0").serialize() for _ in range(n))
+
+
 #: kind -> (the TransportLimits field, what one write of the flood looks like)
 FLOODS: dict[str, tuple[str, Callable[[RawConnection, int], bytes]]] = {
     "resets": ("resets", _resets),
@@ -86,6 +94,7 @@ FLOODS: dict[str, tuple[str, Callable[[RawConnection, int], bytes]]] = {
     "window_updates": ("window_updates", lambda _, n: WindowUpdateFrame(0, window_increment=1).serialize() * n),
     "continuations": ("continuations", _continuations),
     "empty": ("empty_frames", lambda _, n: PriorityFrame(1, depends_on=0, stream_weight=16).serialize() * n),
+    "small_data": ("small_data_frames", lambda peer, n: _small_data(peer, n)),
 }
 
 
@@ -354,7 +363,8 @@ def test_the_memory_of_hosts_is_bounded() -> None:
 
 
 @pytest.mark.parametrize(("frame_type", "flags", "length", "kind"), [
-    (0x0, 0x0, 10, None), (0x0, 0x1, 0, None), (0x0, 0x0, 0, "empty"), (0x1, 0x4, 20, "streams"),
+    (0x0, 0x0, 16, None), (0x0, 0x0, 1, "small_data"), (0x0, 0x0, 15, "small_data"),
+    (0x0, 0x1, 1, None), (0x0, 0x1, 0, None), (0x0, 0x0, 0, "empty"), (0x1, 0x4, 20, "streams"),
     (0x2, 0x0, 5, "empty"), (0x3, 0x0, 4, "resets"), (0x4, 0x0, 0, "settings"), (0x6, 0x0, 8, "pings"),
     (0x7, 0x0, 8, None), (0x8, 0x0, 4, "window_updates"), (0x9, 0x4, 3, "continuations"),
     (0x42, 0x0, 0, "empty"),

@@ -107,7 +107,6 @@ class PoolRoutes:
     def __init__(self, pool: Pool, model: str) -> None:
         self.pool = pool
         self.model = model
-        self.pipeline = None  # (no single pipeline)
 
     @asynccontextmanager
     async def lease(self) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:

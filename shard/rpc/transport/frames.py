@@ -49,7 +49,8 @@ from hyperframe.exceptions import InvalidFrameError
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
     CONTINUATION = range(10)
 _END_STREAM = 0x1
-KINDS = ("streams", "resets", "pings", "settings", "window_updates", "continuations", "empty")
+KINDS = ("streams", "resets", "pings", "settings", "window_updates", "continuations", "empty",
+         "small_data")
 _KIND_OF_TYPE = {HEADERS: "streams", RST_STREAM: "resets", PING: "pings", SETTINGS: "settings",
                  WINDOW_UPDATE: "window_updates", CONTINUATION: "continuations"}
 
@@ -63,6 +64,12 @@ HANDSHAKE_FRAMES = {"settings": 2, "window_updates": 1}
 
 #: Peer hosts remembered at once (``PeerMemory``); the oldest record goes first.
 MAX_PEERS_REMEMBERED = 4096
+
+#: A DATA frame with a payload shorter than this (and no END_STREAM) counts as ``small_data``:
+#: flow control bounds its bytes, not its number, and 1-byte frames cost a round through h2
+#: each (65,535 of them fit one stream window). A gRPC message of a client's decode step fits in
+#: one such frame, so what the worker sends earns them (``TransportLimits.small_data_frames``).
+SMALL_DATA_BYTES = 16
 
 #: Bytes of DATA that earn as much as one more DATA frame (the default frame size): a client
 #: acknowledges bytes, so a large frame may be answered by more than one WINDOW_UPDATE.
@@ -91,17 +98,20 @@ class FrameRate:
 
 
 def kind_of(frame_type: int, flags: int, length: int) -> str | None:
-    """The budget a frame counts against; None for frames that move message bytes (DATA with a
-    payload or END_STREAM, which flow control bounds) and for GOAWAY (the peer leaves).
+    """The budget a frame counts against; None for frames that move message bytes (DATA of
+    ``SMALL_DATA_BYTES`` or more, or with END_STREAM: flow control bounds their bytes, and the
+    end of a stream comes once per call) and for GOAWAY (the peer leaves).
 
     ``empty``: frames that carry nothing we act on: PRIORITY, PUSH_PROMISE (a protocol error
     from a client anyway), frame types this side does not know, DATA without payload or
-    END_STREAM."""
+    END_STREAM. ``small_data``: DATA with 1 to ``SMALL_DATA_BYTES - 1`` bytes, no END_STREAM."""
     kind = _KIND_OF_TYPE.get(frame_type)
     if kind is not None:
         return kind
     if frame_type == DATA:
-        return None if length or flags & _END_STREAM else "empty"
+        if flags & _END_STREAM or length >= SMALL_DATA_BYTES:
+            return None
+        return "small_data" if length else "empty"
     return None if frame_type == GOAWAY else "empty"
 
 

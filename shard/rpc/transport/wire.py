@@ -193,7 +193,9 @@ class TransportLimits:
     #: (earned frames do not carry over). ``new_streams`` counts HEADERS (a gRPC client sends
     #: one per call); ``resets`` RST_STREAM ("rapid reset": a client resets at most the streams
     #: it has open, 80, at once); ``empty_frames`` PRIORITY, unknown frame types and DATA frames
-    #: with neither payload nor END_STREAM. Why each number: docs/protocol.md, "Transport
+    #: with neither payload nor END_STREAM; ``small_data_frames`` DATA frames of 1 to 15 bytes
+    #: without END_STREAM (a client's decode step is one, answered by the worker's result: each
+    #: DATA frame sent earns two). Why each number: docs/protocol.md, "Transport
     #: limits" (measured: grpcio sent 0.45-0.73 WINDOW_UPDATE frames per DATA frame, one PING
     #: per 1,400 and no SETTINGS beyond its handshake, 16-32 streams on one channel).
     new_streams: FrameRate = FrameRate(1000, 500.0, per_answer=1.0)
@@ -203,6 +205,7 @@ class TransportLimits:
     window_updates: FrameRate = FrameRate(1000, 500.0, per_data_frame=4.0)
     continuations: FrameRate = FrameRate(64, 8.0)
     empty_frames: FrameRate = FrameRate(200, 20.0, per_answer=2.0)
+    small_data_frames: FrameRate = FrameRate(1000, 500.0, per_data_frame=2.0, per_answer=2.0)
     #: Seconds a call may wait with a response to send while the peer reads nothing (no
     #: flow-control window, or nothing written to the socket); past that the call ends
     #: RESOURCE_EXHAUSTED (reason SEND_IDLE_TIMEOUT), which releases a session.  ``math.inf``
@@ -245,7 +248,8 @@ class TransportLimits:
         """The frame budgets by kind (``frames.KINDS``)."""
         return {"streams": self.new_streams, "resets": self.resets, "pings": self.pings,
                 "settings": self.settings, "window_updates": self.window_updates,
-                "continuations": self.continuations, "empty": self.empty_frames}
+                "continuations": self.continuations, "empty": self.empty_frames,
+                "small_data": self.small_data_frames}
 
     @property
     def max_frame_bytes(self) -> int:
