@@ -114,6 +114,33 @@ async def test_greedy_matches_llama_cpp_python(tiny_path: Path, prompt: str, fla
     assert len(set(out)) > 1  # the model is not degenerate, so the comparison means something
 
 
+@pytest.mark.parametrize("layers", [None, LayerRange(0, 2), LayerRange(2, 4)], ids=str)
+async def test_load_warms_up_and_leaves_no_trace(tiny_path: Path, layers: LayerRange | None) -> None:
+    """Before READY the engine ran a prompt chunk and a one-row step (llama.cpp's first steps
+    on a fresh context built their graphs: a Gemma 3 slice's first 8-token prompt took 5x the
+    next one, failing a short step timeout; docs/engine.md, "Warm-up at load"), and freed
+    their cells: the first session starts from an empty sequence and computes what a session
+    on a context that never warmed up computes (the oracle test above; here: the same
+    greedy tokens twice)."""
+    from shard.models import ensure_slice
+
+    path = tiny_path if layers is None else await trio.to_thread.run_sync(ensure_slice, tiny_path, layers)
+    async with LlamaCppEngine() as engine:
+        await engine.load(LoadSpec(model_path=path, layer_range=layers, n_ctx=2048, max_sessions=4,
+                                   n_threads=N_THREADS))
+        m = engine.metrics()
+        assert m.warmup_steps_total == 2 and m.warmup_us_total > 0
+        assert m.kv_cells_used == 0 and m.sessions_active == 0 and m.steps_total == 0
+        if layers is None:
+            runs = []
+            for name in ("first", "second"):
+                await engine.open_session(name)
+                runs.append(await _generate(engine, name, engine.tokenize(PROMPTS[0]), 8))
+                assert engine.session_info(name).n_past == len(engine.tokenize(PROMPTS[0])) + 7
+                await engine.release(name)
+            assert runs[0] == runs[1]
+
+
 async def test_capabilities(engine: LlamaCppEngine, tiny_path: Path) -> None:
     caps = engine.capabilities()
     assert caps.engine == "llama.cpp"

@@ -472,6 +472,10 @@ class EngineMetrics:
     # Microseconds inside the native step call (llama_decode) of those ticks: a session's step
     # time minus its share of this is what the worker itself costs per step.
     native_step_us_total: int = 0
+    # The load's warm-up (docs/engine.md, "Warm-up at load"): native steps run before the
+    # engine reported READY, and the microseconds they took.
+    warmup_steps_total: int = 0
+    warmup_us_total: int = 0
     # Look-ahead (docs/engine.md, "Look-ahead"): steps computed ahead in the native thread, how
     # many a session's next decode claimed, how many were dropped unclaimed (wasted work), and
     # the cells held now by computed, unclaimed steps (not part of ``kv_cells_used``).
