@@ -583,6 +583,10 @@ def _add_api_parser(sub: Any) -> _Parser:
                      "more get 429, so one key cannot take every session (default: no bound)")
     api.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20,
                      help="largest request body accepted, larger ones get 413 (default: 4 MiB)")
+    api.add_argument("--max-total-body-bytes", type=_positive_int, default=64 * 2**20,
+                     help="bytes all request bodies being received or checked may hold at once, "
+                     "across connections; a body past it gets 503 and its connection is closed "
+                     "(default: 64 MiB)")
     api.add_argument("--body-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
                      help="a request body that has not arrived whole after this long gets 408 and "
                      "its connection is closed (a client trickling bytes holds nothing; "
@@ -1109,9 +1113,11 @@ def _cmd_api(args: argparse.Namespace) -> int:
         return _fail("--requests-per-key needs --api-key-file (requests are counted by key)", 2)
     from shard.api.limits import Limits
 
+    if args.max_total_body_bytes < args.max_body_bytes:
+        return _fail("--max-total-body-bytes must be at least --max-body-bytes", 2)
     limits = Limits(max_body_bytes=args.max_body_bytes, send_timeout=args.send_timeout,
                     keepalive=args.keepalive or None, requests_per_key=args.requests_per_key,
-                    body_timeout=args.body_timeout)
+                    body_timeout=args.body_timeout, max_total_body_bytes=args.max_total_body_bytes)
     template = None
     if args.chat_template is not None:
         try:

@@ -739,6 +739,75 @@ async def test_more_messages_or_token_ids_than_positions_are_refused_before_vali
         await assert_all_free(door.workers)
 
 
+async def test_a_huge_conversation_is_refused_before_it_is_decoded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 3.5 MB body of 100,000 tiny messages is refused (400) after its JSON values were counted
+    a chunk at a time, never decoded (``json.loads`` of 4 MiB of them was one 75 ms call holding
+    the GIL);
+    a large body within the count is decoded as before."""
+    import shard.api.app as app_module
+
+    decoded: list[int] = []
+    real_loads = json.loads
+
+    def loads(data: Any, *args: Any, **kw: Any) -> Any:
+        if len(data) >= app_module.OFF_LOOP_BYTES:  # (the test's own replies are small)
+            decoded.append(len(data))
+        return real_loads(data, *args, **kw)
+
+    monkeypatch.setattr(app_module.json, "loads", loads)  # (the json module: every caller)
+    async with front_door() as door:
+        url = door.url + "/v1/chat/completions"
+        huge = {"model": NAME, "messages": [{"role": "user", "content": "ab"}] * 100_000}
+        status, _, got = await in_thread(lambda: post(url, huge))
+        assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
+        assert decoded == []  # refused from the count alone
+        fits = {"model": NAME, "messages": [{"role": "user", "content": "hi " * 30_000}],
+                "max_tokens": 1}
+        status, _, got = await in_thread(lambda: post(url, fits))
+        assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
+        assert len(decoded) == 1 and decoded[0] > app_module.OFF_LOOP_BYTES  # decoded, then judged
+        await assert_all_free(door.workers)
+
+
+async def test_bodies_held_across_connections_are_bounded_in_total() -> None:
+    """Two clients each sending most of a large body, slowly: the second one's bytes would pass
+    ``max_total_body_bytes``, so it gets 503 (retryable) and its connection closes, while the
+    first one's request completes; the bytes are given back (a third body fits again)."""
+    import socket
+
+    limits = Limits(max_body_bytes=60_000, max_total_body_bytes=80_000, body_timeout=20)
+    async with front_door(limits=limits) as door:
+        host, port = door.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": NAME, "prompt": "hello", "max_tokens": 1}) + " " * 49_900
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        first = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+        try:
+            first.sendall(head + body[:45_000].encode())  # held: 45,000 of 80,000
+            await trio.sleep(0.3)
+
+            def second() -> bytes:
+                with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+                    s.sendall(head + body[:45_000].encode())
+                    got = b""
+                    while chunk := s.recv(65536):
+                        got += chunk
+                    return got  # the door answered and closed the connection
+
+            answer = await in_thread(second)
+            assert answer.startswith(b"HTTP/1.1 503") and b"server_busy" in answer, answer[:300]
+            first.sendall(body[45_000:].encode())
+            first.settimeout(TIMEOUT)
+            got = await in_thread(lambda: first.recv(65536))
+            assert got.startswith(b"HTTP/1.1 200"), got[:300]
+        finally:
+            first.close()
+        status, _, _ = await in_thread(lambda: post(door.url + "/v1/completions", json.loads(body)))
+        assert status == 200
+        await assert_all_free(door.workers)
+
+
 async def test_a_body_that_trickles_in_is_cut_after_the_body_timeout() -> None:
     """A large Content-Length, then a byte now and then: 408 and the connection closed, instead
     of a connection and a task held for as long as the client likes."""

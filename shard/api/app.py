@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import aclosing
 from typing import Any
 
 import trio
@@ -31,6 +32,7 @@ from starlette.routing import Route
 from shard.rpc.auth import TokenAuthenticator
 
 from .backend import Backend, Catalog, Request
+from .bodies import BodyBudget, Holding, count_values, value_limit
 from .errors import ApiError
 from .limits import DEFAULT_LIMITS, KeySlots, Limits
 from .metrics import ApiMetrics
@@ -48,9 +50,10 @@ __all__ = ["build_app"]
 
 log = logging.getLogger(__name__)
 
-#: Bodies from this size on are decoded, checked and rendered (chat) in a worker thread: a
-#: 4 MiB conversation of many short messages takes the better part of a second of Python, which
-#: on the event loop would stall every other request's stream for as long.
+#: Bodies from this size on are counted (``shard.api.bodies``), then decoded, checked and
+#: rendered (chat) in a worker thread: a 4 MiB conversation of many short messages takes the
+#: better part of a second of Python, which on the event loop would stall every other request's
+#: stream for as long.
 OFF_LOOP_BYTES = 64 * 1024
 #: ``max_tokens`` of a completion that gives none (or null), as OpenAI's.
 DEFAULT_COMPLETION_TOKENS = 16
@@ -70,6 +73,7 @@ def build_app(
     created = int(time.time())
     max_body_bytes = limits.max_body_bytes
     slots = KeySlots(limits.requests_per_key)
+    bodies = BodyBudget(limits.max_total_body_bytes)
 
     def model_card(model_id: str) -> Model:
         return Model(id=model_id, created=created)
@@ -87,7 +91,7 @@ def build_app(
                            code="invalid_api_key")
         return who
 
-    async def read(request: HttpRequest) -> bytes:
+    async def read(request: HttpRequest, holding: Holding) -> bytes:
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media != "application/json":
             # Also what keeps a web page's form posts out: a browser sends application/json to
@@ -99,12 +103,14 @@ def build_app(
             raise ApiError(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
         chunks, total = [], 0
         with trio.move_on_after(limits.body_timeout) as waited:
-            async for chunk in request.stream():
-                total += len(chunk)
-                if total > max_body_bytes:
-                    raise ApiError(413, f"request body over {max_body_bytes} bytes",
-                                   code="body_too_large")
-                chunks.append(chunk)
+            async with aclosing(request.stream()) as stream:  # closed when a check raises too
+                async for chunk in stream:
+                    total += len(chunk)
+                    if total > max_body_bytes:
+                        raise ApiError(413, f"request body over {max_body_bytes} bytes",
+                                       code="body_too_large")
+                    holding.add(len(chunk))
+                    chunks.append(chunk)
         if waited.cancelled_caught:
             raise ApiError(408, f"the request body did not arrive within {limits.body_timeout:g} "
                            "s", code="request_timeout", headers={"Connection": "close"})
@@ -202,11 +208,13 @@ def build_app(
         ``OFF_LOOP_BYTES``)."""
         started = trio.current_time()
         who = principal(request)
-        data = await read(request)
-        if len(data) < OFF_LOOP_BYTES:
-            body, backend, job, reply = prepare(data)
-        else:
-            body, backend, job, reply = await trio.to_thread.run_sync(prepare, data)
+        with bodies.hold() as holding:
+            data = await read(request, holding)
+            if len(data) < OFF_LOOP_BYTES:
+                body, backend, job, reply = prepare(data)
+            else:  # counted first, a chunk at a time: decoding 100,000s of values holds the GIL
+                await count_values(data, value_limit(catalog.max_context()))
+                body, backend, job, reply = await trio.to_thread.run_sync(prepare, data)
         return GenerationResponse(backend, job, reply, stream=bool(body.stream), endpoint=endpoint,
                                   metrics=metrics, started=started, principal=who, user=body.user,
                                   limits=limits, slots=slots)

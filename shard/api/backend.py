@@ -307,6 +307,12 @@ class Catalog:
                 PoolRoutes(self.pool, model), model_id=model, **self._options)  # type: ignore[arg-type]
         return backend
 
+    def max_context(self) -> int:
+        """The largest context of a model served now (what one request may use at most)."""
+        if self.pool is None:
+            return max(b.context for b in self._backends.values())
+        return max((self.pool.context(m) for m in self.pool.servable()), default=1)
+
     def get(self, model: str) -> Backend:
         """The backend of ``model``; a 404 naming the models served otherwise."""
         backend = self.find(model)

@@ -14,10 +14,14 @@ from dataclasses import dataclass
 
 from .errors import RETRY_AFTER_SECONDS, ApiError
 
-__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_KEEPALIVE", "DEFAULT_LIMITS", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_SEND_TIMEOUT", "KeySlots", "Limits"]
+__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_KEEPALIVE", "DEFAULT_LIMITS", "DEFAULT_MAX_BODY_BYTES",
+           "DEFAULT_MAX_TOTAL_BODY_BYTES", "DEFAULT_SEND_TIMEOUT", "KeySlots", "Limits"]
 
 #: Request bodies are bounded: 4 MiB holds any prompt a worker's context takes.
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+#: Bytes every request body being received or checked may hold together (``shard.api.bodies``):
+#: 16 bodies of the largest size.
+DEFAULT_MAX_TOTAL_BODY_BYTES = 16 * DEFAULT_MAX_BODY_BYTES
 #: Seconds one write to the client may wait (its socket full: it stopped reading) before the
 #: generation is cancelled and its sessions released, so a client that holds its connection
 #: open without reading cannot hold a worker's session until the deadline.
@@ -36,15 +40,19 @@ class Limits:
     """``max_body_bytes``: larger bodies get 413. ``send_timeout``: see
     ``DEFAULT_SEND_TIMEOUT``. ``keepalive``: None sends no comments. ``requests_per_key``:
     generations one key's principal may run at once (None: no bound). ``body_timeout``: see
-    ``DEFAULT_BODY_TIMEOUT``."""
+    ``DEFAULT_BODY_TIMEOUT``. ``max_total_body_bytes``: what all bodies being received or
+    checked at once may hold (503 past it; ``shard.api.bodies``)."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     send_timeout: float = DEFAULT_SEND_TIMEOUT
     keepalive: float | None = DEFAULT_KEEPALIVE
     requests_per_key: int | None = None
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    max_total_body_bytes: int = DEFAULT_MAX_TOTAL_BODY_BYTES
 
     def __post_init__(self) -> None:
+        if self.max_total_body_bytes < self.max_body_bytes:
+            raise ValueError("max_total_body_bytes must be at least max_body_bytes")
         if self.max_body_bytes < 1 or self.send_timeout <= 0 or self.body_timeout <= 0:
             raise ValueError("max_body_bytes, send_timeout and body_timeout must be positive")
         if self.keepalive is not None and self.keepalive <= 0:
