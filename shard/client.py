@@ -138,6 +138,11 @@ class ShardClient:
         return True
 
     @property
+    def open_calls(self) -> int:
+        """Calls (unary or streams) running on the connection now."""
+        return len(self._conn.streams)
+
+    @property
     def connected(self) -> bool:
         """False once the connection broke or was closed: every call on it fails at once."""
         return self._conn.dead is None
@@ -189,7 +194,9 @@ class ShardClient:
                             await trio.aclose_forcefully(stream)  # never leak the socket
                             raise
                         stream = tls
-            except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError) as exc:
+            # (UnicodeError/ValueError: a host name IDNA cannot encode, e.g. "w..local")
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError,
+                    UnicodeError, ValueError) as exc:
                 raise ShardError(
                     ErrorCode.NOT_READY,
                     f"cannot connect to {target}: {exc or type(exc).__name__}",

@@ -762,6 +762,14 @@ async def test_a_huge_conversation_is_refused_before_it_is_decoded(
         status, _, got = await in_thread(lambda: post(url, huge))
         assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
         assert decoded == []  # refused from the count alone
+        # NaN is no JSON for the tokenizer that counts (Python's decoder would take it): a
+        # leading one must not carry the rest past the count to the decoder.
+        text = json.dumps(huge).replace('{"model"', '{"x": NaN, "model"', 1)
+        status, _, got = await in_thread(lambda: post(url, None, raw=text.encode()))
+        assert status == 400 and got["error"]["code"] == "invalid_json", got
+        status, _, got = await in_thread(lambda: post(url, None, raw=b'{"model": "m", "x": NaN}'))
+        assert status == 400 and got["error"]["code"] == "invalid_json", got
+        assert decoded == []
         fits = {"model": NAME, "messages": [{"role": "user", "content": "hi " * 30_000}],
                 "max_tokens": 1}
         status, _, got = await in_thread(lambda: post(url, fits))

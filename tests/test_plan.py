@@ -87,11 +87,12 @@ def test_requests_that_cannot_be_planned_are_errors(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="no split of this llama4 model into 4 parts"):
         plan_parts(ensure_arch_model("llama4"), 4)  # 12 blocks cut only at multiples of 4: 3 parts
     assert parse_part("2/3") == (2, 3)
-    assert parse_memory("8G, 512M,1.5g") == [8 * 2**30, 512 * 2**20, int(1.5 * 2**30)]
+    assert parse_memory("8G, 512M,1.5g,8GiB,100") == [8 * 2**30, 512 * 2**20, int(1.5 * 2**30),
+                                                     8 * 2**30, 100]
     for bad in ("0/3", "4/3", "x", "1/"):
         with pytest.raises(ValueError):
             parse_part(bad)
-    for bad in ("0G", "8X", ""):
+    for bad in ("0G", "8X", "", "0.5", "0.0001K"):
         with pytest.raises(ValueError):
             parse_memory(bad)
 

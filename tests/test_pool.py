@@ -101,6 +101,18 @@ def test_a_worker_without_a_name_is_named_by_architecture_and_fingerprint() -> N
     assert model_id(caps(0, 4, name="", fp="0123456789abcdef" * 4)) == "llama-0123456789ab"
 
 
+def test_dead_end_ranges_never_crowd_out_the_complete_route() -> None:
+    """48 layers tiled by 2-layer ranges, beside 68 ranges that lead only into a dead end (even
+    to odd, odd to odd): the partial routes searched are bounded, and before the dead ends were
+    dropped first they filled that bound and hid the one complete route."""
+    good = [(2 * i, 2 * i + 2) for i in range(24)]
+    dead = ([(2 * i, 2 * i + 3) for i in range(23)] + [(o, o + 2) for o in range(1, 46, 2)]
+            + [(o, o + 4) for o in range(1, 44, 2)])
+    table = build_table({f"w{i}": caps(a, b, total=48) for i, (a, b) in enumerate(good + dead)})
+    assert [s.ranges for s in table.models["m"].shapes] == [tuple(good)]
+    assert len(table.unused) == len(dead)
+
+
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6)), min_size=1, max_size=7))
 def test_shapes_are_exactly_the_tilings(pairs: list[tuple[int, int]]) -> None:
     """Every shape tiles [0, total) in order; a model is servable iff some tiling exists; every
@@ -144,7 +156,9 @@ async def test_worker_lists_parse_and_refuse_what_they_cannot_use(tmp_path: Path
     f.unlink()
     with pytest.raises(PoolSpecError, match="cannot read the worker list"):
         await source.targets()
-    for bad, words in [("", "lists no worker"), ("dns:name", "expected dns:NAME:PORT"),
+    for bad, words in [("w..local:50051", "not a valid host name"),
+                       ("dns:workers..svc:50051", "not a valid host name"),
+                       ("", "lists no worker"), ("dns:name", "expected dns:NAME:PORT"),
                        ("dns:name:0", "expected dns:NAME:PORT"), ("@", "names no file"),
                        ("h:99999", "expected HOST:PORT")]:
         with pytest.raises(PoolSpecError, match=words):
@@ -261,6 +275,29 @@ async def test_a_pool_of_five_serves_both_models_with_the_whole_models_tokens(re
         await assert_all_free(list(f.workers.values()))
 
 
+async def test_chain_relay_routes_only_through_replicas_that_relay() -> None:
+    """With ``relay="chain"`` a first-hop replica that does not relay is left out of the route
+    (it would be set aside by the pipeline), so every lease of the hop goes to the one that
+    does; without any relaying replica the model has no route, saying why."""
+    from shard.relay import ChainRelay
+
+    want = await reference(A)
+    async with fleet({"a0": FIVE["a0"]}) as plain, \
+            fleet({"a0r": FIVE["a0r"], "a1": FIVE["a1"]}, relay=ChainRelay()) as relaying:
+        listed = Listed(plain.targets("a0") + relaying.targets("a0r", "a1"))
+        async with pool_of(listed, relay="chain") as pool:
+            routes = set()
+            for _ in range(4):
+                async with pool.lease("a") as lease:
+                    routes.add(lease.route)
+            assert routes == {tuple(relaying.targets("a0r", "a1"))}
+            assert await tokens_via(pool, "a") == want
+        async with pool_of(Listed(plain.targets("a0") + relaying.targets("a1")),
+                           relay="chain") as pool:
+            assert pool.servable() == []
+            assert any("relays" in w for w in pool.not_serving()), pool.not_serving()
+
+
 async def test_sixteen_leases_spread_eight_on_each_replica_and_end_with_their_generations() -> None:
     async with fleet({k: FIVE[k] for k in ("a0", "a0r", "a1", "a1r")}) as f, \
             pool_of(Listed(f.targets("a0", "a0r", "a1", "a1r"))) as pool:
@@ -326,6 +363,31 @@ async def test_whole_model_replicas_decode_in_their_own_loop_and_fail_over_by_re
             nursery.start_soon(after_steps, f.gates["b1"], 12, f.workers["b1"].stop)
         assert got == [want] * 4 and len(moved) == 2 and len(loops) == 4
         await assert_all_free([f.workers["b2"]])
+
+
+async def test_a_list_that_fails_oddly_keeps_the_pool_and_its_workers() -> None:
+    """Any failure reading the list (not only a PoolSpecError) is logged and the workers listed
+    before stay; a worker whose name cannot even be connected to is down, never the pool's end."""
+    from shard.client import ShardClient, ShardError
+
+    with pytest.raises(ShardError, match="cannot connect"):
+        async with ShardClient.connect("x" * 64 + ".local:1", timeout=5):
+            pass
+
+    class Flaky(Listed):
+        async def targets(self) -> list[str]:
+            await trio.lowlevel.checkpoint()
+            if self.now == ["boom"]:
+                raise RuntimeError("the list's backend broke")
+            return list(self.now)
+
+    async with fleet({"b1": FIVE["b"]}) as f, pool_of(Flaky(f.targets("b1"))) as pool:
+        source = pool.source
+        assert isinstance(source, Flaky)
+        source.now = ["boom"]
+        pool.reload()
+        await wait_until(lambda: "broke" in pool.source_error, "the failure seen")
+        assert pool.servable() == ["b"] and await tokens_via(pool, "b") == await reference(B)
 
 
 async def test_a_worker_added_to_the_list_is_used_after_a_reload(tmp_path: Path) -> None:
@@ -433,6 +495,9 @@ async def door_checks(url: str, client: openai.OpenAI, f: Fleet, pool: Pool) -> 
     await wait_until(lambda: "b" not in pool.servable(), "b gone")
     status, _ = await in_thread(lambda: get(url + "/health"))
     assert status == 503
+    with pytest.raises(openai.InternalServerError, match="no complete route now") as refused:
+        await in_thread(lambda: client.completions.create(model="b", prompt="x", max_tokens=1))
+    assert refused.value.status_code == 503  # retryable, not 404: b is known, only down
     assert await in_thread(lambda: client.completions.create(
         model="a", prompt=PROMPT, max_tokens=4).choices[0].text)
 

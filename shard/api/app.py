@@ -132,7 +132,7 @@ def build_app(
 
     def decode(data: bytes, model: type[GenerationRequest]) -> tuple[GenerationRequest, Backend]:
         try:
-            raw = json.loads(data)
+            raw = json.loads(data, parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
             raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(raw, dict):
@@ -278,6 +278,12 @@ def build_app(
     })
     app.state.metrics = metrics
     return app
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (RFC 8259): refused as by the
+    tokenizer that counts a large body first (``shard.api.bodies``)."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _loopback_host(host: str) -> bool:

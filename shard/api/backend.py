@@ -31,7 +31,7 @@ from shard.pool import model_id as pool_model_id
 from shard.rpc.errors import ShardError
 from shard.v1 import shard_pb2 as pb
 
-from .errors import ApiError, from_shard_error
+from .errors import RETRY_AFTER_SECONDS, ApiError, from_shard_error
 from .text import Alternative, Delta, TextAssembler, TokenOut
 
 __all__ = ["Backend", "Catalog", "Outcome", "PipelineRoutes", "PoolRoutes", "Request", "Routes"]
@@ -316,6 +316,11 @@ class Catalog:
     def get(self, model: str) -> Backend:
         """The backend of ``model``; a 404 naming the models served otherwise."""
         backend = self.find(model)
+        if backend is None and self.pool is not None and model in self.pool.known_models():
+            why = "; ".join(w for w in self.pool.not_serving() if w.startswith(f"model {model}:"))
+            raise ApiError(503, f"the model {model!r} has no complete route now ({why}): retry "
+                           "later", type="server_error", code="service_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         if backend is None:
             served = ", ".join(repr(m) for m in self.ids()) or "none now"
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "

@@ -80,8 +80,9 @@ class Holding:
 
 async def count_values(data: bytes, limit: int) -> None:
     """Raise a 400 when ``data`` holds more than ``limit`` JSON values (events of the
-    tokenizer), checkpointing every ``CHUNK_BYTES``; return quietly otherwise, and also for a
-    body that is not valid JSON (decoding it says why)."""
+    tokenizer), checkpointing every ``CHUNK_BYTES``, or is not valid JSON (as the tokenizer
+    reads it: ``NaN`` and ``Infinity``, which Python's decoder would take, are refused by both,
+    so no body reaches the decoder uncounted)."""
     events: list[object] = ijson.sendable_list()
     parser = ijson.basic_parse_coro(events)
     seen = 0
@@ -97,5 +98,5 @@ async def count_values(data: bytes, limit: int) -> None:
                                code="context_length_exceeded")
             await trio.lowlevel.checkpoint()
         parser.close()
-    except ijson.JSONError:
-        return  # json.loads reports it, with a position
+    except ijson.JSONError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None

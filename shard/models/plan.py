@@ -72,10 +72,12 @@ def parse_memory(text: str) -> list[int]:
     """``"8G,4G,4096M"`` -> bytes per worker (suffixes K, M, G, T are powers of 1024)."""
     sizes = []
     for item in text.split(","):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", item.upper())
-        if m is None or float(m.group(1)) <= 0:
-            raise ValueError(f"expected sizes such as 8G,4G (one per part), got {item.strip()!r}")
-        sizes.append(int(float(m.group(1)) * _UNITS[m.group(2)]))
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)I?B?\s*", item.upper())
+        size = int(float(m.group(1)) * _UNITS[m.group(2)]) if m is not None else 0
+        if size < 1:
+            raise ValueError(f"expected sizes such as 8G,4G or 512MiB (one per part, at least a "
+                             f"byte), got {item.strip()!r}")
+        sizes.append(size)
     return sizes
 
 

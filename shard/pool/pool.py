@@ -37,7 +37,7 @@ from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
 from .spec import PoolSpecError, WorkerSource
-from .table import Shape, Table, build_table, model_id
+from .table import Shape, ShapeHop, Table, build_table, model_id
 
 __all__ = ["Lease", "Member", "Pool"]
 
@@ -185,7 +185,9 @@ class Pool:
             self._reload = trio.Event()  # (before reading: a reload asked meanwhile reads again)
             try:
                 targets = await self.source.targets()
-            except PoolSpecError as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad list keeps the workers listed before
+                if not isinstance(exc, PoolSpecError):
+                    log.exception("pool: reading %s failed", self.source.describe)
                 if str(exc) != self.source_error:
                     log.error("pool: %s (keeping the %d workers listed before)", exc,
                               len(self.members))
@@ -220,12 +222,18 @@ class Pool:
         try:
             while not member.removed:
                 _close_dead(member)
-                await self._probe(member)
+                try:
+                    await self._probe(member)
+                except Exception as exc:  # noqa: BLE001 - one worker must not take the pool down
+                    log.exception("pool: probing %s failed", member.target)
+                    self._set(member, "down", f"probe failed: {type(exc).__name__}: {exc}",
+                              member.caps)
                 member.answered.set()
                 with trio.move_on_after(self._probe_interval):
                     await member.poke.wait()
                 member.poke = trio.Event()
-            while member.sessions:  # running generations keep their connection
+            while member.sessions or any(c.open_calls for c, _ in member._held):
+                # running generations keep their connection (also one that failed over to it)
                 with trio.move_on_after(self._probe_interval):
                     await member.poke.wait()
                 member.poke = trio.Event()
@@ -318,6 +326,13 @@ class Pool:
             kept = self._pipelines.get(name, {})
             mine = pipelines[name] = {}
             for shape in routes.shapes:
+                usable = self._usable(shape)
+                if isinstance(usable, str):
+                    self._unusable[name] = usable
+                    log.warning("pool: model %s: route %s refused: %s", name,
+                                "|".join(h.range_text for h in shape.hops), usable)
+                    continue
+                shape = usable
                 prior = kept.get(shape.ranges)
                 if prior is not None and prior[0] == shape and all(
                         _identity(self.members[t].caps) == _identity(prior[1].replicas[i][j].caps)
@@ -351,6 +366,23 @@ class Pool:
             if old.unused.get(target) != why:
                 log.warning("pool: %s is in no route: %s", target, why)
 
+    def _usable(self, shape: Shape) -> Shape | str:
+        """The shape with only the replicas that can serve it in this pool's relay mode (chain
+        relay: every hop but the last relays, ``serve --allow-relay``), or why none can."""
+        if self._options.get("relay") != "chain":
+            return shape
+        hops = []
+        for i, hop in enumerate(shape.hops):
+            targets = hop.targets
+            if i < len(shape.hops) - 1:
+                targets = tuple(t for t in targets if self.members[t].caps is not None
+                                and self.members[t].caps.relay_allowed)  # type: ignore[union-attr]
+                if not targets:
+                    return (f"no worker of layers {hop.range_text} relays (serve --allow-relay), "
+                            "and the door relays by chain")
+            hops.append(ShapeHop(hop.start, hop.end, targets))
+        return Shape(tuple(hops))
+
     def _pipeline(self, shape: Shape) -> Pipeline:
         hops = [[(t, self.members[t].client, self.members[t].caps) for t in hop.targets]
                 for hop in shape.hops]
@@ -362,7 +394,7 @@ class Pool:
     def known_models(self) -> dict[str, list[str]]:
         """Every model a listed worker reported (serving now or not) -> its workers."""
         known: dict[str, list[str]] = {}
-        for target, member in self.members.items():
+        for target, member in list(self.members.items()):  # (a snapshot: a thread may ask)
             if member.caps is not None and not member.removed:
                 known.setdefault(model_id(member.caps), []).append(target)
         return known
@@ -397,7 +429,7 @@ class Pool:
 
     def context(self, model: str) -> int:
         """The most positions one generation of ``model`` may hold on any of its routes."""
-        sizes = [m.caps.n_ctx_per_session for t, m in self.members.items()
+        sizes = [m.caps.n_ctx_per_session for t, m in list(self.members.items())
                  if m.caps is not None and m.state == "up" and model_id(m.caps) == model]
         return min(sizes, default=0)
 

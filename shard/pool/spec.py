@@ -32,12 +32,25 @@ class PoolSpecError(ValueError):
 
 
 def check_target(text: str) -> str:
-    """``HOST:PORT`` (an IPv6 host in brackets) or PoolSpecError."""
+    """``HOST:PORT`` (an IPv6 host in brackets, a name IDNA can encode) or PoolSpecError."""
     text = text.strip()
     host, sep, port = text.rpartition(":")
     if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
         raise PoolSpecError(f"expected HOST:PORT, got {text!r}")
+    _check_host(host.strip("[]"), text)
     return text
+
+
+def _check_host(host: str, text: str) -> None:
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise PoolSpecError(f"{text!r}: {host!r} is not a valid host name") from None
 
 
 def _target_of(address: str, port: int) -> str:
@@ -55,6 +68,8 @@ async def system_resolver(name: str, port: int) -> list[str]:
         infos = await trio.socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise PoolSpecError(f"cannot resolve {name!r}: {exc.strerror or exc}") from None
+    except (UnicodeError, ValueError) as exc:  # a name IDNA cannot encode
+        raise PoolSpecError(f"cannot resolve {name!r}: {exc}") from None
     seen: dict[str, None] = {}
     for *_, sockaddr in infos:
         seen[str(sockaddr[0])] = None
@@ -132,6 +147,7 @@ def parse_workers(
         name, sep, port = spec[4:].rpartition(":")
         if not sep or not name or not port.isdigit() or not 0 < int(port) <= 65535:
             raise PoolSpecError(f"expected dns:NAME:PORT, got {spec!r}")
+        _check_host(name, spec)
         if not resolve_interval > 0:
             raise PoolSpecError("the resolve interval must be > 0 seconds")
         return _Dns(name, int(port), resolve_interval, resolver or system_resolver)

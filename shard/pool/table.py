@@ -159,8 +159,9 @@ def _routes(
         why = _why_unused(start, end, total, ranges, forward, backward)
         for target in targets:
             unused[target] = why
-    if total in forward:
-        result.shapes = _shapes(replicas, total)
+    if total in forward:  # (only ranges on some complete route: every path searched completes)
+        result.shapes = _shapes({r: t for r, t in replicas.items()
+                                 if r[0] in forward and r[1] in backward}, total)
     else:
         result.problem = _why_incomplete(total, ranges, forward)
     return result
