@@ -682,8 +682,9 @@ class ClientSession:
                     raise  # the session itself ended
                 # the abandoned request's own error (typically CANCELLED): nobody waits for it
 
-    async def _read_result(self, serial: int) -> pb.StepResult | None:
-        """The next StepResult of request ``serial``; None once its Usage arrived."""
+    async def _read_result(self, serial: int, *, state: bool = False) -> Any:
+        """The next StepResult of request ``serial`` (``state``: the next StateChunk of an
+        export); None once its Usage arrived."""
         if serial != self._serial or not self._pending:
             raise ShardError(ErrorCode.ILLEGAL_TRANSITION, "this request's results were abandoned",
                              session_id=self.session_id)
@@ -698,6 +699,11 @@ class ClientSession:
                     continue
                 self._outstanding -= 1
                 return self._join_chunks(msg.step)
+            if kind == "state":  # an export's (or one left early, which skipping reads)
+                self._outstanding -= 1
+                if state:
+                    return msg.state
+                continue
             self._drop_chunks()  # a step that ended mid-result (the stream fails next)
             if kind == "error":
                 error = ShardError.from_proto(msg.error)
@@ -898,6 +904,28 @@ class ClientSession:
                                  session_id=self.session_id)
             return int(self.usage.n_past)
 
+    # ---- session hand-off (a worker reporting session_handoff) -----------------------------
+
+    def export_state(self, *, max_chunk_bytes: int = 0) -> StateStream:
+        """The session's state (KV cells, positions, token ids): iterate for its
+        ``StateChunk``s, in order, to feed another session's ``import_state``. The session
+        itself is unchanged. ``max_chunk_bytes``: the most bytes one chunk may take (>= 4096;
+        0: what fits one message of the worker's)."""
+        return StateStream(self, self._request(export_state=pb.ExportState(
+            max_chunk_bytes=max_chunk_bytes)))
+
+    async def import_state(self, chunk: pb.StateChunk) -> int:
+        """Send one chunk of a state to this (empty) session; returns the positions it holds
+        (the state's ``n_past`` after the last chunk, 0 before). A refusal (another model,
+        range or KV layout, a corrupt or oversized state) raises ``ShardError`` and leaves the
+        session empty and usable."""
+        with self._exclusive():
+            serial = await self._begin(self._request(import_state=chunk))
+            if await self._read_result(serial) is not None:
+                raise ShardError(ErrorCode.INTERNAL, "an import_state produced a result",
+                                 session_id=self.session_id)
+            return int(self.usage.n_past)
+
     # ---- steps sent ahead (chain relay's direct return) ------------------------------------
 
     async def send_ahead(
@@ -1005,6 +1033,8 @@ class StepStream:
     """The results of one Generate (an async iterator; not a generator, so an abandoned one
     needs no finalizer). Credit is granted each time the caller asks for the next result."""
 
+    _state = False  # it reads StepResults (StateStream: StateChunks)
+
     def __init__(self, session: ClientSession, request: pb.SessionRequest) -> None:
         self._session = session
         self._request = request
@@ -1025,7 +1055,7 @@ class StepStream:
             elif self._consumed and s._needs_top_up():  # (no await per token otherwise)
                 await s._top_up()  # the caller came back for more: grant credit
             try:
-                step = await s._read_result(self._serial)
+                step = await s._read_result(self._serial, state=self._state)
             except BaseException:
                 self._done = True
                 raise
@@ -1033,12 +1063,36 @@ class StepStream:
                 self._done = True
                 raise StopAsyncIteration
             self._consumed = True
-            return step
+            return step  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
         """Stop reading; the session skips the rest before its next request."""
         self._done = True
         await trio.lowlevel.checkpoint()
+
+
+class StateStream(StepStream):
+    """The ``StateChunk``s of one ``export_state`` (credit granted as the caller reads)."""
+
+    _state = True
+
+
+async def move_session(
+    source: ClientSession, target: ClientSession, *, max_chunk_bytes: int = 0
+) -> int:
+    """Copy ``source``'s state into ``target`` (an empty session on a worker of the same model,
+    range and KV layout) chunk by chunk, never holding more than one chunk; returns the
+    positions ``target`` holds. ``source`` is unchanged. A refusal raises ``ShardError`` with
+    ``target`` left empty (replay the history into it instead); the rest of the export is
+    then skipped by ``source``'s next request."""
+    held = 0
+    stream = source.export_state(max_chunk_bytes=max_chunk_bytes)
+    try:
+        async for chunk in stream:
+            held = await target.import_state(chunk)
+    finally:
+        await stream.aclose()
+    return held
 
 
 class OneShot:

@@ -116,6 +116,14 @@ class EngineFailure(EngineError):
     code = "ENGINE_FAILURE"
 
 
+class IncompatibleState(EngineError):
+    """A session state exported by another engine does not fit this one (another KV layout, a
+    state llama.cpp would not read): the session stays empty, and the caller recomputes the
+    history instead (session hand-off falls back to replay)."""
+
+    code = "INCOMPATIBLE_STATE"
+
+
 class NotReady(EngineError):
     """The engine is not loaded yet, or already closed."""
 
@@ -129,6 +137,7 @@ __all__ = [
     "EngineError",
     "EngineFailure",
     "IllegalTransition",
+    "IncompatibleState",
     "InvalidInput",
     "KvCacheFull",
     "NotReady",

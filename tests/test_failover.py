@@ -357,7 +357,9 @@ async def test_past_replay_bytes_a_later_hop_cannot_fail_over_but_the_first_can(
             err = info.value
             assert err.hop_index == 1 and "no failover: its replay log was dropped" in err.message
             assert "replay_bytes=600" in err.message
-            assert hops[1][1].engine.metrics().sessions_opened_total == 0
+            # (a hand-off may have been tried between GOAWAY and the streams' end: it left
+            # nothing on the replica, checked below)
+            assert hops[1][1].engine.metrics().sessions_imported_total == 0
             want = await reference(whole)
             got, seen = await run_with(
                 lambda: after_steps(gate_of(gates, 0, 0), 5 + len(LONG) + 1 + 5, hops[0][0].stop),
@@ -365,7 +367,7 @@ async def test_past_replay_bytes_a_later_hop_cannot_fail_over_but_the_first_can(
             )
             assert_same(got, want, seen)
             assert [f.hop for f in got.failovers] == [0]
-        await assert_all_free([whole, hops[0][1], *hops[2]])
+        await assert_all_free([whole, hops[0][1], hops[1][1], *hops[2]])
 
 
 async def test_cancelling_mid_failover_leaves_nothing_on_any_worker() -> None:

@@ -177,6 +177,9 @@ async def test_the_serving_middle_worker_dies_and_the_tokens_stay_the_whole_mode
             (f,) = got.failovers
             reason = {"SIGKILL": "NOT_READY", "SIGSTOP": "DEADLINE_EXCEEDED", "SIGTERM": "DRAINING"}
             assert (f.reason, f.handover) == (reason[how], how == "SIGTERM"), where(how, at)
+            # a drain moves the session's KV state (real processes, real llama.cpp contexts);
+            # a death leaves nobody to export it: replayed
+            assert f.moved is (how == "SIGTERM"), where(how, at)
             held = got.prompt_tokens + at - 1  # all it held (the first hop's log, chained:
             # the workers may have gone on up to a credit window past on_token)
             assert held <= f.positions <= held + CHAIN_AHEAD if chained else f.positions == held, \

@@ -49,10 +49,12 @@ async def shards(
     fail_at_step: dict[int, int] | None = None,
     on_step: Any = None,
     relay: bool = False,
+    kv_layout_tags: dict[int, str] | None = None,
     **serve_kwargs: Any,
 ) -> AsyncIterator[list[Worker]]:
     """One live FakeEngine worker per range (leak-checked when it stops); ``relay``: each one
-    relays routes (its own ``ChainRelay``: loopback peers)."""
+    relays routes (its own ``ChainRelay``: loopback peers); ``kv_layout_tags[i]``: worker
+    ``i`` lays out KV states otherwise (``FakeScript.kv_layout_tag``)."""
     async with AsyncExitStack() as stack:
         workers = []
         for i, lr in enumerate(ranges):
@@ -68,6 +70,7 @@ async def shards(
                 script=FakeScript(
                     step_latency=latency, on_step=hook,
                     fail_at_step=(fail_at_step or {}).get(i),
+                    kv_layout_tag=(kv_layout_tags or {}).get(i, ""),
                 ),
             )
             spec = LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=lr)

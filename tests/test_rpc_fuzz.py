@@ -551,6 +551,67 @@ class RpcFuzz(RuleBasedStateMachine):
             assert err.reason == "KV_CACHE_FULL" and not err.retryable, err
         RpcFuzz.stats[f"{kind}:{err.code.name}"] += 1
 
+    @rule(src=st.sampled_from(SLOTS), dst=st.sampled_from(SLOTS), corrupt=st.booleans(),
+          clear=st.booleans(), prompt=st.lists(st.integers(3, 258), min_size=1, max_size=6))
+    def handoff(self, src: str, dst: str, corrupt: bool, clear: bool, prompt: list[int]) -> None:
+        """Session hand-off within the worker: ``src``'s state exported and imported into
+        ``dst`` (which must be empty: ``clear`` rewinds it to 0 first), with a byte of the state
+        flipped when ``corrupt``; an empty ``src`` is prefilled with ``prompt`` first. The
+        moved session then goes on as ``src`` would (its results are checked against the
+        reference like every other); refusals are step-level and leave ``dst`` as it was."""
+        if src == dst:
+            return
+        a, b = self._pick(src, "open"), self._pick(dst, "open")
+        if a is not None and a.exact and not a.tokens:
+            self.loop.run(self._step, a, "prefill", prompt)
+        if a is None or b is None or a.state != "open" or b.state != "open" or not a.tokens \
+                or not (a.exact and b.exact):
+            RpcFuzz.stats["handoff:skipped"] += 1
+            return
+        self.loop.run(self._handoff, a, b, corrupt, clear)
+
+    async def _handoff(self, a: SlotModel, b: SlotModel, corrupt: bool, clear: bool) -> None:
+        assert a.session is not None and b.session is not None
+        if clear and b.tokens:
+            try:
+                assert await b.session.rewind(0) == 0
+            except ShardError as err:
+                if await self._ended(b, err, "import"):
+                    return
+                raise AssertionError(f"rewind(0): undocumented step error {err!r}") from None
+            b.tokens, b.choice = [], None
+        try:
+            chunks = [c async for c in a.session.export_state(max_chunk_bytes=4096)]
+        except ShardError as err:
+            if await self._ended(a, err, "export"):
+                return
+            raise AssertionError(f"export: undocumented step error {err!r}") from None
+        header = chunks[0].header
+        assert header.n_past == a.session.usage.n_past == len(a.tokens), (header.n_past, a)
+        assert list(header.tokens) == a.tokens, a
+        if corrupt:
+            last = chunks[-1]
+            last.data = bytes([last.data[0] ^ 0x40]) + last.data[1:]
+        try:
+            for chunk in chunks:
+                held = await b.session.import_state(chunk)
+        except ShardError as err:
+            if await self._ended(b, err, "import"):
+                return
+            if b.tokens:
+                assert err.code is ErrorCode.ILLEGAL_TRANSITION, err
+            else:
+                assert corrupt and err.code is ErrorCode.INVALID_ARGUMENT, err
+                assert err.reason == "STATE_CORRUPT", err
+            assert b.session.usage.n_past == len(b.tokens)
+            RpcFuzz.stats[f"handoff:{err.code.name}"] += 1
+            return
+        assert not corrupt and not b.tokens, f"{b}: an import was taken that must be refused"
+        assert held == len(a.tokens)
+        b.tokens, b.exact = list(a.tokens), True
+        b.choice = header.next_token if header.has_next_token else None
+        RpcFuzz.stats["handoff"] += 1
+
     @rule(
         sid=st.sampled_from(SLOTS),
         max_tokens=st.integers(1, 12),

@@ -69,7 +69,23 @@ def _recipes(major: int, minor: int) -> dict[str, list[tuple[str, list[Message]]
         return pb.SessionRequest(version=v, **kind)
 
     prompt = [1, 3 + ord("h"), 3 + ord("i")]
-    return {
+    added: dict[str, list[tuple[str, list[Message]]]] = {}
+    if (major, minor) >= (1, 2):  # session hand-off: a state out, and one refused on the way in
+        foreign = pb.StateHeader(model_fingerprint="0" * 64, layer_range=pb.LayerRange(end=2),
+                                 kv_layout="x", n_past=3, has_tokens=True, tokens=prompt,
+                                 data_bytes=8, data_sha256=bytes(32))
+        added["session_handoff"] = [("Session", [
+            s(open=pb.OpenSession(session_id="wire-7")),
+            s(prefill=pb.Prefill(tokens=pb.TokenIds(ids=prompt))),
+            s(export_state=pb.ExportState(max_chunk_bytes=4096)),
+            s(close=pb.CloseSession()),
+        ]), ("Session", [
+            s(open=pb.OpenSession(session_id="wire-8")),
+            s(import_state=pb.StateChunk(header=foreign, data=bytes(8), last=True)),
+            s(prefill=pb.Prefill(tokens=pb.TokenIds(ids=prompt))),
+            s(close=pb.CloseSession()),
+        ])]
+    return added | {
         "capabilities": [("GetCapabilities", [pb.GetCapabilitiesRequest(version=v)])],
         "health": [("Health", [pb.HealthRequest(version=v)])],
         "metrics": [("GetMetrics", [pb.GetMetricsRequest(version=v)])],
@@ -314,7 +330,7 @@ def test_every_supported_version_has_fixtures() -> None:
 
 # ---- fail-closed: every RPC refuses every unsupported version before any engine work ------------
 
-UNSUPPORTED = [(2, 0), (1, 2), (0, 9), (0, 0), None]
+UNSUPPORTED = [(2, 0), (1, 3), (0, 9), (0, 0), None]
 
 
 def _with_version(rpc: str, version: tuple[int, int] | None) -> Message:

@@ -48,6 +48,7 @@ from .errors import (
     EngineError,
     EngineFailure,
     IllegalTransition,
+    IncompatibleState,
     InvalidInput,
     KvCacheFull,
     NotReady,
@@ -56,6 +57,7 @@ from .errors import (
     StepTimeout,
     TooManySessions,
     UnknownSession,
+    UnsupportedFeature,
 )
 from .types import (
     BoundaryResult,
@@ -70,6 +72,7 @@ from .types import (
     PrefillRequest,
     SamplingParams,
     SessionInfo,
+    SessionSnapshot,
     SessionState,
     StepResult,
     check_reserved_hooks,
@@ -283,6 +286,22 @@ class ShardEngine(abc.ABC):
     @abc.abstractmethod
     def _impl_kv_cells_used(self) -> int:
         """KV cells in use, read from the implementation's own state (used to prove no leaks)."""
+
+    async def _impl_export(self, slot: Slot) -> bytes:
+        """The slot's KV cells ``[0, n_past)`` as bytes in ``Capabilities.kv_layout`` (engines
+        that report a layout). Anything computed ahead is dropped first."""
+        raise UnsupportedFeature("this engine cannot export a session")
+
+    async def _impl_import(self, slot: Slot, data: bytes, n_past: int) -> None:
+        """Load exported cells into the slot, which holds none: afterwards it holds exactly
+        ``[0, n_past)``. On any failure it must hold none again and raise ``IncompatibleState``
+        (cells that do not fit: ``KvCacheFull``)."""
+        raise UnsupportedFeature("this engine cannot import a session")
+
+    def _impl_state_bound(self, n_past: int) -> int:
+        """An upper bound of the bytes ``_impl_export`` returns for ``n_past`` positions, so a
+        transport can refuse a larger import before it buffers it."""
+        return 0
 
     def _impl_lookahead_cells(self) -> int:
         """KV cells held by steps computed ahead and not claimed (engines that look ahead)."""
@@ -535,6 +554,90 @@ class ShardEngine(abc.ABC):
         finally:
             slot.state = SessionState.IDLE
             slot.idle.set()
+        return slot.info()
+
+    # ---- moving a session (hand-off on drain) ----------------------------------------------
+
+    def state_bytes_bound(self, n_past: int) -> int:
+        """The most bytes a snapshot of ``n_past`` positions can hold on this engine (0: it
+        cannot move sessions). What a transport checks before it buffers an import."""
+        caps = self._require_ready()
+        if not caps.kv_layout or not _is_int(n_past) or n_past < 0:
+            return 0
+        return self._impl_state_bound(n_past)
+
+    async def export_session(self, session_id: str) -> SessionSnapshot:
+        """The idle session's positions, tokens and KV cells, for another engine of the same
+        model, range and ``kv_layout`` to resume (``import_session``). The session itself is
+        left as it was (minus any step computed ahead). Why: a draining worker hands its
+        sessions to a replica instead of the replica recomputing every history."""
+        caps = self._require_ready()
+        if not caps.kv_layout:
+            raise UnsupportedFeature(f"{caps.engine} engine cannot export a session",
+                                     session_id=session_id)
+        slot = self._slot(session_id)
+        slot.state = SessionState.RUNNING
+        slot.idle = trio.Event()
+        try:
+            with trio.CancelScope(shield=True):  # short, and it only reads the cells
+                data = await self._guard_impl(self._impl_export(slot))
+        finally:
+            slot.state = SessionState.IDLE
+            slot.idle.set()
+        self._counters["sessions_exported_total"] += 1
+        tokens = None if slot.tokens is None else tuple(slot.tokens)
+        return SessionSnapshot(slot.n_past, tokens, caps.kv_layout, bytes(data))
+
+    async def import_session(self, session_id: str, snapshot: SessionSnapshot) -> SessionInfo:
+        """Give an empty idle session the state another engine exported: afterwards it holds
+        ``snapshot.n_past`` positions and continues as the exported one would. A snapshot of
+        another layout, one that does not fit the session's budget or one the implementation
+        cannot read is refused (``IncompatibleState``, ``KvCacheFull``, ``InvalidInput``) and
+        the session stays empty (the caller recomputes the history instead)."""
+        caps = self._require_ready()
+        if not caps.kv_layout:
+            raise UnsupportedFeature(f"{caps.engine} engine cannot import a session",
+                                     session_id=session_id)
+        slot = self._slot(session_id)
+        if not isinstance(snapshot, SessionSnapshot):
+            raise InvalidInput("snapshot must be a SessionSnapshot", session_id=session_id)
+        if slot.n_past:
+            raise IllegalTransition(
+                f"session {session_id!r} holds {slot.n_past} positions: a state is imported "
+                "only into an empty session", session_id=session_id)
+        if snapshot.kv_layout != caps.kv_layout:
+            raise IncompatibleState(
+                f"the state's KV layout {snapshot.kv_layout!r} is not this engine's "
+                f"{caps.kv_layout!r}", session_id=session_id)
+        n_past = snapshot.n_past
+        if not _is_int(n_past) or n_past < 1:
+            raise InvalidInput(f"a state holds at least one position, got {n_past!r}",
+                               session_id=session_id)
+        self._check_length(slot, caps, n_past)
+        if snapshot.tokens is not None:
+            if len(snapshot.tokens) != n_past:
+                raise InvalidInput(f"the state has {len(snapshot.tokens)} token ids for "
+                                   f"{n_past} positions", session_id=session_id)
+            validate_tokens(snapshot.tokens, caps.n_vocab)
+        elif caps.is_first:
+            raise InvalidInput("a first shard's state carries its token ids", session_id=session_id)
+        if not isinstance(snapshot.data, bytes) or not snapshot.data:
+            raise InvalidInput("the state holds no KV bytes", session_id=session_id)
+        bound = self._impl_state_bound(n_past)
+        if len(snapshot.data) > bound:
+            raise InvalidInput(f"{len(snapshot.data)} bytes of state exceed the {bound} that "
+                               f"{n_past} positions take here", session_id=session_id)
+        slot.state = SessionState.RUNNING
+        slot.idle = trio.Event()
+        try:
+            with trio.CancelScope(shield=True):
+                await self._guard_impl(self._impl_import(slot, snapshot.data, n_past))
+            slot.n_past = n_past
+            slot.tokens = None if snapshot.tokens is None else list(snapshot.tokens)
+        finally:
+            slot.state = SessionState.IDLE
+            slot.idle.set()
+        self._counters["sessions_imported_total"] += 1
         return slot.info()
 
     async def prefill(self, request: PrefillRequest) -> StepResult:

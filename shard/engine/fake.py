@@ -44,7 +44,7 @@ import trio
 
 from .base import ComputePlan, ShardEngine, Slot
 from .batching import Piece, Step, TickPlanner
-from .errors import EngineError, EngineFailure, InvalidInput
+from .errors import EngineError, EngineFailure, IncompatibleState, InvalidInput
 from .scheduler import BatchScheduler, Job
 from .types import Capabilities, ChatTemplate, LayerRange, LayerRangeSupport, LoadSpec
 
@@ -125,6 +125,9 @@ class FakeScript:
     batched: bool = False
     tick_latency: float = 0.0
     row_latency: float = 0.0
+    #: Appended to the engine's ``kv_layout``: a replica whose KV is laid out otherwise (as
+    #: another llama.cpp build's may be), for tests of a refused hand-off.
+    kv_layout_tag: str = ""
 
     def __post_init__(self) -> None:
         for name in ("step_latency", "load_latency", "tick_latency", "row_latency"):
@@ -229,6 +232,7 @@ class FakeEngine(ShardEngine):
                               _SPECIAL_TEXT[EOS_ID], add_bos=True,
                               special_texts=tuple(_SPECIAL_ID)) if layers.start == 0 else ChatTemplate(),
             layer_ranges=LayerRangeSupport(True, "any boundary (the fake model computes every range)"),
+            kv_layout=f"fake-kv/f64/{layers.count}x{m.n_embd}{self.script.kv_layout_tag}",
         )
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
@@ -317,6 +321,34 @@ class FakeEngine(ShardEngine):
             if not cells:
                 del self._kv[slot.seq_id]
         await trio.lowlevel.checkpoint()
+
+    def _cell_shape(self) -> tuple[int, int]:
+        assert self._weights is not None
+        return len(self._weights.blocks), self.model.n_embd
+
+    async def _impl_export(self, slot: Slot) -> bytes:
+        await trio.lowlevel.checkpoint()
+        cells = self._kv.get(slot.seq_id, [])[: slot.n_past]
+        if len(cells) != slot.n_past:
+            raise EngineFailure(f"fake KV cache holds {len(cells)} positions, the session {slot.n_past}")
+        return np.stack(cells).astype("<f8").tobytes() if cells else b""
+
+    async def _impl_import(self, slot: Slot, data: bytes, n_past: int) -> None:
+        await trio.lowlevel.checkpoint()
+        blocks, width = self._cell_shape()
+        if len(data) != n_past * blocks * width * 8:
+            raise IncompatibleState(
+                f"{len(data)} bytes do not hold {n_past} positions of {blocks}x{width} float64 "
+                "block states", session_id=slot.session_id)
+        states = np.frombuffer(data, dtype="<f8").reshape(n_past, blocks, width)
+        if not np.isfinite(states).all():
+            raise IncompatibleState("the state holds NaN or infinite values",
+                                    session_id=slot.session_id)
+        self._kv[slot.seq_id] = [row.astype(np.float64) for row in states]
+
+    def _impl_state_bound(self, n_past: int) -> int:
+        blocks, width = self._cell_shape()
+        return n_past * blocks * width * 8
 
     def _impl_tokenize(self, text: str, add_bos: bool, parse_special: bool) -> list[int]:
         ids = [BOS_ID] if add_bos else []

@@ -105,6 +105,7 @@ from .errors import (
     EngineError,
     EngineFailure,
     IllegalTransition,
+    IncompatibleState,
     InvalidInput,
     KvCacheFull,
     StepTimeout,
@@ -118,6 +119,8 @@ native_log = logging.getLogger(__name__ + ".native")
 LLAMA_MAX_SEQ = 256
 _GGUF_MAGIC = b"GGUF"
 _LLAMA_TOKEN_NULL = -1
+#: Bytes allowed above a state's measured size (``_impl_state_bound``): its per-stream header.
+_STATE_SLACK = 4096
 class _AbortedInStep(EngineCancelled):
     """``llama_decode`` returned 2: the abort callback stopped it mid-step (counted by the engine)."""
 
@@ -355,6 +358,10 @@ class LlamaCppEngine(ShardEngine):
         self._boundary: BoundaryCapture | None = None
         # The context's ggml thread pool (shard.engine.llama_threads), with more than one thread.
         self._threads: ComputeThreads | None = None
+        # One sequence's state size, measured at the warm-up (``_state_size_sync``): bytes per
+        # position and the rest; 0: not measured, and sessions cannot be moved.
+        self._state_per_position = 0
+        self._state_overhead = 0
 
     # ---- hooks -------------------------------------------------------------------------------
 
@@ -433,6 +440,16 @@ class LlamaCppEngine(ShardEngine):
 
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         await self._native.run(self._truncate_sync, slot.seq_id, keep)
+
+    async def _impl_export(self, slot: Slot) -> bytes:
+        return await self._native.run(self._export_sync, slot.seq_id, slot.n_past, slot.session_id)
+
+    async def _impl_import(self, slot: Slot, data: bytes, n_past: int) -> None:
+        await self._native.run(self._import_sync, slot.seq_id, data, n_past, slot.session_id)
+
+    def _impl_state_bound(self, n_past: int) -> int:
+        # measured on the warm-up's sequence: cells of every layer, a header per stream
+        return self._state_overhead + n_past * self._state_per_position + _STATE_SLACK
 
     def _impl_tokenize(self, text: str, add_bos: bool, parse_special: bool) -> list[int]:
         vocab = self._require_vocab()
@@ -646,7 +663,18 @@ class LlamaCppEngine(ShardEngine):
             max_token_bytes=max_token_bytes,
             layer_ranges=range_support(info, arch),
             chat=_chat_template(model, vocab) if first else ChatTemplate(),
+            kv_layout=self._kv_layout(arch, served, n_embd),
         )
+
+    def _kv_layout(self, arch: str, served: LayerRange, n_embd: int) -> str:
+        """The state layout two contexts must share to move a session: the blocks, the width,
+        what one position's cells take (their types and head sizes) and the attention kernel
+        choice (flash attention keeps V untransposed); llama.cpp checks the rest on import."""
+        if not self._state_per_position:
+            return ""  # the warm-up could not measure a state: sessions are not moved
+        fa = {None: "auto", True: "on", False: "off"}[self._flash_attn]
+        return (f"llama.cpp-seq-state/{arch}/blocks={served.count}/n_embd={n_embd}/"
+                f"cell={self._state_per_position}B/fa={fa}")
 
     def _warm_up_sync(self, *, bos: int) -> None:
         """Run a short prompt chunk and a one-row step on sequence 0 before the engine reports
@@ -660,6 +688,7 @@ class LlamaCppEngine(ShardEngine):
         token = bos if bos != _LLAMA_TOKEN_NULL else 0
         chunk = min(8, self._n_batch)
         counters = self._counters
+        sizes: list[int] = []  # one sequence's state size after each step (moving sessions)
         try:
             for start, count in ((0, chunk), (chunk, 1)):
                 if self._first:
@@ -682,6 +711,11 @@ class LlamaCppEngine(ShardEngine):
                     log.warning("warm-up step failed (llama_decode returned %d)%s: the first "
                                 "real step builds its graph instead", rc, _native_reason())
                     break
+                sizes.append(int(lc.llama_state_seq_get_size(self._ctx, 0)))
+            if len(sizes) == 2 and sizes[1] > sizes[0] > 0:
+                # positions 0..7, then 0..8: what one more position adds, and the rest
+                self._state_per_position = sizes[1] - sizes[0]
+                self._state_overhead = max(0, sizes[0] - chunk * self._state_per_position)
         finally:
             _held.llama_memory_seq_rm(self._mem, 0, -1, -1)
 
@@ -1019,6 +1053,35 @@ class LlamaCppEngine(ShardEngine):
             cut = self._drop_ahead_sync(seq, keep)
             if not _held.llama_memory_seq_rm(self._mem, seq, cut, -1):
                 raise EngineFailure(f"llama.cpp could not truncate sequence {seq} at {keep}")
+        finally:
+            self._count_kv_cells_sync([seq])
+
+    def _export_sync(self, seq: int, n_past: int, sid: str) -> bytes:
+        """The sequence's cells as llama.cpp writes one sequence's state (positions, and per
+        layer its K and V rows), after dropping any step computed ahead."""
+        self._truncate_sync(seq, n_past)
+        size = int(lc.llama_state_seq_get_size(self._ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(lc.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        if written != size or size == 0:
+            raise EngineFailure(f"llama.cpp wrote {written} of {size} bytes of {sid!r}'s state")
+        return bytes(buf)
+
+    def _import_sync(self, seq: int, data: bytes, n_past: int, sid: str) -> None:
+        """Load a state ``_export_sync`` wrote (on a context of the same model and layout);
+        llama.cpp checks its layer count, types and row sizes and refuses with 0. Anything
+        other than exactly ``[.., n_past)`` held afterwards is undone."""
+        _recent_native_errors.clear()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        try:
+            read = int(lc.llama_state_seq_set_data(self._ctx, buf, len(data), seq))
+            held = int(_held.llama_memory_seq_pos_max(self._mem, seq)) + 1
+            if read != len(data) or held != n_past:
+                _held.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                raise IncompatibleState(
+                    f"llama.cpp did not resume {sid!r} from the state: it read {read} of "
+                    f"{len(data)} bytes and holds {held} of {n_past} positions{_native_reason()}",
+                    session_id=sid)
         finally:
             self._count_kv_cells_sync([seq])
 

@@ -202,6 +202,10 @@ class Capabilities:
     chat: ChatTemplate = field(default_factory=ChatTemplate)
     mtp: MtpCapability = field(default_factory=MtpCapability)
     aux_state: AuxStateCapability = field(default_factory=AuxStateCapability)
+    #: How this engine lays out one session's KV state (``SessionSnapshot``): two engines of
+    #: one model and range with the same layout can move a session between them (hand-off on
+    #: drain); "" when this engine cannot export or import a session.
+    kv_layout: str = ""
 
     @property
     def is_first(self) -> bool:
@@ -221,6 +225,19 @@ class Capabilities:
     @property
     def result_kind(self) -> ResultKind:
         return ResultKind.LOGITS if self.is_last else ResultKind.BOUNDARY
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """One session's state as an engine exported it (``ShardEngine.export_session``): the
+    positions it holds, its token ids (None once it was fed hidden states), and its KV cells as
+    opaque bytes in the engine's ``kv_layout``. Another engine of the same model, layer range
+    and layout resumes the session from it without recomputing a position."""
+
+    n_past: int
+    tokens: tuple[int, ...] | None
+    kv_layout: str
+    data: bytes
 
 
 # --- Requests -------------------------------------------------------------------------------
@@ -483,6 +500,9 @@ class EngineMetrics:
     lookahead_used_total: int = 0
     lookahead_dropped_total: int = 0
     lookahead_cells: int = 0
+    # Session hand-off (docs/engine.md, "Moving a session"): sessions exported and imported.
+    sessions_exported_total: int = 0
+    sessions_imported_total: int = 0
 
 
 # --- Helpers shared by every implementation --------------------------------------------------

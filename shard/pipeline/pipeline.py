@@ -179,6 +179,7 @@ class Pipeline:
         relay: str = "client",
         batch_groups: int | None = None,
         step_replicas: bool = True,
+        handoff: bool = True,
     ) -> None:
         self._replicas = [HopReplicas(i, targets, connect) for i, targets in enumerate(hops)]
         #: A whole-model hop with replicas: the client steps each token (True), so that a
@@ -193,6 +194,9 @@ class Pipeline:
         self.hidden_dtype = hidden_dtype
         self.step_timeout = step_timeout
         self.replay_bytes = replay_bytes
+        #: On a drain, move each session's state to the replica (session hand-off) where both
+        #: workers can; False: always replay the history there (shard.pipeline.runner).
+        self.handoff = handoff
         self._ssl_context = ssl_context  # to reconnect for a Release (see ``release_session``)
         self._metadata = tuple(metadata)
         # What a pass through this chain costs, learned across generations (speculation drafts
@@ -257,6 +261,7 @@ class Pipeline:
         replay_bytes: int | None = DEFAULT_REPLAY_BYTES,
         relay: str = "client",
         batch_groups: int | None = None,
+        handoff: bool = True,
     ) -> AsyncIterator[Pipeline]:
         """Connect to every worker (in order: first shard first) and check the chain.
 
@@ -278,7 +283,9 @@ class Pipeline:
         as with client relay; see ``shard.pipeline.chain``). ``batch_groups``: how many
         groups concurrent ``generate`` calls are spread over, so that the hops compute different
         groups at once instead of waiting for each other (default None: hops + 1, none for one
-        hop; 0: none; see ``shard.pipeline.groups``).
+        hop; 0: none; see ``shard.pipeline.groups``). ``handoff``: when a worker drains, move
+        each session's KV state to its replica instead of replaying the history there (where
+        both workers report ``session_handoff``; default True).
 
         One ``Pipeline`` serves any number of concurrent ``generate`` calls (start them in a
         nursery) over its shared connections; each has its own sessions, so one call's failure,
@@ -321,6 +328,7 @@ class Pipeline:
                         hops, connect, timeout=timeout, hidden_dtype=hidden_dtype,
                         ssl_context=ssl_context, metadata=metadata, step_timeout=step_timeout,
                         replay_bytes=replay_bytes, relay=relay, batch_groups=batch_groups,
+                        handoff=handoff,
                     )
                     for replicas in pipe._replicas:
                         await replicas.attach(deadline, wait_for_ready)
@@ -445,6 +453,7 @@ class Pipeline:
                     blames=blames,
                     batch_group=group,
                     parse_special=parse_special,
+                    handoff=self.handoff,
                 )
                 last = len(hops) - 1
                 chained = self.relay == "chain" and last > 0

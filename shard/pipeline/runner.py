@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -40,6 +40,7 @@ from shard.client import ClientSession, ShardClient, StepStream
 from shard.deadlines import HOP_DEADLINE_MARGIN, RELAY_DEADLINE_MARGIN, hop_timeout, time_left
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode, ShardError
+from shard.rpc.handoff import MIN_CHUNK_BYTES
 from shard.rpc.routes import relay_session_id
 from shard.v1 import shard_pb2 as pb
 
@@ -92,11 +93,14 @@ class Failover:
     handover: bool  # a draining worker handed over: no step failed
     positions: int
     recovery_ms: float
+    #: The session's state moved from the draining worker (session hand-off): the replacement
+    #: recomputed nothing; False: it replayed ``positions``.
+    moved: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {"hop": self.hop, "from": self.from_target, "to": self.to_target,
-                "reason": self.reason, "handover": self.handover, "positions": self.positions,
-                "recovery_ms": round(self.recovery_ms, 1)}
+                "reason": self.reason, "handover": self.handover, "moved": self.moved,
+                "positions": self.positions, "recovery_ms": round(self.recovery_ms, 1)}
 
 
 #: Releases a session by name on a replica; never raises (the pipeline's, it has the TLS
@@ -127,6 +131,8 @@ class Generation:
     batch_group: int = 0
     #: A text prompt's special-token texts become special tokens (``Prefill.parse_special``).
     parse_special: bool = False
+    #: A draining worker's sessions move to the replica as state (``HopRunner._move``).
+    handoff: bool = True
 
     def cleanup_deadline(self) -> float:
         return min(trio.current_time() + RELEASE_TIMEOUT, self.deadline + CLEANUP_GRACE)
@@ -152,6 +158,7 @@ class _Held:
     name: str
     session: ClientSession | None = None
     downstream: list[Replica] = field(default_factory=list)
+    moved: bool = False  # it took the history as a state moved from a draining worker
 
 
 class HopRunner:
@@ -449,12 +456,21 @@ class HopRunner:
         client = self.replica.client
         return (
             self.session is not None and client is not None and client.going_away
-            and not self._handover_failed and self._replayable()
+            and not self._handover_failed and (self._replayable() or self._may_move())
             and next(self._candidates(), None) is not None  # (the serving one counts as tried)
         )
 
+    def _may_move(self) -> bool:
+        """The session's state can leave its worker (session hand-off): a plain session (a
+        routed one holds its chain together) on a worker that exports states."""
+        caps, session = self.replica.caps, self.session
+        return (self.gen.handoff and self.route is None and caps is not None
+                and caps.session_handoff
+                and session is not None and session.alive)
+
     async def _hand_over(self) -> None:
-        """The worker is draining: replay on another replica, then close the old session
+        """The worker is draining: move the session's state to another replica (session
+        hand-off; replay there when the state cannot move), then close the old session
         gracefully on its stream (it still works after GOAWAY). If no replica takes over,
         stay on the draining worker (its open streams may finish)."""
         old = self.replica
@@ -463,7 +479,7 @@ class HopRunner:
         self._tried_targets.add(old.target)
         keep = [h for h in self._live if h.session is self.session]
         try:
-            await self._replace(cause, handover=True)
+            await self._replace(cause, handover=True, source=self.session)
         except PipelineError as err:
             log.warning("%s: no replica took over from the draining worker: %s", self.hop, err)
             self._handover_failed = True
@@ -471,13 +487,17 @@ class HopRunner:
         for held in keep:
             self._retire(held, graceful=True)
 
-    async def _replace(self, cause: ShardError | None, *, handover: bool = False) -> None:
-        """Open a session on the first candidate that takes it and replay the log there."""
+    async def _replace(
+        self, cause: ShardError | None, *, handover: bool = False,
+        source: ClientSession | None = None,
+    ) -> None:
+        """Open a session on the first candidate that takes it and bring it to the history
+        there: the state of ``source`` (a draining worker's session) moved, else replayed."""
         started = trio.current_time()
         for replica in self._candidates():
             self._tried_targets.add(replica.target)
             try:
-                held = await self._open_replayed(replica)
+                held = await self._open_replayed(replica, source)
             except ShardError as err:
                 if isinstance(err, PipelineError) or err.relay_depth or not (
                     should_fail_over(err) or err.code in REPLICA_REFUSALS
@@ -490,17 +510,17 @@ class HopRunner:
             self.session, self.replica = held.session, replica
             self.replicas.current = self.replicas.replicas.index(replica)
             if cause is not None:
-                self._record(cause, previous, replica, handover, started)
+                self._record(cause, previous, replica, handover, started, moved=held.moved)
             return
         # named: the replica that failed (at the first open: the first one asked)
         cause = cause if cause is not None else self.tried[self.replica.target]
         tried = list(self.tried.items())
         raise PipelineError(self.hop, cause, tried=tried, note=listing(tried))
 
-    async def _open_replayed(self, replica: Replica) -> _Held:
+    async def _open_replayed(self, replica: Replica, source: ClientSession | None = None) -> _Held:
         """A new session on ``replica`` (with chain relay: with the route as it is now, under a
-        name of its own), holding the whole history; on failure it is retired and the error
-        raised."""
+        name of its own), holding the whole history: ``source``'s state moved into it when it
+        can be, replayed otherwise; on failure it is retired and the error raised."""
         name = self.name
         if self.route is not None and self._opened:
             # A routed session's workers name theirs after it; one a lost worker left behind
@@ -513,12 +533,68 @@ class HopRunner:
         try:
             await self._timed(lambda: self.replicas.ensure(replica, self._connect_timeout()))
             held.session = await self._timed(lambda: self._open_on(replica, name))
-            await self._replay(held.session)
+            if source is not None and self._may_move():
+                held.moved = await self._move(source, held.session, replica)
+            if not held.moved:
+                if not self._replayable():  # a hand-off whose state did not move
+                    self._tried_targets.discard(replica.target)  # (not the replica's fault)
+                    raise PipelineError(self.hop, ShardError(
+                        ErrorCode.DRAINING, f"the state did not move to {replica.target}"),
+                        note=f"no failover: {self.gen.budget.why_dropped()}")
+                await self._replay(held.session)
         except ShardError as err:
             self._retire(held, cause=err)
             raise
         self.name = name
         return held
+
+    async def _move(self, source: ClientSession, target: ClientSession, replica: Replica) -> bool:
+        """Session hand-off: copy ``source``'s state (the draining worker's session) into
+        ``target`` chunk by chunk, within ``REPLAY_CHUNKS`` step timeouts. False when it
+        cannot move: the replica's worker cannot take states, or the draining worker cannot
+        give it (its stream ended, it refused); the caller then replays into ``target``. A
+        replica that refuses the state (another model, range or KV layout, too large) leaves
+        ``target`` empty: replayed into too, or, where the history cannot be replayed, the
+        refusal is raised (the next replica may take the state). A ``target`` that failed
+        raises, as a failed replay would."""
+        old, new = self.replica.caps, replica.caps
+        if self.held == 0 or not source.alive or new is None or not new.session_handoff:
+            return False
+        assert old is not None
+        limit = min(x for x in (old.max_message_bytes, new.max_message_bytes, 16 * 2**20) if x)
+        chunks = source.export_state(max_chunk_bytes=max(MIN_CHUNK_BYTES, limit - 4096))
+        held = 0
+
+        async def copy() -> None:
+            nonlocal held
+            while True:
+                try:
+                    chunk = await _next(chunks)
+                except ShardError as err:  # the draining worker's side: the replica is fine
+                    log.warning("%s: the draining worker gave no state (%s); replaying instead",
+                                self.hop, err)
+                    return
+                if chunk is None:
+                    return
+                held = await target.import_state(chunk)
+
+        try:
+            await self._timed(copy, REPLAY_CHUNKS)
+        except ShardError as err:
+            if not target.alive or err.reason == STEP_DEADLINE or not self._replayable():
+                raise
+            log.warning("%s: %s refused the session's state (%s); replaying instead",
+                        self.hop, replica.target, err)
+            return False
+        finally:
+            await chunks.aclose()  # (the source skips what is left before its next request)
+        if held != self.held:  # a refused or cut-short state leaves 0; anything else: never
+            if held:
+                log.warning("%s: the moved state holds %d positions, not %d; replaying instead",
+                            self.hop, held, self.held)
+                await self._timed(lambda: target.rewind(0))
+            return False
+        return True
 
     async def _reroute(self, err: ShardError) -> None:
         """A later hop of the route failed (chain relay): move the route to that hop's next
@@ -553,17 +629,17 @@ class HopRunner:
 
     def _record(
         self, cause: ShardError, old: Replica, new: Replica, handover: bool, started: float,
-        *, hop: int | None = None,
+        *, hop: int | None = None, moved: bool = False,
     ) -> None:
         ms = (trio.current_time() - started) * 1000
         index = self.index if hop is None else hop
         record = Failover(index, old.target, new.target, cause.code.name, cause.message,
-                          handover, self.held, ms)
+                          handover, self.held, ms, moved)
         self.gen.failovers.append(record)
         log.warning(
-            "hop %d: %s from %s to %s (%s); replayed %d positions in %.1f ms", index,
+            "hop %d: %s from %s to %s (%s); %s %d positions in %.1f ms", index,
             "handed over" if handover else "failed over", old.target, new.target,
-            cause.code.name, self.held, ms,
+            cause.code.name, "moved the state of" if moved else "replayed", self.held, ms,
         )
 
     def _connect_timeout(self) -> float | None:
@@ -686,7 +762,7 @@ def _downstream_names(held: _Held) -> list[tuple[Replica, str]]:
     return out
 
 
-async def _next(steps: StepStream) -> pb.StepResult | None:
+async def _next(steps: AsyncIterator[T]) -> T | None:
     try:
         return await steps.__anext__()
     except StopAsyncIteration:

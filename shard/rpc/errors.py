@@ -173,6 +173,7 @@ ERROR_TABLE: dict[ErrorCode, ErrorSpec] = {
 #: engine but ALREADY_EXISTS on the wire).
 ENGINE_ERROR_CODES: dict[type[engine_errors.EngineError], ErrorCode] = {
     engine_errors.InvalidInput: ErrorCode.INVALID_ARGUMENT,
+    engine_errors.IncompatibleState: ErrorCode.INCOMPATIBLE_MODEL,
     engine_errors.UnknownSession: ErrorCode.SESSION_NOT_FOUND,
     engine_errors.SessionExists: ErrorCode.SESSION_EXISTS,
     engine_errors.SessionBusy: ErrorCode.SESSION_BUSY,

@@ -194,6 +194,8 @@ class ShardServicer(_ShardServicerBase):
         caps.relay_allowed = caps.relay_return = self.registry.relay is not None  # unset unless allowed
         caps.session_rewind = caps.batch_groups = True
         caps.model_name = self.model_name
+        layout = self.engine.capabilities().kv_layout
+        caps.session_handoff, caps.kv_layout = bool(layout), layout
         return caps
 
     async def _health(self, _: pb.HealthRequest) -> pb.HealthResponse:

@@ -88,7 +88,7 @@ from shard.engine import (
 from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
-from . import convert
+from . import convert, handoff
 from .errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
 from .positions import Positions
 from .versions import check_version
@@ -484,6 +484,7 @@ class SessionCall:
         self._kv_capacity = 0
         self._step_timeout: float | None = None  # seconds per engine step (step_timeout_ms)
         self._version = (1, 0)  # the protocol version the session was opened with
+        self._importing: handoff.StateImport | None = None  # a state's chunks so far
         self.positions = Positions()  # what the session holds (a routed one's: its ledger)
         # The client's last Decode sent the token the worker had sampled (look-ahead pays).
         self._follows = False
@@ -939,6 +940,13 @@ class SessionCall:
         err: ShardError | None = None
         try:
             kind = req.WhichOneof("kind")
+            if kind != "import_state":
+                self._importing = None  # an import's chunks come one after another, or not at all
+            if kind in ("export_state", "import_state") and (
+                    self.routed is not None or self.returner is not None):
+                raise ShardError(ErrorCode.UNSUPPORTED_FEATURE, "a session of a chain relay route "
+                                 "cannot be moved (its hops hold it together)",
+                                 session_id=self.session_id)
             if self.routed is not None:
                 await self.routed.step(req, usage)
             elif kind == "prefill":
@@ -947,6 +955,10 @@ class SessionCall:
                 await self._decode(req.decode, usage)
             elif kind == "rewind":
                 await self._rewind(req.rewind)
+            elif kind == "export_state":
+                await self._export_state(req.export_state)
+            elif kind == "import_state":
+                await self._import_state(req.import_state)
             else:
                 await self._generate(req.generate, usage)
         except ShardError as exc:
@@ -1091,6 +1103,59 @@ class SessionCall:
 
     async def _rewind(self, r: pb.Rewind) -> None:
         await self.truncate_engine(self.rewind_position(r))
+
+    # ---- session hand-off (shard.rpc.handoff) --------------------------------------------
+
+    async def _export_state(self, e: pb.ExportState) -> None:
+        """The session's state as StateChunk responses, one credit each; the session is left
+        as it is (a surplus a partial resume left is dropped first: it is not the session's)."""
+        sid = self.session_id
+        if e.max_chunk_bytes and e.max_chunk_bytes < handoff.MIN_CHUNK_BYTES:
+            raise convert.invalid(f"max_chunk_bytes must be 0 or >= {handoff.MIN_CHUNK_BYTES}", sid)
+        if self.positions.end == 0:
+            raise _illegal("the session holds no positions to export", sid)
+        await self.truncate_engine(self.positions.end)
+        try:
+            snapshot = await self._engine.export_session(sid)
+        except EngineError as exc:
+            raise ShardError.from_engine(exc) from None
+        limit = self._max_message_bytes - _CHUNK_OVERHEAD
+        size = min(e.max_chunk_bytes or limit, limit)
+        next_token = self.positions.next_token
+        for chunk in handoff.export_chunks(snapshot, self.caps, next_token, size):
+            with self.cancellable():
+                await self.take_credit()
+            self._credits_spent += 1
+            await self._send(pb.SessionResponse(state=chunk), more_follows=chunk.last)
+
+    async def _import_state(self, c: pb.StateChunk) -> None:
+        """One chunk of a state; the last resumes the (empty) session from the whole state.
+        Checked before a byte is kept (``handoff.StateImport``); any refusal drops the chunks
+        received and leaves the session empty."""
+        sid, pending = self.session_id, self._importing
+        self._importing = None
+        if pending is None:
+            if not c.HasField("header"):
+                raise convert.invalid("a state's first chunk carries its header", sid)
+            if self.positions.end or self.positions.engine:
+                raise _illegal(f"the session holds {self.positions.end} positions: a state is "
+                               "imported only into an empty session", sid)
+            caps = self.caps
+            pending = handoff.StateImport(c.header, caps, kv_capacity=self._kv_capacity,
+                                          bound=self._engine.state_bytes_bound, session_id=sid)
+        elif c.HasField("header"):
+            raise convert.invalid("a header in a later chunk of a state", sid)
+        pending.add(c.data)
+        if not c.last:
+            self._importing = pending
+            return
+        snapshot = pending.snapshot()
+        try:
+            info = await self._engine.import_session(sid, snapshot)
+        except EngineError as exc:
+            raise ShardError.from_engine(exc) from None
+        self.positions.resumed(info.n_past, info.n_past)
+        self.positions.next_token = pending.next_token
 
     async def _prefill(self, p: pb.Prefill, usage: pb.Usage) -> None:
         """One StepResult for the whole input, or one per ``chunk_tokens`` positions, each sent

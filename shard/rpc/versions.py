@@ -25,7 +25,9 @@ from .errors import ErrorCode, ShardError
 #: (``session_rewind``) and batch groups (``OpenSession.batch_group``, ``batch_groups``: a
 #: scheduling hint a worker may ignore); clients gate relay, verification and rewind on
 #: capabilities.
-SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1))
+#: 1.2 adds session hand-off: ``SessionRequest.export_state``/``import_state``,
+#: ``SessionResponse.state`` and ``session_handoff``/``kv_layout`` in the capabilities.
+SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 
 

@@ -102,7 +102,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,8 @@ class GetCapabilitiesResponse(_message.Message):
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -171,7 +173,9 @@ class GetCapabilitiesResponse(_message.Message):
     chat: ChatTemplate
     parse_special: bool
     model_name: str
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ...) -> None: ...
+    session_handoff: bool
+    kv_layout: str
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class ChatTemplate(_message.Message):
     __slots__ = ("template", "bos_token", "eos_token", "eot_token", "add_bos", "special_texts")
@@ -280,7 +284,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("version", "open", "prefill", "decode", "generate", "credit", "close", "rewind")
+    __slots__ = ("version", "open", "prefill", "decode", "generate", "credit", "close", "rewind", "export_state", "import_state")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +293,8 @@ class SessionRequest(_message.Message):
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     REWIND_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_STATE_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_STATE_FIELD_NUMBER: _ClassVar[int]
     version: ProtocolVersion
     open: OpenSession
     prefill: Prefill
@@ -297,7 +303,49 @@ class SessionRequest(_message.Message):
     credit: Credit
     close: CloseSession
     rewind: Rewind
-    def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., generate: _Optional[_Union[Generate, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ..., rewind: _Optional[_Union[Rewind, _Mapping]] = ...) -> None: ...
+    export_state: ExportState
+    import_state: StateChunk
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., open: _Optional[_Union[OpenSession, _Mapping]] = ..., prefill: _Optional[_Union[Prefill, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., generate: _Optional[_Union[Generate, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., close: _Optional[_Union[CloseSession, _Mapping]] = ..., rewind: _Optional[_Union[Rewind, _Mapping]] = ..., export_state: _Optional[_Union[ExportState, _Mapping]] = ..., import_state: _Optional[_Union[StateChunk, _Mapping]] = ...) -> None: ...
+
+class ExportState(_message.Message):
+    __slots__ = ("max_chunk_bytes",)
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_chunk_bytes: int
+    def __init__(self, max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class StateHeader(_message.Message):
+    __slots__ = ("model_fingerprint", "layer_range", "kv_layout", "n_past", "has_tokens", "tokens", "data_bytes", "data_sha256", "has_next_token", "next_token")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    N_PAST_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    HAS_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    layer_range: LayerRange
+    kv_layout: str
+    n_past: int
+    has_tokens: bool
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    data_bytes: int
+    data_sha256: bytes
+    has_next_token: bool
+    next_token: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_layout: _Optional[str] = ..., n_past: _Optional[int] = ..., has_tokens: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ..., data_bytes: _Optional[int] = ..., data_sha256: _Optional[bytes] = ..., has_next_token: _Optional[bool] = ..., next_token: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("header", "data", "last")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    header: StateHeader
+    data: bytes
+    last: bool
+    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class Rewind(_message.Message):
     __slots__ = ("position",)
@@ -472,18 +520,20 @@ class CloseSession(_message.Message):
     def __init__(self, retain: _Optional[bool] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("opened", "step", "usage", "error", "closed")
+    __slots__ = ("opened", "step", "usage", "error", "closed", "state")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     step: StepResult
     usage: Usage
     error: Error
     closed: SessionClosed
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., closed: _Optional[_Union[SessionClosed, _Mapping]] = ...) -> None: ...
+    state: StateChunk
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., closed: _Optional[_Union[SessionClosed, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ...) -> None: ...
 
 class CacheResult(_message.Message):
     __slots__ = ("outcome", "tokens_held", "reason")
