@@ -145,6 +145,7 @@ async def test_a_state_a_replica_must_not_resume_is_refused_and_the_session_stay
             await _refused(dst, _with(chunks, data_bytes=whole.data_bytes * 1000),
                            ErrorCode.INVALID_ARGUMENT)
             await _refused(dst, _with(chunks, tokens=list(whole.tokens)[:-1]), ErrorCode.INVALID_ARGUMENT)
+            await _refused(dst, _with(chunks, next_token=10**6), ErrorCode.INVALID_ARGUMENT)
             corrupt = _with(chunks)
             corrupt[1].data = bytes([corrupt[1].data[0] ^ 1]) + corrupt[1].data[1:]
             await _refused(dst, corrupt, ErrorCode.INVALID_ARGUMENT, "STATE_CORRUPT")
@@ -406,3 +407,32 @@ async def test_a_hop_past_its_replay_budget_still_moves_on_drain() -> None:
         (f,) = got.failovers
         assert (f.moved, f.to_target) == (True, b.target) and f.positions > len(LONG)
         await assert_all_free([whole, first, b])
+
+
+@pytest.mark.parametrize("second", ["another-layout", "no-handoff"])
+async def test_a_hop_that_cannot_replay_tries_each_replica_for_its_state(second: str) -> None:
+    """A later hop past its replay budget, three replicas: the drained worker's next one
+    cannot take the state (another KV layout, refused on its header while the rest of the
+    export is read to its end, since a worker that sent GOAWAY takes no Cancel; or a worker
+    that moves no sessions at all), so the third takes it, and the generation goes on."""
+    ranges = [LayerRange(0, 4), LayerRange(0, 2)] + [LayerRange(2, 4)] * 3
+    gates = [StepGate() for _ in ranges]
+    tag = "/v2" if second == "another-layout" else None
+    async with shards(ranges, gates=gates, kv_layout_tags={3: tag}) as (whole, first, a, b, c):
+        want = await whole_model_steps(whole.target, LONG, max_tokens=N_TOKENS, ignore_eos=True)
+
+        async def drain() -> None:
+            await after_steps(gates[2], len(LONG) + 10, lambda: None)
+            with trio.fail_after(10):
+                assert await a.server.drain_for(60)
+
+        async with Pipeline.connect([[first.target], [a.target, b.target, c.target]],
+                                    timeout=TIMEOUT, replay_bytes=600) as pipe, \
+                trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            got = await pipe.generate(LONG, max_tokens=N_TOKENS, ignore_eos=True, chunk_tokens=8)
+        assert got.tokens == [s.logits.token_id for s in want]
+        (f,) = got.failovers
+        assert (f.moved, f.to_target) == (True, c.target)
+        assert b.engine.metrics().sessions_imported_total == 0
+        await assert_all_free([whole, first, b, c])

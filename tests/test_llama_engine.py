@@ -698,3 +698,52 @@ async def test_close_is_idempotent(tiny_path: Path) -> None:
     await eng.aclose()
     assert eng.health().state is EngineState.CLOSED
     assert eng.metrics().kv_cells_used == 0
+
+
+# ---- session hand-off: a state's cells are checked before llama.cpp reads them ---------------
+
+
+def _first_cell(data: bytes) -> int:
+    """Offset of the first cell's position in a one-cache sequence state (magic, seq id,
+    n_stream, then each stream's cell count; the first stream with cells)."""
+    import struct
+
+    at = 8
+    (n_stream,) = struct.unpack_from("<I", data, at)
+    at += 4
+    for _ in range(n_stream):
+        (count,) = struct.unpack_from("<I", data, at)
+        at += 4
+        if count:
+            return at
+    raise AssertionError("no cells")
+
+
+@pytest.mark.parametrize("position", [-5, 2**31 - 1, 3], ids=["negative", "int32-max", "twice"])
+async def test_a_state_with_cells_at_positions_the_session_cannot_hold_is_refused(
+    engine: LlamaCppEngine, tiny_path: Path, position: int,
+) -> None:
+    """A crafted state: its first cell moved to a negative position, to 2**31-1 (where
+    llama.cpp's ``seq_rm`` never reaches) or onto another cell's position. It is refused
+    before llama.cpp reads it, nothing is left in the KV cache, and the sequence id serves
+    its next session (such a cell used to leak and fail the engine at the next prefill)."""
+    import struct
+
+    from shard.engine import IncompatibleState, SessionSnapshot
+
+    await engine.open_session("s")
+    tokens = tuple(range(10, 22))
+    await engine.prefill(PrefillRequest("s", tokens))
+    snap = await engine.export_session("s")
+    await engine.release("s")
+    data = bytearray(snap.data)
+    struct.pack_into("<i", data, _first_cell(snap.data), position)
+    await engine.open_session("t")
+    with pytest.raises(IncompatibleState):
+        await engine.import_session("t", SessionSnapshot(12, tokens, snap.kv_layout, bytes(data)))
+    assert engine.metrics().kv_cells_used == 0 and engine.health().ready
+    await engine.release("t")
+    for sid in ("u", "v"):  # every sequence id serves again
+        await engine.open_session(sid)
+        assert (await engine.prefill(PrefillRequest(sid, tokens))).n_past == 12
+    assert engine.health().ready

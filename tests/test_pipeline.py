@@ -49,7 +49,7 @@ async def shards(
     fail_at_step: dict[int, int] | None = None,
     on_step: Any = None,
     relay: bool = False,
-    kv_layout_tags: dict[int, str] | None = None,
+    kv_layout_tags: dict[int, str | None] | None = None,
     **serve_kwargs: Any,
 ) -> AsyncIterator[list[Worker]]:
     """One live FakeEngine worker per range (leak-checked when it stops); ``relay``: each one

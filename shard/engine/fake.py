@@ -126,8 +126,9 @@ class FakeScript:
     tick_latency: float = 0.0
     row_latency: float = 0.0
     #: Appended to the engine's ``kv_layout``: a replica whose KV is laid out otherwise (as
-    #: another llama.cpp build's may be), for tests of a refused hand-off.
-    kv_layout_tag: str = ""
+    #: another llama.cpp build's may be), for tests of a refused hand-off; None: the engine
+    #: cannot move sessions at all (``kv_layout`` "", as an older worker's).
+    kv_layout_tag: str | None = ""
 
     def __post_init__(self) -> None:
         for name in ("step_latency", "load_latency", "tick_latency", "row_latency"):
@@ -232,7 +233,8 @@ class FakeEngine(ShardEngine):
                               _SPECIAL_TEXT[EOS_ID], add_bos=True,
                               special_texts=tuple(_SPECIAL_ID)) if layers.start == 0 else ChatTemplate(),
             layer_ranges=LayerRangeSupport(True, "any boundary (the fake model computes every range)"),
-            kv_layout=f"fake-kv/f64/{layers.count}x{m.n_embd}{self.script.kv_layout_tag}",
+            kv_layout="" if self.script.kv_layout_tag is None
+            else f"fake-kv/f64/{layers.count}x{m.n_embd}{self.script.kv_layout_tag}",
         )
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:

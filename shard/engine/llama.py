@@ -96,6 +96,7 @@ from .base import CancelFlag, ComputePlan, ShardEngine, Slot
 from .batching import Piece, SplitChooser, Step, TickPlanner
 from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
 from .llama_capture import BoundaryCapture
+from .llama_state import check_cells
 from .llama_threads import ComputeThreads
 from .lookahead import Ahead, LookaheadBook, LookaheadPlan
 from .native_thread import NativeThread
@@ -1068,9 +1069,14 @@ class LlamaCppEngine(ShardEngine):
         return bytes(buf)
 
     def _import_sync(self, seq: int, data: bytes, n_past: int, sid: str) -> None:
-        """Load a state ``_export_sync`` wrote (on a context of the same model and layout);
-        llama.cpp checks its layer count, types and row sizes and refuses with 0. Anything
-        other than exactly ``[.., n_past)`` held afterwards is undone."""
+        """Load a state ``_export_sync`` wrote (on a context of the same model and layout).
+        Its cells are checked first (``shard.engine.llama_state``: positions a session may
+        hold, each once); llama.cpp checks its layer count, types and row sizes and refuses
+        with 0. Anything other than exactly ``[.., n_past)`` held afterwards is undone."""
+        refused = check_cells(data, n_past)  # before llama.cpp trusts its cell positions
+        if refused:
+            raise IncompatibleState(f"the state of {sid!r} cannot be imported: {refused}",
+                                    session_id=sid)
         _recent_native_errors.clear()
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         try:

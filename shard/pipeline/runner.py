@@ -71,6 +71,9 @@ REPLAY_CHUNKS = 8
 #: ``ShardError.reason`` of a route hop whose worker does not relay (a standby started without
 #: ``serve --allow-relay``): with chain relay, not a replica that can take over.
 RELAY_NOT_ALLOWED = "RELAY_NOT_ALLOWED"
+#: What became of a session's state on a drain (``HopRunner._move``): it moved; the replica
+#: did not take it; the draining worker did not give it.
+MOVED, REPLICA, SOURCE = "moved", "replica", "source"
 #: Errors on opening or replaying on a replacement that say "not this replica": try the next.
 REPLICA_REFUSALS = frozenset({
     ErrorCode.INCOMPATIBLE_MODEL, ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.SESSION_EXISTS,
@@ -533,68 +536,76 @@ class HopRunner:
         try:
             await self._timed(lambda: self.replicas.ensure(replica, self._connect_timeout()))
             held.session = await self._timed(lambda: self._open_on(replica, name))
+            moved = SOURCE
             if source is not None and self._may_move():
-                held.moved = await self._move(source, held.session, replica)
-            if not held.moved:
-                if not self._replayable():  # a hand-off whose state did not move
-                    self._tried_targets.discard(replica.target)  # (not the replica's fault)
-                    raise PipelineError(self.hop, ShardError(
-                        ErrorCode.DRAINING, f"the state did not move to {replica.target}"),
-                        note=f"no failover: {self.gen.budget.why_dropped()}")
+                moved = await self._move(source, held.session, replica)
+            held.moved = moved is MOVED
+            if not held.moved and self._replayable():
                 await self._replay(held.session)
+            elif moved is REPLICA:  # (and the history cannot be replayed) the next replica may
+                raise ShardError(ErrorCode.INCOMPATIBLE_MODEL, f"{replica.target} did not take "
+                                 "the session's state", reason="STATE_REFUSED")
+            elif moved is SOURCE:  # a hand-off the draining worker could not give
+                self._tried_targets.discard(replica.target)  # (not the replica's fault)
+                raise PipelineError(self.hop, ShardError(
+                    ErrorCode.DRAINING, "the draining worker gave no state"),
+                    note=f"no failover: {self.gen.budget.why_dropped()}")
         except ShardError as err:
             self._retire(held, cause=err)
             raise
         self.name = name
         return held
 
-    async def _move(self, source: ClientSession, target: ClientSession, replica: Replica) -> bool:
+    async def _move(self, source: ClientSession, target: ClientSession, replica: Replica) -> str:
         """Session hand-off: copy ``source``'s state (the draining worker's session) into
-        ``target`` chunk by chunk, within ``REPLAY_CHUNKS`` step timeouts. False when it
-        cannot move: the replica's worker cannot take states, or the draining worker cannot
-        give it (its stream ended, it refused); the caller then replays into ``target``. A
-        replica that refuses the state (another model, range or KV layout, too large) leaves
-        ``target`` empty: replayed into too, or, where the history cannot be replayed, the
-        refusal is raised (the next replica may take the state). A ``target`` that failed
-        raises, as a failed replay would."""
+        ``target`` chunk by chunk, within ``REPLAY_CHUNKS`` step timeouts. Returns ``MOVED``;
+        ``REPLICA`` when the replica cannot take it (its worker takes no states, or refused
+        this one: another model, range or KV layout, too large, corrupt), which leaves
+        ``target`` empty; ``SOURCE`` when the draining worker gave none (its stream ended, it
+        refused). A ``target`` that failed raises, as a failed replay would.
+
+        A refused export is read to its end rather than abandoned: skipping it would take a
+        ``Cancel`` on a new stream, which a connection that got GOAWAY no longer opens."""
         old, new = self.replica.caps, replica.caps
-        if self.held == 0 or not source.alive or new is None or not new.session_handoff:
-            return False
+        if self.held == 0 or not source.alive:
+            return SOURCE
+        if new is None or not new.session_handoff:
+            return REPLICA
         assert old is not None
         limit = min(x for x in (old.max_message_bytes, new.max_message_bytes, 16 * 2**20) if x)
         chunks = source.export_state(max_chunk_bytes=max(MIN_CHUNK_BYTES, limit - 4096))
-        held = 0
+        held, outcome = 0, MOVED
 
         async def copy() -> None:
-            nonlocal held
+            nonlocal held, outcome
             while True:
                 try:
                     chunk = await _next(chunks)
                 except ShardError as err:  # the draining worker's side: the replica is fine
-                    log.warning("%s: the draining worker gave no state (%s); replaying instead",
-                                self.hop, err)
+                    log.warning("%s: the draining worker gave no state (%s)", self.hop, err)
+                    outcome = SOURCE
                     return
                 if chunk is None:
                     return
-                held = await target.import_state(chunk)
+                if outcome is not MOVED:
+                    continue  # refused: the rest of the export is only read
+                try:
+                    held = await target.import_state(chunk)
+                except ShardError as err:
+                    if not target.alive or err.reason == STEP_DEADLINE:
+                        raise
+                    log.warning("%s: %s refused the session's state: %s", self.hop,
+                                replica.target, err)
+                    outcome = REPLICA
 
-        try:
-            await self._timed(copy, REPLAY_CHUNKS)
-        except ShardError as err:
-            if not target.alive or err.reason == STEP_DEADLINE or not self._replayable():
-                raise
-            log.warning("%s: %s refused the session's state (%s); replaying instead",
-                        self.hop, replica.target, err)
-            return False
-        finally:
-            await chunks.aclose()  # (the source skips what is left before its next request)
-        if held != self.held:  # a refused or cut-short state leaves 0; anything else: never
+        await self._timed(copy, REPLAY_CHUNKS)
+        if outcome is MOVED and held != self.held:  # never expected: the counts are one
+            log.warning("%s: the moved state holds %d positions, not %d", self.hop, held,
+                        self.held)
             if held:
-                log.warning("%s: the moved state holds %d positions, not %d; replaying instead",
-                            self.hop, held, self.held)
                 await self._timed(lambda: target.rewind(0))
-            return False
-        return True
+            outcome = REPLICA
+        return outcome
 
     async def _reroute(self, err: ShardError) -> None:
         """A later hop of the route failed (chain relay): move the route to that hop's next

@@ -101,6 +101,9 @@ class StateImport:
                           f"most {limit} here)", sid)
         if len(header.data_sha256) != 32:
             raise invalid("data_sha256 must be 32 bytes", sid)
+        if header.has_next_token and not header.next_token < caps.n_vocab:
+            raise invalid(f"next_token {header.next_token} is outside the vocabulary "
+                          f"[0, {caps.n_vocab})", sid)
         self.header = header
         self._sid = sid
         self._data = bytearray()

@@ -1140,9 +1140,11 @@ class SessionCall:
             if self.positions.end or self.positions.engine:
                 raise _illegal(f"the session holds {self.positions.end} positions: a state is "
                                "imported only into an empty session", sid)
-            caps = self.caps
-            pending = handoff.StateImport(c.header, caps, kv_capacity=self._kv_capacity,
-                                          bound=self._engine.state_bytes_bound, session_id=sid)
+            try:
+                pending = handoff.StateImport(c.header, self.caps, kv_capacity=self._kv_capacity,
+                                              bound=self._engine.state_bytes_bound, session_id=sid)
+            except EngineError as exc:  # (the engine stopped serving meanwhile)
+                raise ShardError.from_engine(exc) from None
         elif c.HasField("header"):
             raise convert.invalid("a header in a later chunk of a state", sid)
         pending.add(c.data)
