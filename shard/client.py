@@ -982,15 +982,19 @@ class ClientSession:
         stop_tokens: Sequence[int] = (),
         ignore_eos: bool = False,
         top_logprobs: int = 0,
+        yield_on_drain: bool = False,
     ) -> StepStream:
         """Server-driven decoding: iterate for one ``StepResult`` per token (the last one has
         ``finish_reason`` set). Without a prompt it continues from the last step's token.
+        ``yield_on_drain`` (a worker reporting ``session_handoff``): once the worker drains,
+        the request ends after the next token with ``ShardError(DRAINING, reason="YIELDED")``
+        and the session stays open, to be moved (``move_session``).
 
         Leaving the loop early is safe: the next request on this session first tells the
         worker to stop (Cancel) and skips the rest; leaving the session block resets it.
         """
         g = pb.Generate(max_tokens=max_tokens, stop_tokens=stop_tokens, ignore_eos=ignore_eos,
-                        top_logprobs=top_logprobs)
+                        top_logprobs=top_logprobs, yield_on_drain=yield_on_drain)
         if tokens is not None:
             g.tokens.ids.extend(tokens)
         elif text is not None:

@@ -436,3 +436,39 @@ async def test_a_hop_that_cannot_replay_tries_each_replica_for_its_state(second:
         assert (f.moved, f.to_target) == (True, c.target)
         assert b.engine.metrics().sessions_imported_total == 0
         await assert_all_free([whole, first, b, c])
+
+
+async def test_a_generate_that_yields_on_drain_ends_between_two_tokens_with_its_session_open() -> None:
+    """``Generate{yield_on_drain}``: once the worker drains the request ends after its next
+    token with DRAINING (reason YIELDED) and the session stays open and exportable; the same
+    request without the flag runs to its end (the drain lets it finish)."""
+    gate = StepGate()
+    async with worker(gate=gate) as w:
+        async with _session(w.target, "y") as s, _session(w.target, "n") as plain:
+            await s.prefill(PROMPT)
+            await plain.prefill(PROMPT)
+            draining = trio.Event()
+
+            async def drain() -> None:
+                await draining.wait()
+                await w.server.drain_for(60)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain)
+                got: list[int] = []
+                with pytest.raises(ShardError) as info:
+                    async for step in s.generate(max_tokens=30, ignore_eos=True,
+                                                 yield_on_drain=True):
+                        got.append(step.logits.token_id)
+                        if len(got) == 3:
+                            draining.set()
+                            await trio.sleep(0.05)  # the drain has begun
+                assert (info.value.code, info.value.reason) == (ErrorCode.DRAINING, "YIELDED")
+                assert 4 <= len(got) < 30 and s.alive
+                assert s.usage.n_past == len(PROMPT) + len(got)  # the last token chosen, not fed
+                chunks = await _exported(s)
+                assert chunks[0].header.n_past == s.usage.n_past
+                assert chunks[0].header.next_token == got[-1]
+                assert len(await _tokens(plain, 12)) == 12  # no flag: it finishes
+                await s.close()
+                await plain.close()

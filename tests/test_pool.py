@@ -620,3 +620,36 @@ async def test_the_door_reads_its_worker_file_again_on_sighup(tmp_path: Path) ->
                 proc.kill()
                 await proc.wait()
         assert b"SIGHUP: reading the worker list" in log and b"joined" in log
+
+
+async def test_a_draining_whole_model_replica_yields_its_generations_to_be_moved() -> None:
+    """A whole-model route decodes in its worker's loop; when that worker drains, each running
+    ``Generate`` (asked with ``yield_on_drain``) ends after its next token with its session left
+    open, the session's KV state moves to the other replica (which prefills nothing of the
+    moved histories) and the generation goes on there with the whole model's tokens. The drain
+    then ends at once instead of waiting out the generations."""
+    want = await reference(B)
+    layout = {"b1": (B, LayerRange(0, 4), "b"), "b2": (B, LayerRange(0, 4), "b")}
+    async with fleet(layout) as f, pool_of(Listed(f.targets("b1", "b2"))) as pool:
+        got: list[list[int]] = []
+        moved: list[Any] = []
+        drained: list[bool] = []
+
+        async def one() -> None:
+            got.append(await tokens_via(pool, "b", moved))
+
+        async def drain() -> None:
+            await after_steps(f.gates["b1"], 3 * len(PROMPT), lambda: None)
+            with trio.fail_after(10):  # the grace is 60 s: only the moves end it this soon
+                drained.append(await f.workers["b1"].server.drain_for(60))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(one)
+            nursery.start_soon(drain)
+        assert got == [want] * 4 and drained == [True]
+        assert moved and all(m.moved and m.handover for m in moved), moved
+        b2 = f.workers["b2"].engine.metrics()
+        assert b2.sessions_imported_total == len(moved)
+        assert f.workers["b1"].engine.sessions() == ()
+        await assert_all_free([f.workers["b2"]])

@@ -40,7 +40,7 @@ from shard.client import ClientSession, ShardClient, StepStream
 from shard.deadlines import HOP_DEADLINE_MARGIN, RELAY_DEADLINE_MARGIN, hop_timeout, time_left
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode, ShardError
-from shard.rpc.handoff import MIN_CHUNK_BYTES
+from shard.rpc.handoff import MIN_CHUNK_BYTES, YIELDED
 from shard.rpc.routes import relay_session_id
 from shard.v1 import shard_pb2 as pb
 
@@ -317,6 +317,9 @@ class HopRunner:
                 max_tokens=max_tokens - emitted, sampling=self.gen.sampling,
                 stop_tokens=stop_tokens, ignore_eos=ignore_eos,
                 top_logprobs=self.gen.top_logprobs,
+                # a drain yields the session between two tokens, to be moved to a replica
+                yield_on_drain=self._may_move() and not self._handover_failed
+                and next(self._candidates(), None) is not None,
             )
             while (step := await self._timed(lambda: _next(steps))) is not None:
                 self._output(step, session)
@@ -420,6 +423,11 @@ class HopRunner:
             except PipelineError:
                 raise
             except ShardError as err:
+                if err.reason == YIELDED and self.session.alive:
+                    # A drain ended the worker's Generate between two tokens: move the session
+                    # (or, if no replica takes it, go on on the draining worker, unyielding).
+                    await self._hand_over()
+                    continue
                 if err.relay_depth:  # a later hop's (chain relay): its replica may take over
                     if not (should_fail_over(err) and self.route is not None
                             and self.route.can_move(err)):

@@ -19,12 +19,15 @@ from shard.v1 import shard_pb2 as pb
 from .convert import invalid
 from .errors import ErrorCode, ShardError
 
-__all__ = ["MIN_CHUNK_BYTES", "StateImport", "export_chunks"]
+__all__ = ["MIN_CHUNK_BYTES", "YIELDED", "StateImport", "export_chunks"]
 
 #: The smallest ``ExportState.max_chunk_bytes`` a worker accepts: smaller chunks would only
 #: multiply messages (a 1,024-position state of a small model is tens of megabytes).
 MIN_CHUNK_BYTES = 4096
 _FIELD_OVERHEAD = 64  # a chunk's own tags and lengths around its data
+#: ``Error.reason`` of a ``Generate{yield_on_drain}`` that a drain ended early between two
+#: tokens, its session left open to be moved.
+YIELDED = "YIELDED"
 
 
 def export_chunks(

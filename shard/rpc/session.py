@@ -1247,6 +1247,10 @@ class SessionCall:
             count_generated(usage, result, prompt_step=emitted == 1 and prompt is not None)
             if finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
+            if g.yield_on_drain and self._registry.draining:
+                raise ShardError(ErrorCode.DRAINING, "the worker is draining: the generation "
+                                 "yields its session to be moved (export_state)",
+                                 session_id=sid, reason=handoff.YIELDED)
 
     async def generate_input(self, g: pb.Generate) -> tuple[SamplingParams, tuple[int, ...] | None]:
         """A Generate's checked input: (sampling, prompt ids; None: continue from the token

@@ -488,7 +488,7 @@ class Decode(_message.Message):
     def __init__(self, token: _Optional[int] = ..., hidden_state: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., relay_tag: _Optional[int] = ...) -> None: ...
 
 class Generate(_message.Message):
-    __slots__ = ("tokens", "text", "sampling", "max_tokens", "stop_tokens", "ignore_eos", "top_logprobs", "parse_special")
+    __slots__ = ("tokens", "text", "sampling", "max_tokens", "stop_tokens", "ignore_eos", "top_logprobs", "parse_special", "yield_on_drain")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -497,6 +497,7 @@ class Generate(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    YIELD_ON_DRAIN_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     text: str
     sampling: SamplingParams
@@ -505,7 +506,8 @@ class Generate(_message.Message):
     ignore_eos: bool
     top_logprobs: int
     parse_special: bool
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., parse_special: _Optional[bool] = ...) -> None: ...
+    yield_on_drain: bool
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., parse_special: _Optional[bool] = ..., yield_on_drain: _Optional[bool] = ...) -> None: ...
 
 class Credit(_message.Message):
     __slots__ = ("messages",)
