@@ -658,7 +658,9 @@ class ClientSession:
         return self._serial
 
     async def _skip_abandoned(self) -> None:
-        """A generate was left early: tell the worker to stop it and skip its results."""
+        """A generate (or an export) was left early: tell the worker to stop it and skip its
+        results. On a connection the worker sent GOAWAY on, no stream opens for a ``Cancel``:
+        the request then runs to its end, its results read (and credit granted) and dropped."""
         if not self._pending:
             return
         stream = self._pending_stream
@@ -673,9 +675,13 @@ class ClientSession:
                 "aclose() it first",
                 session_id=self.session_id,
             )
-        await self._client.cancel(self.session_id)
+        stoppable = not self._client.going_away
+        if stoppable:
+            await self._client.cancel(self.session_id)
         while self._pending:
             try:
+                if not stoppable:
+                    await self._top_up()  # (a request that is not stopped waits for credit)
                 await self._read_result(self._serial)
             except ShardError:
                 if self._dead is not None or self.closed is not None:

@@ -280,9 +280,9 @@ async def test_a_draining_worker_moves_each_session_to_its_replica_without_repla
 
 
 async def test_a_replica_of_another_kv_layout_refuses_the_state_and_replays() -> None:
-    """The replica lays out KV otherwise: it refuses the state's header (before a byte of
-    state is kept) and the same session replays the history; the tokens are the whole
-    model's."""
+    """The replica lays out KV otherwise (as another llama.cpp build may): no state is sent
+    to it (its worker would refuse the header, before a byte of state is kept) and the same
+    session replays the history; the tokens are the whole model's."""
     ranges = [LayerRange(0, 4), LayerRange(0, 2), LayerRange(2, 4), LayerRange(2, 4)]
     gates = [StepGate() for _ in ranges]
     async with shards(ranges, gates=gates, kv_layout_tags={3: "/v2"}) as (whole, first, a, b):
@@ -409,16 +409,19 @@ async def test_a_hop_past_its_replay_budget_still_moves_on_drain() -> None:
         await assert_all_free([whole, first, b])
 
 
-@pytest.mark.parametrize("second", ["another-layout", "no-handoff"])
+@pytest.mark.parametrize("second", ["another-layout", "no-handoff", "refuses"])
 async def test_a_hop_that_cannot_replay_tries_each_replica_for_its_state(second: str) -> None:
     """A later hop past its replay budget, three replicas: the drained worker's next one
-    cannot take the state (another KV layout, refused on its header while the rest of the
-    export is read to its end, since a worker that sent GOAWAY takes no Cancel; or a worker
-    that moves no sessions at all), so the third takes it, and the generation goes on."""
+    cannot take the state (another KV layout, or a worker that moves no sessions at all: no
+    state is sent; or its worker refuses the state on its header, here a scripted bound of one
+    byte, while the rest of the export is read to its end, since a worker that sent GOAWAY
+    opens no stream for a Cancel), so the third takes it, and the generation goes on."""
     ranges = [LayerRange(0, 4), LayerRange(0, 2)] + [LayerRange(2, 4)] * 3
     gates = [StepGate() for _ in ranges]
-    tag = "/v2" if second == "another-layout" else None
+    tag = {"another-layout": "/v2", "no-handoff": None, "refuses": ""}[second]
     async with shards(ranges, gates=gates, kv_layout_tags={3: tag}) as (whole, first, a, b, c):
+        if second == "refuses":
+            b.engine._impl_state_bound = lambda n_past: 1  # its sessions take 1 byte of state
         want = await whole_model_steps(whole.target, LONG, max_tokens=N_TOKENS, ignore_eos=True)
 
         async def drain() -> None:
@@ -472,3 +475,56 @@ async def test_a_generate_that_yields_on_drain_ends_between_two_tokens_with_its_
                 assert len(await _tokens(plain, 12)) == 12  # no flag: it finishes
                 await s.close()
                 await plain.close()
+
+
+
+async def _drained_whole(*, tag: str | None = "", slow_import: float = 0.0,
+                         step_timeout: float | None = None) -> tuple[Any, list[int], Any]:
+    """A whole-model hop [a, b] decoding in the worker's loop (as a pool drives it), a drained
+    mid-generation; returns (the result, the whole model's tokens, b)."""
+    ranges = [LayerRange(0, 4)] * 3
+    gates = [StepGate() for _ in ranges]
+    async with shards(ranges, gates=gates, latency=0.01, kv_layout_tags={2: tag}) as (whole, a, b):
+        want = [s.logits.token_id for s in await whole_model_steps(
+            whole.target, LONG, max_tokens=N_TOKENS, ignore_eos=True)]
+        if slow_import:
+            real = b.engine._impl_import
+
+            async def slow(*args: Any) -> None:
+                await trio.sleep(slow_import)
+                await real(*args)
+
+            b.engine._impl_import = slow  # a replica that takes far longer than step_timeout
+
+        async def drain() -> None:
+            await after_steps(gates[1], len(LONG) + 10, lambda: None)
+            with trio.fail_after(20):
+                assert await a.server.drain_for(60)
+
+        async with Pipeline.connect([[a.target, b.target]], timeout=TIMEOUT,
+                                    step_timeout=step_timeout) as pipe:
+            pipe.step_replicas = False
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain)
+                got = await pipe.generate(LONG, max_tokens=N_TOKENS, ignore_eos=True,
+                                          chunk_tokens=8)
+        await b.idle()  # (a slow import finishes, shielded, before its session is released)
+        await assert_all_free([whole, b])
+        return got, want, b
+
+
+async def test_a_generation_yields_only_toward_a_replica_that_takes_its_state() -> None:
+    """The only replica lays out KV otherwise: the generation is not asked to yield, so it
+    finishes on the draining worker instead of being replayed on the replica."""
+    got, want, b = await _drained_whole(tag="/v2")
+    assert got.tokens == want and got.failovers == []
+    assert b.engine.metrics().prefill_tokens_total == 0
+
+
+async def test_a_move_that_times_out_leaves_the_generation_on_the_draining_worker() -> None:
+    """The replica takes longer than 8 step timeouts to import: the move is given up, the
+    export left half-read on the draining worker is read to its end (no Cancel can reach a
+    worker that sent GOAWAY) and the generation finishes there with the whole model's
+    tokens."""
+    got, want, b = await _drained_whole(slow_import=3.0, step_timeout=0.2)
+    assert got.tokens == want and got.failovers == []

@@ -96,7 +96,7 @@ from .base import CancelFlag, ComputePlan, ShardEngine, Slot
 from .batching import Piece, SplitChooser, Step, TickPlanner
 from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
 from .llama_capture import BoundaryCapture
-from .llama_state import check_cells
+from .llama_state import StateFormat, check_cells, learn_format
 from .llama_threads import ComputeThreads
 from .lookahead import Ahead, LookaheadBook, LookaheadPlan
 from .native_thread import NativeThread
@@ -359,10 +359,11 @@ class LlamaCppEngine(ShardEngine):
         self._boundary: BoundaryCapture | None = None
         # The context's ggml thread pool (shard.engine.llama_threads), with more than one thread.
         self._threads: ComputeThreads | None = None
-        # One sequence's state size, measured at the warm-up (``_state_size_sync``): bytes per
-        # position and the rest; 0: not measured, and sessions cannot be moved.
+        # One sequence's state, measured at the warm-up: bytes per position and the rest, and
+        # its format (``shard.engine.llama_state``); 0 / None: sessions cannot be moved.
         self._state_per_position = 0
         self._state_overhead = 0
+        self._state_format: StateFormat | None = None
 
     # ---- hooks -------------------------------------------------------------------------------
 
@@ -671,11 +672,13 @@ class LlamaCppEngine(ShardEngine):
         """The state layout two contexts must share to move a session: the blocks, the width,
         what one position's cells take (their types and head sizes) and the attention kernel
         choice (flash attention keeps V untransposed); llama.cpp checks the rest on import."""
-        if not self._state_per_position:
-            return ""  # the warm-up could not measure a state: sessions are not moved
+        fmt = self._state_format
+        if not self._state_per_position or fmt is None:
+            return ""  # the warm-up could not measure or read a state: sessions are not moved
         fa = {None: "auto", True: "on", False: "off"}[self._flash_attn]
         return (f"llama.cpp-seq-state/{arch}/blocks={served.count}/n_embd={n_embd}/"
-                f"cell={self._state_per_position}B/fa={fa}")
+                f"cell={self._state_per_position}B/streams={fmt.n_stream}/"
+                f"ext={int(fmt.ext)}/fa={fa}")
 
     def _warm_up_sync(self, *, bos: int) -> None:
         """Run a short prompt chunk and a one-row step on sequence 0 before the engine reports
@@ -715,8 +718,10 @@ class LlamaCppEngine(ShardEngine):
                 sizes.append(int(lc.llama_state_seq_get_size(self._ctx, 0)))
             if len(sizes) == 2 and sizes[1] > sizes[0] > 0:
                 # positions 0..7, then 0..8: what one more position adds, and the rest
-                self._state_per_position = sizes[1] - sizes[0]
-                self._state_overhead = max(0, sizes[0] - chunk * self._state_per_position)
+                self._state_format = learn_format(self._state_bytes_sync(0, "the warm-up"))
+                if self._state_format is not None:
+                    self._state_per_position = sizes[1] - sizes[0]
+                    self._state_overhead = max(0, sizes[0] - chunk * self._state_per_position)
         finally:
             _held.llama_memory_seq_rm(self._mem, 0, -1, -1)
 
@@ -1061,6 +1066,9 @@ class LlamaCppEngine(ShardEngine):
         """The sequence's cells as llama.cpp writes one sequence's state (positions, and per
         layer its K and V rows), after dropping any step computed ahead."""
         self._truncate_sync(seq, n_past)
+        return self._state_bytes_sync(seq, sid)
+
+    def _state_bytes_sync(self, seq: int, sid: str) -> bytes:
         size = int(lc.llama_state_seq_get_size(self._ctx, seq))
         buf = (ctypes.c_uint8 * size)()
         written = int(lc.llama_state_seq_get_data(self._ctx, buf, size, seq))
@@ -1073,7 +1081,8 @@ class LlamaCppEngine(ShardEngine):
         Its cells are checked first (``shard.engine.llama_state``: positions a session may
         hold, each once); llama.cpp checks its layer count, types and row sizes and refuses
         with 0. Anything other than exactly ``[.., n_past)`` held afterwards is undone."""
-        refused = check_cells(data, n_past)  # before llama.cpp trusts its cell positions
+        assert self._state_format is not None  # (no kv_layout, no import)
+        refused = check_cells(data, n_past, self._state_format)  # before llama.cpp trusts them
         if refused:
             raise IncompatibleState(f"the state of {sid!r} cannot be imported: {refused}",
                                     session_id=sid)

@@ -318,8 +318,8 @@ class HopRunner:
                 stop_tokens=stop_tokens, ignore_eos=ignore_eos,
                 top_logprobs=self.gen.top_logprobs,
                 # a drain yields the session between two tokens, to be moved to a replica
-                yield_on_drain=self._may_move() and not self._handover_failed
-                and next(self._candidates(), None) is not None,
+                yield_on_drain=not self._handover_failed and self._may_move()
+                and any(self._takes_state(c) for c in self._candidates()),
             )
             while (step := await self._timed(lambda: _next(steps))) is not None:
                 self._output(step, session)
@@ -471,6 +471,13 @@ class HopRunner:
             and next(self._candidates(), None) is not None  # (the serving one counts as tried)
         )
 
+    def _takes_state(self, replica: Replica) -> bool:
+        """``replica`` reports that it takes states of this hop's layout (it may still refuse
+        one: the worker decides)."""
+        mine, theirs = self.replica.caps, replica.caps
+        return (mine is not None and theirs is not None and theirs.session_handoff
+                and theirs.kv_layout == mine.kv_layout)
+
     def _may_move(self) -> bool:
         """The session's state can leave its worker (session hand-off): a plain session (a
         routed one holds its chain together) on a worker that exports states."""
@@ -577,8 +584,8 @@ class HopRunner:
         old, new = self.replica.caps, replica.caps
         if self.held == 0 or not source.alive:
             return SOURCE
-        if new is None or not new.session_handoff:
-            return REPLICA
+        if new is None or not self._takes_state(replica):
+            return REPLICA  # (no transfer that its worker would refuse at the header)
         assert old is not None
         limit = min(x for x in (old.max_message_bytes, new.max_message_bytes, 16 * 2**20) if x)
         chunks = source.export_state(max_chunk_bytes=max(MIN_CHUNK_BYTES, limit - 4096))
@@ -606,7 +613,10 @@ class HopRunner:
                                 replica.target, err)
                     outcome = REPLICA
 
-        await self._timed(copy, REPLAY_CHUNKS)
+        try:
+            await self._timed(copy, REPLAY_CHUNKS)
+        finally:  # a failed move leaves the export to be skipped by the source's next request
+            await chunks.aclose()
         if outcome is MOVED and held != self.held:  # never expected: the counts are one
             log.warning("%s: the moved state holds %d positions, not %d", self.hop, held,
                         self.held)

@@ -1247,7 +1247,7 @@ class SessionCall:
             count_generated(usage, result, prompt_step=emitted == 1 and prompt is not None)
             if finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
-            if g.yield_on_drain and self._registry.draining:
+            if g.yield_on_drain and self._registry.draining and caps.kv_layout:
                 raise ShardError(ErrorCode.DRAINING, "the worker is draining: the generation "
                                  "yields its session to be moved (export_state)",
                                  session_id=sid, reason=handoff.YIELDED)
