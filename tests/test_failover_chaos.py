@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from typing import Any
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -63,11 +64,13 @@ class Served:
 
 
 @asynccontextmanager
-async def serve_process(layers: str, *extra: str) -> AsyncIterator[Served]:
-    """``trio-shard serve --layers LAYERS`` on a free port, loaded; killed (after SIGCONT, in case
+async def serve_process(layers: str | None, *extra: str, model: str | None = None) -> AsyncIterator[Served]:
+    """``trio-shard serve --layers LAYERS`` (None: the whole model) of the tiny model (or
+    ``model``, a packaged model's name) on a free port, loaded; killed (after SIGCONT, in case
     it was stopped) when the block ends unless it already exited."""
+    ranged = ["--layers", layers] if layers is not None else []
     cmd = [sys.executable, "-m", "shard.cli", "--log-level", "INFO", "serve",
-           "--model", str(ensure_model("tiny")), "--layers", layers, "--port", "0",
+           "--model", model or str(ensure_model("tiny")), *ranged, "--port", "0",
            "--threads", "1", "--ctx", "1024", "--max-sessions", "2", *extra]
     proc = await trio.lowlevel.open_process(cmd, stderr=subprocess.PIPE)
     assert proc.stderr is not None
@@ -211,3 +214,103 @@ async def test_without_a_replica_the_error_names_the_hop_and_the_others_are_free
         assert err.message.startswith(f"hop 1 ({b1.target}, layers [1, 3)): "), err.message
         assert err.code.name == "NOT_READY" and len(seen) == at
         await assert_all_free([whole, a, c])
+
+
+async def test_a_rolling_restart_behind_the_door_moves_a_streamed_chat_without_a_stall() -> None:
+    """Real processes as an operator runs them: two `trio-shard serve` workers of the packaged
+    instruct model and `trio-shard api --workers A,B` in front. A streamed chat completion is
+    under way when its worker gets SIGTERM: the worker yields the generation between two
+    tokens, the session's KV state moves to the other worker, the stream goes on with the text
+    it gives undisturbed, and the drained worker exits 0 at once (its grace is 60 s)."""
+    import json as _json
+    import threading
+    import urllib.request
+
+    from shard.models.real import ensure_real_model  # noqa: F401 - installed by make models
+
+    chat = "smollm2-135m-instruct"
+    body = {"model": chat, "temperature": 0, "max_tokens": 96,
+            "messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}]}
+    async with serve_process(None, "--grace", "60", model=chat) as a, \
+            serve_process(None, "--grace", "60", model=chat) as b:
+        door = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "shard.cli", "--log-level", "INFO", "api", "--workers",
+             f"{a.target},{b.target}", "--port", "0", "--probe-interval", "0.2"],
+            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert door.stderr is not None
+        log = bytearray()
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def read_log() -> None:
+                    while chunk := await door.stderr.receive_some():  # type: ignore[union-attr]
+                        log.extend(chunk)
+
+                nursery.start_soon(read_log)
+                with trio.fail_after(60):
+                    while not (m := re.search(rb"Running on (http://\S+)", log)):
+                        await trio.sleep(0.05)
+                url = m.group(1).decode() + "/v1/chat/completions"
+
+                def post(stream: bool, on_chunk: Any = None) -> str:
+                    req = urllib.request.Request(
+                        url, data=_json.dumps({**body, "stream": stream}).encode(),
+                        headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=120) as resp:
+                        if not stream:
+                            return _json.loads(resp.read())["choices"][0]["message"]["content"]
+                        text = ""
+                        for line in resp:
+                            if not line.startswith(b"data: {"):
+                                continue
+                            delta = _json.loads(line[6:])["choices"][0]["delta"]
+                            text += delta.get("content") or ""
+                            on_chunk()
+                        return text
+
+                with trio.fail_after(60):  # both workers routed
+                    while b"route" not in log and b"serving" not in log:
+                        await trio.sleep(0.05)
+                want = await trio.to_thread.run_sync(post, False)
+                assert len(want) > 200, want  # long enough to be interrupted
+                chunks, under_way = [0], threading.Event()
+
+                def counted() -> None:
+                    chunks[0] += 1
+                    if chunks[0] == 10:
+                        under_way.set()
+
+                streamed: list[str] = []
+
+                async def stream() -> None:
+                    streamed.append(await trio.to_thread.run_sync(post, True, counted))
+
+                nursery.start_soon(stream)
+                with trio.fail_after(60):
+                    while not under_way.is_set():
+                        await trio.sleep(0.01)
+                serving = []
+                for w in (a, b):
+                    async with ShardClient.connect(w.target, timeout=10) as client:
+                        if (await client.health()).sessions_active:
+                            serving.append(w)
+                (drained,) = serving
+                other = b if drained is a else a
+                drained.proc.send_signal(signal.SIGTERM)
+                with trio.fail_after(20):  # only the move ends its 60 s grace this soon
+                    assert await drained.proc.wait() == 0, drained.log.decode(errors="replace")
+                with trio.fail_after(120):
+                    while not streamed:
+                        await trio.sleep(0.05)
+                door.send_signal(signal.SIGTERM)
+                with trio.fail_after(30):
+                    assert await door.wait() == 0
+        finally:
+            if door.returncode is None:
+                door.kill()
+                await door.wait()
+        assert streamed == [want]
+        assert b"moved the state of" in log, log.decode(errors="replace")
+        async with ShardClient.connect(other.target, timeout=10) as client:
+            m = await client.metrics()
+        assert m.engine["sessions_imported_total"] == 1
