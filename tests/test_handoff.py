@@ -473,6 +473,9 @@ async def test_a_generate_that_yields_on_drain_ends_between_two_tokens_with_its_
                 assert chunks[0].header.n_past == s.usage.n_past
                 assert chunks[0].header.next_token == got[-1]
                 assert len(await _tokens(plain, 12)) == 12  # no flag: it finishes
+                counted = w.server.registry.counters
+                assert counted["generations_yielded_total"] == 1
+                assert counted["errors_total:ERROR_CODE_DRAINING"] == 0
                 await s.close()
                 await plain.close()
 

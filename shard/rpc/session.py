@@ -980,7 +980,10 @@ class SessionCall:
         if err is not None:
             if not err.session_id:
                 err.session_id = self.session_id
-            self._registry.count_error(err.code)
+            if err.reason == handoff.YIELDED:  # a drain's doing, not a failure
+                self._registry.count("generations_yielded_total")
+            else:
+                self._registry.count_error(err.code)
             await self._send(pb.SessionResponse(error=err.to_proto()))
         for field in ("prompt_tokens", "generated_tokens", "reused_tokens"):
             setattr(self._totals, field, getattr(self._totals, field) + getattr(usage, field))
