@@ -417,3 +417,46 @@ async def signal_cli(
             proc.kill()
             await proc.wait()
     return code, err.decode(errors="replace")
+
+
+@dataclass
+class Door:
+    """A ``trio-shard api`` process: its base URL and what it logged so far."""
+
+    proc: trio.Process
+    url: str
+    log: bytearray
+
+
+@asynccontextmanager
+async def api_process(args: list[str]) -> AsyncIterator[Door]:
+    """``trio-shard api ARGS`` (text logs, a free port) until it serves; when the block ends
+    it gets SIGTERM and must exit 0 (it is killed if the block failed)."""
+    import re
+    import signal
+
+    proc = await trio.lowlevel.open_process(
+        [*CLI, "--log-level", "INFO", "api", "--port", "0", *args], stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stderr is not None
+    log = bytearray()
+
+    async def read_log() -> None:
+        while chunk := await proc.stderr.receive_some():  # type: ignore[union-attr]
+            log.extend(chunk)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_log)
+            with trio.fail_after(60):
+                while not (m := re.search(rb"Running on (http://\S+)", log)):
+                    assert proc.poll() is None, f"api exited:\n{log.decode(errors='replace')}"
+                    await trio.sleep(0.05)
+            yield Door(proc, m.group(1).decode(), log)
+            proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                assert await proc.wait() == 0, log.decode(errors="replace")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

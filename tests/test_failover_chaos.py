@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import pytest
 import trio
 
-from rpc_harness import Worker
+from rpc_harness import Worker, api_process
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from shard.client import ShardClient
 from shard.engine import LayerRange
@@ -232,83 +232,54 @@ async def test_a_rolling_restart_behind_the_door_moves_a_streamed_chat_without_a
     body = {"model": chat, "temperature": 0, "max_tokens": 96,
             "messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}]}
     async with serve_process(None, "--grace", "60", model=chat) as a, \
-            serve_process(None, "--grace", "60", model=chat) as b:
-        door = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "shard.cli", "--log-level", "INFO", "api", "--workers",
-             f"{a.target},{b.target}", "--port", "0", "--probe-interval", "0.2"],
-            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert door.stderr is not None
-        log = bytearray()
-        try:
-            async with trio.open_nursery() as nursery:
+            serve_process(None, "--grace", "60", model=chat) as b, \
+            api_process(["--workers", f"{a.target},{b.target}", "--probe-interval", "0.2"]) as door:
+        url = door.url + "/v1/chat/completions"
 
-                async def read_log() -> None:
-                    while chunk := await door.stderr.receive_some():  # type: ignore[union-attr]
-                        log.extend(chunk)
+        def post(stream: bool, on_chunk: Any = None) -> str:
+            req = urllib.request.Request(
+                url, data=_json.dumps({**body, "stream": stream}).encode(),
+                headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                if not stream:
+                    return _json.loads(resp.read())["choices"][0]["message"]["content"]
+                text = ""
+                for line in resp:
+                    if line.startswith(b"data: {"):
+                        text += _json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                        on_chunk()
+                return text
 
-                nursery.start_soon(read_log)
-                with trio.fail_after(60):
-                    while not (m := re.search(rb"Running on (http://\S+)", log)):
-                        await trio.sleep(0.05)
-                url = m.group(1).decode() + "/v1/chat/completions"
+        want = await trio.to_thread.run_sync(post, False)
+        assert len(want) > 200, want  # long enough to be interrupted
+        chunks, under_way = [0], threading.Event()
 
-                def post(stream: bool, on_chunk: Any = None) -> str:
-                    req = urllib.request.Request(
-                        url, data=_json.dumps({**body, "stream": stream}).encode(),
-                        headers={"Content-Type": "application/json"})
-                    with urllib.request.urlopen(req, timeout=120) as resp:
-                        if not stream:
-                            return _json.loads(resp.read())["choices"][0]["message"]["content"]
-                        text = ""
-                        for line in resp:
-                            if not line.startswith(b"data: {"):
-                                continue
-                            delta = _json.loads(line[6:])["choices"][0]["delta"]
-                            text += delta.get("content") or ""
-                            on_chunk()
-                        return text
+        def counted() -> None:
+            chunks[0] += 1
+            if chunks[0] == 10:
+                under_way.set()
 
-                with trio.fail_after(60):  # both workers routed
-                    while b"route" not in log and b"serving" not in log:
-                        await trio.sleep(0.05)
-                want = await trio.to_thread.run_sync(post, False)
-                assert len(want) > 200, want  # long enough to be interrupted
-                chunks, under_way = [0], threading.Event()
+        streamed: list[str] = []
+        async with trio.open_nursery() as nursery:
 
-                def counted() -> None:
-                    chunks[0] += 1
-                    if chunks[0] == 10:
-                        under_way.set()
+            async def stream() -> None:
+                streamed.append(await trio.to_thread.run_sync(post, True, counted))
 
-                streamed: list[str] = []
-
-                async def stream() -> None:
-                    streamed.append(await trio.to_thread.run_sync(post, True, counted))
-
-                nursery.start_soon(stream)
-                with trio.fail_after(60):
-                    while not under_way.is_set():
-                        await trio.sleep(0.01)
-                serving = []
-                for w in (a, b):
-                    async with ShardClient.connect(w.target, timeout=10) as client:
-                        if (await client.health()).sessions_active:
-                            serving.append(w)
-                (drained,) = serving
-                other = b if drained is a else a
-                drained.proc.send_signal(signal.SIGTERM)
-                with trio.fail_after(20):  # only the move ends its 60 s grace this soon
-                    assert await drained.proc.wait() == 0, drained.log.decode(errors="replace")
-                with trio.fail_after(120):
-                    while not streamed:
-                        await trio.sleep(0.05)
-                door.send_signal(signal.SIGTERM)
-                with trio.fail_after(30):
-                    assert await door.wait() == 0
-        finally:
-            if door.returncode is None:
-                door.kill()
-                await door.wait()
+            nursery.start_soon(stream)
+            with trio.fail_after(60):
+                while not under_way.is_set():
+                    await trio.sleep(0.01)
+            serving = []
+            for w in (a, b):
+                async with ShardClient.connect(w.target, timeout=10) as client:
+                    if (await client.health()).sessions_active:
+                        serving.append(w)
+            (drained,) = serving
+            other = b if drained is a else a
+            drained.proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(20):  # only the move ends its 60 s grace this soon
+                assert await drained.proc.wait() == 0, drained.log.decode(errors="replace")
+        log = door.log
         assert streamed == [want]
         assert b"moved the state of" in log, log.decode(errors="replace")
         async with ShardClient.connect(other.target, timeout=10) as client:

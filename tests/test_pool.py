@@ -25,7 +25,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rpc_harness import StepGate, Worker, in_thread, worker
+from rpc_harness import StepGate, Worker, api_process, in_thread, worker
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from shard.api import Catalog, build_app, serve_http
 from shard.engine import LayerRange, LoadSpec
@@ -572,54 +572,26 @@ def test_the_kubernetes_manifests_in_the_docs_parse_and_their_arguments_are_acce
 
 async def test_the_door_reads_its_worker_file_again_on_sighup(tmp_path: Path) -> None:
     """`trio-shard api --workers @FILE`: a worker added to the file is used after SIGHUP."""
-    import os
-    import re
     import signal
-    import subprocess
-    import sys
 
     layout = {"b1": (B, LayerRange(0, 4), "b"), "b2": (B, LayerRange(0, 4), "b")}
     async with fleet(layout) as f:
         listed = tmp_path / "workers"
         listed.write_text(f.target("b1") + "\n")
-        proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "shard.cli", "api", "--workers", f"@{listed}", "--port", "0",
-             "--probe-interval", "0.1"],
-            stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert proc.stderr is not None
-        log = bytearray()
-
-        async def read_log() -> None:
-            assert proc.stderr is not None
-            while chunk := await proc.stderr.receive_some():
-                log.extend(chunk)
 
         def routes(url: str) -> bytes:
             page = get(url + "/metrics")[1]
             return next((line for line in page.splitlines()
                          if line.startswith(b'trio_shard_api_pool_routes{model="b"}')), b"")
 
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read_log)
-                with trio.fail_after(30):
-                    while not (m := re.search(rb"Running on (http://\S+)", log)):
-                        await trio.sleep(0.05)
-                url = m.group(1).decode()
-                assert (await in_thread(lambda: routes(url))).endswith(b" 1.0")
-                listed.write_text(f.target("b1") + "\n" + f.target("b2") + "\n")
-                proc.send_signal(signal.SIGHUP)
-                with trio.fail_after(30):
-                    while not (await in_thread(lambda: routes(url))).endswith(b" 2.0"):
-                        await trio.sleep(0.1)
-                proc.send_signal(signal.SIGTERM)
-                with trio.fail_after(30):
-                    assert await proc.wait() == 0
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        assert b"SIGHUP: reading the worker list" in log and b"joined" in log
+        async with api_process(["--workers", f"@{listed}", "--probe-interval", "0.1"]) as door:
+            assert (await in_thread(lambda: routes(door.url))).endswith(b" 1.0")
+            listed.write_text(f.target("b1") + "\n" + f.target("b2") + "\n")
+            door.proc.send_signal(signal.SIGHUP)
+            with trio.fail_after(30):
+                while not (await in_thread(lambda: routes(door.url))).endswith(b" 2.0"):
+                    await trio.sleep(0.1)
+        assert b"SIGHUP: reading the worker list" in door.log and b"joined" in door.log
 
 
 async def test_a_draining_whole_model_replica_yields_its_generations_to_be_moved() -> None:
