@@ -53,24 +53,17 @@ def _spec(path: Path, *, n_batch: int = 8, layer_range: LayerRange | None = None
 
 
 def spy_outputs(engine: LlamaCppEngine) -> list[np.ndarray]:
-    """Record every raw result of a step (logits or hidden states), unchanged: from
-    ``_impl_compute``, or from ``_impl_claim`` when the step was computed ahead."""
+    """Record the raw result (logits or hidden states, unchanged) of every step the engine
+    commits, however it was computed: a step of its own, one computed ahead and claimed, or
+    one a stream delivered (``_make_result`` builds every step's result)."""
     seen: list[np.ndarray] = []
-    compute, claim = engine._impl_compute, engine._impl_claim
+    make = engine._make_result
 
-    async def spy_compute(slot, plan):  # type: ignore[no-untyped-def]
-        raw = await compute(slot, plan)
+    def spy_make(slot, caps, plan, raw, *args, **kwargs):  # type: ignore[no-untyped-def]
         seen.append(np.array(raw, copy=True))
-        return raw
+        return make(slot, caps, plan, raw, *args, **kwargs)
 
-    async def spy_claim(slot, plan):  # type: ignore[no-untyped-def]
-        raw = await claim(slot, plan)
-        if raw is not None:
-            seen.append(np.array(raw, copy=True))
-        return raw
-
-    engine._impl_compute = spy_compute  # type: ignore[method-assign]
-    engine._impl_claim = spy_claim  # type: ignore[method-assign]
+    engine._make_result = spy_make  # type: ignore[method-assign]
     return seen
 
 

@@ -20,7 +20,7 @@ import trio
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import V, StepGate, in_thread, req
 from shard.engine import LoadSpec
-from shard.engine.base import ComputePlan, Slot
+from shard.engine.base import ComputePlan, ShardEngine, Slot, StreamRun
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model
 from shard.v1 import shard_pb2 as pb
@@ -41,6 +41,13 @@ class SteppedLlama(LlamaCppEngine):
             await trio.sleep(self.latency)
         await self.gate()
         return await super()._impl_compute(slot, plan)
+
+    async def _impl_stream(self, slot: Slot, run: StreamRun) -> None:
+        """A Generate's steps one by one through the two hooks above, each awaited in the
+        session's task (the base class's path), so that the gate sees (and may hold) every
+        step; the engine's own path delivers steps computed ahead in a callback of its native
+        thread (tests/test_llama_engine.py, tests/test_lookahead.py)."""
+        await ShardEngine._impl_stream(self, slot, run)
 
     async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
         """A step claimed from the look-ahead is a step too (counted and delayed alike)."""

@@ -52,6 +52,7 @@ from .types import (
     SessionSnapshot,
     SessionState,
     StepResult,
+    StreamRequest,
     TokenLogprob,
 )
 

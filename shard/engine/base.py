@@ -75,6 +75,7 @@ from .types import (
     SessionSnapshot,
     SessionState,
     StepResult,
+    StreamRequest,
     check_reserved_hooks,
     validate_hidden_states,
     validate_tokens,
@@ -220,6 +221,79 @@ class ComputePlan:
         return len(self.tokens) if self.tokens is not None else int(self.hidden.shape[0])
 
 
+class StreamRun:
+    """One ``ShardEngine.stream`` call: the step to compute next and what to do with each
+    step computed, shared by the base class and the implementation that runs the steps.
+
+    ``step(raw)`` commits a computed step, hands its result to the caller's ``deliver`` and
+    returns the next step's plan (None: the run ends). It never raises, so an implementation
+    may call it from any task or callback on the event loop: the result check's error is kept
+    in ``fault`` (an engine error), the caller's in ``caller_error``; either ends the run. A
+    step whose session was stopped meanwhile (``slot.cancel``), or whose ``stream`` call has
+    returned (``closed``), is not committed.
+    """
+
+    __slots__ = ("_engine", "_slot", "_caps", "_deliver", "_sampling", "_top_k", "_max",
+                 "_lookahead", "_stops", "_eog", "_limit", "plan", "delivered", "fault",
+                 "caller_error", "closed")
+
+    def __init__(self, engine: ShardEngine, slot: Slot, caps: Capabilities,
+                 request: StreamRequest, deliver: Callable[[StepResult], bool]) -> None:
+        self._engine, self._slot, self._caps, self._deliver = engine, slot, caps, deliver
+        self._sampling, self._top_k = request.sampling, request.top_k_logprobs
+        self._max, self._lookahead = request.max_steps, request.lookahead
+        self._stops, self._eog = request.stop_tokens, request.stop_at_eog
+        self._limit = min(caps.n_ctx_per_session, slot.kv_budget)
+        self.delivered = 0
+        self.fault: EngineError | None = None
+        self.caller_error: Exception | None = None
+        #: The ``stream`` call is over (set before any rollback): nothing is committed after
+        #: it, whoever still holds the run (a batched tick that finished its step meanwhile).
+        self.closed = False
+        self.plan: ComputePlan | None = self._plan(int(request.token))
+
+    def _plan(self, token: int) -> ComputePlan:
+        left = self._max - self.delivered - 1
+        ahead = (LookaheadPlan(self._sampling, left, self._stops, self._eog, self._limit)
+                 if self._lookahead and left > 0 else None)
+        return ComputePlan(self._slot.n_past, (token,), None, math.inf, ahead)
+
+    def step(self, raw: np.ndarray, chosen: tuple[SamplingParams, int, float] | None = None
+             ) -> ComputePlan | None:
+        """``chosen``: (sampling, token, log-sum-exp), the token a sampling chose from ``raw``
+        and the row's log-sum-exp, when the implementation computed them already; used when
+        that sampling is this run's (``_make_result``)."""
+        plan, slot = self.plan, self._slot
+        self.plan = None
+        if plan is None or self.closed or slot.cancel.is_set():
+            return None
+        known = None
+        if chosen is not None and (chosen[0] is self._sampling or chosen[0] == self._sampling):
+            known = (chosen[1], chosen[2])
+        try:
+            result = self._engine._make_result(slot, self._caps, plan, raw, self._sampling,
+                                               self._top_k, 0, "decode_tokens_total", known)
+        except EngineError as exc:
+            self.fault = exc
+            return None
+        except Exception as exc:  # noqa: BLE001 - a hook (piece, is_eog) misbehaved
+            log.exception("engine implementation fault while building a result")
+            self.fault = EngineFailure(f"engine fault: {type(exc).__name__}")
+            return None
+        slot.touched = False  # committed: a later failure keeps it
+        self.delivered += 1
+        try:
+            go = self._deliver(result)
+        except Exception as exc:  # noqa: BLE001 - raised to the caller by ShardEngine.stream
+            self.caller_error = exc
+            return None
+        if not go or self.delivered >= self._max or slot.n_past >= self._limit:
+            return None
+        assert result.logits is not None
+        self.plan = self._plan(result.logits.token_id)
+        return self.plan
+
+
 class ShardEngine(abc.ABC):
     """Project-owned engine contract: load, capabilities, prefill/decode, cancel, release,
     health, metrics, close. See docs/engine.md for the state machines."""
@@ -259,6 +333,24 @@ class ShardEngine(abc.ABC):
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
         """Execute ``plan`` for ``slot``. Check ``slot.cancel`` between steps and raise
         ``EngineCancelled`` when set. Must not return before native work on the slot stops."""
+
+    async def _impl_stream(self, slot: Slot, run: StreamRun) -> None:
+        """Compute ``run.plan``, then each plan ``run.step(raw)`` returns, until it returns None
+        (``StreamRun``). The default runs each step in the caller's task as ``decode`` does;
+        a batching or look-ahead implementation delivers a step where it finished instead, so
+        the caller's task sleeps through the run. Cancellation as for ``_impl_compute``."""
+        plan = run.plan
+        while plan is not None:
+            raw = await self._claim(slot, plan)
+            if raw is None:
+                if self._compute_stops_itself:
+                    raw = await self._guard_impl(self._impl_compute(slot, plan))
+                else:
+                    step_plan = plan
+                    raw = await self._run_guarded(slot, lambda: self._impl_compute(slot, step_plan))
+            if slot.cancel.is_set():
+                return
+            plan = run.step(raw)
 
     async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
         """The result of ``plan`` if the implementation computes it already (a step computed
@@ -722,6 +814,50 @@ class ShardEngine(abc.ABC):
             slot, plan, request.sampling, request.top_k_logprobs, 0, "decode_tokens_total"
         )
 
+    async def stream(self, request: StreamRequest, deliver: Callable[[StepResult], bool]) -> int:
+        """Decode ``request.token``, then the token each step chose, until ``deliver`` returns
+        False or ``max_steps`` ran; returns the steps delivered (see ``StreamRequest``).
+
+        ``deliver`` gets each step's result, already committed to the session, on the event
+        loop but from wherever the implementation finished the step (another session's task
+        that ran the tick, a callback of the native thread): it must not block or await, and
+        returns whether the run goes on. An exception it raises ends the run and is raised
+        here (the engine stays READY). A cancellation (the caller's scope, ``cancel``,
+        ``release``) or a failure rolls back only the step in flight: steps delivered stay.
+        """
+        caps = self._require_ready()
+        if not isinstance(request, StreamRequest):
+            raise InvalidInput("stream takes a StreamRequest")
+        sid = request.session_id
+        slot = self._slot(sid)
+        self._check_top_k(request.top_k_logprobs, sid)
+        self._check_sampling(request.sampling, sid)
+        if not (caps.is_first and caps.is_last):
+            raise InvalidInput("a stream needs a shard that takes tokens and samples (the whole "
+                               "model): decode step by step", session_id=sid)
+        if slot.n_past == 0:
+            raise IllegalTransition("a stream needs a prefilled session", session_id=sid)
+        if not callable(deliver):
+            raise InvalidInput("stream needs a deliver callable", session_id=sid)
+        validate_tokens((request.token,), caps.n_vocab)
+        self._check_length(slot, caps, slot.n_past + 1)
+        run = StreamRun(self, slot, caps, request, deliver)
+
+        async def work() -> None:
+            try:
+                await self._impl_stream(slot, run)
+            finally:
+                run.closed = True  # (before the rollback: a late step must not commit)
+            if run.fault is not None:
+                raise run.fault
+            if slot.cancel.is_set():
+                raise slot.cancel.error(sid)
+
+        await self._running(slot, None, work)
+        if run.caller_error is not None:
+            raise run.caller_error
+        return run.delivered
+
     # ---- internals -------------------------------------------------------------------------
 
     def _require_ready(self) -> Capabilities:
@@ -830,20 +966,14 @@ class ShardEngine(abc.ABC):
     ) -> StepResult:
         """Run one operation with the session marked RUNNING; roll back on any failure.
 
-        A caller whose scope is already cancelled gets ``trio.Cancelled`` before anything is
-        touched (a step whose cancel arrived first never starts). A step that its timeout
-        stopped after the result was computed still commits: the timeout bounds the wait for
-        a result, and throwing a finished one away would only make the next step redo it.
+        A step that its timeout stopped after the result was computed still commits: the
+        timeout bounds the wait for a result, and throwing a finished one away would only make
+        the next step redo it.
         """
         caps = self._caps
         assert caps is not None
-        await trio.lowlevel.checkpoint_if_cancelled()
-        slot.state = SessionState.RUNNING
-        slot.cancel.clear()
-        slot.touched = False
-        slot.idle = trio.Event()
-        committed = False
-        try:
+
+        async def work() -> StepResult:
             raw = await self._claim(slot, plan)
             if raw is None:
                 if self._compute_stops_itself and plan.deadline == math.inf and plan.n_new == 1:
@@ -855,15 +985,34 @@ class ShardEngine(abc.ABC):
                         slot, lambda: self._impl_compute(slot, plan), plan.deadline)
             if slot.cancel.is_set() and not slot.cancel.timed_out:
                 raise slot.cancel.error(slot.session_id)
+            return self._make_result(slot, caps, plan, raw, params, top_k, reused, counter)
+
+        return await self._running(slot, plan.keep, work)
+
+    async def _running(self, slot: Slot, keep: int | None, work: Callable[[], Awaitable[T]]) -> T:
+        """``work()`` with the session marked RUNNING, counted, and rolled back on failure to
+        ``keep`` (None: to what the session holds committed, ``slot.n_past``; a stream commits
+        step by step). Shared by single steps (``_run``) and streams.
+
+        A caller whose scope is already cancelled gets ``trio.Cancelled`` before anything is
+        touched (a step whose cancel arrived first never starts).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        slot.state = SessionState.RUNNING
+        slot.cancel.clear()
+        slot.touched = False
+        slot.idle = trio.Event()
+        committed = False
+        try:
             try:
-                result = self._make_result(slot, caps, plan, raw, params, top_k, reused, counter)
-            except EngineError:
+                out = await work()
+            except (EngineError, trio.Cancelled, BaseExceptionGroup):
                 raise
             except Exception as exc:  # a hook (piece, is_eog) or the result check misbehaved
                 log.exception("engine implementation fault while building a result")
                 raise EngineFailure(f"engine fault: {type(exc).__name__}") from exc
-            committed = True
-            return result
+            committed = keep is not None
+            return out
         except EngineCancelled:
             if self._state is EngineState.FAILED:
                 # Stopped because the engine failed under it (see _fail), not by a caller.
@@ -890,12 +1039,13 @@ class ShardEngine(abc.ABC):
                 if not committed and slot.touched:
                     # Leave the session exactly as it was up to ``keep``. (Untouched: as it was.)
                     with trio.CancelScope(shield=True):
-                        slot.n_past = min(slot.n_past, plan.keep)
+                        back = slot.n_past if keep is None else min(slot.n_past, keep)
+                        slot.n_past = back
                         if slot.tokens is not None:
-                            del slot.tokens[plan.keep :]
+                            del slot.tokens[back:]
                         if self._state is EngineState.READY:
                             try:
-                                await self._guard_impl(self._impl_truncate(slot, plan.keep))
+                                await self._guard_impl(self._impl_truncate(slot, back))
                             except EngineError:
                                 log.warning("rollback of session %s failed", slot.session_id)
             finally:  # never leave a session RUNNING, whatever the rollback raised
@@ -956,7 +1106,11 @@ class ShardEngine(abc.ABC):
         top_k: int,
         reused: int,
         counter: str,
+        chosen: tuple[int, float] | None = None,
     ) -> StepResult:
+        """Commit ``plan``'s computed step and build its result. ``chosen`` (a one-row step): the
+        token ``params`` chooses and the row's log-sum-exp, computed already by the
+        implementation from this very row, which it found finite (see ``_logits_result``)."""
         n_new = plan.n_new
         new_len = plan.keep + n_new
         logits_result = boundary = None
@@ -964,13 +1118,14 @@ class ShardEngine(abc.ABC):
         if caps.is_last:
             rows = n_new if plan.all_logits else 1
             logits = np.asarray(raw, dtype=np.float32).reshape(rows, -1)
-            if logits.shape[1] != caps.n_vocab or not np.isfinite(logits).all():
+            if logits.shape[1] != caps.n_vocab or (
+                    (chosen is None or rows != 1) and not np.isfinite(logits).all()):
                 raise EngineFailure("engine produced invalid logits")
             # Row i ends at position keep + i: sampled as a decode ending there would be (the
             # sampler's stream is keyed by the session length), so a verified draft gives the
             # very tokens plain decoding gives, sampled or greedy.
             if rows == 1:  # (every decode: no generator per step)
-                logits_result = self._logits_result(logits[0], params, top_k, new_len)
+                logits_result = self._logits_result(logits[0], params, top_k, new_len, chosen)
                 per_position = (logits_result,) if plan.all_logits else ()
             else:
                 per_position = tuple(
@@ -1004,12 +1159,17 @@ class ShardEngine(abc.ABC):
         )
 
     def _logits_result(
-        self, logits: np.ndarray, params: SamplingParams, top_k: int, n_past: int
+        self, logits: np.ndarray, params: SamplingParams, top_k: int, n_past: int,
+        chosen: tuple[int, float] | None = None,
     ) -> LogitsResult:
-        """The token chosen from one position's ``logits`` for a session of ``n_past``."""
-        token = sampling.choose_token(logits, params, n_past)
-        # greedy chose the (first) maximum: the row's largest value is known
-        lse = sampling.logsumexp(logits, logits[token] if params.greedy else None)
+        """The token chosen from one position's ``logits`` for a session of ``n_past``;
+        ``chosen``: that token and the row's log-sum-exp, already computed."""
+        if chosen is None:
+            token = sampling.choose_token(logits, params, n_past)
+            # greedy chose the (first) maximum: the row's largest value is known
+            lse = sampling.logsumexp(logits, logits[token] if params.greedy else None)
+        else:
+            token, lse = chosen
         return LogitsResult(
             top=tuple(dataclasses.replace(t, piece=self._impl_token_piece(t.token_id))
                       for t in sampling.top_logprobs(logits, top_k, lse)) if top_k > 0 else (),

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import trio
 
-from .base import ComputePlan, ShardEngine, Slot
+from .base import ComputePlan, ShardEngine, Slot, StreamRun
 from .batching import Piece, Step, TickPlanner
 from .errors import EngineError, EngineFailure, IncompatibleState, InvalidInput
 from .scheduler import BatchScheduler, Job
@@ -257,6 +257,24 @@ class FakeEngine(ShardEngine):
                 del cells[plan.keep :]
             outputs.append(self._compute_position(plan, i, cells))
         return self._output(outputs, plan)
+
+    async def _impl_stream(self, slot: Slot, run: StreamRun) -> None:
+        scheduler = self._scheduler
+        if scheduler is None or run.plan is None:
+            return await super()._impl_stream(slot, run)
+
+        def follow(job: Job) -> Job | None:
+            if job.error is not None:
+                return None
+            plan = run.step(job.result)
+            return None if plan is None else _FakeJob(
+                slot, plan, scheduler.new_step(slot, plan), trio.current_time())
+
+        plan = run.plan
+        last = await scheduler.stream(_FakeJob(slot, plan, scheduler.new_step(slot, plan),
+                                               trio.current_time()), follow)
+        if last.error is not None:
+            raise last.error
 
     def _cells_to_keep(self, slot: Slot, plan: ComputePlan) -> list[np.ndarray]:
         cells = self._kv.get(slot.seq_id, [])

@@ -92,7 +92,7 @@ from shard.models.fingerprint import file_fingerprint
 from shard.models.header import ModelInfo, SliceError, read_model_info
 
 from . import sampling
-from .base import CancelFlag, ComputePlan, ShardEngine, Slot
+from .base import CancelFlag, ComputePlan, ShardEngine, Slot, StreamRun
 from .batching import Piece, SplitChooser, Step, TickPlanner
 from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
 from .llama_capture import BoundaryCapture
@@ -199,6 +199,18 @@ _held: Any = _GilHeldCalls()
 def _native_reason() -> str:
     """The first native error logged since the last clear: usually the most specific one."""
     return f" (llama.cpp: {_recent_native_errors[0]})" if _recent_native_errors else ""
+
+
+class _Chain:
+    """A stream's claim on the record of its next step computed ahead (``_impl_stream``)."""
+
+    __slots__ = ("run", "slot", "wake", "rec", "error")
+
+    def __init__(self, run: StreamRun, slot: Slot) -> None:
+        self.run, self.slot = run, slot
+        self.wake = trio.Event()
+        self.rec: Ahead | None = None  # the claimed record it waits for
+        self.error: EngineError | None = None
 
 
 class _Work(Job):
@@ -432,6 +444,84 @@ class LlamaCppEngine(ShardEngine):
                 self._native.wake()
         assert rec.logits is not None
         return rec.logits
+
+    async def _impl_stream(self, slot: Slot, run: StreamRun) -> None:
+        """Steps computed ahead are delivered where the event loop learns of them
+        (``_on_posted``: one pass per native tick for every streaming session), not by waking
+        this task per token. The task sleeps until the run ends, or until a step must be
+        computed the usual way (no record for it, or one dropped because other work came
+        first), which it does, then hands the run back to the records."""
+        while (plan := run.plan) is not None:
+            if self._first and self._book.has(slot.seq_id):
+                rec = self._book.claim(slot.seq_id, plan.keep, plan.tokens[0], plan.lookahead)
+                if rec is not None:
+                    chain = _Chain(run, slot)
+                    self._chain_take(chain, rec)
+                    await self._chain_wait(chain)
+                    if chain.error is not None:
+                        raise chain.error
+                    if slot.cancel.is_set():
+                        return
+                    continue  # ended (run.plan None), or its next step is computed below
+            raw = await self._guard_impl(self._impl_compute(slot, plan))
+            if slot.cancel.is_set():
+                return
+            run.step(raw)
+
+    def _chain_take(self, chain: _Chain, rec: Ahead) -> None:
+        """Deliver the claimed record ``rec`` of ``chain``'s next step, and each following one
+        already computed; leave the chain on the first one still being computed (``_on_posted``
+        calls this again when it is), or wake the chain's task: the run ended or its next
+        step has no record. On the event loop, from the task or from ``_on_posted``."""
+        chain.rec = None
+        run, slot, book = chain.run, chain.slot, self._book
+        try:
+            while True:
+                plan = run.plan
+                if plan is None or slot.cancel.is_set():
+                    book.unclaim(rec)  # (stopped: the step stays for a later claim)
+                    break
+                if not rec.ready:
+                    chain.rec, rec.chain = rec, chain
+                    return
+                if not book.consume(rec):
+                    break  # dropped (the engine had other work): computed the usual way
+                slot.touch()  # the step's cell is the session's now; a failure rolls it back
+                self._counters["lookahead_used_total"] += 1
+                if plan.lookahead is not None and not rec.chained:
+                    # (keeps the token and log-sum-exp on the record: one pass, not two)
+                    token = self._next_step(rec.logits, plan.lookahead, plan.keep + 1, rec)
+                    if token is not None:
+                        book.propose(slot.seq_id, plan.keep + 1, token)
+                        self._native.wake()
+                assert rec.logits is not None
+                nxt = run.step(rec.logits, rec.chosen)
+                if nxt is None:
+                    break
+                claimed = book.claim(slot.seq_id, nxt.keep, nxt.tokens[0], nxt.lookahead)
+                if claimed is None:
+                    break  # no record of it: computed the usual way
+                rec = claimed
+        except Exception as exc:  # noqa: BLE001 - raised by the chain's task (never here: a callback)
+            log.exception("look-ahead delivery failed")
+            chain.error = EngineFailure(f"engine fault: {type(exc).__name__}")
+        chain.wake.set()
+
+    async def _chain_wait(self, chain: _Chain) -> None:
+        """Wait until ``chain`` needs its task (see ``_chain_take``), or its session is stopped
+        (``slot.cancel``) or the caller cancelled: then the record it waits for is given back
+        unclaimed, ready for a later claim."""
+        flag = chain.slot.cancel
+        if not chain.wake.is_set():
+            flag.add_watcher(chain.wake)
+            try:
+                await chain.wake.wait()
+            finally:
+                flag.remove_watcher(chain.wake)
+                rec, chain.rec = chain.rec, None
+                if rec is not None:
+                    rec.chain = None
+                    self._book.unclaim(rec)
 
     async def _run_tick(self, tick: list[tuple[Job, Piece]]) -> None:
         seconds = await self._native.run(self._tick_sync, tick)
@@ -855,13 +945,22 @@ class LlamaCppEngine(ShardEngine):
 
     # ---- look-ahead (shard.engine.lookahead; docs/engine.md, "Look-ahead") -------------------
 
-    def _next_step(self, logits: np.ndarray, plan: LookaheadPlan, n_past: int) -> int | None:
+    def _next_step(self, logits: np.ndarray, plan: LookaheadPlan, n_past: int,
+                   rec: Ahead | None = None) -> int | None:
         """The token a session holding ``n_past`` positions will most likely decode next (the
-        one its step chose from ``logits``), or None when no next step will come."""
-        if n_past + 1 > plan.limit or not np.isfinite(logits).all():
+        one its step chose from ``logits``), or None when no next step will come.
+
+        ``rec``: the record of that step, claimed by a caller sampling as ``plan`` does: its
+        token and the row's log-sum-exp are kept on it (``Ahead.chosen``), computed here while
+        the row is in this thread's cache, so the event loop does not pass over the vocabulary
+        again (``ShardEngine._make_result``)."""
+        if not np.isfinite(logits).all():
             return None
         token = sampling.choose_token(logits, plan.sampling, n_past)
-        if token in plan.stop_tokens:
+        if rec is not None:
+            greedy_max = logits[token] if plan.sampling.greedy else None
+            rec.chosen = (plan.sampling, token, sampling.logsumexp(logits, greedy_max))
+        if n_past + 1 > plan.limit or token in plan.stop_tokens:
             return None
         if plan.stop_at_eog and _held.llama_vocab_is_eog(self._vocab, token):
             return None
@@ -928,7 +1027,7 @@ class LlamaCppEngine(ShardEngine):
             for rec, chain in book.finish(results, self._count_kv_cells([r.seq for r in recs])):
                 # Already claimed: queue the step after it.
                 assert rec.logits is not None
-                token = self._next_step(rec.logits, chain, rec.keep + 1)
+                token = self._next_step(rec.logits, chain, rec.keep + 1, rec)
                 if token is not None:
                     book.propose(rec.seq, rec.keep + 1, token)
             self._ahead_tick_seconds = native
@@ -974,6 +1073,10 @@ class LlamaCppEngine(ShardEngine):
             rec.ready = True
             for wake in rec.watchers:
                 wake.set()
+            chain = rec.chain
+            if chain is not None:  # a stream waits for it: delivered in this pass
+                rec.chain = None
+                self._chain_take(chain, rec)
 
     def _drop_ahead_sync(self, seq: int, keep: int) -> int:
         """Drop ``seq``'s look-ahead records (before its cells from ``keep`` on change); returns

@@ -55,6 +55,13 @@ class Ahead:
     chained: bool = False  # the thread already queued the step after this one
     ready: bool = False  # the event loop learnt the outcome (set on the event loop only)
     watchers: list[Any] = field(default_factory=list)  # trio.Events woken by ``ready``
+    #: A stream that claimed it (set and read on the event loop only): called with the record
+    #: once it is ``ready``, in the same pass that learnt it (``LlamaCppEngine._impl_stream``).
+    chain: Any = None
+    #: (sampling, token, log-sum-exp): the token its claimer's sampling chose from ``logits``
+    #: and the row's log-sum-exp, when the thread knew that sampling as it finished the step
+    #: (a claimed record), else None. A later claimer uses it only if it samples alike.
+    chosen: tuple[SamplingParams, int, float] | None = None
 
 
 class LookaheadBook:

@@ -65,6 +65,10 @@ class Job:
     finished: bool = False
     result: Any = None
     error: BaseException | None = None
+    #: A stream's (``BatchScheduler.stream``): called once the job finished, gives the job of
+    #: the run's next step (None: the run ends); ``next`` is that job.
+    follow: Callable[[Job], Job | None] | None = None
+    next: Job | None = None
 
     def start(self) -> None:
         """Called by the tick right before the job's first rows change the KV cache."""
@@ -175,16 +179,28 @@ class BatchScheduler:
             # Cancelled while its last tick ran (shielded): the caller gets no result.
             await trio.lowlevel.checkpoint_if_cancelled()
         except trio.Cancelled:
-            if not job.finished and not job.slot.cancel.is_set():
+            # (a stream's last job may be finished and still wait for its follow-up pass)
+            if (job.follow is not None or not _last(job).finished) and not job.slot.cancel.is_set():
                 job.slot.cancel.set()
             with trio.CancelScope(shield=True):
                 await self._wait(job)
             raise
 
+    async def stream(self, job: Job, follow: Callable[[Job], Job | None]) -> Job:
+        """``compute`` for a run of steps (``ShardEngine.stream``): each time a tick finishes a
+        step of the run, whoever leads calls ``follow(job)`` right after that tick, on the event
+        loop, and queues the job it returns at once; None ends the run. The caller's task is
+        not woken between steps: a tick of N streaming sessions costs one pass over their
+        results, not N task steps. ``follow`` must not raise or await. Returns the run's last
+        job (its ``error``, if any, ended the run); cancellation as for ``compute``."""
+        job.follow = follow
+        await self.compute(job)
+        return _last(job)
+
     async def _wait(self, job: Job) -> None:
         flag = job.slot.cancel
         try:
-            while not job.finished:
+            while not (job := _last(job)).finished:
                 if not self._leading:
                     await self._lead(job)
                     continue
@@ -217,11 +233,11 @@ class BatchScheduler:
         """Run ticks until ``mine`` is finished, then hand the lead to the oldest waiter."""
         self._leading = True
         try:
-            while not mine.finished:
+            while not _last(mine).finished:
                 await trio.lowlevel.checkpoint_if_cancelled()  # between ticks (see compute)
                 await self._let_submitters_in()
                 tick = self._form_tick()
-                if mine.finished:  # dropped: another task leads the rest
+                if _last(mine).finished:  # dropped: another task leads the rest
                     break
                 assert tick, "a pending job that is not finished always gets rows"
                 started = trio.current_time()
@@ -245,7 +261,11 @@ class BatchScheduler:
                 self._counters["batch_sessions_total"] += len(tick)
                 for job in [j for j in self._pending if j.finished]:
                     self._pending.remove(job)
-                    job.wake.set()
+                    nxt = _follow(job) if job.follow is not None else None
+                    if nxt is None:
+                        job.wake.set()
+                    else:  # a stream's next step, queued in this pass (see stream)
+                        self._pending.append(nxt)
         finally:
             self._leading = False
             if self._pending:
@@ -349,6 +369,27 @@ class BatchScheduler:
             if not job.started:
                 self._counters["batch_queue_wait_us_total"] += int((now - job.submitted) * 1e6)
         return tick
+
+
+def _last(job: Job) -> Job:
+    """The job a run of steps is at (a plain job: itself)."""
+    while job.next is not None:
+        job = job.next
+    return job
+
+
+def _follow(job: Job) -> Job | None:
+    """A finished stream job's next step, linked into the run (it shares the owner's wake)."""
+    assert job.follow is not None
+    try:
+        nxt = job.follow(job)
+    except Exception as exc:  # noqa: BLE001 - a bug of the engine's follow: end the run with it
+        if job.error is None:
+            job.error = exc
+        return None
+    if nxt is not None:
+        nxt.follow, nxt.wake, job.next = job.follow, job.wake, nxt
+    return nxt
 
 
 __all__ = [

@@ -374,6 +374,36 @@ class DecodeRequest:
             object.__setattr__(self, "hidden_state", _frozen_array(self.hidden_state))
 
 
+@dataclass(frozen=True)
+class StreamRequest:
+    """A run of decodes of one session, each decoding the token the step before it chose
+    (``ShardEngine.stream``): a server-driven generation's steady state.
+
+    Why its own request: a generation's steps differ only in their token and position, so the
+    engine validates the run once and may deliver each step's result from wherever the step
+    finished (the task that ran its tick, a callback of its native thread) instead of waking the
+    caller's task per token. ``token`` is decoded first (the token the session's last step
+    chose); at most ``max_steps`` steps run. ``lookahead``: the engine may compute the next step
+    ahead, stopping at ``stop_tokens`` or (``stop_at_eog``) an end-of-generation token, as for
+    ``Lookahead``. First-and-last shards only; no step timeout (a caller that needs one decodes
+    step by step).
+    """
+
+    session_id: str
+    token: int
+    max_steps: int
+    sampling: SamplingParams = GREEDY
+    top_k_logprobs: int = 0
+    lookahead: bool = True
+    stop_tokens: frozenset[int] = frozenset()
+    stop_at_eog: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1:
+            raise InvalidInput("StreamRequest.max_steps must be an int >= 1", session_id=self.session_id)
+        object.__setattr__(self, "stop_tokens", frozenset(self.stop_tokens))
+
+
 # --- Results --------------------------------------------------------------------------------
 
 

@@ -39,7 +39,9 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shard.engine import DecodeRequest, EngineError, PrefillRequest, ShardEngine, StepResult
+from shard.engine import (
+    DecodeRequest, EngineError, PrefillRequest, ShardEngine, StepResult, StreamRequest,
+)
 from shard.v1 import shard_pb2 as pb
 
 from . import convert
@@ -216,6 +218,30 @@ class MeteredEngine:
 
     async def decode(self, request: DecodeRequest) -> StepResult:
         return await self._timed(self._engine.decode, request, decode=True)
+
+    async def stream(self, request: StreamRequest, deliver: Callable[[StepResult], bool]) -> int:
+        """A stream is one operation: its first step is split into queue wait and compute as
+        a decode is; each later step's time is the time since the step before it (the engine
+        computes a stream's steps back to back)."""
+        called = last = trio.current_time()
+        metrics = self._metrics
+        first = True
+
+        def timed(result: StepResult) -> bool:
+            nonlocal last, first
+            now = trio.current_time()
+            if first:
+                first = False
+                last = max(called, min(self._last_done, now))
+                metrics.queue_wait.observe(last - called)
+            metrics.decode_step.observe(now - last)
+            last = self._last_done = now  # (an operation beside the stream waited for it)
+            return deliver(result)
+
+        try:
+            return await self._engine.stream(request, timed)
+        finally:
+            self._last_done = trio.current_time()
 
     async def open_session(
         self, session_id: str, *, kv_budget: int | None = None, batch_group: int = 0

@@ -83,6 +83,7 @@ from shard.engine import (
     ShardEngine,
     StepResult,
     StepTimeout,
+    StreamRequest,
     TooManySessions,
 )
 from shard.stops import StopRules
@@ -1222,38 +1223,113 @@ class SessionCall:
         ahead = self._limits.lookahead != "off"
         emitted = 0
         while True:
-            # The steps that may follow this one: the engine may compute the next ahead.
-            hint = None
-            if ahead and g.max_tokens - emitted > 1:
-                hint = Lookahead(g.max_tokens - emitted - 1, rules.stop_tokens,
-                                 stop_at_eog=not g.ignore_eos)
-            with self.cancellable():
-                await self.take_credit()
-                start = self.positions.end
-                if emitted == 0 and prompt is not None:
-                    request = PrefillRequest(
-                        sid, prompt, position=start, sampling=sampling,
-                        top_k_logprobs=g.top_logprobs, lookahead=hint,
-                    )
-                    result = await self.engine_call(self._engine.prefill, request)
-                else:
-                    token = self.positions.next_token
-                    assert token is not None
-                    result = await self.decode_one(token, None, sampling, g.top_logprobs, hint)
-            assert result.logits is not None
-            emitted += 1
-            finish = self.finish_reason(rules, result.logits.token_id, result.logits.is_eog,
-                                        emitted, result.n_past)
-            # (queued without a scheduler pass: the next step's engine call is one)
-            await self.send_step(result, start, finish, now=True,
-                                 usage_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
-            count_generated(usage, result, prompt_step=emitted == 1 and prompt is not None)
+            if emitted and self._step_timeout is None and self.positions.end == self.positions.engine:
+                # The steady state: the next tokens as one engine stream (no task step per token)
+                emitted, finish = await self._stream(g, sampling, rules, emitted, usage, ahead)
+            else:
+                # The steps that may follow this one: the engine may compute the next ahead.
+                hint = None
+                if ahead and g.max_tokens - emitted > 1:
+                    hint = Lookahead(g.max_tokens - emitted - 1, rules.stop_tokens,
+                                     stop_at_eog=not g.ignore_eos)
+                with self.cancellable():
+                    await self.take_credit()
+                    start = self.positions.end
+                    if emitted == 0 and prompt is not None:
+                        request = PrefillRequest(
+                            sid, prompt, position=start, sampling=sampling,
+                            top_k_logprobs=g.top_logprobs, lookahead=hint,
+                        )
+                        result = await self.engine_call(self._engine.prefill, request)
+                    else:
+                        token = self.positions.next_token
+                        assert token is not None
+                        result = await self.decode_one(token, None, sampling, g.top_logprobs, hint)
+                assert result.logits is not None
+                emitted += 1
+                finish = self.finish_reason(rules, result.logits.token_id, result.logits.is_eog,
+                                            emitted, result.n_past)
+                # (queued without a scheduler pass: the next step's engine call is one)
+                await self.send_step(result, start, finish, now=True,
+                                     usage_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
+                count_generated(usage, result, prompt_step=emitted == 1 and prompt is not None)
             if finish != pb.FINISH_REASON_UNSPECIFIED:
                 return
             if g.yield_on_drain and self._registry.draining and caps.kv_layout:
                 raise ShardError(ErrorCode.DRAINING, "the worker is draining: the generation "
                                  "yields its session to be moved (export_state)",
                                  session_id=sid, reason=handoff.YIELDED)
+
+    async def _stream(
+        self, g: pb.Generate, sampling: SamplingParams, rules: StopRules, emitted: int,
+        usage: pb.Usage, ahead: bool,
+    ) -> tuple[int, int]:
+        """A Generate's next tokens as one engine stream (``ShardEngine.stream``): each token is
+        framed by ``deliver`` where the engine finished its step (for a batching engine, one
+        pass over a tick's sessions), not by this task, which sleeps until the stream ends:
+        the generation finished, the credit ran out (the next stream waits for it), a
+        response must wait for room, or a drain asks the generation to yield. The same
+        messages, credits, counts and positions as step by step (``send_step``); returns
+        (tokens emitted, the last one's finish reason)."""
+        token = self.positions.next_token
+        assert token is not None
+        finish = pb.FINISH_REASON_UNSPECIFIED
+        held: pb.SessionResponse | None = None
+        positions, outbox, capacity = self.positions, self._outbox, self._kv_capacity
+        count, draining = self._registry.count, self._registry
+        yields = g.yield_on_drain and bool(self.caps.kv_layout)
+        credit = self.credit
+
+        def deliver(result: StepResult) -> bool:
+            nonlocal emitted, finish, held
+            start = positions.end
+            positions.computed(start, result)
+            logits = result.logits
+            emitted += 1
+            finish = rules.finish_reason(logits.token_id, logits.is_eog, emitted=emitted,
+                                         n_past=result.n_past, capacity=capacity)
+            self._step_no += 1
+            self._credits_spent += 1  # spent now, even if the stream ends before it is sent
+            msg = convert.token_response(result, self._step_no, start, finish)
+            usage.generated_tokens += 1
+            last = finish != pb.FINISH_REASON_UNSPECIFIED
+            try:
+                outbox.send_nowait(msg, more_follows=last)
+            except (trio.WouldBlock, trio.BrokenResourceError):
+                held = msg  # sent by the task once the stream ended (it may wait)
+                return False
+            count("steps_sent_total")
+            positions.sent(result.n_past)
+            if last or (yields and draining.draining):
+                return False
+            left = credit.value
+            if left <= 0:
+                return False  # the next step waits for credit in this task
+            if left != UNLIMITED_CREDIT:
+                credit.value = left - 1
+            self._credits_taken += 1
+            return True
+
+        try:
+            with self.cancellable():
+                await self.take_credit()
+                try:
+                    await self._engine.stream(StreamRequest(
+                        self.session_id, token, g.max_tokens - emitted, sampling, g.top_logprobs,
+                        lookahead=ahead, stop_tokens=rules.stop_tokens,
+                        stop_at_eog=not g.ignore_eos), deliver)
+                except EngineError as exc:
+                    self._resync()
+                    raise ShardError.from_engine(exc) from None
+                except BaseException:  # a Cancel, the call deadline, a reset: rolled back
+                    self._resync()
+                    raise
+        finally:
+            if held is not None:  # a delivered token that found no room: it waits its turn
+                await self._send(held, more_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
+                self._registry.count("steps_sent_total")
+                positions.sent(positions.end)
+        return emitted, finish
 
     async def generate_input(self, g: pb.Generate) -> tuple[SamplingParams, tuple[int, ...] | None]:
         """A Generate's checked input: (sampling, prompt ids; None: continue from the token
