@@ -17,12 +17,12 @@ and registry state belong to the Trio thread, so the collector hops into Trio
 (``trio.from_thread.run_sync``) for each snapshot instead of reading that state from another
 thread. ``serve_metrics`` owns the server: it stops it and closes its socket on exit.
 
-Queue wait and step time: ``MeteredEngine`` wraps the engine the registry uses. Both engines run
-one operation at a time (the llama engine under one ``CapacityLimiter(1)``), so an operation
-started when the previous one finished: ``start = max(called, last completion)``. That splits
-each step's latency into the wait for the engine (``queue_wait``) and its own compute time,
-without touching the engine. If an engine ever runs operations in parallel (batching), the
-split over-counts compute and must come from the engine instead.
+Queue wait and step time: ``MeteredEngine`` wraps the engine the registry uses. An operation is
+taken to start when the engine last finished one: ``start = max(called, last completion)``.
+That splits each step's latency into the wait for the engine (``queue_wait``) and its own
+compute time, without touching the engine. Engines that batch run several sessions' steps in
+one native step, so "compute" includes sharing it (docs/operations.md). A ``Generate``'s stream
+of steps is one operation: its first step is split so, each later one timed from the step before.
 """
 
 from __future__ import annotations
