@@ -29,7 +29,8 @@ internals stay in one module; this module adds the calls, sessions and typed err
 * every failure is a ``ShardError`` (``.code``, ``.retryable``, ``.grpc_status``) rebuilt from
   the status and the ``shard-error-bin`` trailer, never a raw exception group;
 * session streams grant credit automatically as the caller consumes results, so a caller that
-  stops reading pauses the worker instead of filling buffers;
+  stops reading pauses the worker instead of filling buffers (at most ``DEFAULT_CREDIT``
+  results ahead unless the session asks otherwise);
 * a result the worker split into chunks (a boundary result over ``max_message_bytes``) is
   reassembled, so callers always see one ``StepResult`` per step; what is buffered for it is
   bounded (at most the session's KV capacity in rows, and ``max_result_bytes`` if set);
@@ -81,6 +82,11 @@ __all__ = [
 SERVICE = "shard.v1.Shard"
 M = TypeVar("M", bound=Message)
 _DEFAULT: Any = object()  # "use the client's default timeout"
+#: The credit a session asks for unless told otherwise: a worker grants at most its
+#: ``max_credit`` (64 by default). Credit is granted back when half of it is used, so a window
+#: of 64 costs one ``Credit`` message per 32 results where the worker's default (16) cost one
+#: per 8, each a message the worker must read and a socket write on both sides.
+DEFAULT_CREDIT = 64
 cache_expectation = convert.cache_expectation
 
 
@@ -123,18 +129,22 @@ class ShardClient:
         self.version = pb.ProtocolVersion(major=version[0], minor=version[1])
         self.max_result_bytes = max_result_bytes
 
-    def _step_down(self, err: ShardError) -> bool:
-        """After ``UNSUPPORTED_VERSION`` from an older worker: speak the newest version of our
-        major it serves (it listed them) and say True, so the call is made again. Only when the
-        caller did not pin a version, and only to an older minor (minors only add fields)."""
+    def _step_down(self, err: ShardError, sent: tuple[int, int]) -> bool:
+        """After ``UNSUPPORTED_VERSION`` from an older worker for a call sent in version
+        ``sent``: speak the newest version of our major it serves (it listed them) and say
+        True, so the call is made again. Only when the caller did not pin a version, and only
+        to an older minor (minors only add fields). Calls refused at once (several sessions
+        opened together) each step down from the version they were sent with, never below
+        what another already chose (each compared with the client's current version, the
+        later ones found nothing older and failed)."""
         if not self._negotiate or err.code is not ErrorCode.UNSUPPORTED_VERSION:
             return False
-        ours = (self.version.major, self.version.minor)
-        older = [v for v in err.supported_versions if v[0] == ours[0] and v[1] < ours[1]]
+        older = [v for v in err.supported_versions if v[0] == sent[0] and v[1] < sent[1]]
         if not older:
             return False
-        major, minor = max(older)
-        self.version = pb.ProtocolVersion(major=major, minor=minor)
+        best = max(older)
+        if best < (self.version.major, self.version.minor):
+            self.version = pb.ProtocolVersion(major=best[0], minor=best[1])
         return True
 
     @property
@@ -236,10 +246,11 @@ class ShardClient:
         return math.inf if timeout is None else trio.current_time() + timeout
 
     async def _unary(self, method: str, request: Message, response_type: type[M], timeout: float | None) -> M:
+        sent = (request.version.major, request.version.minor)  # type: ignore[attr-defined]
         try:
             return await self._unary_once(method, request, response_type, timeout)
         except ShardError as err:
-            if not self._step_down(err):
+            if not self._step_down(err, sent):
                 raise
         request.version.CopyFrom(self.version)  # type: ignore[attr-defined]
         return await self._unary_once(method, request, response_type, timeout)
@@ -380,7 +391,7 @@ class ShardClient:
             session_id=sid,
             expected_model_fingerprint=expected_model_fingerprint,
             kv_budget=kv_budget,
-            initial_credit=credit,
+            initial_credit=credit or DEFAULT_CREDIT,
             step_timeout_ms=0 if step_timeout is None else max(1, round(step_timeout * 1000)),
             hidden_wire_dtype=hidden_wire_dtype,
             batch_group=batch_group,
@@ -397,11 +408,12 @@ class ShardClient:
         while True:
             stream = self._conn.open_stream("Session", deadline, self.metadata)
             session = ClientSession(self, stream, sid)
+            sent = (self.version.major, self.version.minor)  # (what _open sends it in)
             try:
                 await session._open(open_msg)
             except ShardError as err:
                 session.abort()
-                if self._step_down(err):
+                if self._step_down(err, sent):
                     continue  # an older worker: open again in its version
                 raise
             except BaseException:
@@ -428,7 +440,8 @@ class ShardClient:
         """Open a session stream for the block (``session_id`` defaults to a random id).
 
         ``cache``: resume a retained session (see ``cache_expectation``); the outcome is in
-        ``session.cache``. ``credit``: results the worker may send ahead (0: its default).
+        ``session.cache``. ``credit``: results the worker may send ahead (0: ``DEFAULT_CREDIT``, 64,
+        or the worker's ``max_credit`` if lower).
         ``step_timeout``: per-step deadline in seconds. ``hidden_wire_dtype``: ask for
         "float16" hidden states (see ``session.hidden_dtype`` for what the worker agreed to).
         ``route``: the hops after this worker, for chain relay (a worker that reports

@@ -17,7 +17,10 @@ import trio.testing
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import MODEL, loaded, make_engine, worker
-from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling
+from shard.client import (
+    DEFAULT_CREDIT, ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling,
+)
+from shard.rpc.session import SessionLimits
 from shard.rpc.transport import CallContext
 from shard.rpc.versions import SUPPORTED_VERSIONS
 from shard.v1 import shard_pb2 as pb
@@ -181,6 +184,35 @@ async def test_client_deadline_resets_and_the_worker_releases() -> None:
         assert w.engine.sessions() == () and w.server.registry.n_retained == 0
         assert w.gate.after(w.last_end()) <= 1
         assert (await c.health()).status == pb.HealthResponse.STATUS_SERVING  # connection still fine
+
+
+async def test_a_session_asks_for_a_wide_credit_window_and_grants_it_back_in_halves() -> None:
+    """Credit is granted back in messages of half the window: the client asks for
+    ``DEFAULT_CREDIT`` (64) unless told otherwise, so a long generation costs the worker one
+    ``Credit`` message per 32 tokens instead of one per 8 (its own default window of 16); a
+    worker with a smaller ``max_credit`` grants what it allows."""
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session(session_id="wide") as s:
+            assert s.opened.credit == DEFAULT_CREDIT == 64
+            sent: list[pb.SessionRequest] = []
+            send = s._stream.send
+
+            async def counting(req: pb.SessionRequest) -> None:
+                sent.append(req)
+                await send(req)
+
+            s._stream.send = counting  # type: ignore[method-assign]
+            steps = [st async for st in s.generate(TOKENS, max_tokens=224, ignore_eos=True)]
+            assert len(steps) == 224
+            grants = [r.credit.messages for r in sent if r.WhichOneof("kind") == "credit"]
+            assert 5 <= len(grants) <= 224 // 32 and set(grants) == {32}, grants  # (16: 13 of 8)
+        await w.idle()
+    async with worker(limits=SessionLimits(default_credit=4, max_credit=8)) as w, \
+            ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session(session_id="narrow") as s:
+            assert s.opened.credit == 8
+            assert len([st async for st in s.generate(TOKENS, max_tokens=40, ignore_eos=True)]) == 40
+        await w.idle()
 
 
 async def test_caller_cancellation_sends_rst_and_the_worker_releases() -> None:
@@ -516,6 +548,31 @@ async def test_the_client_steps_down_to_an_older_workers_version(monkeypatch: py
             with pytest.raises(ShardError) as info:
                 await c.capabilities()
             assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+        await w.idle()
+
+
+async def test_sessions_opened_together_all_step_down_to_the_newest_version_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four generations start at once on a fresh client against a worker one minor behind:
+    all four are refused, and each steps down from the version it was sent in, to the newest
+    the worker serves. (Each used to compare with the client's current version: the first
+    stepped down to 1.1, the second on to 1.0, the rest found nothing older and failed.)"""
+    from shard.rpc import versions
+
+    monkeypatch.setattr(versions, "SUPPORTED_VERSIONS", ((1, 0), (1, 1)))
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
+        got: list[int] = []
+
+        async def generate(i: int) -> None:
+            steps = [st async for st in c.generate([1, 104 + i], max_tokens=3, ignore_eos=True)]
+            got.append(len(steps))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):  # (the test worker's every session)
+                nursery.start_soon(generate, i)
+        assert got == [3] * 4
+        assert (c.version.major, c.version.minor) == (1, 1)
         await w.idle()
 
 
