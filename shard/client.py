@@ -29,8 +29,7 @@ internals stay in one module; this module adds the calls, sessions and typed err
 * every failure is a ``ShardError`` (``.code``, ``.retryable``, ``.grpc_status``) rebuilt from
   the status and the ``shard-error-bin`` trailer, never a raw exception group;
 * session streams grant credit automatically as the caller consumes results, so a caller that
-  stops reading pauses the worker instead of filling buffers (at most ``DEFAULT_CREDIT``
-  results ahead unless the session asks otherwise);
+  stops reading pauses the worker instead of filling buffers;
 * a result the worker split into chunks (a boundary result over ``max_message_bytes``) is
   reassembled, so callers always see one ``StepResult`` per step; what is buffered for it is
   bounded (at most the session's KV capacity in rows, and ``max_result_bytes`` if set);
@@ -82,11 +81,13 @@ __all__ = [
 SERVICE = "shard.v1.Shard"
 M = TypeVar("M", bound=Message)
 _DEFAULT: Any = object()  # "use the client's default timeout"
-#: The credit a session asks for unless told otherwise: a worker grants at most its
-#: ``max_credit`` (64 by default). Credit is granted back when half of it is used, so a window
-#: of 64 costs one ``Credit`` message per 32 results where the worker's default (16) cost one
-#: per 8, each a message the worker must read and a socket write on both sides.
-DEFAULT_CREDIT = 64
+#: The credit a session whose results are tokens asks for (``ShardClient.generate``, a
+#: pipeline's whole-model hop): a worker grants at most its ``max_credit`` (64 by default).
+#: Credit is granted back when half of it is used, so a window of 64 costs one ``Credit``
+#: message per 32 tokens where the worker's default (16) costs one per 8, each a message the
+#: worker must read and a socket write on both sides. (Other sessions keep the worker's
+#: default: a window of hidden-state results is memory the worker holds.)
+TOKEN_CREDIT = 64
 cache_expectation = convert.cache_expectation
 
 
@@ -391,7 +392,7 @@ class ShardClient:
             session_id=sid,
             expected_model_fingerprint=expected_model_fingerprint,
             kv_budget=kv_budget,
-            initial_credit=credit or DEFAULT_CREDIT,
+            initial_credit=credit,
             step_timeout_ms=0 if step_timeout is None else max(1, round(step_timeout * 1000)),
             hidden_wire_dtype=hidden_wire_dtype,
             batch_group=batch_group,
@@ -440,8 +441,8 @@ class ShardClient:
         """Open a session stream for the block (``session_id`` defaults to a random id).
 
         ``cache``: resume a retained session (see ``cache_expectation``); the outcome is in
-        ``session.cache``. ``credit``: results the worker may send ahead (0: ``DEFAULT_CREDIT``, 64,
-        or the worker's ``max_credit`` if lower).
+        ``session.cache``. ``credit``: results the worker may send ahead (0: its default;
+        ``TOKEN_CREDIT`` suits a session that generates).
         ``step_timeout``: per-step deadline in seconds. ``hidden_wire_dtype``: ask for
         "float16" hidden states (see ``session.hidden_dtype`` for what the worker agreed to).
         ``route``: the hops after this worker, for chain relay (a worker that reports
@@ -1138,7 +1139,8 @@ class OneShot:
             raise StopAsyncIteration
         try:
             if self._steps is None:
-                self._session = await self._client.open_session(timeout=self._timeout)
+                self._session = await self._client.open_session(credit=TOKEN_CREDIT,
+                                                                timeout=self._timeout)
                 self._steps = StepStream(self._session, self._session._request(generate=self._request))
             return await self._steps.__anext__()
         except StopAsyncIteration:

@@ -18,7 +18,7 @@ import trio.testing
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import MODEL, loaded, make_engine, worker
 from shard.client import (
-    DEFAULT_CREDIT, ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling,
+    TOKEN_CREDIT, ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation, sampling,
 )
 from shard.rpc.session import SessionLimits
 from shard.rpc.transport import CallContext
@@ -186,32 +186,43 @@ async def test_client_deadline_resets_and_the_worker_releases() -> None:
         assert (await c.health()).status == pb.HealthResponse.STATUS_SERVING  # connection still fine
 
 
-async def test_a_session_asks_for_a_wide_credit_window_and_grants_it_back_in_halves() -> None:
-    """Credit is granted back in messages of half the window: the client asks for
-    ``DEFAULT_CREDIT`` (64) unless told otherwise, so a long generation costs the worker one
-    ``Credit`` message per 32 tokens instead of one per 8 (its own default window of 16); a
-    worker with a smaller ``max_credit`` grants what it allows."""
+async def test_a_generating_session_asks_for_a_wide_credit_window_and_grants_it_back_in_halves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Credit is granted back in messages of half the window. ``ShardClient.generate`` (and a
+    session opened with ``credit=TOKEN_CREDIT``) asks for 64, so a long generation costs the
+    worker one ``Credit`` message per 32 tokens instead of one per 8 (its default window of
+    16, which other sessions keep); a worker with a smaller ``max_credit`` grants what it
+    allows."""
+    sent: list[pb.SessionRequest] = []
+    send = ClientSession._send
+
+    async def counting(self: ClientSession, req: pb.SessionRequest) -> None:
+        sent.append(req)
+        await send(self, req)
+
+    monkeypatch.setattr(ClientSession, "_send", counting)
+
+    def grants() -> list[int]:
+        return [r.credit.messages for r in sent if r.WhichOneof("kind") == "credit"]
+
     async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
-        async with c.session(session_id="wide") as s:
-            assert s.opened.credit == DEFAULT_CREDIT == 64
-            sent: list[pb.SessionRequest] = []
-            send = s._stream.send
-
-            async def counting(req: pb.SessionRequest) -> None:
-                sent.append(req)
-                await send(req)
-
-            s._stream.send = counting  # type: ignore[method-assign]
-            steps = [st async for st in s.generate(TOKENS, max_tokens=224, ignore_eos=True)]
-            assert len(steps) == 224
-            grants = [r.credit.messages for r in sent if r.WhichOneof("kind") == "credit"]
-            assert 5 <= len(grants) <= 224 // 32 and set(grants) == {32}, grants  # (16: 13 of 8)
+        steps = [st async for st in c.generate(TOKENS, max_tokens=224, ignore_eos=True)]
+        assert len(steps) == 224
+        assert 5 <= len(grants()) <= 224 // 32 and set(grants()) == {32}, grants()  # (16: 13 of 8)
+        sent.clear()
+        async with c.session(session_id="wide", credit=TOKEN_CREDIT) as s:
+            assert s.opened.credit == TOKEN_CREDIT == 64
+            assert len([st async for st in s.generate(TOKENS, max_tokens=100, ignore_eos=True)]) == 100
+            assert set(grants()) == {32}, grants()
+        async with c.session(session_id="plain") as s:
+            assert s.opened.credit == SessionLimits().default_credit == 16
         await w.idle()
     async with worker(limits=SessionLimits(default_credit=4, max_credit=8)) as w, \
             ShardClient.connect(w.target, timeout=10) as c:
-        async with c.session(session_id="narrow") as s:
-            assert s.opened.credit == 8
-            assert len([st async for st in s.generate(TOKENS, max_tokens=40, ignore_eos=True)]) == 40
+        sent.clear()
+        assert len([st async for st in c.generate(TOKENS, max_tokens=40, ignore_eos=True)]) == 40
+        assert set(grants()) == {4}, grants()
         await w.idle()
 
 

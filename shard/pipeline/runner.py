@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from shard.client import ClientSession, ShardClient, StepStream
+from shard.client import TOKEN_CREDIT, ClientSession, ShardClient, StepStream
 from shard.deadlines import HOP_DEADLINE_MARGIN, RELAY_DEADLINE_MARGIN, hop_timeout, time_left
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode, ShardError
@@ -686,8 +686,11 @@ class HopRunner:
         if timeout is not None and timeout <= 0:
             raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired")
         want = convert.offered_dtype(replica.caps, self.gen.hidden_dtype)
+        tokens_only = replica.caps.is_first and replica.caps.is_last and self.route is None
         return await replica.client.open_session(
             name,
+            # a whole-model hop's results are tokens: a wide window costs fewer grants
+            credit=TOKEN_CREDIT if tokens_only else 0,
             expected_model_fingerprint=ref.model_fingerprint,
             expected_layer_range=(ref.layer_range.start, ref.layer_range.end),
             # float32 is not asked for, so a v1.0 exchange stays byte for byte the same
