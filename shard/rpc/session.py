@@ -1276,7 +1276,7 @@ class SessionCall:
         finish = pb.FINISH_REASON_UNSPECIFIED
         held: pb.SessionResponse | None = None
         positions, outbox, capacity = self.positions, self._outbox, self._kv_capacity
-        count, draining = self._registry.count, self._registry
+        registry = self._registry
         yields = g.yield_on_drain and bool(self.caps.kv_layout)
         credit = self.credit
 
@@ -1298,9 +1298,9 @@ class SessionCall:
             except (trio.WouldBlock, trio.BrokenResourceError):
                 held = msg  # sent by the task once the stream ended (it may wait)
                 return False
-            count("steps_sent_total")
+            registry.count("steps_sent_total")
             positions.sent(result.n_past)
-            if last or (yields and draining.draining):
+            if last or (yields and registry.draining):
                 return False
             left = credit.value
             if left <= 0:
