@@ -9,6 +9,8 @@ served ``Generate`` keeps every guarantee on the llama.cpp engine's callback pat
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -145,6 +147,42 @@ async def test_streaming_sessions_share_ticks_and_each_tick_is_one_pass() -> Non
         assert sessions / ticks >= 6, (sessions, ticks)  # (the prompts arrive apart)
         for i in range(8):
             await engine.release(f"s{i}")
+
+
+async def test_a_long_batched_stream_keeps_no_step_it_went_through() -> None:
+    """The jobs of a stream's finished steps (each holding its result) are dropped as the run
+    goes on: a long run holds one step, not all of them. (They were linked one to the next,
+    so a stream kept every step's result until it ended, and found its current step by
+    walking them all.)"""
+    engine = _batched_fake()
+    async with loaded(engine):
+        await engine.open_session("s")
+        r = await engine.prefill(PrefillRequest("s", PROMPT, top_k_logprobs=0))
+        assert r.logits is not None
+        scheduler = engine._scheduler  # noqa: SLF001
+        assert scheduler is not None
+        seen: list[weakref.ref[Any]] = []
+        alive_at: list[int] = []
+        stream = scheduler.stream
+
+        async def watched(job: Any, follow: Any) -> Any:
+            def recording(j: Any) -> Any:
+                seen.append(weakref.ref(j))
+                return follow(j)
+
+            return await stream(job, recording)
+
+        scheduler.stream = watched  # type: ignore[method-assign]
+
+        def deliver(result: StepResult) -> bool:
+            if result.n_past == len(PROMPT) + 150:
+                gc.collect()
+                alive_at.append(sum(ref() is not None for ref in seen[1:-2]))
+            return True
+
+        assert await engine.stream(StreamRequest("s", r.logits.token_id, 200), deliver) == 200
+        assert len(seen) == 200 and alive_at == [0], alive_at
+        await engine.release("s")
 
 
 @pytest.mark.parametrize("how", ["cancel_scope", "engine.cancel"])

@@ -66,9 +66,9 @@ class Job:
     result: Any = None
     error: BaseException | None = None
     #: A stream's (``BatchScheduler.stream``): called once the job finished, gives the job of
-    #: the run's next step (None: the run ends); ``next`` is that job.
+    #: the run's next step (None: the run ends); ``run`` says which job the run is at.
     follow: Callable[[Job], Job | None] | None = None
-    next: Job | None = None
+    run: _Run | None = None
 
     def start(self) -> None:
         """Called by the tick right before the job's first rows change the KV cache."""
@@ -193,7 +193,7 @@ class BatchScheduler:
         not woken between steps: a tick of N streaming sessions costs one pass over their
         results, not N task steps. ``follow`` must not raise or await. Returns the run's last
         job (its ``error``, if any, ended the run); cancellation as for ``compute``."""
-        job.follow = follow
+        job.follow, job.run = follow, _Run(job)
         await self.compute(job)
         return _last(job)
 
@@ -371,16 +371,24 @@ class BatchScheduler:
         return tick
 
 
+@dataclass(eq=False)
+class _Run:
+    """Where a stream's run of jobs is: every job of the run points here, so the owner finds
+    the current one at once and the jobs it went through are not kept (a chain of them held
+    every step's result for as long as the stream ran)."""
+
+    current: Job
+
+
 def _last(job: Job) -> Job:
     """The job a run of steps is at (a plain job: itself)."""
-    while job.next is not None:
-        job = job.next
-    return job
+    return job if job.run is None else job.run.current
 
 
 def _follow(job: Job) -> Job | None:
-    """A finished stream job's next step, linked into the run (it shares the owner's wake)."""
-    assert job.follow is not None
+    """A finished stream job's next step, made the run's current one (it shares the owner's
+    wake)."""
+    assert job.follow is not None and job.run is not None
     try:
         nxt = job.follow(job)
     except Exception as exc:  # noqa: BLE001 - a bug of the engine's follow: end the run with it
@@ -388,7 +396,8 @@ def _follow(job: Job) -> Job | None:
             job.error = exc
         return None
     if nxt is not None:
-        nxt.follow, nxt.wake, job.next = job.follow, job.wake, nxt
+        nxt.follow, nxt.wake, nxt.run = job.follow, job.wake, job.run
+        job.run.current = nxt
     return nxt
 
 
