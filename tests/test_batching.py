@@ -478,37 +478,112 @@ async def test_new_sessions_take_the_lowest_free_sequence_ids() -> None:
         assert ids == {"a": 1, "b": 3, "c": 4}
 
 
-# ---- one call per tick, or one per row (SplitChooser) --------------------------------------
+async def test_a_batch_groups_sessions_take_neighbouring_sequence_ids() -> None:
+    """A pipeline opens its generations' sessions in its batch groups in turn, and a tick holds
+    one group: with the lowest free id each group held every third id (0, 3, 6), so each of its
+    ticks ran as one ubatch per row (two hops served 0.7x the whole model; 0.9-1.0x once the
+    groups held neighbouring ids). Sessions without a group still take the lowest free id."""
+    from shard.engine import LoadSpec
+    from shard.engine.fake import FakeEngine
+    from shard.engine.seq_ids import runs
+
+    async with FakeEngine() as engine:
+        await engine.load(LoadSpec(n_ctx=1600, max_sessions=16))
+        groups = (7001, 7002, 7003)
+        for i in range(8):
+            await engine.open_session(f"g{i}", batch_group=groups[i % 3])
+        ids = {sid: s.seq_id for sid, s in engine._slots.items()}  # internal, on purpose
+        for g in groups:
+            assert runs(s.seq_id for s in engine._slots.values() if s.batch_group == g) == 1, ids
+        await engine.open_session("plain")
+        assert engine._slots["plain"].seq_id == min(set(range(16)) - set(ids.values()))
 
 
-def test_split_chooser_measures_both_ways_then_takes_the_cheaper() -> None:
-    from shard.engine.batching import MAX_SPLIT_ROWS, SplitChooser
+@given(
+    held=st.dictionaries(st.integers(0, 23), st.integers(0, 3), max_size=20),
+    group=st.integers(0, 3),
+)
+def test_a_sequence_id_is_free_and_next_to_the_group_when_it_can_be(
+    held: dict[int, int], group: int,
+) -> None:
+    from shard.engine.seq_ids import pick_seq_id
 
-    chooser = SplitChooser()
-    assert chooser.choose(1) is False and chooser.choose(MAX_SPLIT_ROWS + 1) is False  # never split
-    first = chooser.choose(2)
-    assert first is False  # nothing measured: one call first
-    chooser.observe(2, False, 0.027)
-    assert chooser.choose(2) is True  # then the other way, once
-    chooser.observe(2, True, 0.019)
-    picks = [chooser.choose(2) for _ in range(SplitChooser.EXPLORE * 2)]
-    # The cheaper way (split), except one exploring tick per EXPLORE ticks of this size.
-    assert picks.count(False) == 2 and picks.count(True) == len(picks) - 2
-    # The costs are moving averages: when split becomes dearer, joined wins again.
-    for _ in range(20):
-        chooser.observe(2, True, 0.05)
-    assert chooser.choose(2) is False
-    # Sizes are independent.
-    assert chooser.choose(3) is False
+    free = set(range(24)) - set(held)
+    if not free:
+        return
+    seq = pick_seq_id(free, held, group)
+    assert seq in free
+    if group == 0:
+        assert seq == min(free)
+        return
+    neighbours = {s + d for s, g in held.items() if g == group for d in (-1, 1)} & free
+    if neighbours:
+        assert seq in neighbours
 
 
-def test_split_chooser_ignores_sizes_it_never_splits() -> None:
-    from shard.engine.batching import MAX_SPLIT_ROWS, SplitChooser
+@given(n_groups=st.integers(2, 6), per_group=st.integers(1, 5))
+def test_groups_opened_in_turn_into_room_each_form_one_run(n_groups: int, per_group: int) -> None:
+    """Generations spread over the groups in turn (``shard.pipeline.groups``): with room for
+    twice the sessions, every group ends up as one run of ids (one ubatch per tick)."""
+    from shard.engine.seq_ids import pick_seq_id, runs
 
-    chooser = SplitChooser()
-    chooser.observe(MAX_SPLIT_ROWS + 1, True, 0.001)
-    chooser.observe(1, True, 0.001)
-    assert chooser.choose(MAX_SPLIT_ROWS + 1) is False and chooser.choose(1) is False
+    n = n_groups * per_group
+    held: dict[int, int] = {}
+    free = set(range(2 * n))
+    for i in range(n):
+        seq = pick_seq_id(free, held, 1 + i % n_groups)
+        free.remove(seq)
+        held[seq] = 1 + i % n_groups
+    for g in range(1, n_groups + 1):
+        assert runs(s for s, h in held.items() if h == g) == 1, held
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["ticks", "lookahead"])
+async def test_every_native_call_writes_its_rows_in_increasing_sequence_order(ahead: bool) -> None:
+    """llama.cpp splits a batch into one ubatch per run of rows whose sequence ids go up one by
+    one (one KV stream per sequence), and every ubatch reads all the weights: four sessions'
+    rows in the order 3, 2, 1, 0 took twice as long as sorted (and 4 sessions served 0.52-0.61
+    of raw batching). Whatever order the steps arrive in, every call writes them sorted."""
+    from shard.engine import Lookahead
+
+    calls: list[list[int]] = []
+    async with FACTORY.open(EngineOptions(n_ctx=1536, max_sessions=6, n_batch=64)) as engine:
+        fill_batch, fill_rows = engine._fill_batch, engine._fill_rows  # spies on the real engine
+
+        def spy_batch(live):  # noqa: ANN001, ANN202
+            calls.append([work.slot.seq_id for work, _ in live])
+            return fill_batch(live)
+
+        def spy_rows(rows):  # noqa: ANN001, ANN202
+            calls.append([seq for _, _, seq in rows])
+            return fill_rows(rows)
+
+        engine._fill_batch, engine._fill_rows = spy_batch, spy_rows
+
+        async def generate(sid: str, salt: int) -> None:
+            hint = Lookahead() if ahead else None
+            r = await engine.prefill(PrefillRequest(sid, tokens=prompt_tokens(engine, 5, salt=salt),
+                                                    lookahead=hint))
+            for _ in range(24):
+                r = await engine.decode(DecodeRequest(sid, token=r.logits.token_id, lookahead=hint))
+
+        for i in range(6):
+            await engine.open_session(f"s{i}")
+        for i in (0, 1):
+            await engine.release(f"s{i}")
+        async with trio.open_nursery() as nursery:
+            for i in range(2, 6):
+                nursery.start_soon(generate, f"s{i}", i)
+            while engine.metrics().steps_total < 3 * 4:  # under way before the late ones
+                await trio.sleep(0.001)
+            for sid in ("late0", "late1"):  # the lowest ids, arriving last
+                await engine.open_session(sid)
+                nursery.start_soon(generate, sid, 9)
+        if ahead:
+            assert engine.metrics().lookahead_used_total > 0
+    shared = [c for c in calls if len(c) > 1]
+    assert len(shared) >= 10 and any(c[0] < 2 for c in shared)
+    assert all(c == sorted(c) for c in shared), [c for c in shared if c != sorted(c)][:3]
 
 
 @pytest.mark.parametrize(("tick", "transit"), [(0.010, 0.035), (0.2, 1.2), (0.3, 2.0)])

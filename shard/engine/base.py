@@ -42,6 +42,7 @@ import trio
 
 from . import sampling
 from .lookahead import LookaheadPlan
+from .seq_ids import pick_seq_id
 from .errors import (
     ContextExceeded,
     EngineCancelled,
@@ -304,7 +305,8 @@ class ShardEngine(abc.ABC):
         self._caps: Capabilities | None = None
         self._slots: dict[str, Slot] = {}
         # A min-heap: a new session takes the lowest free sequence id, so sessions open at the
-        # same time hold neighbouring ids (llama.cpp batches runs of consecutive ids together).
+        # same time hold neighbouring ids (llama.cpp batches runs of consecutive ids together);
+        # a session of a batch group takes one next to its group's (shard.engine.seq_ids).
         self._free_seq_ids: list[int] = []
         self._closed = trio.Event()  # set once aclose() has freed everything
         # Tokenizations running in worker threads (tokenize_async); aclose waits for them
@@ -573,8 +575,15 @@ class ShardEngine(abc.ABC):
                                session_id=session_id)
         if not self._free_seq_ids:
             raise TooManySessions(f"all {caps.max_sessions} sessions are in use")
-        slot = Slot(session_id=session_id, seq_id=heapq.heappop(self._free_seq_ids),
-                    kv_budget=kv_budget, batch_group=batch_group)
+        if batch_group:  # next to its group's sessions (shard.engine.seq_ids)
+            held = {s.seq_id: s.batch_group for s in self._slots.values()}
+            seq_id = pick_seq_id(self._free_seq_ids, held, batch_group)
+            self._free_seq_ids.remove(seq_id)
+            heapq.heapify(self._free_seq_ids)
+        else:
+            seq_id = heapq.heappop(self._free_seq_ids)
+        slot = Slot(session_id=session_id, seq_id=seq_id, kv_budget=kv_budget,
+                    batch_group=batch_group)
         slot.idle.set()
         self._slots[session_id] = slot
         self._counters["sessions_opened_total"] += 1

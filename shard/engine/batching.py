@@ -214,48 +214,6 @@ class TickPlanner:
         return lo
 
 
-#: Ticks of this many one-row steps or fewer may run as one native call per row (see
-#: ``SplitChooser``); larger ticks always run as one.
-MAX_SPLIT_ROWS = 8
-
-
-class SplitChooser:
-    """Whether a tick of ``k`` one-row steps runs as one native call or as ``k`` calls of one row.
-
-    Why: a batched call is not always cheaper than its rows one by one. Measured on llama.cpp
-    0.3.36's CPU kernels (bench model, Q8_0, AVX2, one thread): one row took 9.3 ms, two rows in
-    one call 27 ms, three 37 ms, four 35 ms, eight 51 ms; so two or three sessions decoded 30%
-    slower together than one after another, while eight gained 45%. Where the kernels switch
-    depends on the CPU, the build and the model, so nothing is assumed: for each ``k`` the
-    chooser keeps a moving average of both ways' native time per tick, measures each way once,
-    then takes the cheaper, trying the other again every ``EXPLORE`` ticks of that size.
-    """
-
-    ALPHA = 0.3
-    EXPLORE = 64
-
-    def __init__(self) -> None:
-        self._cost: dict[tuple[int, bool], float] = {}
-        self._seen: dict[int, int] = {}
-
-    def choose(self, k: int) -> bool:
-        """True: run the ``k`` rows one call each."""
-        if not 2 <= k <= MAX_SPLIT_ROWS:
-            return False
-        n = self._seen.get(k, 0)
-        self._seen[k] = n + 1
-        joined, split = self._cost.get((k, False)), self._cost.get((k, True))
-        if joined is None or split is None:
-            return joined is not None  # measure the missing way
-        cheaper = split < joined
-        return not cheaper if n % self.EXPLORE == self.EXPLORE - 1 else cheaper
-
-    def observe(self, k: int, split: bool, seconds: float) -> None:
-        if 2 <= k <= MAX_SPLIT_ROWS:
-            old = self._cost.get((k, split))
-            self._cost[(k, split)] = seconds if old is None else (1 - self.ALPHA) * old + self.ALPHA * seconds
-
-
 def _fair_shares(chunks: list[Step], rows: int) -> list[Piece]:
     """Split ``rows`` (at least one per step) among ``chunks``: equal shares, a step that needs
     less leaving the rest to the others."""
@@ -268,4 +226,4 @@ def _fair_shares(chunks: list[Step], rows: int) -> list[Piece]:
     return pieces
 
 
-__all__ = ["DEADLINE_SHARE", "MAX_SPLIT_ROWS", "Piece", "SplitChooser", "Step", "TickCost", "TickPlanner"]
+__all__ = ["DEADLINE_SHARE", "Piece", "Step", "TickCost", "TickPlanner"]

@@ -19,7 +19,14 @@ positions no matter what the other sessions hold (no fragmentation, no starvatio
 attends over its own stream only. ``load`` checks ``llama_n_ctx_seq`` against that promise; the
 tests fill every session of a ``n_ctx=1000, max_sessions=3`` engine to 333 positions. (A unified
 cache would also fit the sums; decode speed was the same within noise at 4 x 1000 cached tokens
-on the bench model, so isolation decided.) llama.cpp also rejects a batch whose positions do
+on the bench model, so isolation decided.) The price of one stream per sequence: llama.cpp
+splits such a batch (``split_equal``, sequential) into one ubatch per run of rows whose sequence
+ids go up one by one, and every ubatch reads all the weights again. Rows are therefore written
+in increasing sequence order, the planner's ticks and the look-ahead's alike (on the bench model
+at 2 threads, four sessions in the order 3, 2, 1, 0 took 51-61 ms a tick against 26-31 ms
+sorted). Ids with a gap (0, 2, 4, 6 in one tick) still cost a ubatch per run: a session takes
+the lowest free id, and one of a batch group an id next to its group's
+(``shard.engine.seq_ids``). llama.cpp also rejects a batch whose positions do
 not continue the sequence (``llama_decode`` -1), and ``_compute_sync`` checks the sequence's
 length before every evaluation (an emptied sequence would pass llama.cpp's check), so a KV cache
 out of step with the session's ``n_past`` surfaces as ``EngineFailure`` instead of silently wrong
@@ -93,7 +100,7 @@ from shard.models.header import ModelInfo, SliceError, read_model_info
 
 from . import sampling
 from .base import CancelFlag, ComputePlan, ShardEngine, Slot, StreamRun
-from .batching import Piece, SplitChooser, Step, TickPlanner
+from .batching import Piece, Step, TickPlanner
 from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
 from .llama_capture import BoundaryCapture
 from .llama_state import StateFormat, check_cells, learn_format
@@ -226,6 +233,10 @@ class _Work(Job):
         self.logits_out = logits_out
 
 
+def _ahead_seq(rec: Ahead) -> int:
+    return rec.seq
+
+
 def _chat_template(model: Any, vocab: Any) -> ChatTemplate:
     """The model's own chat template (GGUF ``tokenizer.chat_template``) and the texts of its
     BOS, EOS and end-of-turn tokens as the template writes them."""
@@ -330,7 +341,6 @@ class LlamaCppEngine(ShardEngine):
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._last_ahead: list[Ahead] = []  # the records of the last look-ahead tick
         self._ahead_tick_seconds = 0.0
-        self._split = SplitChooser()  # one call per tick, or one per row (native thread only)
         self._natives = contextlib.ExitStack()
         self._model: lc.llama_model_p | None = None
         self._ctx: lc.llama_context_p | None = None
@@ -835,9 +845,6 @@ class LlamaCppEngine(ShardEngine):
                 live.append((work, piece))
             if not live:
                 return native
-            single = self._boundary is None and all(p.count == 1 and p.completes for _, p in live)
-            if single and self._split.choose(len(live)):
-                return self._tick_split(live)
             n = self._fill_batch(live)
             # Armed for prompt chunks only: a tick of one-row decodes is short, and every poll
             # takes the GIL (see the module docs).
@@ -857,8 +864,6 @@ class LlamaCppEngine(ShardEngine):
                 for work, _ in live:
                     work.finish(error=self._decode_error(rc, work.slot, len(live)))
                 return native
-            if single:
-                self._split.observe(len(live), False, native)
             if target is not None:
                 try:
                     target.check(n)
@@ -921,28 +926,6 @@ class LlamaCppEngine(ShardEngine):
             if token is not None:
                 self._book.propose(work.slot.seq_id, end, token)
 
-    def _tick_split(self, live: list[tuple[_Work, Piece]]) -> float:
-        """A tick of one-row steps run as one ``llama_decode`` per row (``SplitChooser``): a
-        failed call fails its own step only."""
-        native = 0.0
-        self._arm_abort(False)
-        for work, piece in live:
-            self._fill_batch([(work, piece)])
-            self._decoding = (work.slot.cancel,)
-            started = time.perf_counter()
-            try:
-                rc = lc.llama_decode(self._ctx, self._batch)
-            finally:
-                native += time.perf_counter() - started
-                self._decoding = ()
-            if rc != 0:
-                work.finish(error=self._decode_error(rc, work.slot, 1))
-                continue
-            work.step.done_rows += 1
-            self._finish_logits(work, 0)
-        self._split.observe(len(live), True, native)
-        return native
-
     # ---- look-ahead (shard.engine.lookahead; docs/engine.md, "Look-ahead") -------------------
 
     def _next_step(self, logits: np.ndarray, plan: LookaheadPlan, n_past: int,
@@ -1001,25 +984,22 @@ class LlamaCppEngine(ShardEngine):
                 rows.append(rec)
             else:  # the session moved on meanwhile (cannot happen: drops run in this thread)
                 results.append((rec, None))
+        rows.sort(key=_ahead_seq)  # one ubatch per run of consecutive ids (module docs)
         native = 0.0
         try:
             self._arm_abort(False)
-            split = self._split.choose(len(rows))
-            # One call for every row, or (split) one per row.
-            for group in ([[r] for r in rows] if split else [rows] if rows else []):
-                self._fill_rows([(r.token, r.keep, r.seq) for r in group])
+            if rows:  # one call for every row
+                self._fill_rows([(r.token, r.keep, r.seq) for r in rows])
                 started = time.perf_counter()
                 rc = lc.llama_decode(self._ctx, self._batch)
                 native += time.perf_counter() - started
-                for i, rec in enumerate(group):
+                for i, rec in enumerate(rows):
                     ptr = _held.llama_get_logits_ith(self._ctx, i) if rc == 0 else None
                     if ptr:
                         results.append((rec, np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()))
                     else:
                         _held.llama_memory_seq_rm(self._mem, rec.seq, rec.keep, -1)
                         results.append((rec, None))
-            if rows:
-                self._split.observe(len(rows), split, native)
         finally:
             for rec in recs:
                 if not any(r is rec for r, _ in results):
