@@ -10,7 +10,7 @@ window: time in the engine's compute over wall time). Two parts:
   own core with ``taskset`` (the client is not pinned): the whole model on core 0; the whole
   model with 2 threads on cores 0-1; two hops (``0:6`` on core 0, ``6:12`` on core 1) with
   client relay and with chain relay, each without batch groups ("before": every session shares
-  every tick, ``batch_groups=0``) and with them ("after": the default, hops + 1 groups,
+  every tick, ``batch_groups=0``) and with them ("after": the default, one group per hop,
   ``shard.pipeline.groups``), side by side in one run.
 * ``sim``: ``bench.fake_worker`` processes (the batched fake engine: a tick sleeps its scripted
   cost, per layer, so H hops cost what one whole-model worker costs): H = 2, 4, 8 hops at 2H

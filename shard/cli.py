@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "others; exit status 1 if any failed")
     gen.add_argument("--batch-groups", type=_non_negative_int, metavar="N",
                      help="with --pipeline: concurrent generations move through the hops in N "
-                     "groups (default: hops + 1; 0: none; docs/pipelines.md, \"Throughput under "
+                     "groups (default: one per hop; 0: none; docs/pipelines.md, \"Throughput under "
                      "concurrency\")")
     special = gen.add_mutually_exclusive_group()
     special.add_argument("--chat", action="store_true",

@@ -15,10 +15,12 @@ the same group). A worker runs one group's steps per tick, the groups taking tur
 (``shard.engine.batching``, rule 5), so groups never merge and no hop waits for a group that is
 elsewhere.
 
-How many: H + 1 groups by default. H keep every hop busy when passing a group on costs nothing;
-one more hides the time a group spends between hops (the client's relay, the network), at the
-price of smaller ticks (on a CPU a tick's cost is nearly proportional to its rows, so little is
-lost). A single hop needs no groups (group 0: every session shares every tick, as before).
+How many: H groups by default, which keep every hop busy when passing a group on costs nothing.
+One more would hide the time a group spends between hops (the client's relay, the network), at
+the price of smaller ticks, and a tick is far from proportional to its rows: it reads all the
+weights once (bench model, 1 thread: one row 27 ms, eight 89 ms). Two real hops served 18-44%
+more with 2 groups than with 3 (docs/pipelines.md, "Throughput under concurrency"). A single
+hop needs no groups (group 0: every session shares every tick, as before).
 Group ids are drawn at random per pipeline so that two clients' groups do not merge on shared
 workers.
 """
@@ -33,8 +35,8 @@ __all__ = ["BatchGroups", "default_groups"]
 
 
 def default_groups(hops: int) -> int:
-    """Groups for a chain of ``hops`` hops: H + 1, none for a single hop."""
-    return hops + 1 if hops > 1 else 0
+    """Groups for a chain of ``hops`` hops: one per hop, none for a single hop."""
+    return hops if hops > 1 else 0
 
 
 class BatchGroups:

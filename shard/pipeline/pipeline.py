@@ -282,8 +282,8 @@ class Pipeline:
         when a hop but the last does not report ``relay_allowed``; hops with replicas fail over
         as with client relay; see ``shard.pipeline.chain``). ``batch_groups``: how many
         groups concurrent ``generate`` calls are spread over, so that the hops compute different
-        groups at once instead of waiting for each other (default None: hops + 1, none for one
-        hop; 0: none; see ``shard.pipeline.groups``). ``handoff``: when a worker drains, move
+        groups at once instead of waiting for each other (default None: one per hop, none for
+        one hop; 0: none; see ``shard.pipeline.groups``). ``handoff``: when a worker drains, move
         each session's KV state to its replica instead of replaying the history there (where
         both workers report ``session_handoff``; default True).
 
