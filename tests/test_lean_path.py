@@ -131,3 +131,135 @@ async def test_a_lone_streams_bytes_leave_from_the_task_that_framed_them() -> No
         nursery.cancel_scope.cancel()
     outbox.push(b"late", write_through=True)  # the writer is gone: queued, never written
     assert len(outbox) == 4
+
+
+class _ReaderSteps(trio.abc.Instrument):
+    """Counts the task steps of the session streams' reader tasks: the tasks that run
+    ``SessionCall._read_requests`` (found by the stream's first request, its OpenSession)."""
+
+    def __init__(self) -> None:
+        self.readers: set[trio.lowlevel.Task] = set()
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task in self.readers:
+            self.steps += 1
+
+
+@pytest.mark.parametrize("kind", ["decode", "credit"])
+async def test_a_client_driven_step_is_started_by_the_connections_reader(
+    kind: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Decode (and a credit grant) is taken by the connection's reader while the stream's own
+    reader waits with nothing queued (``CallContext.take_now``): that task is not woken per
+    request (it was: one task step and one scheduler pass each)."""
+    from rpc_harness import worker
+    from shard.client import ShardClient
+    from shard.rpc.session import SessionCall
+
+    counter = _ReaderSteps()
+    dispatch = SessionCall._dispatch
+
+    async def spy(self: SessionCall, req: pb.SessionRequest) -> None:
+        counter.readers.add(trio.lowlevel.current_task())
+        await dispatch(self, req)
+
+    monkeypatch.setattr(SessionCall, "_dispatch", spy)
+    steps = 24
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as client:
+        async with client.session("lean", credit=1 if kind == "credit" else 0) as s:
+            token = (await s.prefill([1, 72, 101, 108, 108, 111])).logits.token_id
+            assert counter.readers
+            trio.lowlevel.add_instrument(counter)
+            try:
+                tokens = []
+                if kind == "decode":
+                    for _ in range(steps):
+                        token = (await s.decode(token=token)).logits.token_id
+                        tokens.append(token)
+                else:  # a generation under a credit window of one: a grant per token
+                    async for step in s.generate(max_tokens=steps, ignore_eos=True):
+                        tokens.append(step.logits.token_id)
+            finally:
+                trio.lowlevel.remove_instrument(counter)
+        assert len(tokens) == steps
+        assert counter.steps <= 2, counter.steps
+
+
+async def test_a_request_behind_one_the_streams_reader_must_take_is_not_taken_ahead_of_it() -> None:
+    """A CloseSession is left to the stream's reader task; a Decode in the same read, right
+    behind it, must not be started by the connection's reader while the close waits for that
+    task (the session would still be IDLE): it is refused as a step after the close and never
+    runs. Sent as one write by a raw HTTP/2 peer, so that the server reads both at once."""
+    from urllib.parse import unquote
+
+    from hyperframe.frame import DataFrame
+
+    from raw_h2 import RawConnection, grpc_message
+    from rpc_harness import req, worker
+
+    async def until(peer: RawConnection, sid: int, kind: str, buf: bytearray) -> pb.SessionResponse:
+        while True:
+            while len(buf) >= 5 and len(buf) >= 5 + int.from_bytes(buf[1:5], "big"):
+                n = int.from_bytes(buf[1:5], "big")
+                msg = pb.SessionResponse.FromString(bytes(buf[5:5 + n]))
+                del buf[:5 + n]
+                if msg.WhichOneof("kind") == kind:
+                    return msg
+            frame = await peer.until(lambda f: isinstance(f, DataFrame) and f.stream_id == sid)
+            buf += frame.data
+
+    def data(message: pb.SessionRequest, sid: int) -> bytes:
+        return DataFrame(sid, data=grpc_message(message)).serialize()
+
+    async with worker() as w:
+        host, port = w.target.rsplit(":", 1)
+        peer = await RawConnection.open(host, int(port))
+        try:
+            await peer.handshake()
+            buf = bytearray()
+            sid = await peer.start("/shard.v1.Shard/Session", req(open=pb.OpenSession(session_id="raw")),
+                                   end=False)
+            await until(peer, sid, "opened", buf)
+            await peer.send(data(req(prefill=pb.Prefill(tokens=pb.TokenIds(ids=[1, 72, 101]))), sid))
+            await until(peer, sid, "usage", buf)
+            await peer.send(data(req(close=pb.CloseSession(retain=False)), sid)
+                            + data(req(decode=pb.Decode(token=1)), sid))
+            status = await peer.headers_of(sid)
+        finally:
+            await peer.aclose()
+        assert status["grpc-status"] == "9", status  # FAILED_PRECONDITION: ILLEGAL_TRANSITION
+        assert "decode after CloseSession" in unquote(status["grpc-message"]), status
+        assert w.engine.metrics().steps_total == 1  # the prefill only
+
+
+async def test_a_fault_in_taking_a_request_fails_nothing_but_leaves_it_to_the_streams_reader(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``take_now`` runs in the connection's reader, which serves every stream of the
+    connection: a bug there is logged and the request goes to the stream's own reader task,
+    so the connection (here: a second session on it) goes on."""
+    from rpc_harness import worker
+    from shard.client import ShardClient
+    from shard.rpc.session import SessionCall
+
+    take = SessionCall.take_request_now
+    faults = {"left": 1}
+
+    def faulty(self: SessionCall, req: pb.SessionRequest) -> bool:
+        if req.WhichOneof("kind") == "decode" and faults["left"]:
+            faults["left"] -= 1
+            raise RuntimeError("a bug in take_request_now")
+        return take(self, req)
+
+    monkeypatch.setattr(SessionCall, "take_request_now", faulty)
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as client:
+        async with client.session("a") as a, client.session("b") as b:
+            ta = (await a.prefill([1, 72, 101])).logits.token_id
+            tb = (await b.prefill([1, 72, 101])).logits.token_id
+            for _ in range(3):
+                ta = (await a.decode(token=ta)).logits.token_id
+                tb = (await b.decode(token=tb)).logits.token_id
+    assert faults["left"] == 0
+    assert "take_now failed" in caplog.text
+    assert w.engine.metrics().steps_total == 2 * 4

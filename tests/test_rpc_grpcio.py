@@ -185,6 +185,40 @@ async def test_grpcio_half_close_retains_and_a_new_stream_resumes() -> None:
         assert w.engine.sessions() == ()
 
 
+async def test_grpcio_requests_that_arrive_together_keep_their_order() -> None:
+    """The connection's reader starts a step itself while the stream's reader waits with nothing
+    queued (``CallContext.take_now``); a message it cannot take goes to that reader, and every
+    later one follows it there. So a Decode sent right behind a CloseSession is refused as a
+    step after the close (it never runs), and one right behind a running step is refused as an
+    interleaved step, exactly as when each was read by the stream's own task."""
+    async with live(latency=0.05) as w:  # a step runs long enough for a request to come in
+        reqs = Requests(req(open=pb.OpenSession(session_id="o1")),
+                        req(prefill=pb.Prefill(tokens=pb.TokenIds(ids=TOKENS))))
+        rs = Responses(w.stub.Session(iter(reqs), timeout=10))
+        try:
+            await rs.kind("opened")
+            (step,), err, _ = await rs.until_usage()
+            assert err is None
+            reqs.put(req(close=pb.CloseSession(retain=False)))
+            reqs.put(req(decode=pb.Decode(token=step.logits.token_id)))
+            exc = await in_thread(expect_rpc_error(lambda: list(rs._it)))  # noqa: SLF001
+        finally:
+            reqs.end()
+        assert shard_error(exc).code is ErrorCode.ILLEGAL_TRANSITION
+        assert "after CloseSession" in shard_error(exc).message
+        assert w.engine.metrics().steps_total == 1  # the prefill only
+        await w.idle()
+        assert w.engine.sessions() == ()
+
+        reqs = Requests(req(open=pb.OpenSession(session_id="o2")),
+                        req(prefill=pb.Prefill(tokens=pb.TokenIds(ids=TOKENS))),
+                        req(decode=pb.Decode(token=1)))
+        exc = await in_thread(expect_rpc_error(lambda: list(w.stub.Session(iter(reqs), timeout=10))))
+        assert shard_error(exc).code is ErrorCode.ILLEGAL_TRANSITION
+        await w.idle()
+        assert w.engine.sessions() == ()
+
+
 # ---- deadlines and cancellation ------------------------------------------------------------------
 
 

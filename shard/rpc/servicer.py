@@ -280,6 +280,14 @@ class ShardServicer(_ShardServicerBase):
             return False
 
         call.send_directly(direct)
+
+        def take_now(message: pb.SessionRequest) -> bool:
+            if call.take_request_now(message):
+                watch.request(message)
+                return True
+            return False
+
+        ctx.take_now = take_now
         finished = False
         try:
             while (message := await _next_response(call)) is not None:
@@ -287,6 +295,7 @@ class ShardServicer(_ShardServicerBase):
                 yield message
             finished = True
         finally:
+            ctx.take_now = None
             if not finished:
                 reason = ctx.end_reason
                 call.end(_STREAM_END[reason] if reason is not None else StreamEnd.CONNECTION_LOST)

@@ -55,6 +55,7 @@ each engine call; expiry is a step-level DEADLINE_EXCEEDED (the engine rolls the
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import enum
 import logging
@@ -456,6 +457,9 @@ class SessionCall:
         self._limits = limits
         self._max_message_bytes = max_message_bytes
         self._requests = requests
+        # The caller's context (its call, peer, principal): the steps ``take_request_now``
+        # starts from the connection's task run in it, as the reader task's do.
+        self._context = contextvars.copy_context()
         self._deadline = deadline
         self._outbox = Responses(limits.max_credit + _CONTROL_SLOTS)
         self.responses: trio.MemoryReceiveChannel[pb.SessionResponse] = self._outbox.receive
@@ -687,6 +691,35 @@ class SessionCall:
             self.phase.value = Phase.RUNNING
             self._step_active.value = True  # from here on a Cancel is never lost
             self._start_step(req)
+
+    def take_request_now(self, req: pb.SessionRequest) -> bool:
+        """``_dispatch`` without a task step, for the two requests that need no wait: a step
+        request while the session is IDLE, and a credit grant; False for anything else (the
+        reader task then gets it). Called by the transport only while this stream's reader
+        waits for the next request with none queued, so order is kept (``CallContext.take_now``).
+        Why: a client-driven step's request would otherwise wake the reader task only to start
+        the step's task, a task step and a scheduler pass per request."""
+        if self.error is not None or self._end_reason is not None:
+            return False
+        kind = req.WhichOneof("kind")
+        phase = self.phase.value
+        if kind == "credit":
+            if phase is not Phase.IDLE and phase is not Phase.RUNNING:
+                return False
+        elif kind not in _STEP_KINDS or phase is not Phase.IDLE:
+            return False
+        try:
+            check_version(req, self.session_id)
+        except ShardError:
+            return False  # the reader raises it
+        if kind == "credit":
+            self._grant(req.credit.messages)
+        else:
+            # (a task inherits its spawner's context; started first: nothing changed if it raises)
+            self._context.run(self._start_step, req)
+            self.phase.value = Phase.RUNNING
+            self._step_active.value = True  # from here on a Cancel is never lost
+        return True
 
     async def _on_half_close(self) -> None:
         if self.phase.value is Phase.AWAITING_OPEN:
@@ -1017,7 +1050,9 @@ class SessionCall:
         request must find the session idle (a pass in between let it find the step still
         RUNNING and end the stream with ILLEGAL_TRANSITION: seen with a relaying worker,
         which sends its next hop a Rewind as soon as the failed step's Usage arrives).
-        With the channel full (never, by the credit bound) the Usage waits first in line."""
+        With the channel full (never, by the credit bound) the Usage waits first in line.
+        Queued, it is the step task's last act: no checkpoint (it would only cost the task one
+        more scheduler pass before it ends)."""
         try:
             self._outbox.send_nowait(usage)
             queued = True
@@ -1030,9 +1065,7 @@ class SessionCall:
         if self.phase.value is Phase.RUNNING:
             self.phase.value = Phase.IDLE
         self._step_active.value = False
-        if queued:
-            await trio.lowlevel.checkpoint()
-        else:  # blocked senders go first when room frees: no later response overtakes it
+        if not queued:  # blocked senders go first when room frees: no later response overtakes it
             await self._send(usage)
 
     def cancellable(self) -> _Cancellable:
@@ -1561,6 +1594,10 @@ class SessionCall:
             # The handler stopped reading without telling us why: the connection is gone.
             self.end(StreamEnd.CONNECTION_LOST)
             await trio.lowlevel.checkpoint()  # raises Cancelled: our scope was just cancelled
+
+
+#: The requests that run as a step (``_run_step``).
+_STEP_KINDS = frozenset(("prefill", "decode", "generate", "rewind", "export_state", "import_state"))
 
 
 def count_generated(usage: pb.Usage, result: StepResult, *, prompt_step: bool) -> None:

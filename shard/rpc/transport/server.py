@@ -157,6 +157,13 @@ class CallContext:
     #: handler itself sends nothing (see ``_Call.send_now``); a streaming handler's producer
     #: uses it to skip a task hop. ``flush``: False when another response follows at once.
     send_now: Callable[[Any, bool], bool] = lambda _message, _flush=True: False
+    #: ``take_now(message)``, set by a stream-input handler: offered each request message, parsed,
+    #: by the connection's reader while the handler waits for the next one with none queued;
+    #: True: taken (the request iterator never yields it), False: queued as usual. Why: a
+    #: client-driven step's request otherwise wakes the handler's task only to be handed on, a
+    #: task step and a scheduler pass per request. It must not wait; order is kept (offered
+    #: only when every earlier message was read).
+    take_now: Callable[[Any], bool] | None = None
 
 
 _current: ContextVar[CallContext] = ContextVar("shard_rpc_call")
@@ -204,7 +211,8 @@ class _Call:
         self.scope = trio.CancelScope()
         # Unbounded in items, bounded in bytes: the ledger stops acknowledging (flow control)
         # once a window of messages waits here.
-        self.inbox_send, self.inbox = trio.open_memory_channel[bytes | StatusError](math.inf)
+        self.inbox_send, self.inbox = trio.open_memory_channel[bytes | StatusError | tuple[Any, int]](
+            math.inf)  # (a tuple: a message parsed already, and its size)
         self.window = trio.Event()
         self.headers_sent = False
         self.error: StatusError | None = None
@@ -226,6 +234,11 @@ class _Call:
                 return None
             if isinstance(item, StatusError):
                 self.error = item
+            elif isinstance(item, tuple):  # parsed by ``deliver`` and not taken
+                message, size = item
+                self.conn.h2.consumed(self.sid, size + PREFIX)
+                self.conn.send_pending()
+                return message
             else:
                 self.conn.h2.consumed(self.sid, len(item) + PREFIX)
                 self.conn.send_pending()
@@ -236,6 +249,36 @@ class _Call:
                 except DecodeError:
                     self.error = _invalid("cannot parse request message")
         raise StatusError(self.error.code, self.error.message, self.error.trailers)
+
+    def deliver(self, data: bytes) -> None:
+        """A request message from the connection: offered to the handler's ``take_now`` (see
+        ``CallContext``) while the handler's task waits on the inbox and nothing is queued or
+        handed to it, so no earlier message is overtaken; else queued (parsed, if it was).
+
+        A fault in ``take_now`` is logged and the message queued: the handler's own task then
+        meets whatever is wrong, and one stream fails, not the connection."""
+        take = self.ctx.take_now
+        stats = self.inbox.statistics()
+        if (take is None or self.error is not None or stats.current_buffer_used
+                or not stats.tasks_waiting_receive):
+            self.inbox_send.send_nowait(data)
+            return
+        message = self.request_type()
+        try:
+            message.ParseFromString(data)
+        except DecodeError:
+            self.inbox_send.send_nowait(data)  # ``receive`` reports it
+            return
+        try:
+            taken = take(message)
+        except Exception:
+            log.exception("%s on stream %d from %s: take_now failed", self.ctx.method, self.sid,
+                          self.conn.peer)
+            taken = False
+        if taken:
+            self.conn.h2.consumed(self.sid, len(data) + PREFIX)  # (sent by the reader's send_pending)
+        else:
+            self.inbox_send.send_nowait((message, len(data)))
 
     async def receive_one(self) -> Any:
         message = await self.receive()
@@ -531,7 +574,7 @@ class _Connection:
         elif (call := self.calls.get(sid)) is None:
             self.h2.forget(sid)
         elif isinstance(event, MessageReceived):
-            call.inbox_send.send_nowait(event.data)
+            call.deliver(event.data)
         elif isinstance(event, RequestEnded):
             call.inbox_send.close()
 
