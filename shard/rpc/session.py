@@ -715,10 +715,9 @@ class SessionCall:
         if kind == "credit":
             self._grant(req.credit.messages)
         else:
-            # (a task inherits its spawner's context; started first: nothing changed if it raises)
-            self._context.run(self._start_step, req)
             self.phase.value = Phase.RUNNING
             self._step_active.value = True  # from here on a Cancel is never lost
+            self._context.run(self._start_step, req)  # (a task inherits its spawner's context)
         return True
 
     async def _on_half_close(self) -> None:
