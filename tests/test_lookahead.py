@@ -58,6 +58,45 @@ async def greedy(engine: LlamaCppEngine, sid: str, n: int, *, hinted: bool) -> l
     return out
 
 
+async def test_a_claimed_step_keeps_the_choice_made_beside_its_row(engine: LlamaCppEngine) -> None:
+    """A claimed step's token and log-sum-exp were computed where the row was computed (the
+    native thread, or the claim itself): the result is built from them, not from a second pass
+    over the vocabulary on the event loop, and equals the one computed without look-ahead
+    (log-probabilities included)."""
+    made = []
+    make = engine._make_result  # a spy on the real engine
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        made.append(args[8] if len(args) > 8 else kwargs.get("chosen"))
+        return make(*args, **kwargs)
+
+    await engine.open_session("plain")
+    plain = await greedy(engine, "plain", 12, hinted=False)
+    plain_lp = []
+    await engine.release("plain")
+    engine._make_result = spy
+    await engine.open_session("a")
+    res = await engine.prefill(PrefillRequest("a", tokens=PROMPT, lookahead=Lookahead(12)))
+    out, lps = [res.logits.token_id], []
+    for i in range(12):
+        hint = Lookahead(12 - i - 1) if 12 - i - 1 > 0 else None
+        res = await engine.decode(DecodeRequest("a", token=out[-1], lookahead=hint))
+        out.append(res.logits.token_id)
+        lps.append(res.logits.logprob)
+    await settle(engine)
+    assert out == plain
+    assert engine.metrics().lookahead_used_total == 12
+    # The prompt is no claim; the last step, with no hint, chose nothing ahead of its result.
+    assert made[0] is None and made[-1] is None and all(c is not None for c in made[1:-1]), made
+    engine._make_result = make
+    await engine.open_session("b")
+    res = await engine.prefill(PrefillRequest("b", tokens=PROMPT))
+    for token in plain[:12]:
+        res = await engine.decode(DecodeRequest("b", token=token))
+        plain_lp.append(res.logits.logprob)
+    assert lps == plain_lp
+
+
 async def test_every_step_of_a_hinted_loop_was_computed_ahead(engine: LlamaCppEngine) -> None:
     await engine.open_session("plain")
     plain = await greedy(engine, "plain", 16, hinted=False)

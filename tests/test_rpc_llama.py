@@ -20,7 +20,7 @@ import trio
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import V, StepGate, in_thread, req
 from shard.engine import LoadSpec
-from shard.engine.base import ComputePlan, ShardEngine, Slot, StreamRun
+from shard.engine.base import Claimed, ComputePlan, ShardEngine, Slot, StreamRun
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model
 from shard.v1 import shard_pb2 as pb
@@ -49,14 +49,14 @@ class SteppedLlama(LlamaCppEngine):
         thread (tests/test_llama_engine.py, tests/test_lookahead.py)."""
         await ShardEngine._impl_stream(self, slot, run)
 
-    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
+    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> Claimed | None:
         """A step claimed from the look-ahead is a step too (counted and delayed alike)."""
-        raw = await super()._impl_claim(slot, plan)
-        if raw is not None:
+        claimed = await super()._impl_claim(slot, plan)
+        if claimed is not None:
             if self.latency:
                 await trio.sleep(self.latency)
             await self.gate()
-        return raw
+        return claimed
 
 
 @asynccontextmanager

@@ -194,6 +194,25 @@ class Slot:
 
 
 @dataclass(frozen=True)
+class Claimed:
+    """A step computed ahead as ``_impl_claim`` hands it over: its output, and ``chosen``
+    (sampling, token, log-sum-exp) when the implementation already chose the token from this
+    very row, which it found finite; used when that sampling is the step's, so the event loop
+    does not pass over the vocabulary again."""
+
+    raw: np.ndarray
+    chosen: tuple[SamplingParams, int, float] | None = None
+
+
+def _known(chosen: tuple[SamplingParams, int, float] | None, params: SamplingParams
+           ) -> tuple[int, float] | None:
+    """(token, log-sum-exp) of ``chosen`` when it was chosen with ``params``."""
+    if chosen is not None and (chosen[0] is params or chosen[0] == params):
+        return chosen[1], chosen[2]
+    return None
+
+
+@dataclass(frozen=True)
 class ComputePlan:
     """What an implementation must compute for one prefill or decode.
 
@@ -268,9 +287,7 @@ class StreamRun:
         self.plan = None
         if plan is None or self.closed or slot.cancel.is_set():
             return None
-        known = None
-        if chosen is not None and (chosen[0] is self._sampling or chosen[0] == self._sampling):
-            known = (chosen[1], chosen[2])
+        known = _known(chosen, self._sampling)
         try:
             result = self._engine._make_result(slot, self._caps, plan, raw, self._sampling,
                                                self._top_k, 0, "decode_tokens_total", known)
@@ -343,18 +360,22 @@ class ShardEngine(abc.ABC):
         the caller's task sleeps through the run. Cancellation as for ``_impl_compute``."""
         plan = run.plan
         while plan is not None:
-            raw = await self._claim(slot, plan)
-            if raw is None:
-                if self._compute_stops_itself:
-                    raw = await self._guard_impl(self._impl_compute(slot, plan))
-                else:
-                    step_plan = plan
-                    raw = await self._run_guarded(slot, lambda: self._impl_compute(slot, step_plan))
+            claimed = await self._claim(slot, plan)
+            if claimed is not None:
+                if slot.cancel.is_set():
+                    return
+                plan = run.step(claimed.raw, claimed.chosen)
+                continue
+            if self._compute_stops_itself:
+                raw = await self._guard_impl(self._impl_compute(slot, plan))
+            else:
+                step_plan = plan
+                raw = await self._run_guarded(slot, lambda: self._impl_compute(slot, step_plan))
             if slot.cancel.is_set():
                 return
             plan = run.step(raw)
 
-    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
+    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> Claimed | None:
         """The result of ``plan`` if the implementation computes it already (a step computed
         ahead), waiting for it; None when it does not (``_impl_compute`` then runs).
 
@@ -983,7 +1004,8 @@ class ShardEngine(abc.ABC):
         assert caps is not None
 
         async def work() -> StepResult:
-            raw = await self._claim(slot, plan)
+            claimed = await self._claim(slot, plan)
+            raw, chosen = (None, None) if claimed is None else (claimed.raw, _known(claimed.chosen, params))
             if raw is None:
                 if self._compute_stops_itself and plan.deadline == math.inf and plan.n_new == 1:
                     # (one row: a prompt's chunks keep the watching task, whose flag stops
@@ -994,7 +1016,7 @@ class ShardEngine(abc.ABC):
                         slot, lambda: self._impl_compute(slot, plan), plan.deadline)
             if slot.cancel.is_set() and not slot.cancel.timed_out:
                 raise slot.cancel.error(slot.session_id)
-            return self._make_result(slot, caps, plan, raw, params, top_k, reused, counter)
+            return self._make_result(slot, caps, plan, raw, params, top_k, reused, counter, chosen)
 
         return await self._running(slot, plan.keep, work)
 
@@ -1062,7 +1084,7 @@ class ShardEngine(abc.ABC):
                 slot.state = SessionState.IDLE
                 slot.idle.set()
 
-    async def _claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
+    async def _claim(self, slot: Slot, plan: ComputePlan) -> Claimed | None:
         """``_impl_claim`` within the step's deadline (past it: ``StepTimeout``)."""
         if plan.deadline == math.inf:  # no step timeout: no cancel scope per token
             return await self._guard_impl(self._impl_claim(slot, plan))

@@ -99,7 +99,7 @@ from shard.models.fingerprint import file_fingerprint
 from shard.models.header import ModelInfo, SliceError, read_model_info
 
 from . import sampling
-from .base import CancelFlag, ComputePlan, ShardEngine, Slot, StreamRun
+from .base import CancelFlag, Claimed, ComputePlan, ShardEngine, Slot, StreamRun
 from .batching import Piece, Step, TickPlanner
 from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
 from .llama_capture import BoundaryCapture
@@ -414,7 +414,7 @@ class LlamaCppEngine(ShardEngine):
         assert work.result is not None
         return work.result
 
-    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> np.ndarray | None:
+    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> Claimed | None:
         """The logits of this exact step if it was computed ahead (waiting for it while it
         runs); None when there is no such step (the caller computes it the usual way).
 
@@ -447,13 +447,13 @@ class LlamaCppEngine(ShardEngine):
             return None  # dropped (the engine had other work): compute it the usual way
         slot.touch()  # the step's cell is the session's now; a failure rolls it back
         self._counters["lookahead_used_total"] += 1
-        if plan.lookahead is not None and not rec.chained:
-            token = self._next_step(rec.logits, plan.lookahead, plan.keep + 1)
+        if plan.lookahead is not None and not rec.chained:  # (keeps the choice on ``rec``)
+            token = self._next_step(rec.logits, plan.lookahead, plan.keep + 1, rec)
             if token is not None:
                 self._book.propose(slot.seq_id, plan.keep + 1, token)
                 self._native.wake()
         assert rec.logits is not None
-        return rec.logits
+        return Claimed(rec.logits, rec.chosen)
 
     async def _impl_stream(self, slot: Slot, run: StreamRun) -> None:
         """Steps computed ahead are delivered where the event loop learns of them
