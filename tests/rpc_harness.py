@@ -370,6 +370,18 @@ class Requests:
             yield item
 
 
+class TaskSteps(trio.abc.Instrument):
+    """Counts the steps the event loop gives a set of tasks (``tasks``)."""
+
+    def __init__(self) -> None:
+        self.tasks: set[trio.lowlevel.Task] = set()
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task in self.tasks:
+            self.steps += 1
+
+
 def req(**kind: Any) -> pb.SessionRequest:
     return pb.SessionRequest(version=V, **kind)
 

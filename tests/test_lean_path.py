@@ -133,19 +133,6 @@ async def test_a_lone_streams_bytes_leave_from_the_task_that_framed_them() -> No
     assert len(outbox) == 4
 
 
-class _ReaderSteps(trio.abc.Instrument):
-    """Counts the task steps of the session streams' reader tasks: the tasks that run
-    ``SessionCall._read_requests`` (found by the stream's first request, its OpenSession)."""
-
-    def __init__(self) -> None:
-        self.readers: set[trio.lowlevel.Task] = set()
-        self.steps = 0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        if task in self.readers:
-            self.steps += 1
-
-
 @pytest.mark.parametrize("kind", ["decode", "credit"])
 async def test_a_client_driven_step_is_started_by_the_connections_reader(
     kind: str, monkeypatch: pytest.MonkeyPatch,
@@ -153,15 +140,15 @@ async def test_a_client_driven_step_is_started_by_the_connections_reader(
     """A Decode (and a credit grant) is taken by the connection's reader while the stream's own
     reader waits with nothing queued (``CallContext.take_now``): that task is not woken per
     request (it was: one task step and one scheduler pass each)."""
-    from rpc_harness import worker
+    from rpc_harness import TaskSteps, worker
     from shard.client import ShardClient
     from shard.rpc.session import SessionCall
 
-    counter = _ReaderSteps()
+    counter = TaskSteps()  # counts the stream's reader task, found by its first requests
     dispatch = SessionCall._dispatch
 
     async def spy(self: SessionCall, req: pb.SessionRequest) -> None:
-        counter.readers.add(trio.lowlevel.current_task())
+        counter.tasks.add(trio.lowlevel.current_task())
         await dispatch(self, req)
 
     monkeypatch.setattr(SessionCall, "_dispatch", spy)
@@ -169,7 +156,7 @@ async def test_a_client_driven_step_is_started_by_the_connections_reader(
     async with worker() as w, ShardClient.connect(w.target, timeout=10) as client:
         async with client.session("lean", credit=1 if kind == "credit" else 0) as s:
             token = (await s.prefill([1, 72, 101, 108, 108, 111])).logits.token_id
-            assert counter.readers
+            assert counter.tasks
             trio.lowlevel.add_instrument(counter)
             try:
                 tokens = []

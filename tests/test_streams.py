@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from rpc_harness import loaded, worker
+from rpc_harness import TaskSteps, loaded, worker
 from shard.client import ShardClient, ShardError
 from shard.engine import (
     DecodeRequest,
@@ -51,22 +51,10 @@ def _llama_spec(max_sessions: int = 4, per_session: int = 256) -> LoadSpec:
                     max_sessions=max_sessions, n_threads=1)
 
 
-class _TaskSteps(trio.abc.Instrument):
-    """Counts the steps the event loop gives a set of tasks."""
-
-    def __init__(self) -> None:
-        self.tasks: set[trio.lowlevel.Task] = set()
-        self.steps = 0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        if task in self.tasks:
-            self.steps += 1
-
-
 async def _steps_of(engine: ShardEngine, sessions: int, *, stream: bool) -> tuple[int, list[list[int]]]:
     """``sessions`` generations of ``STEPS`` tokens after a prompt, at once, each as one
     stream or decode by decode; returns the task steps they took in all, and their tokens."""
-    counter = _TaskSteps()
+    counter = TaskSteps()
     out: list[list[int]] = [[] for _ in range(sessions)]
 
     async def run(i: int) -> None:
