@@ -1,11 +1,16 @@
 """The stack's floor: a minimal server-streaming RPC on Trio, nothing of the worker around it.
 
-``python -m bench.floor_server --impl transport|purerpc`` serves two methods,
-``/shard.v1.Shard/Floor`` and ``FloorPaced``: a ``Generate`` request asks for ``max_tokens``
-messages, and the handler yields that many ``SessionResponse`` steps (``FloorPaced``: one per
-millisecond, so each is its own wake-up and socket write, as a worker's token is), each built field by field the way the worker
-builds a token's step (``StepResult`` with ``Logits``: step, position, token id, log-prob, a
-one-byte piece), as fast as the reader takes them. No engine, no session, no credit: what is
+``python -m bench.floor_server --impl transport|purerpc`` serves three methods:
+
+- ``/shard.v1.Shard/Floor``: a ``Generate`` request asks for ``max_tokens`` messages, and the
+  handler yields that many ``SessionResponse`` steps as fast as the reader takes them;
+- ``FloorPaced``: the same, one message per pace (``sampling.seed`` microseconds, default one
+  millisecond), so each is its own wake-up and socket write, as a worker's token is;
+- ``FloorEcho`` (a bidirectional stream): one step message per request, sent a pace after the
+  request came in: a client-driven ``Decode`` with nothing of the worker around it.
+
+Each message is built field by field the way the worker builds a token's step (``StepResult``
+with ``Logits``: step, position, token id, log-prob, a one-byte piece). No engine, no session, no credit: what is
 left is what the required stack (Trio, h2, purerpc's codec, protobuf's C implementation) costs
 to frame and send one small message. ``transport`` runs it on the worker's hardened transport
 (``shard.rpc.transport.Server``: bounds, deadlines, budgets), ``purerpc`` on stock purerpc 0.8's
@@ -20,32 +25,104 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 
 import purerpc
 import trio
 
+from shard.engine.native_thread import NativeThread
 from shard.v1 import shard_pb2 as pb
 
 SERVICE = "shard.v1.Shard"
 METHOD = "Floor"
 
 
+def step_message(i: int) -> pb.SessionResponse:
+    """Token step ``i``, built field by field as the worker builds one."""
+    step = pb.StepResult(step=i + 1, n_past=i + 4, tokens_processed=1, start_position=i + 3)
+    step.logits.CopyFrom(pb.Logits(token_id=100 + i % 50, logprob=-0.5, piece=b"x"))
+    return pb.SessionResponse(step=step)
+
+
+def pace_of(request: pb.Generate) -> float:
+    """Seconds between messages a request asks for: ``sampling.seed`` microseconds (bench-only
+    use of the field), or ``PACE``."""
+    return request.sampling.seed / 1e6 or PACE
+
+
 async def floor(request: pb.Generate) -> AsyncIterator[pb.SessionResponse]:
-    """``request.max_tokens`` token steps, built per message as the worker builds them."""
+    """``request.max_tokens`` token steps, as fast as the reader takes them."""
     for i in range(request.max_tokens):
-        step = pb.StepResult(step=i + 1, n_past=i + 4, tokens_processed=1, start_position=i + 3)
-        step.logits.CopyFrom(pb.Logits(token_id=100 + i % 50, logprob=-0.5, piece=b"x"))
-        yield pb.SessionResponse(step=step)
+        yield step_message(i)
+
+
+class Ticker:
+    """A thread that wakes the event loop once per pace the way the worker's native thread
+    hands over a step it computed (``TrioToken.run_sync_soon``), so a paced message costs the
+    wake-up a token costs, not a Trio timer's (a ``trio.sleep`` raises and catches a
+    ``Cancelled`` per wake-up: measured dearer)."""
+
+    def __init__(self, pace: float) -> None:
+        self._pace = pace
+        self._ready = 0
+        self._lot = trio.lowlevel.ParkingLot()
+        self._stop = threading.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._run, name="floor-ticker", daemon=True)
+
+    def _arrived(self) -> None:
+        self._ready += 1
+        self._lot.unpark()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._pace):
+            try:
+                self._token.run_sync_soon(self._arrived)
+            except trio.RunFinishedError:
+                return
+
+    async def tick(self) -> None:
+        """Wait for the next tick (ticks that came meanwhile are taken one by one)."""
+        if not self._thread.is_alive():
+            self._thread.start()
+        while not self._ready:
+            await self._lot.park()
+        self._ready -= 1
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 async def floor_paced(request: pb.Generate) -> AsyncIterator[pb.SessionResponse]:
-    """The same, one message per ``PACE`` seconds: each message its own wake-up and socket
-    write, as a worker's token is when the engine produces one per tick (unpaced, the writer
-    task coalesces many messages into one write)."""
-    async for message in floor(request):
-        await trio.sleep(PACE)
-        yield message
+    """The same, one message per pace: each message its own wake-up and socket write, as a
+    worker's token is when the engine produces one per tick (unpaced, the writer task
+    coalesces many messages into one write)."""
+    ticker = Ticker(pace_of(request))
+    try:
+        async for message in floor(request):
+            await ticker.tick()
+            yield message
+    finally:
+        ticker.close()
+
+
+async def floor_echo(requests: AsyncIterator[pb.Generate]) -> AsyncIterator[pb.SessionResponse]:
+    """One step message per request, a pace after it came in, computed by a long-lived
+    thread as the worker's native steps are (``shard.engine.native_thread``: a condition
+    variable there, the result back by ``run_sync_soon``): each request a read, a hand-off
+    and an answer's write, as a client-driven ``Decode`` is."""
+    thread = NativeThread("floor-step")
+    thread.start()
+    try:
+        i = 0
+        async for request in requests:
+            await thread.run(time.sleep, pace_of(request))
+            yield step_message(i)
+            i += 1
+    finally:
+        await thread.aclose()
 
 
 PACE = 0.001
@@ -53,9 +130,10 @@ PACE = 0.001
 
 def service() -> purerpc.Service:
     svc = purerpc.Service(SERVICE)
-    for name, fn in ((METHOD, floor), (METHOD + "Paced", floor_paced)):
-        svc.add_method(name, fn, purerpc.RPCSignature(
-            purerpc.Cardinality.UNARY_STREAM, pb.Generate, pb.SessionResponse))
+    for name, fn, kind in ((METHOD, floor, purerpc.Cardinality.UNARY_STREAM),
+                           (METHOD + "Paced", floor_paced, purerpc.Cardinality.UNARY_STREAM),
+                           (METHOD + "Echo", floor_echo, purerpc.Cardinality.STREAM_STREAM)):
+        svc.add_method(name, fn, purerpc.RPCSignature(kind, pb.Generate, pb.SessionResponse))
     return svc
 
 

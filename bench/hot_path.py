@@ -23,6 +23,14 @@ bench/decode_throughput.py, and reports its ``client_cpu_us`` and ``server_cpu_u
 server process, its compute included): what the other stack's client costs next to ours
 (bench/cpu_budget.py prices that CPU when every core runs a ggml thread).
 
+With ``--floor`` every round also measures the stack's floor at this worker's own pace
+(bench/floor_server.py, read by ``ShardClient``'s transport, bench/floor_reads.py): for
+``generate``, a plain handler streams as many small step messages, each a native step apart
+(the round's ``native_us`` per token); for ``decode``, it answers as many requests, each a native
+step after it came in. ``over_floor`` divides the worker's (this checkout's) medians by the
+floor's: what the worker adds per token to a stack that does nothing but wake up, frame and
+send one message per step.
+
 With ``--scheduler`` the workers run under ``bench/scheduler_counts.py`` and every pass also
 reports ``passes_per_token`` (scheduler passes, one ``epoll_wait`` each) and
 ``steps_per_token`` (task steps, with the busiest tasks apart): counts, nearly exact from one
@@ -35,6 +43,7 @@ median by the other's (below 1: this checkout spends less). CPU times come in cl
 
     python -m bench.hot_path [--quick] [--model PATH] [--tokens 400] [--rounds 3] [--threads 1]
                              [--worker-root OTHER_CHECKOUT] [--scheduler] [--llama-server PATH] [--grpcio]
+                             [--floor]
                              [--out FILE] [--logs DIR]
 """
 
@@ -53,9 +62,9 @@ from typing import Any
 
 import trio
 
-from bench import grpcio_stream, options
+from bench import floor_reads, grpcio_stream, options
 from bench.environment import environment, load_average
-from bench.processes import free_port, http_server, shard_server, stream_sse, wait_serving
+from bench.processes import free_port, http_server, served, shard_server, stream_sse, wait_serving
 from shard.client import ShardClient
 from shard.v1 import shard_pb2 as pb
 
@@ -154,6 +163,24 @@ async def one_pass(
     return row
 
 
+async def floor_pass(client: ShardClient, pid: int, mode: str, tokens: int, pace_us: float
+                     ) -> dict[str, float]:
+    """The floor server's answer to ``mode`` (bench/floor_reads.py): ``tokens`` messages, each
+    ``pace_us`` apart (``generate``) or ``pace_us`` after its request (``decode``); CPU per
+    message of the server's event loop and of this process, the reader."""
+    before, t0, c0 = thread_cpu(pid), time.perf_counter(), time.process_time()
+    if mode == "generate":
+        got = await floor_reads.read_stream(client, tokens, "FloorPaced", int(pace_us))
+    else:
+        got = await floor_reads.echo(client, tokens, int(pace_us))
+    wall, client_cpu, after = time.perf_counter() - t0, time.process_time() - c0, thread_cpu(pid)
+    assert got == tokens, (got, tokens)
+    per = 1e6 / tokens
+    return {"tokens": tokens, "pace_us": pace_us, "wall_us": wall * per,
+            "main_cpu_us": (after.get(str(pid), 0.0) - before.get(str(pid), 0.0)) * per,
+            "client_cpu_us": client_cpu * per}
+
+
 def llama_server_pass(port: int, pid: int, tokens: int) -> dict[str, Any]:
     """``tokens`` greedy tokens from llama-server (EOS ignored) read by the SSE client: CPU per
     token of this process (the client) and of the whole server process."""
@@ -204,6 +231,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                  "-t", str(args.threads), "-tb", str(args.threads), "-c", str(2 * (args.tokens + 128)),
                  "-np", "1", "--no-warmup"],
                 port=port, ready_path="/health", log=args.logs / "hot_path_llama_server.log"))
+        floor = None
+        if args.floor:
+            floor = stack.enter_context(served(
+                [sys.executable, "-m", "bench.floor_server", "--impl", "transport"],
+                log=args.logs / "hot_path_floor.log", fake=True))
+            passes["floor"] = {m: [] for m in MODES}
         for srv in servers.values():
             await wait_serving(srv.target, version=V10)
         order = list(roots)
@@ -227,6 +260,16 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 finally:
                     if channel is not None:
                         channel.close()
+            if floor is not None:  # at the pace this round's native steps set
+                async with ShardClient.connect(floor.target, timeout=600) as client:
+                    for mode in MODES:
+                        pace = passes["this"][mode][-1]["native_us"] if round_no else 1000.0
+                        row = await floor_pass(client, floor.proc.pid, mode,
+                                               8 if round_no == 0 else args.tokens, pace)
+                        if round_no:
+                            passes["floor"][mode].append(row)
+                            print(f"round {round_no} floor {mode:8} "
+                                  + " ".join(f"{k}={v:.0f}" for k, v in row.items()), flush=True)
             if ls is not None:  # blocking, between passes: nothing else runs meanwhile
                 row = llama_server_pass(ls.port, ls.proc.pid, 8 if round_no == 0 else args.tokens)
                 if round_no:
@@ -242,6 +285,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                           "steps_per_token") if medians["other"][m].get(k)}
             for m in modes
         }
+    if "floor" in medians:
+        result["over_floor"] = {
+            m: {k: round(medians["this"][m][k] / max(medians["floor"][m][k], 1e-9), 2)
+                for k in ("main_cpu_us", "client_cpu_us")}
+            for m in MODES
+        }
     return result
 
 
@@ -254,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also stream from llama.cpp's llama-server each round (client and server CPU per token)")
     p.add_argument("--grpcio", action="store_true",
                    help="also read the Generate stream with the official grpcio client (generate_grpcio)")
+    p.add_argument("--floor", action="store_true",
+                   help="also measure the stack's floor at the worker's pace each round (over_floor)")
     p.add_argument("--scheduler", action="store_true",
                    help="also count scheduler passes and task steps per token (bench/scheduler_counts.py)")
     options.add_common(p, DEFAULT_OUT, quick="tiny model, 64 tokens, 1 round")
@@ -270,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                      "worker_root": str(args.worker_root) if args.worker_root else None,
                      "scheduler": args.scheduler,
                      "llama_server": str(args.llama_server) if args.llama_server else None,
-                     "grpcio": args.grpcio},
+                     "grpcio": args.grpcio, "floor": args.floor},
         **result,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -279,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"median {name:5} {mode:8} " + " ".join(f"{k}={v}" for k, v in row.items()))
     for mode, row in result.get("ratios", {}).items():
         print(f"ratio this/other {mode:8} " + " ".join(f"{k}={v}" for k, v in row.items()))
+    for mode, row in result.get("over_floor", {}).items():
+        print(f"this over floor {mode:8} " + " ".join(f"{k}={v}" for k, v in row.items()))
     print(f"wrote {args.out}")
     return 0
 

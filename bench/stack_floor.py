@@ -41,6 +41,7 @@ import trio
 
 from bench import grpcio_stream
 from bench.environment import environment
+from bench.floor_reads import read_stream
 from bench.hot_path import V10, one_pass, thread_cpu
 from bench.processes import free_port, served, shard_server, wait_serving
 from shard.client import ShardClient
@@ -58,22 +59,6 @@ def _read_grpcio(channel: grpc.Channel, n: int, method: str = "Floor") -> int:
     return sum(1 for _ in call(pb.Generate(max_tokens=n), timeout=600))
 
 
-async def _read_shard(client: ShardClient, n: int, method: str = "Floor") -> int:
-    """Read the stream message by message on ``ShardClient``'s own connection."""
-    stream = client._conn.open_stream(method, trio.current_time() + 600, ())  # noqa: SLF001
-    try:
-        await stream.send(pb.Generate(max_tokens=n))
-        await stream.half_close()
-        got = 0
-        while await stream.receive(pb.SessionResponse) is not None:
-            got += 1
-        if (err := stream.error()) is not None:
-            raise err
-        return got
-    finally:
-        stream.close()
-
-
 async def floor_pass(target: str, pid: int, reader: str, n: int, channel: grpc.Channel,
                      client: ShardClient, method: str = "Floor") -> dict[str, float]:
     before = thread_cpu(pid)
@@ -81,7 +66,7 @@ async def floor_pass(target: str, pid: int, reader: str, n: int, channel: grpc.C
     if reader == "grpcio":
         got = await trio.to_thread.run_sync(_read_grpcio, channel, n, method)
     else:
-        got = await _read_shard(client, n, method)
+        got = await read_stream(client, n, method)
     wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
     assert got == n, (got, n)
     after = thread_cpu(pid)

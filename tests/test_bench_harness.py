@@ -377,16 +377,23 @@ def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None
     """A ``--quick`` run of bench/hot_path.py against this checkout twice (``--worker-root``):
     every timed pass of both workers (``Generate`` read by ``ShardClient`` and by grpcio, and
     ``Decode``) generated its tokens, read the engine's native time (the counter moved), the
-    worker's CPU and the client's, and the ratios compare the two."""
+    worker's CPU and the client's, and the ratios compare the two. With ``--floor`` the floor
+    server answered both modes at the pace of the round's native steps."""
     out = tmp_path / "hot_path.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.hot_path", "--quick", "--grpcio", "--worker-root", str(ROOT),
-         "--out", str(out), "--logs", str(tmp_path / "logs")],
+        [sys.executable, "-m", "bench.hot_path", "--quick", "--grpcio", "--floor",
+         "--worker-root", str(ROOT), "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["passes"]) == {"this", "other"}
+    assert set(report["passes"]) == {"this", "other", "floor"}
+    floor = report["passes"].pop("floor")
+    assert set(floor) == {"generate", "decode"} == set(report["over_floor"])
+    for mode, rows in floor.items():
+        assert [r["tokens"] for r in rows] == [64]
+        assert rows[0]["pace_us"] == report["passes"]["this"][mode][0]["native_us"]
+        assert rows[0]["wall_us"] >= rows[0]["pace_us"]  # each message waited its step
     engine_cpu = 0.0
     for per_mode in report["passes"].values():
         assert set(per_mode) == {"generate", "decode", "generate_grpcio"}
