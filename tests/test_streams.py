@@ -25,13 +25,16 @@ from shard.engine import (
     LoadSpec,
     LogitsResult,
     PrefillRequest,
+    SamplingParams,
     ShardEngine,
     StepResult,
     StreamRequest,
     TokenLogprob,
 )
+from shard.engine import sampling
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript
 from shard.engine.llama import LlamaCppEngine
+from shard.engine.types import GREEDY
 from shard.models import ensure_model
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode
@@ -135,6 +138,64 @@ async def test_streaming_sessions_share_ticks_and_each_tick_is_one_pass() -> Non
         assert sessions / ticks >= 6, (sessions, ticks)  # (the prompts arrive apart)
         for i in range(8):
             await engine.release(f"s{i}")
+
+
+async def test_a_batched_tick_chooses_for_all_its_greedy_stream_steps_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched fake chooses the token and log-sum-exp of a tick's greedy stream steps for
+    all its rows together, beside them, as the llama engine's native thread does: no stream
+    step makes a pass over the vocabulary of its own on the event loop (a sampled stream still
+    does), and tokens and log-probabilities are those of decode by decode, bit for bit."""
+    engine = _batched_fake()
+    passes = []
+    lse = sampling.logsumexp
+    monkeypatch.setattr(sampling, "logsumexp", lambda *a: passes.append(1) or lse(*a))
+
+    async def run(i: int, how: str, params: SamplingParams = GREEDY) -> list[tuple[int, float]]:
+        sid = f"{how}{i}"
+        await engine.open_session(sid)
+        r = await engine.prefill(PrefillRequest(sid, PROMPT[: 4 + i], sampling=params,
+                                                top_k_logprobs=0))
+        assert r.logits is not None
+        out = [(r.logits.token_id, r.logits.logprob)]
+        if how == "stream":
+            def deliver(result: StepResult) -> bool:
+                assert result.logits is not None
+                out.append((result.logits.token_id, result.logits.logprob))
+                return True
+
+            await engine.stream(StreamRequest(sid, out[0][0], STEPS, params), deliver)
+        else:
+            for _ in range(STEPS):
+                d = await engine.decode(DecodeRequest(sid, token=out[-1][0], sampling=params,
+                                                      top_k_logprobs=0))
+                assert d.logits is not None
+                out.append((d.logits.token_id, d.logits.logprob))
+        await engine.release(sid)
+        return out
+
+    async def four(how: str, params: SamplingParams = GREEDY) -> list[list[tuple[int, float]]]:
+        got: list[list[tuple[int, float]]] = [[] for _ in range(4)]
+
+        async def one(i: int) -> None:
+            got[i] = await run(i, how, params)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+        return got
+
+    async with loaded(engine, spec=LoadSpec(n_ctx=4 * 128, max_sessions=4)):
+        stepwise = await four("decode")
+        assert len(passes) == 4 * (STEPS + 1)  # one per step, prompts included
+        passes.clear()
+        streamed = await four("stream")
+        assert streamed == stepwise
+        assert len(passes) == 4  # the prompts' steps only
+        passes.clear()
+        sampled = SamplingParams(temperature=0.8, seed=5)
+        assert await four("stream", sampled) == await four("decode", sampled)
+        assert len(passes) == 2 * 4 * (STEPS + 1)  # sampled: chosen row by row, as before
 
 
 async def test_a_long_batched_stream_keeps_no_step_it_went_through() -> None:

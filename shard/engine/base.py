@@ -272,6 +272,12 @@ class StreamRun:
         self.closed = False
         self.plan: ComputePlan | None = self._plan(int(request.token))
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """How the run chooses its tokens (an implementation that chooses beside its rows
+        passes its choice to ``step`` as ``chosen``)."""
+        return self._sampling
+
     def _plan(self, token: int) -> ComputePlan:
         left = self._max - self.delivered - 1
         ahead = (LookaheadPlan(self._sampling, left, self._stops, self._eog, self._limit)

@@ -42,11 +42,19 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import trio
 
+from . import sampling
 from .base import ComputePlan, ShardEngine, Slot, StreamRun
 from .batching import Piece, Step, TickPlanner
 from .errors import EngineError, EngineFailure, IncompatibleState, InvalidInput
 from .scheduler import BatchScheduler, Job
-from .types import Capabilities, ChatTemplate, LayerRange, LayerRangeSupport, LoadSpec
+from .types import (
+    Capabilities,
+    ChatTemplate,
+    LayerRange,
+    LayerRangeSupport,
+    LoadSpec,
+    SamplingParams,
+)
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIAL_TEXT = {BOS_ID: "<s>", EOS_ID: "</s>"}  # what parse_special turns into these tokens
@@ -263,16 +271,19 @@ class FakeEngine(ShardEngine):
         if scheduler is None or run.plan is None:
             return await super()._impl_stream(slot, run)
 
+        def job_for(plan: ComputePlan) -> _FakeJob:
+            job = _FakeJob(slot, plan, scheduler.new_step(slot, plan), trio.current_time())
+            job.sampling = run.sampling
+            return job
+
         def follow(job: Job) -> Job | None:
             if job.error is not None:
                 return None
-            plan = run.step(job.result)
-            return None if plan is None else _FakeJob(
-                slot, plan, scheduler.new_step(slot, plan), trio.current_time())
+            assert isinstance(job, _FakeJob)
+            plan = run.step(job.result, job.chosen)
+            return None if plan is None else job_for(plan)
 
-        plan = run.plan
-        last = await scheduler.stream(_FakeJob(slot, plan, scheduler.new_step(slot, plan),
-                                               trio.current_time()), follow)
+        last = await scheduler.stream(job_for(run.plan), follow)
         if last.error is not None:
             raise last.error
 
@@ -333,6 +344,22 @@ class FakeEngine(ShardEngine):
                 job.finish(error=exc)
             except Exception as exc:  # noqa: BLE001 - the base class turns it into EngineFailure
                 job.finish(error=exc)
+        self._choose_beside(tick)
+
+    def _choose_beside(self, tick: list[tuple[Job, Piece]]) -> None:
+        """The token and log-sum-exp of every greedy stream step this tick finished, for all
+        its rows at once, kept beside each row as the llama engine's native thread keeps them
+        (``Claimed``): each result is then built without a pass over the vocabulary per row
+        (``ShardEngine._make_result``). A row that is not finite gets none and is refused there."""
+        jobs = [job for job, _ in tick if isinstance(job, _FakeJob) and job.finished
+                and job.error is None and job.sampling is not None and job.sampling.greedy
+                and isinstance(job.result, np.ndarray) and job.result.ndim == 1]
+        if not jobs:
+            return
+        tokens, lses, finite = sampling.greedy_rows(np.stack([job.result for job in jobs]))
+        for job, token, lse, ok in zip(jobs, tokens, lses, finite):
+            if ok:
+                job.chosen = (job.sampling, token, lse)
 
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         cells = self._kv.get(slot.seq_id)
@@ -439,6 +466,9 @@ class _FakeJob(Job):
     def __init__(self, slot: Slot, plan: ComputePlan, step: Step, submitted: float) -> None:
         super().__init__(slot, plan, step, submitted)
         self.outputs: list[np.ndarray] = []
+        #: A stream step's sampling, and (sampling, token, log-sum-exp) once its tick chose.
+        self.sampling: SamplingParams | None = None
+        self.chosen: tuple[SamplingParams, int, float] | None = None
 
 
 __all__ = ["FakeEngine", "FakeModel", "FakeScript", "FakeStep", "StepHook"]

@@ -33,6 +33,23 @@ def logsumexp(logits: np.ndarray, maximum: float | None = None) -> float:
     return m + math.log(float(shifted.sum()))
 
 
+def greedy_rows(block: np.ndarray) -> tuple[list[int], list[float], list[bool]]:
+    """Greedy token, log-sum-exp and finiteness of each row of ``block`` ([rows, n_vocab]),
+    with one numpy call per pass for all rows instead of one per row: the values of
+    ``choose_token`` (greedy) and ``logsumexp`` row by row, bit for bit (the same float32
+    passes; tests/test_sampling.py). A batching engine uses it for a tick's rows."""
+    finite = np.isfinite(block).all(axis=1)
+    tokens = block.argmax(axis=1)
+    maxima = block[np.arange(block.shape[0]), tokens]
+    with np.errstate(invalid="ignore", over="ignore"):  # (rows with inf or NaN: not used)
+        shifted = np.subtract(block, maxima[:, None])
+        np.exp(shifted, out=shifted)
+        sums = shifted.sum(axis=1)
+    lses = [m + math.log(s) if math.isfinite(m) else m
+            for m, s in zip(maxima.tolist(), sums.tolist())]
+    return tokens.tolist(), lses, finite.tolist()
+
+
 def top_logprobs(logits: np.ndarray, k: int, lse: float) -> tuple[TokenLogprob, ...]:
     """The ``k`` most likely tokens, most likely first, ties broken by lower token id."""
     if k <= 0:
