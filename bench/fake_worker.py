@@ -28,6 +28,10 @@ from shard.engine.fake import FakeEngine, FakeModel, FakeScript
 from shard.rpc.server import serve
 
 
+#: The fake model's seed: the same weights in every process.
+SEED = 11
+
+
 def parse_layers(text: str) -> LayerRange | None:
     if not text:
         return None
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = 1.0
     if args.per_layer:
         scale = (layers.end - layers.start) if layers is not None else args.n_layers
-    model = FakeModel(n_layers_total=args.n_layers, n_embd=args.n_embd, seed=11)
+    model = FakeModel(n_layers_total=args.n_layers, n_embd=args.n_embd, seed=SEED)
     engine = FakeEngine(model=model, script=FakeScript(
         batched=True, tick_latency=args.tick_ms * scale / 1000, row_latency=args.row_ms * scale / 1000))
     spec = LoadSpec(n_ctx=args.ctx, max_sessions=args.max_sessions, layer_range=layers)

@@ -14,7 +14,7 @@ from shard.client import ShardClient
 from shard.v1 import shard_pb2 as pb
 
 
-def _request(n: int, pace_us: int) -> pb.Generate:
+def floor_request(n: int, pace_us: int = 0) -> pb.Generate:
     """A floor request: ``n`` messages, ``pace_us`` microseconds apart (0: the server's default
     pace of the paced methods, one millisecond)."""
     return pb.Generate(max_tokens=n, sampling=pb.SamplingParams(seed=max(0, int(pace_us))))
@@ -24,7 +24,7 @@ async def read_stream(client: ShardClient, n: int, method: str = "Floor", pace_u
     """Ask ``method`` for ``n`` messages and read them one by one; returns how many came."""
     stream = client._conn.open_stream(method, trio.current_time() + 600, ())  # noqa: SLF001
     try:
-        await stream.send(_request(n, pace_us))
+        await stream.send(floor_request(n, pace_us))
         await stream.half_close()
         got = 0
         while await stream.receive(pb.SessionResponse) is not None:
@@ -43,7 +43,7 @@ async def echo(client: ShardClient, n: int, pace_us: int) -> int:
     try:
         got = 0
         for _ in range(n):
-            await stream.send(_request(1, pace_us))
+            await stream.send(floor_request(1, pace_us))
             if await stream.receive(pb.SessionResponse) is None:
                 break
             got += 1

@@ -8,7 +8,9 @@ the worker spends is its event loop's work, the serving stack (transport, sessio
 engine bookkeeping) and not a model's. The worker is pinned to one core and the client to the
 other (when there are two), so ``tokens_per_s`` is what one worker process sustains on one
 core; ``worker_cpu_us`` is its CPU time (``/proc``, user + system) per session-step, i.e. per
-token generated, and ``client_cpu_us`` the client's.
+token generated, and ``client_cpu_us`` the client's. ``fake_row_us`` is the part of a
+session-step that stands for a model's compute: the fake model's own numerics per row,
+measured in this process without a server.
 
 ``--worker-root DIR`` runs a second worker from another checkout (e.g. the commit before a
 change); the two alternate round by round (A, B, B, A, ...) so that drift hits both alike, and
@@ -32,15 +34,39 @@ from typing import Any
 import trio
 
 from bench.environment import environment, save_record
+from bench.fake_worker import SEED
 from bench.processes import served
 from shard.client import ShardClient
+from shard.engine import LoadSpec
+from shard.engine.base import ComputePlan
+from shard.engine.fake import FakeEngine, FakeModel, FakeScript
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "session_steps.json"
 DEFAULT_LOGS = Path(__file__).resolve().parent / "results" / "logs"
 V10 = (1, 0)  # spoken by every worker version, so an older checkout can be measured too
 _TICK = os.sysconf("SC_CLK_TCK")
 #: The fake worker: batched engine, ticks free, the smallest model (compute next to nothing).
-FAKE = ["--tick-ms", "0", "--row-ms", "0", "--n-layers", "1", "--n-embd", "8"]
+FAKE_LAYERS, FAKE_EMBD = 1, 8
+FAKE = ["--tick-ms", "0", "--row-ms", "0", "--n-layers", str(FAKE_LAYERS), "--n-embd", str(FAKE_EMBD)]
+
+
+async def fake_row_us(rows: int = 20000) -> float:
+    """Microseconds of CPU the fake model's own numerics take per decode row (one position
+    through the fake worker's model and its logits), measured here without a server: the part
+    of ``worker_cpu_us`` that stands for a model's compute, not the serving stack's."""
+    engine = FakeEngine(model=FakeModel(n_layers_total=FAKE_LAYERS, n_embd=FAKE_EMBD, seed=SEED),
+                        script=FakeScript(batched=True))
+    await engine.load(LoadSpec(n_ctx=4096, max_sessions=1))
+    try:
+        plan, cells = ComputePlan(0, (5,), None), []
+        start = time.process_time()
+        for _ in range(rows):
+            engine._output([engine._compute_position(plan, 0, cells)], plan)  # noqa: SLF001
+            if len(cells) > 64:
+                cells.clear()
+        return round((time.process_time() - start) * 1e6 / rows, 1)
+    finally:
+        await engine.aclose()
 
 
 def process_cpu(pid: int) -> float:
@@ -114,7 +140,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                               + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     medians = {name: {n: {k: statistics.median(r[k] for r in per[n]) for k in per[n][0]}
                       for n in args.sessions} for name, per in rows.items()}
-    result: dict[str, Any] = {"rounds": rows, "medians": medians}
+    result: dict[str, Any] = {"rounds": rows, "medians": medians, "fake_row_us": await fake_row_us()}
     if "other" in medians:
         result["ratios"] = {n: {k: round(medians["this"][n][k] / medians["other"][n][k], 3)
                                 for k in ("worker_cpu_us", "tokens_per_s", "client_cpu_us")}

@@ -19,8 +19,10 @@ Per message (microseconds of CPU, medians over ``--rounds``):
 
 and ``worker_over_floor``: the worker's event loop per ``Generate`` token over the floor's per
 message, for each reader. The hardened transport's floor is also measured *paced*
-(``FloorPaced``: one message a millisecond, so each is its own wake-up and socket write, as a
-worker's token is at one session; unpaced, the writer coalesces many messages per write).
+(``FloorPaced``: one message per the worker's own time per token in that round, read by
+``ShardClient``, so each is its own wake-up and socket write, as a worker's token is at one
+session; unpaced, the writer coalesces many messages per write). ``bench/hot_path.py --floor``
+does the same on the bench model, and for ``Decode`` too.
 
     python -m bench.stack_floor [--quick] [--messages 4000] [--rounds 5] [--model PATH] [--out FILE]
 """
@@ -41,7 +43,7 @@ import trio
 
 from bench import grpcio_stream
 from bench.environment import environment
-from bench.floor_reads import read_stream
+from bench.floor_reads import floor_request, read_stream
 from bench.hot_path import V10, one_pass, thread_cpu
 from bench.processes import free_port, served, shard_server, wait_serving
 from shard.client import ShardClient
@@ -52,21 +54,21 @@ IMPLS = ("transport", "purerpc")
 READERS = ("grpcio", "shard")
 
 
-def _read_grpcio(channel: grpc.Channel, n: int, method: str = "Floor") -> int:
+def _read_grpcio(channel: grpc.Channel, n: int, method: str = "Floor", pace_us: int = 0) -> int:
     call = channel.unary_stream(
         f"/shard.v1.Shard/{method}", request_serializer=pb.Generate.SerializeToString,
         response_deserializer=pb.SessionResponse.FromString)
-    return sum(1 for _ in call(pb.Generate(max_tokens=n), timeout=600))
+    return sum(1 for _ in call(floor_request(n, pace_us), timeout=600))
 
 
 async def floor_pass(target: str, pid: int, reader: str, n: int, channel: grpc.Channel,
-                     client: ShardClient, method: str = "Floor") -> dict[str, float]:
+                     client: ShardClient, method: str = "Floor", pace_us: int = 0) -> dict[str, float]:
     before = thread_cpu(pid)
     t0, c0 = time.perf_counter(), time.process_time()
     if reader == "grpcio":
-        got = await trio.to_thread.run_sync(_read_grpcio, channel, n, method)
+        got = await trio.to_thread.run_sync(_read_grpcio, channel, n, method, pace_us)
     else:
-        got = await read_stream(client, n, method)
+        got = await read_stream(client, n, method, pace_us)
     wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
     assert got == n, (got, n)
     after = thread_cpu(pid)
@@ -95,6 +97,21 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         await wait_serving(worker.target, version=V10)
         for round_no in range(args.rounds + 1):  # round 0 warms up and is dropped
             n = 64 if round_no == 0 else args.messages
+            pace = 1000  # microseconds: the worker's own time per token, from its first pass below
+            channel = grpcio_stream.connect(worker.target)
+            try:
+                async with ShardClient.connect(worker.target, timeout=600, version=V10) as client:
+                    for reader, mode in (("shard", "generate"), ("grpcio", "generate_grpcio")):
+                        row = await one_pass(client, worker.proc.pid, mode, n, channel=channel)
+                        if reader == "shard":
+                            pace = int(row["wall_us"])
+                        if round_no:
+                            passes.setdefault(f"worker_generate_{reader}", []).append({
+                                "messages": n, "wall_us": row["wall_us"],
+                                "server_main_us": row["main_cpu_us"],
+                                "client_cpu_us": row["client_cpu_us"]})
+            finally:
+                channel.close()
             for impl, srv in floors.items():
                 channel = grpcio_stream.connect(srv.target)
                 try:
@@ -103,26 +120,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                             row = await floor_pass(srv.target, srv.proc.pid, reader, n, channel, client)
                             if round_no:
                                 passes.setdefault(f"floor_{impl}_{reader}", []).append(row)
-                        if impl == "transport":  # one message a millisecond: a write each
+                        if impl == "transport":  # at the worker's pace: a write each
                             for reader in READERS:
                                 row = await floor_pass(srv.target, srv.proc.pid, reader, n,
-                                                       channel, client, "FloorPaced")
+                                                       channel, client, "FloorPaced", pace)
                                 if round_no:
                                     passes.setdefault(f"paced_{impl}_{reader}", []).append(row)
                 finally:
                     channel.close()
-            channel = grpcio_stream.connect(worker.target)
-            try:
-                async with ShardClient.connect(worker.target, timeout=600, version=V10) as client:
-                    for reader, mode in (("shard", "generate"), ("grpcio", "generate_grpcio")):
-                        row = await one_pass(client, worker.proc.pid, mode, n, channel=channel)
-                        if round_no:
-                            passes.setdefault(f"worker_generate_{reader}", []).append({
-                                "messages": n, "wall_us": row["wall_us"],
-                                "server_main_us": row["main_cpu_us"],
-                                "client_cpu_us": row["client_cpu_us"]})
-            finally:
-                channel.close()
             if round_no:
                 print(f"round {round_no}: " + ", ".join(
                     f"{name} {rows[-1]['server_main_us']:.0f}/{rows[-1]['client_cpu_us']:.0f}"

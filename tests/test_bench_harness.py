@@ -298,6 +298,7 @@ def test_session_steps_bench_counts_every_token_of_both_workers(tmp_path: Path) 
         for row in results["medians"][name].values():
             assert row["tokens_per_s"] > 0 and row["worker_cpu_us"] >= 0
     assert set(results["ratios"]) == {"2", "4"} and record["environment"]["model"] is None
+    assert results["fake_row_us"] > 0  # the fake model's own compute per row, apart
     bad = subprocess.run([sys.executable, "-m", "bench.session_steps", "--sessions", "0"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "must be positive" in bad.stderr
@@ -322,6 +323,23 @@ def test_stack_floor_bench_streams_every_message_to_every_reader(tmp_path: Path)
     assert all(m["messages"] == 500 for m in record["medians"].values())
     assert set(record["worker_over_floor"]) == {
         f"{floor}_{reader}" for floor in ("floor", "paced") for reader in ("grpcio", "shard")}
+
+
+def test_wakeups_bench_times_every_way_at_every_pace(tmp_path: Path) -> None:
+    """A ``--quick`` run of bench/wakeups.py: every way of waking up was measured at both
+    paces (CPU per wake-up, never negative), beside Trio's warm scheduling round; bad
+    arguments are refused."""
+    out = tmp_path / "wakeups.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.wakeups", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    medians = json.loads(out.read_text())["results"]["medians"]
+    assert set(medians) == {f"{way}_{pace}ms" for way in ("time_sleep", "epoll", "trio_sleep", "trio_woken")
+                            for pace in (1, 5)} | {"trio_warm"}
+    assert all(v >= 0 for v in medians.values())
+    bad = subprocess.run([sys.executable, "-m", "bench.wakeups", "--paces", "0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "must be positive" in bad.stderr
 
 
 def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
