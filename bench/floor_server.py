@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 import purerpc
 import trio
 
-from shard.engine.native_thread import NativeThread
+from shard.engine.native_thread import GIL_SWITCH_INTERVAL, NativeThread
 from shard.v1 import shard_pb2 as pb
 
 SERVICE = "shard.v1.Shard"
@@ -62,34 +62,42 @@ class Ticker:
     """A thread that wakes the event loop once per pace the way the worker's native thread
     hands over a step it computed (``TrioToken.run_sync_soon``), so a paced message costs the
     wake-up a token costs, not a Trio timer's (a ``trio.sleep`` raises and catches a
-    ``Cancelled`` per wake-up: measured dearer)."""
+    ``Cancelled`` per wake-up: dearer, bench/wakeups.py). Ticks are due at fixed times (the
+    hand-off does not stretch the pace), and a tick not yet taken absorbs the next one, as a
+    native thread computes at most one step ahead."""
 
     def __init__(self, pace: float) -> None:
         self._pace = pace
-        self._ready = 0
+        self._ready = False
+        self._started = False
         self._lot = trio.lowlevel.ParkingLot()
         self._stop = threading.Event()
         self._token = trio.lowlevel.current_trio_token()
         self._thread = threading.Thread(target=self._run, name="floor-ticker", daemon=True)
 
     def _arrived(self) -> None:
-        self._ready += 1
+        self._ready = True
         self._lot.unpark()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._pace):
+        due = time.monotonic()
+        while True:
+            due += self._pace
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                return
             try:
                 self._token.run_sync_soon(self._arrived)
             except trio.RunFinishedError:
                 return
 
     async def tick(self) -> None:
-        """Wait for the next tick (ticks that came meanwhile are taken one by one)."""
-        if not self._thread.is_alive():
+        """Wait for the next tick (the thread starts at the first call)."""
+        if not self._started:
+            self._started = True
             self._thread.start()
         while not self._ready:
             await self._lot.park()
-        self._ready -= 1
+        self._ready = False
 
     def close(self) -> None:
         self._stop.set()
@@ -163,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.impl == "purerpc" and not args.port:
         p.error("--impl purerpc needs --port")
+    # The worker's native thread lowers the GIL switch interval for the whole process
+    # (shard.engine.native_thread): the floor's pacing threads run under the same setting.
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL))
     try:
         trio.run(serve, args.impl, args.host, args.port)
     except KeyboardInterrupt:

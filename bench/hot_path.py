@@ -26,10 +26,10 @@ server process, its compute included): what the other stack's client costs next 
 With ``--floor`` every round also measures the stack's floor at this worker's own pace
 (bench/floor_server.py, read by ``ShardClient``'s transport, bench/floor_reads.py): for
 ``generate``, a plain handler streams as many small step messages, each a native step apart
-(the round's ``native_us`` per token); for ``decode``, it answers as many requests, each a native
-step after it came in. ``over_floor`` divides the worker's (this checkout's) medians by the
-floor's: what the worker adds per token to a stack that does nothing but wake up, frame and
-send one message per step.
+(the round's ``native_us`` per token, in which the prompt's compute is spread too: about 1%);
+for ``decode``, it answers as many requests, each a native step after it came in.
+``over_floor`` divides the worker's (this checkout's) medians by the floor's: what the worker
+adds per token to a stack that does nothing but wake up, frame and send one message per step.
 
 With ``--scheduler`` the workers run under ``bench/scheduler_counts.py`` and every pass also
 reports ``passes_per_token`` (scheduler passes, one ``epoll_wait`` each) and
@@ -64,7 +64,15 @@ import trio
 
 from bench import floor_reads, grpcio_stream, options
 from bench.environment import environment, load_average
-from bench.processes import free_port, http_server, served, shard_server, stream_sse, wait_serving
+from bench.processes import (
+    free_port,
+    http_server,
+    served,
+    shard_server,
+    stream_sse,
+    thread_cpu,
+    wait_serving,
+)
 from shard.client import ShardClient
 from shard.v1 import shard_pb2 as pb
 
@@ -72,8 +80,9 @@ V10 = (1, 0)  # understood by every worker version, so an older checkout can be 
 PROMPT = [1, *range(300, 319)]  # word pieces of the generated vocabularies (tiny: 812 tokens)
 # (llama-server is given the same token ids: /completion takes a prompt as a list of ids)
 MODES = ("generate", "decode")
+#: The floor server's answer to each mode (bench/floor_server.py).
+FLOOR_METHODS = {"generate": "FloorPaced", "decode": "FloorEcho"}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "hot_path.json"
-_TICK = os.sysconf("SC_CLK_TCK")
 _COUNTER = Path(__file__).resolve().parent / "scheduler_counts.py"
 _BUSIEST = 4  # tasks reported by name in steps_per_token
 
@@ -92,19 +101,6 @@ class SchedulerCounts:
                 await trio.sleep(0.005)
         data: dict[str, Any] = json.loads(self.path.read_text())
         return data
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of ``pid``, by thread id."""
-    out: dict[str, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        fields = raw.rsplit(")", 1)[1].split()
-        out[tid] = (int(fields[11]) + int(fields[12])) / _TICK
-    return out
 
 
 async def _native_seconds(client: ShardClient) -> float:
@@ -161,24 +157,6 @@ async def one_pass(
         row["steps_per_token"] = sum(steps.values())
         row["steps_by_task"] = {name: round(n, 2) for name, n in busiest}
     return row
-
-
-async def floor_pass(client: ShardClient, pid: int, mode: str, tokens: int, pace_us: float
-                     ) -> dict[str, float]:
-    """The floor server's answer to ``mode`` (bench/floor_reads.py): ``tokens`` messages, each
-    ``pace_us`` apart (``generate``) or ``pace_us`` after its request (``decode``); CPU per
-    message of the server's event loop and of this process, the reader."""
-    before, t0, c0 = thread_cpu(pid), time.perf_counter(), time.process_time()
-    if mode == "generate":
-        got = await floor_reads.read_stream(client, tokens, "FloorPaced", int(pace_us))
-    else:
-        got = await floor_reads.echo(client, tokens, int(pace_us))
-    wall, client_cpu, after = time.perf_counter() - t0, time.process_time() - c0, thread_cpu(pid)
-    assert got == tokens, (got, tokens)
-    per = 1e6 / tokens
-    return {"tokens": tokens, "pace_us": pace_us, "wall_us": wall * per,
-            "main_cpu_us": (after.get(str(pid), 0.0) - before.get(str(pid), 0.0)) * per,
-            "client_cpu_us": client_cpu * per}
 
 
 def llama_server_pass(port: int, pid: int, tokens: int) -> dict[str, Any]:
@@ -264,8 +242,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 async with ShardClient.connect(floor.target, timeout=600) as client:
                     for mode in MODES:
                         pace = passes["this"][mode][-1]["native_us"] if round_no else 1000.0
-                        row = await floor_pass(client, floor.proc.pid, mode,
-                                               8 if round_no == 0 else args.tokens, pace)
+                        row = await floor_reads.floor_pass(
+                            floor.proc.pid, FLOOR_METHODS[mode], 8 if round_no == 0 else args.tokens,
+                            pace_us=pace, client=client)
                         if round_no:
                             passes["floor"][mode].append(row)
                             print(f"round {round_no} floor {mode:8} "
@@ -287,8 +266,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
     if "floor" in medians:
         result["over_floor"] = {
-            m: {k: round(medians["this"][m][k] / max(medians["floor"][m][k], 1e-9), 2)
-                for k in ("main_cpu_us", "client_cpu_us")}
+            m: {k: round(medians["this"][m][k] / max(medians["floor"][m][f], 1e-9), 2)
+                for k, f in (("main_cpu_us", "server_main_us"), ("client_cpu_us", "client_cpu_us"))}
             for m in MODES
         }
     return result

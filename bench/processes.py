@@ -188,3 +188,19 @@ def stream_sse(port: int, path: str, body: dict[str, Any], timeout: float = 300.
         return sent, events
     finally:
         conn.close()
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid``, by thread id."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        fields = raw.rsplit(")", 1)[1].split()
+        out[tid] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out

@@ -33,49 +33,22 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import grpc
 import trio
 
 from bench import grpcio_stream
 from bench.environment import environment
-from bench.floor_reads import floor_request, read_stream
-from bench.hot_path import V10, one_pass, thread_cpu
+from bench.floor_reads import floor_pass
+from bench.hot_path import V10, one_pass
 from bench.processes import free_port, served, shard_server, wait_serving
 from shard.client import ShardClient
-from shard.v1 import shard_pb2 as pb
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "stack_floor.json"
 IMPLS = ("transport", "purerpc")
 READERS = ("grpcio", "shard")
-
-
-def _read_grpcio(channel: grpc.Channel, n: int, method: str = "Floor", pace_us: int = 0) -> int:
-    call = channel.unary_stream(
-        f"/shard.v1.Shard/{method}", request_serializer=pb.Generate.SerializeToString,
-        response_deserializer=pb.SessionResponse.FromString)
-    return sum(1 for _ in call(floor_request(n, pace_us), timeout=600))
-
-
-async def floor_pass(target: str, pid: int, reader: str, n: int, channel: grpc.Channel,
-                     client: ShardClient, method: str = "Floor", pace_us: int = 0) -> dict[str, float]:
-    before = thread_cpu(pid)
-    t0, c0 = time.perf_counter(), time.process_time()
-    if reader == "grpcio":
-        got = await trio.to_thread.run_sync(_read_grpcio, channel, n, method, pace_us)
-    else:
-        got = await read_stream(client, n, method, pace_us)
-    wall, client_cpu = time.perf_counter() - t0, time.process_time() - c0
-    assert got == n, (got, n)
-    after = thread_cpu(pid)
-    main = after.get(str(pid), 0.0) - before.get(str(pid), 0.0)
-    per = 1e6 / n
-    return {"messages": n, "wall_us": wall * per, "server_main_us": main * per,
-            "client_cpu_us": client_cpu * per}
 
 
 def _median(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -117,13 +90,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     async with ShardClient.connect(srv.target, timeout=600) as client:
                         for reader in READERS:
-                            row = await floor_pass(srv.target, srv.proc.pid, reader, n, channel, client)
+                            row = await floor_pass(srv.proc.pid, "Floor", n, reader=reader,
+                                                   client=client, channel=channel)
                             if round_no:
                                 passes.setdefault(f"floor_{impl}_{reader}", []).append(row)
                         if impl == "transport":  # at the worker's pace: a write each
                             for reader in READERS:
-                                row = await floor_pass(srv.target, srv.proc.pid, reader, n,
-                                                       channel, client, "FloorPaced", pace)
+                                row = await floor_pass(srv.proc.pid, "FloorPaced", n, pace_us=pace,
+                                                       reader=reader, client=client, channel=channel)
                                 if round_no:
                                     passes.setdefault(f"paced_{impl}_{reader}", []).append(row)
                 finally:

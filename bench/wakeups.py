@@ -2,19 +2,20 @@
 
 The worker's CPU per token at one session is dominated by waking up once per token (docs/
 benchmarks.md, "The floor at the worker's own pace"). This bench isolates that cost: a loop
-that only sleeps ``--pace-ms`` and wakes up, ``--wakeups`` times, measured as CPU time of the
-waking thread (``time.thread_time``: the thread's own, precise, not sampled), one way each:
+that only sleeps for each of ``--paces`` and wakes up, ``--wakeups`` times, measured as CPU time
+of the waking thread (``time.thread_time``: the thread's own, precise, not sampled; for Trio,
+from inside ``trio.run``), one way each:
 
   time_sleep      ``time.sleep``: the cheapest wake-up Python has
   epoll           ``select.epoll().poll(pace)``: what Trio's I/O wait is made of
   trio_sleep      ``trio.sleep(pace)`` in ``trio.run``: a Trio timer (a cancel scope per sleep)
   trio_woken      a Trio task woken by another thread with ``TrioToken.run_sync_soon``, as the
-                  worker's native thread wakes its event loop after a step (the thread's
-                  sleeping is not counted: only the event loop's CPU)
+                  worker's native thread wakes its event loop after a step (the floor
+                  server's ``Ticker``, bench/floor_server.py; only the event loop's CPU counts)
   trio_warm       ``trio.sleep(0)`` repeated: a Trio scheduling round that never waits (no pace)
 
-Paces: ``--paces`` (default 1 and 25 ms: the paced floor of bench/stack_floor.py and about one
-native step of the bench model at one thread). On an idle core a wake-up finds cold caches; the
+Paces: ``--paces`` (default 1 and 25 ms: the paced floor of earlier runs and about one native
+step of the bench model at one thread). On an idle core a wake-up finds cold caches; the
 gap between ``trio_warm`` and the paced rows is what that costs Trio's run loop here.
 
     python -m bench.wakeups [--quick] [--paces 1,25] [--wakeups 400] [--rounds 3] [--out FILE]
@@ -26,15 +27,16 @@ import argparse
 import select
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from bench.environment import environment, save_record
+from bench.floor_server import Ticker
+from shard.engine.native_thread import GIL_SWITCH_INTERVAL
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "wakeups.json"
 
@@ -64,44 +66,40 @@ def epoll(pace: float, n: int) -> float:
         poller.close()
 
 
+def _in_trio(n: int, body: Callable[[], Awaitable[None]]) -> float:
+    """Microseconds of this thread's CPU per wake-up of ``body()`` run inside ``trio.run``
+    (its start-up and shutdown not counted)."""
+    async def main() -> float:
+        start = time.thread_time()
+        await body()
+        return (time.thread_time() - start) * 1e6 / n
+    return trio.run(main)
+
+
 def trio_sleep(pace: float, n: int) -> float:
-    async def main() -> None:
+    async def body() -> None:
         for _ in range(n):
             await trio.sleep(pace)
-    return _thread_cpu_per(n, lambda: trio.run(main))
+    return _in_trio(n, body)
 
 
 def trio_woken(pace: float, n: int) -> float:
-    """A task parked until another thread, after each ``pace``, wakes it by ``run_sync_soon``."""
-    async def main() -> None:
-        token = trio.lowlevel.current_trio_token()
-        lot = trio.lowlevel.ParkingLot()
-        ready = [0]
-
-        def arrived() -> None:
-            ready[0] += 1
-            lot.unpark()
-
-        def ticker() -> None:
+    """A task woken by another thread every ``pace`` (``run_sync_soon``), as the worker is."""
+    async def body() -> None:
+        ticker = Ticker(pace)
+        try:
             for _ in range(n):
-                time.sleep(pace)
-                token.run_sync_soon(arrived)
-
-        thread = threading.Thread(target=ticker, daemon=True)
-        thread.start()
-        for _ in range(n):
-            while not ready[0]:
-                await lot.park()
-            ready[0] -= 1
-        await trio.to_thread.run_sync(thread.join)
-    return _thread_cpu_per(n, lambda: trio.run(main))
+                await ticker.tick()
+        finally:
+            ticker.close()
+    return _in_trio(n, body)
 
 
 def trio_warm(_pace: float, n: int) -> float:
-    async def main() -> None:
+    async def body() -> None:
         for _ in range(n):
             await trio.sleep(0)
-    return _thread_cpu_per(n, lambda: trio.run(main))
+    return _in_trio(n, body)
 
 
 WAYS: dict[str, Callable[[float, int], float]] = {
@@ -139,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         paces, args.wakeups, args.rounds = [1.0, 5.0], 100, 1
     if not paces or min(paces) <= 0 or args.wakeups < 1 or args.rounds < 1:
         p.error("--paces, --wakeups and --rounds must be positive")
+    # as in a worker, whose native thread lowers the GIL switch interval (and the floor server)
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL))
     results = measure(paces, args.wakeups, args.rounds)
     save_record(args.out, {"environment": environment(None, 0, argv=sys.argv if argv is None else argv),
                            "settings": {"paces_ms": paces, "wakeups": args.wakeups, "rounds": args.rounds},

@@ -409,7 +409,7 @@ def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None
     floor = report["passes"].pop("floor")
     assert set(floor) == {"generate", "decode"} == set(report["over_floor"])
     for mode, rows in floor.items():
-        assert [r["tokens"] for r in rows] == [64]
+        assert [r["messages"] for r in rows] == [64]
         assert rows[0]["pace_us"] == report["passes"]["this"][mode][0]["native_us"]
         assert rows[0]["wall_us"] >= rows[0]["pace_us"]  # each message waited its step
     engine_cpu = 0.0

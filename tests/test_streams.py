@@ -189,9 +189,14 @@ async def test_a_batched_tick_chooses_for_all_its_greedy_stream_steps_at_once(
         stepwise = await four("decode")
         assert len(passes) == 4 * (STEPS + 1)  # one per step, prompts included
         passes.clear()
+        before = engine.metrics()
         streamed = await four("stream")
+        after = engine.metrics()
         assert streamed == stepwise
         assert len(passes) == 4  # the prompts' steps only
+        # ... and the ticks held several sessions' rows, chosen together
+        assert (after.batch_sessions_total - before.batch_sessions_total
+                > 2 * (after.batch_ticks_total - before.batch_ticks_total))
         passes.clear()
         sampled = SamplingParams(temperature=0.8, seed=5)
         assert await four("stream", sampled) == await four("decode", sampled)

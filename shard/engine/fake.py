@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import math
 import re
 from collections.abc import Awaitable, Callable
@@ -55,6 +56,8 @@ from .types import (
     LoadSpec,
     SamplingParams,
 )
+
+log = logging.getLogger(__name__)
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIAL_TEXT = {BOS_ID: "<s>", EOS_ID: "</s>"}  # what parse_special turns into these tokens
@@ -356,7 +359,11 @@ class FakeEngine(ShardEngine):
                 and isinstance(job.result, np.ndarray) and job.result.ndim == 1]
         if not jobs:
             return
-        tokens, lses, finite = sampling.greedy_rows(np.stack([job.result for job in jobs]))
+        try:
+            tokens, lses, finite = sampling.greedy_rows(np.stack([job.result for job in jobs]))
+        except Exception:  # noqa: BLE001 - rows of unequal shapes: each is chosen alone, checked
+            log.exception("fake engine: a tick's rows could not be chosen together")
+            return
         for job, token, lse, ok in zip(jobs, tokens, lses, finite):
             if ok:
                 job.chosen = (job.sampling, token, lse)
