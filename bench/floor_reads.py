@@ -40,12 +40,7 @@ async def read_stream(client: ShardClient, n: int, method: str = "Floor", pace_u
     try:
         await stream.send(floor_request(n, pace_us))
         await stream.half_close()
-        got = 0
-        while await stream.receive(pb.SessionResponse) is not None:
-            got += 1
-        if (err := stream.error()) is not None:
-            raise err
-        return got
+        return await _rest(stream)
     finally:
         stream.close()
 
@@ -62,13 +57,19 @@ async def echo(client: ShardClient, n: int, pace_us: float) -> int:
                 break
             got += 1
         await stream.half_close()
-        while await stream.receive(pb.SessionResponse) is not None:
-            got += 1
-        if (err := stream.error()) is not None:
-            raise err
-        return got
+        return got + await _rest(stream)
     finally:
         stream.close()
+
+
+async def _rest(stream: Any) -> int:
+    """Read a half-closed stream to its end: how many messages came (its error raised)."""
+    got = 0
+    while await stream.receive(pb.SessionResponse) is not None:
+        got += 1
+    if (err := stream.error()) is not None:
+        raise err
+    return got
 
 
 async def floor_pass(pid: int, method: str, n: int, *, pace_us: float = 0, reader: str = "shard",
