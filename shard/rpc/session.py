@@ -688,9 +688,14 @@ class SessionCall:
                 return
             raise _illegal(f"{kind} while a step is running (steps never interleave)", sid)
         else:
-            self.phase.value = Phase.RUNNING
-            self._step_active.value = True  # from here on a Cancel is never lost
-            self._start_step(req)
+            self._begin_step(req)
+
+    def _begin_step(self, req: pb.SessionRequest) -> None:
+        """RUNNING first, then the step's task: a Cancel that arrives right after the request
+        finds the step running (the RPC fuzzer's ``cancel_right_after_dispatch``)."""
+        self.phase.value = Phase.RUNNING
+        self._step_active.value = True  # from here on a Cancel is never lost
+        self._start_step(req)
 
     def take_request_now(self, req: pb.SessionRequest) -> bool:
         """``_dispatch`` without a task step, for the two requests that need no wait: a step
@@ -715,9 +720,7 @@ class SessionCall:
         if kind == "credit":
             self._grant(req.credit.messages)
         else:
-            self.phase.value = Phase.RUNNING
-            self._step_active.value = True  # from here on a Cancel is never lost
-            self._context.run(self._start_step, req)  # (a task inherits its spawner's context)
+            self._context.run(self._begin_step, req)  # (a task inherits its spawner's context)
         return True
 
     async def _on_half_close(self) -> None:
