@@ -77,7 +77,8 @@ def _trie_pattern(texts: set[str]) -> str:
 
     Why a trie: a plain alternation of N texts is tried branch by branch at every position, and
     a real model has thousands of special texts sharing their first character (Gemma 3: 6,250,
-    most starting with ``<``): a 1 MB message of ``<`` took 41 s of the front door's event loop.
+    most starting with ``<``): a 1 MB message of ``<`` would hold the front door's event loop for
+    tens of seconds.
     As a trie each position tries one branch per distinct next character."""
     trie: dict[str, dict] = {}
     for text in texts:

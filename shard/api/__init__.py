@@ -85,9 +85,8 @@ async def run_api(
         app = build_app(catalog, keys=keys, limits=limits,
                         loopback_hosts_only=keys is None and is_loopback(host))
         # What start-up made (libraries, the app, the chat template) lives as long as the
-        # process: out of the collector's sight, a full collection no longer walks it. Those
-        # walks took 27-33 ms each, stalling every stream on the event loop (bench/api_abuse.py,
-        # "quiet": the worst gap between two tokens 41.7 -> 29.1 ms, /health 35.3 -> 7.1 ms).
+        # process: out of the collector's sight, a full collection does not walk it. Each such
+        # walk would stall every stream on the event loop for tens of milliseconds.
         gc.collect()
         gc.freeze()
         shutdown = trio.Event()

@@ -120,7 +120,8 @@ def build_app(
         """Refuse a conversation of more messages, or a prompt of more token ids, than a
         session has positions (each message renders to one token at least) before validating
         it: validation is one call into pydantic-core that holds the GIL, and a 4 MiB body of
-        120,000 short messages held it for 0.4 s, stalling every stream on the event loop."""
+        short messages would hold it for a good part of a second, stalling every stream on the
+        event loop."""
         limit = backend.context
         for param in ("messages", "prompt"):
             items = raw.get(param)

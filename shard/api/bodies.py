@@ -9,7 +9,7 @@ Two costs a client can put on the front door before any worker is asked:
   more than that. A body whose next chunk would pass the total is refused with 503 (retryable,
   ``Retry-After``) and its connection closed; the bytes it held are given back at once.
 * **The event loop.** ``json.loads`` of a 4 MiB body of 135,000 two-character messages is one
-  C call that holds the GIL for about 75 ms, in a worker thread or not, stalling every stream
+  C call that holds the GIL for tens of milliseconds, in a worker thread or not, stalling every stream
   the door serves. ``count_values`` first walks a large body with ijson's C tokenizer, 64 KiB
   at a time with a checkpoint between chunks, counting JSON values, and refuses the body (400)
   as soon as it holds more than a request for the served contexts can use; only a body within
@@ -28,7 +28,8 @@ from .errors import RETRY_AFTER_SECONDS, ApiError
 
 __all__ = ["CHUNK_BYTES", "BodyBudget", "count_values", "value_limit"]
 
-#: Bytes of a body tokenized between two checkpoints (about 2 ms of the C tokenizer).
+#: Bytes of a body tokenized between two checkpoints (a couple of milliseconds of the C
+#: tokenizer: short enough not to stall the event loop's other streams).
 CHUNK_BYTES = 64 * 1024
 
 

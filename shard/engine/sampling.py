@@ -22,8 +22,8 @@ def logsumexp(logits: np.ndarray, maximum: float | None = None) -> float:
     vocabulary; ``maximum`` (the row's largest value, when the caller has it) saves another.
     The exponentials are summed in the row's own dtype, in place, by numpy's pairwise sum: for
     float32 rows the relative error stays near 1e-6 (the wire's log-probabilities are float32),
-    and accumulating in float64 instead cost more than the rest of the step's token choice
-    (a cast of every element: 64 against 35 us for a 32,000-token row, measured).
+    and accumulating in float64 instead costs more than the rest of the step's token choice
+    (a cast of every element of the row).
     """
     m = float(np.max(logits)) if maximum is None else float(maximum)
     if not math.isfinite(m):  # every value -inf (nothing possible), or a NaN/inf row

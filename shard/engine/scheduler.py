@@ -279,16 +279,14 @@ class BatchScheduler:
         A woken session needs a few scheduling rounds (and, served over the network, a trip
         through the transport and sometimes a credit grant) to submit its next step; ticking
         before it does runs it one tick later in a smaller batch, and two halves of a group then
-        stay out of phase for good (measured: 4 served sessions alternating ticks of 2 and 2,
-        0.60 of the batched ceiling instead of 0.90). Waiting for the sessions of the last two
+        stay out of phase for good, each half running as a small tick. Waiting for the sessions of the last two
         ticks, not only the last one, merges such halves again. A released session is not
         waited for; a lone session is the one resubmitting, so its tick starts at once.
 
         Only the sessions of the batch group the tick will hold are waited for, and "the last
         two ticks" are that group's: with G groups taking turns, a group last ran G ticks ago,
-        and a horizon of the last two ticks of any group forgot its sessions, so each of its
-        ticks started with the first member back and split the group (measured: 8 simulated
-        hops, 16 sessions in 9 groups, 1.15 sessions a tick instead of 1.8).
+        and a horizon of the last two ticks of any group would forget its sessions, so each of its
+        ticks would start with the first member back and split the group.
         """
         now = trio.current_time()
         for key, (slot, seen) in list(self._recent.items()):
@@ -319,9 +317,9 @@ class BatchScheduler:
 
     def _horizon(self, group: int) -> float:
         """Sessions of ``group`` seen before this are no longer awaited. Sessions in no group
-        (0): those not in a tick for two ticks' time, as before groups existed (measured: a
-        pipeline without groups then splits its sessions into ticks of 2-3 on 8 simulated hops,
-        and that accidental micro-batching serves 2x what merging them does). A batch group:
+        (0): those not in a tick for two ticks' time (a pipeline without groups then splits its
+        sessions into small ticks, an accidental micro-batching that serves more than merging
+        them would). A batch group:
         the end of the older of the group's last two ticks (less a millisecond), counted in the
         group's ticks, not in time: a split group's two halves tick close together, and a time
         horizon learnt from them would forget them again before the group came back."""

@@ -19,8 +19,8 @@ _fingerprint_lock = threading.Lock()
 def file_fingerprint(path: Path) -> str:
     """SHA-256 of the file's bytes (hex), cached by (device, inode, size, mtime).
 
-    Hashing the 214 MB bench model took 0.17 s on an idle 2-core machine (0.7 s under load); a
-    process that loads the same file again (tests, engine restarts) pays it once.
+    Hashing a model of a few hundred MB takes a noticeable fraction of a second; a process that
+    loads the same file again (tests, engine restarts) pays it once.
     """
     st = os.stat(path)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

@@ -1,9 +1,9 @@
 """The byte layout of a GGUF file: where every key and tensor is, found without decoding them.
 
 Why not ``gguf.GGUFReader``: it decodes every key, building numpy views for each element of
-every array, and a vocabulary is several arrays of 150,000-260,000 elements. On a real 0.5B
-model with a 152k vocabulary that took 22-25 s and 670-790 MB to slice one range (writing the
-slice: 0.36 s); on Gemma 3 270M, 11.5 s and 680 MB just to open the file. A slice changes a few
+every array, and a vocabulary is several arrays of 150,000-260,000 elements: on a real model
+that takes seconds and most of a GB just to open the file, far more than writing a slice. A
+slice changes a few
 small keys and renames tensors; everything else is copied as bytes. So this module walks the
 header once (``walk_keys``: each key's span; string arrays by their length prefixes only),
 lists the tensors (``read_layout``) and encodes the few keys and tensor entries a slice writes

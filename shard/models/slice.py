@@ -34,8 +34,8 @@ every shard of one model and a whole-model worker agree on it.
 
 Speed and memory: nothing the slice does not change is decoded (``shard.models.layout``: the
 header is walked once, each unchanged key copied as bytes, each tensor copied by the kernel or
-through one buffer); ``gguf.GGUFReader`` decoded every vocabulary array first (Gemma 3 270M:
-12-16 s and about 1 GB per range; now about 1 s and 60 MB). The output is written to a
+through one buffer), where ``gguf.GGUFReader`` would decode every vocabulary array first
+(seconds and about a GB per range on a real model's vocabulary). The output is written to a
 temporary file next to the target, fsynced and renamed into place with ``os.replace``, so
 readers never see a partial slice.
 """

@@ -31,9 +31,8 @@ class PromptLookup:
 
     Why ``min_ngram=2`` by default: a drafted row is not free (on Gemma 3 270M each verified
     row costs the last shard nearly a whole step, its 262,144-token head), and a single
-    repeated token is a poor predictor; on Gemma's output for a story, a list and code,
-    requiring two tokens of context cut the rows verified by 12-42% for 2-15% more passes
-    (docs/pipelines.md, "Speculative verification").
+    repeated token is a poor predictor: requiring two tokens of context verifies far fewer rows
+    for a few more passes (docs/pipelines.md, "Speculative verification").
     """
 
     def __init__(self, *, max_ngram: int = 3, min_ngram: int = 2) -> None:

@@ -3,8 +3,7 @@
 A worker batches the steps of all its sessions into one native step (a tick). In a pipeline of
 H hops that alone makes the hops take turns: every session's next step waits for the token that
 the last hop computes, so all of them arrive at the first hop together, are computed there in
-one tick, move to the second hop together, and so on; while one hop computes, the others wait
-(measured: two hops on two cores served 0.95x of one core serving the whole model).
+one tick, move to the second hop together, and so on; while one hop computes, the others wait.
 
 Pipeline-parallel serving keeps the hops busy with micro-batches: the generations are split into
 groups that move through the chain one after another, so that while hop k computes group g, hop
@@ -18,9 +17,8 @@ elsewhere.
 How many: H groups by default, which keep every hop busy when passing a group on costs nothing.
 One more would hide the time a group spends between hops (the client's relay, the network), at
 the price of smaller ticks, and a tick is far from proportional to its rows: it reads all the
-weights once (bench model, 1 thread: one row 27 ms, eight 89 ms). Two real hops served 18-44%
-more with 2 groups than with 3 (docs/pipelines.md, "Throughput under concurrency"). A single
-hop needs no groups (group 0: every session shares every tick, as before).
+weights once, so H groups serve more than H + 1 (docs/benchmarks.md, "Pipeline throughput under
+concurrency"). A single hop needs no groups (group 0: every session shares every tick).
 Group ids are drawn at random per pipeline so that two clients' groups do not merge on shared
 workers.
 """

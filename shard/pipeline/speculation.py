@@ -2,9 +2,9 @@
 
 Why: a pass that verifies ``k`` drafted tokens costs the chain's traversal (a round trip per
 hop, one step on each) plus ``k`` extra rows, and a row is not free: on Gemma 3 270M each
-verified row costs the last shard nearly a whole step (its 262,144-token head). A real 0.5B
-code model, 3 hops at 10 ms one way: plain chain relay 149-163 ms a token, with ``--speculate 4``
-200-214 ms (36 of 77 drafts accepted). A user who turns speculation on must never lose, so the
+verified row costs the last shard nearly a whole step (its 262,144-token head), and drafting
+every pass can make a real model slower than plain chain relay. A user who turns speculation on
+must never lose, so the
 pipeline measures what a pass costs and drafts only when the expected tokens per second beat
 plain decoding.
 

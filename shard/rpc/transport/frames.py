@@ -16,15 +16,15 @@ SETTINGS); flow control bounds bytes, never frames. Two things follow:
   HEADERS for a call that was answered. So besides its bucket each kind *earns* frames on the
   connection (``FrameRate.per_data_frame``: per DATA frame the worker sent, a frame's worth per
   16 KiB counted as one more; ``FrameRate.per_answer``: per call the worker answered with a
-  message), banked up to ``burst`` and spent before the bucket. A fixed rate alone cut exactly
-  the clients that matter most: grpcio multiplexing 16 generations on one channel sent more than
-  500 WINDOW_UPDATE frames a second, in step with the tokens it was sent (issue 43). A peer that
-  takes no data earns nothing and is cut as before; one that does can send control frames at
+  message), banked up to ``burst`` and spent before the bucket. A fixed rate alone would cut
+  exactly the clients that matter most: grpcio multiplexing many generations on one channel sends
+  WINDOW_UPDATE frames in step with the tokens it is sent, hundreds a second. A peer that takes
+  no data earns nothing and is cut by its bucket alone; one that does can send control frames at
   most in proportion to what the worker chose to send it (as Envoy's
   ``max_inbound_window_update_frames_per_data_frame_sent``).
 - **Cutting is linear.** h2 3.2's ``FrameBuffer`` copies the rest of its buffer after every
-  frame (``data = data[n:]``), quadratic in the frames of one read: 80,000 WINDOW_UPDATE
-  frames took 1.7 s to cut, before h2 handled any. ``FrameReader`` keeps an offset instead and
+  frame (``data = data[n:]``), quadratic in the frames of one read: a flood of tens of
+  thousands of small frames would take seconds to cut, before h2 handled any. ``FrameReader`` keeps an offset instead and
   compacts once per read. It also refuses an oversized frame on its 9-byte header (h2 waits
   for the whole frame first) and a header block (HEADERS + CONTINUATION) above the
   header-list limit (h2 lets it grow to 64 CONTINUATION frames of any size).

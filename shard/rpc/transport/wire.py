@@ -134,7 +134,7 @@ def check_private_names() -> None:
 check_private_names()
 
 OUTBOX_HIGH_WATER = 256 * 1024  # queued outbound bytes before a sending task waits
-READ_SIZE = 1024 * 1024  # 64 KiB reads halved 1 MiB-message throughput (measured)
+READ_SIZE = 1024 * 1024  # one read per 1 MiB message: 64 KiB reads cost a pass each
 PREFIX = 5  # the gRPC message prefix (compressed flag + length)
 Outcome = tuple[int, str, Sequence[tuple[str, "str | bytes"]]]  # (code, message, trailers)
 
@@ -178,7 +178,7 @@ class TransportLimits:
     flush_timeout: float = 2.0
     #: Closed streams each connection remembers, so that a late frame on a stream reset a moment
     #: ago gets RST_STREAM instead of killing the connection. h2 keeps 65,536 (about 100 bytes
-    #: each): a long-lived connection grew by ~6 MiB over its first 65,536 calls.
+    #: each), so a long-lived connection would grow by megabytes over its first 65,536 calls.
     closed_streams_remembered: int = 1024
     #: Seconds a peer has to finish a request message it started (first byte to last); past
     #: that its stream fails RESOURCE_EXHAUSTED (reason MESSAGE_TIMEOUT) and the bytes held for
@@ -195,9 +195,8 @@ class TransportLimits:
     #: it has open, 80, at once); ``empty_frames`` PRIORITY, unknown frame types and DATA frames
     #: with neither payload nor END_STREAM; ``small_data_frames`` DATA frames of 1 to 15 bytes
     #: without END_STREAM (a client's decode step is one, answered by the worker's result: each
-    #: DATA frame sent earns two). Why each number: docs/protocol.md, "Transport
-    #: limits" (measured: grpcio sent 0.45-0.73 WINDOW_UPDATE frames per DATA frame, one PING
-    #: per 1,400 and no SETTINGS beyond its handshake, 16-32 streams on one channel).
+    #: DATA frame sent earns two). Why each number (what grpcio sends per DATA frame):
+    #: docs/protocol.md, "Transport limits".
     new_streams: FrameRate = FrameRate(1000, 500.0, per_answer=1.0)
     resets: FrameRate = FrameRate(500, 100.0, per_answer=1.0)
     pings: FrameRate = FrameRate(100, 10.0, per_data_frame=1.0)
@@ -253,8 +252,8 @@ class TransportLimits:
 
     @property
     def max_frame_bytes(self) -> int:
-        """Advertised MAX_FRAME_SIZE: big frames cut h2's per-frame Python cost (1 MiB messages:
-        ~+25%); a DATA frame never needs to exceed the stream window."""
+        """Advertised MAX_FRAME_SIZE: big frames cut h2's per-frame Python cost on large
+        messages; a DATA frame never needs to exceed the stream window."""
         return max(16384, min(self.stream_window_bytes, 2**24 - 1))
 
     @property
