@@ -122,9 +122,8 @@ def native_system_info(*, use_extra_bufts: bool = True, threads: int | None = No
 
 def default_threads() -> int:
     """Half the usable CPUs (physical cores on SMT machines; llama-cpp-python's default too),
-    at most 8. Headroom matters: ggml's threads spin at barriers inside a step, so a second
-    busy process on the same cores slows a team using every core far more than a smaller one
-    (docs/benchmarks.md)."""
+    at most 8. Headroom matters: ggml's threads spin at barriers inside a step, so a busy
+    process on the same cores slows a team using every core far more than a smaller one."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux

@@ -7,7 +7,7 @@ Cancellation inside a running ``llama_decode`` goes through llama.cpp's abort ca
 ggml polls after every graph node and which aborts only when every session of the tick is
 cancelled; ``llama_decode`` then returns 2 and drops the unfinished ubatch. The callback is a
 Python function, so every poll takes the GIL and waits for it while another Python thread is
-busy, which slows a short step many times over (docs/benchmarks.md). So it is *armed only for
+busy, which slows a short step many times over. So it is *armed only for
 ticks holding a piece of at least ``abort_min_tokens`` rows of one session* (every prompt chunk
 by default, where a step is long and in-step abort matters); a tick of one-row decodes is short
 and stops at the next tick.
@@ -31,7 +31,6 @@ from .llama_kv import KvCells
 from .llama_model import LlamaModel
 from .llama_native import LLAMA_TOKEN_NULL, held, native_reason
 from .scheduler import Job
-
 
 log = logging.getLogger("shard.engine.llama")
 
