@@ -6,12 +6,11 @@ ggml barrier. A worker alone on its cores hardly notices, but every other proces
 does: in a two-worker pipeline on two cores the idle worker's spinning team took the cores the
 busy one computed on. The project builds llama.cpp without OpenMP (``shard.llama_build``), so
 ggml runs its own pool; with no pool attached it would create and join a pool per graph whose
-threads poll for work (polling level 50), which measured even worse. This pool is created once,
+threads poll for work (polling level 50), which was even worse. This pool is created once,
 with polling level 0: its threads wait on a condition variable between graphs and spin only
-inside one (ggml's barriers). Measured on 2 cores at 2 threads (bench/colocated.py, bench model,
-against the OpenMP build in one run): a two-worker pipeline took 22.5 against 28.3 ms per token,
-one worker the same; next to one busy process the pipeline took 42.5 against 87.3 ms and four
-sessions 25.7 against 30.2 ms per token (docs/engine.md, "Compute threads").
+inside one (ggml's barriers). A two-worker pipeline, and any worker next to a busy process, is
+faster on it than on OpenMP's team, one worker alone the same (docs/engine.md, "Compute
+threads"; the figures in docs/benchmarks.md, bench/colocated.py).
 
 One of the modules allowed to use ``ctypes`` and ``llama_cpp`` (tests/test_import_boundary.py):
 llama-cpp-python binds neither the pool functions (libggml-base, libggml-cpu) nor
