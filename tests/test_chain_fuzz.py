@@ -47,7 +47,7 @@ from shard.rpc.errors import unwrap_single_exception
 from shard.relay import ChainRelay
 from shard.rpc.server import serve
 from shard.v1 import shard_pb2 as pb
-from test_rpc_fuzz import FAILURES, LoopThread, _trio_cache_thread
+from rpc_fuzz_harness import FAILURES, LoopThread, trio_cache_thread as _trio_cache_thread
 
 MODEL = FakeModel(n_layers_total=4, n_embd=8, seed=13)
 SPEC = LoadSpec(n_ctx=1024, max_sessions=4)  # 256 positions per session
