@@ -2,7 +2,7 @@
 each step's result to the session where the step finished (the task that ran a batched tick,
 or the native thread's callback for steps computed ahead), and the session frames it there.
 
-The contract suite checks what a stream computes and keeps (shard/testing/contract.py,
+The contract suite checks what a stream computes and keeps (shard/testing/contract/streams.py,
 "streams"); this module checks what makes it lean (the caller's task sleeps through the run;
 streaming sessions share ticks; a token's response is the long path's message) and that a
 served ``Generate`` keeps every guarantee on the llama.cpp engine's callback path."""
