@@ -101,6 +101,15 @@ def add_common(p: argparse.ArgumentParser, default_out: Path, *, quick: str) -> 
     add_logs(p, default_out.parent / "logs", help="the workers' log files (default: bench/results/logs)")
 
 
+def checkouts(args: argparse.Namespace, this: str = "this", other: str = "other") -> dict[str, Path | None]:
+    """The checkouts whose workers a bench runs, by the label its results use: this one
+    (``None``: no ``PYTHONPATH`` change), then ``--worker-root``'s when given."""
+    roots: dict[str, Path | None] = {this: None}
+    if args.worker_root is not None:
+        roots[other] = args.worker_root
+    return roots
+
+
 def default_model(quick: bool, *, preset: str = "bench", progress: bool | None = None) -> Path:
     """The model a bench runs without ``--model``: the tiny preset with ``--quick``, else
     ``preset``; written if missing."""

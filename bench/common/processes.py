@@ -39,6 +39,9 @@ from shard.client import ShardClient, ShardError
 from shard.v1 import shard_pb2 as pb
 
 _SERVING = re.compile(r"serving shard\.v1\.Shard on (\S+:\d+)")
+#: The protocol version spoken by every worker version, so a worker from an older checkout
+#: (``--worker-root``) can be measured with this checkout's client.
+V10 = (1, 0)
 #: The fake worker's module (bench/common/fake_worker.py), then its name in older checkouts.
 FAKE_WORKER = ("bench.common.fake_worker", "bench.fake_worker")
 

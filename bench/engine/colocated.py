@@ -175,9 +175,7 @@ def _ranges(model: Path) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    roots: dict[str, Path | None] = {"this": None}
-    if args.worker_root is not None:
-        roots["other"] = args.worker_root
+    roots = options.checkouts(args)
     halves = _ranges(args.model)
     rows: dict[str, dict[str, list[float]]] = {name: {m: [] for m in MODES} for name in roots}
     counted: dict[str, dict[str, list[int]]] = {name: {m: [] for m in MODES} for name in roots}

@@ -28,7 +28,6 @@ import re
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # one log line per GOAWAY otherwise (before)
@@ -126,11 +125,9 @@ def soak(target: str, streams: int, seconds: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    roots: list[tuple[str, Path | None]] = [("this_checkout", None)]
-    if args.worker_root is not None:
-        roots.append(("worker_root", args.worker_root))
+    roots = options.checkouts(args, "this_checkout", "worker_root")
     results: dict[str, Any] = {}
-    for label, root in roots:
+    for label, root in roots.items():
         log = args.logs / f"busy_client_{label}.log"
         cmd = [sys.executable, "-m", module_in(root, *FAKE_WORKER), "--tick-ms", "0", "--row-ms", "0",
                "--max-sessions", str(args.streams), "--ctx", str(args.streams * 1024)]

@@ -40,12 +40,11 @@ import trio
 
 from bench.common import options
 from bench.common.environment import default_threads, environment, save_record
-from bench.common.processes import shard_server, status_kib, wait_serving
+from bench.common.processes import V10, shard_server, status_kib, wait_serving
 from shard.client import ShardClient, ShardError
 from shard.v1 import shard_pb2 as pb
 
 STEP_TIMEOUT = 0.3
-V10 = (1, 0)  # understood by every worker version, so an older checkout can be measured too
 DEFAULT_OUT = options.RESULTS / "contention.json"
 
 

@@ -22,7 +22,6 @@ import socket
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -196,12 +195,10 @@ async def measure(target: str, pid: int, kind: str | None, seconds: float) -> di
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    roots: list[tuple[str, Path | None]] = [("this_checkout", None)]
-    if args.worker_root is not None:
-        roots.append(("worker_root", args.worker_root))
+    roots = options.checkouts(args, "this_checkout", "worker_root")
     results: dict[str, Any] = {}
     for kind in (None, *args.kinds):
-        for label, root in roots:
+        for label, root in roots.items():
             name = kind or "quiet"
             with shard_server(args.model, threads=args.threads, ctx=4096, max_sessions=4,
                               log=args.logs / f"floods_{name}_{label}.log", root=root) as server:

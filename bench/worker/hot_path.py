@@ -65,6 +65,7 @@ import trio
 from bench.common import options
 from bench.common.environment import environment, load_average
 from bench.common.processes import (
+    V10,
     free_port,
     http_server,
     served,
@@ -77,7 +78,6 @@ from bench.worker import floor_reads, grpcio_stream
 from shard.client import ShardClient
 from shard.v1 import shard_pb2 as pb
 
-V10 = (1, 0)  # understood by every worker version, so an older checkout can be measured too
 PROMPT = [1, *range(300, 319)]  # word pieces of the generated vocabularies (tiny: 812 tokens)
 # (llama-server is given the same token ids: /completion takes a prompt as a list of ids)
 MODES = ("generate", "decode")
@@ -182,9 +182,7 @@ def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    roots: dict[str, Path | None] = {"this": None}
-    if args.worker_root is not None:
-        roots["other"] = args.worker_root
+    roots = options.checkouts(args)
     modes = (*MODES, "generate_grpcio") if args.grpcio else MODES
     passes: dict[str, dict[str, list[dict[str, float]]]] = {
         name: {m: [] for m in modes} for name in roots

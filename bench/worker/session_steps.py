@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -36,14 +35,13 @@ import trio
 from bench.common import options
 from bench.common.environment import environment, save_record
 from bench.common.fake_worker import SEED
-from bench.common.processes import FAKE_WORKER, cpu_seconds, module_in, served
+from bench.common.processes import FAKE_WORKER, V10, cpu_seconds, module_in, served
 from shard.client import ShardClient
 from shard.engine import LoadSpec
 from shard.engine.base import ComputePlan
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript
 
 DEFAULT_OUT = options.RESULTS / "session_steps.json"
-V10 = (1, 0)  # spoken by every worker version, so an older checkout can be measured too
 #: The fake worker: batched engine, ticks free, the smallest model (compute next to nothing).
 FAKE_LAYERS, FAKE_EMBD = 1, 8
 FAKE = ["--tick-ms", "0", "--row-ms", "0", "--n-layers", str(FAKE_LAYERS), "--n-embd", str(FAKE_EMBD)]
@@ -106,9 +104,7 @@ async def one_round(
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    roots: dict[str, Path | None] = {"this": None}
-    if args.worker_root is not None:
-        roots["other"] = args.worker_root
+    roots = options.checkouts(args)
     rows: dict[str, dict[int, list[dict[str, float]]]] = {n: {s: [] for s in args.sessions} for n in roots}
     ctx = max(args.sessions) * (args.tokens + 64)
     with ExitStack() as stack:

@@ -40,10 +40,10 @@ import trio
 
 from bench.common import options
 from bench.common.environment import environment
-from bench.common.processes import free_port, served, shard_server, wait_serving
+from bench.common.processes import V10, free_port, served, shard_server, wait_serving
 from bench.worker import grpcio_stream
 from bench.worker.floor_reads import floor_pass
-from bench.worker.hot_path import V10, one_pass
+from bench.worker.hot_path import one_pass
 from shard.client import ShardClient
 
 DEFAULT_OUT = options.RESULTS / "stack_floor.json"
