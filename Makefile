@@ -53,11 +53,11 @@ BENCH_DEPS := $(BIN)/python -c "import matplotlib, fastapi, uvicorn, sse_starlet
 
 bench: llama
 	$(BENCH_DEPS)
-	$(BIN)/python -m bench.decode_throughput $(BENCH_ARGS)
+	$(BIN)/python -m bench.engine.decode_throughput $(BENCH_ARGS)
 
 bench-quick: llama
 	$(BENCH_DEPS)
-	$(BIN)/python -m bench.decode_throughput --quick $(BENCH_ARGS)
+	$(BIN)/python -m bench.engine.decode_throughput --quick $(BENCH_ARGS)
 
 proto: $(STAMP)
 	$(BIN)/python -m shard.rpc.codegen

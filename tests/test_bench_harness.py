@@ -10,7 +10,7 @@
   and the chart.
 * The failover bench kills the middle worker of a real 3-worker chain and its replica replays
   exactly the prompt's positions.
-* The network bench runs a 2-hop pipeline through delayed links (bench/links.py).
+* The network bench runs a 2-hop pipeline through delayed links (bench/common/links.py).
 * The hot-path bench reads two workers' CPU and native time per pass, alternating them, and
   the client's CPU (ours and grpcio's).
 * The CPU-budget bench's burner really spends, in CPU time, what every token asks of it.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.decode_throughput import (
+from bench.engine.decode_throughput import (
     Measurement,
     token_times,
     paired_ratios,
@@ -35,7 +35,7 @@ from bench.decode_throughput import (
     stream_stats,
     summarize,
 )
-from bench.raw_loops import LlamaBaseline, RawDecoder, buggy_llama_baseline
+from bench.engine.raw_loops import LlamaBaseline, RawDecoder, buggy_llama_baseline
 from shard.models import ensure_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +145,7 @@ def test_paired_ratios_compare_within_each_round() -> None:
 def test_quick_run_writes_report_with_environment_and_ratios(tiny: Path, tmp_path: Path) -> None:
     variants = "raw,llama_cpp.Llama,engine,server_generate,client_step,pipeline_2shard"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.decode_throughput", "--quick", "--model", str(tiny),
+        [sys.executable, "-m", "bench.engine.decode_throughput", "--quick", "--model", str(tiny),
          "--variants", variants, "--concurrency", "1,2", "--tokens", "4", "--threads", "1",
          "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
@@ -186,10 +186,10 @@ def test_quick_run_writes_report_with_environment_and_ratios(tiny: Path, tmp_pat
 
 
 def test_batching_bench_runs_every_part(tmp_path: Path) -> None:
-    """A smoke run of bench/bench_batching.py on the tiny model: it imports, runs every part and
+    """A smoke run of bench/engine/batching.py on the tiny model: it imports, runs every part and
     prints each line (the numbers are the benchmark's business, not the test's)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_batching", "--preset", "tiny", "--tokens", "4",
+        [sys.executable, "-m", "bench.engine.batching", "--preset", "tiny", "--tokens", "4",
          "--rounds", "1", "--threads", "1", "--sessions", "2", "--prompt", "96",
          "--batch-tokens", "32", "--short-prompt", "8"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
@@ -202,11 +202,11 @@ def test_batching_bench_runs_every_part(tmp_path: Path) -> None:
 
 
 def test_contention_bench_runs_every_scenario(tmp_path: Path) -> None:
-    """A smoke run of bench/contention.py on the tiny model with small sizes: every scenario
+    """A smoke run of bench/worker/contention.py on the tiny model with small sizes: every scenario
     runs against a real worker and the oversized requests are refused."""
     out = tmp_path / "contention.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.contention", "--quick", "--threads", "1", "--out", str(out),
+        [sys.executable, "-m", "bench.worker.contention", "--quick", "--threads", "1", "--out", str(out),
          "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
     )
@@ -230,7 +230,7 @@ def test_contention_bench_repeats_one_scenario(tmp_path: Path) -> None:
     twice in fresh workers, every run's step timeouts listed."""
     out = tmp_path / "contention.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.contention", "--quick", "--threads", "1", "--out", str(out),
+        [sys.executable, "-m", "bench.worker.contention", "--quick", "--threads", "1", "--out", str(out),
          "--logs", str(tmp_path / "logs"), "--scenarios", "decode_deadline", "--repeat", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
     )
@@ -240,17 +240,17 @@ def test_contention_bench_repeats_one_scenario(tmp_path: Path) -> None:
     for value in results.values():
         assert len(value["runs"]) == len(value["step_timeouts_per_run"]) == 2
         assert all(r["decode_steps"] >= 1 for r in value["runs"])
-    bad = subprocess.run([sys.executable, "-m", "bench.contention", "--scenarios", "nope"],
+    bad = subprocess.run([sys.executable, "-m", "bench.worker.contention", "--scenarios", "nope"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown scenario nope" in bad.stderr
 
 
 def test_floods_bench_cuts_every_flooding_connection(tmp_path: Path) -> None:
-    """A smoke run of bench/floods.py on the tiny model: the attacker process floods, every
+    """A smoke run of bench/worker/floods.py on the tiny model: the attacker process floods, every
     connection it made got GOAWAY(ENHANCE_YOUR_CALM), the neighbour kept generating."""
     out = tmp_path / "floods.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.floods", "--quick", "--seconds", "0.5", "--kinds", "pings,resets",
+        [sys.executable, "-m", "bench.worker.floods", "--quick", "--seconds", "0.5", "--kinds", "pings,resets",
          "--threads", "1", "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
     )
@@ -264,11 +264,11 @@ def test_floods_bench_cuts_every_flooding_connection(tmp_path: Path) -> None:
 
 
 def test_busy_client_bench_soaks_grpcio_and_reports_cuts(tmp_path: Path) -> None:
-    """A smoke run of bench/busy_client.py: grpcio generations for 2 s on one channel against
+    """A smoke run of bench/worker/busy_client.py: grpcio generations for 2 s on one channel against
     the zero-compute fake worker; tokens counted, no connection cut."""
     out = tmp_path / "busy.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.busy_client", "--quick", "--seconds", "2", "--streams", "4",
+        [sys.executable, "-m", "bench.worker.busy_client", "--quick", "--seconds", "2", "--streams", "4",
          "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
     )
@@ -280,13 +280,26 @@ def test_busy_client_bench_soaks_grpcio_and_reports_cuts(tmp_path: Path) -> None
     assert record["environment"]["model"] is None and record["streams"] == 4
 
 
+def test_a_worker_root_runs_the_bench_helper_by_the_name_it_has_there(tmp_path: Path) -> None:
+    """``--worker-root`` may name a checkout from before bench/ was grouped (bench/fake_worker.py
+    at the top): the fake worker is started there by the module name that checkout has."""
+    from bench.common.processes import FAKE_WORKER, module_in
+
+    assert module_in(None, *FAKE_WORKER) == module_in(ROOT, *FAKE_WORKER) == "bench.common.fake_worker"
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "fake_worker.py").write_text("")
+    assert module_in(tmp_path, *FAKE_WORKER) == "bench.fake_worker"
+    with pytest.raises(FileNotFoundError):
+        module_in(tmp_path / "elsewhere", *FAKE_WORKER)
+
+
 def test_session_steps_bench_counts_every_token_of_both_workers(tmp_path: Path) -> None:
-    """A ``--quick`` run of bench/session_steps.py against this checkout as the other one too:
+    """A ``--quick`` run of bench/worker/session_steps.py against this checkout as the other one too:
     every round generated all its tokens (the bench asserts it), both workers have medians for
     each session count, and the ratios compare them."""
     out = tmp_path / "steps.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.session_steps", "--quick", "--worker-root", str(ROOT),
+        [sys.executable, "-m", "bench.worker.session_steps", "--quick", "--worker-root", str(ROOT),
          "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
     )
@@ -299,18 +312,18 @@ def test_session_steps_bench_counts_every_token_of_both_workers(tmp_path: Path) 
             assert row["tokens_per_s"] > 0 and row["worker_cpu_us"] >= 0
     assert set(results["ratios"]) == {"2", "4"} and record["environment"]["model"] is None
     assert results["fake_row_us"] > 0  # the fake model's own compute per row, apart
-    bad = subprocess.run([sys.executable, "-m", "bench.session_steps", "--sessions", "0"],
+    bad = subprocess.run([sys.executable, "-m", "bench.worker.session_steps", "--sessions", "0"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "must be positive" in bad.stderr
 
 
 def test_stack_floor_bench_streams_every_message_to_every_reader(tmp_path: Path) -> None:
-    """A ``--quick`` run of bench/stack_floor.py: both floor servers (hardened transport and
+    """A ``--quick`` run of bench/worker/stack_floor.py: both floor servers (hardened transport and
     stock purerpc) each read whole by grpcio and by the Shard client transport, and the worker's
     Generate by both readers; every pass counted its messages (the bench asserts it)."""
     out = tmp_path / "floor.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.stack_floor", "--quick", "--out", str(out),
+        [sys.executable, "-m", "bench.worker.stack_floor", "--quick", "--out", str(out),
          "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
     )
@@ -326,27 +339,27 @@ def test_stack_floor_bench_streams_every_message_to_every_reader(tmp_path: Path)
 
 
 def test_wakeups_bench_times_every_way_at_every_pace(tmp_path: Path) -> None:
-    """A ``--quick`` run of bench/wakeups.py: every way of waking up was measured at both
+    """A ``--quick`` run of bench/worker/wakeups.py: every way of waking up was measured at both
     paces (CPU per wake-up, never negative), beside Trio's warm scheduling round; bad
     arguments are refused."""
     out = tmp_path / "wakeups.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.wakeups", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.worker.wakeups", "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     medians = json.loads(out.read_text())["results"]["medians"]
     assert set(medians) == {f"{way}_{pace}ms" for way in ("time_sleep", "epoll", "trio_sleep", "trio_woken")
                             for pace in (1, 5)} | {"trio_warm"}
     assert all(v >= 0 for v in medians.values())
-    bad = subprocess.run([sys.executable, "-m", "bench.wakeups", "--paces", "0"],
+    bad = subprocess.run([sys.executable, "-m", "bench.worker.wakeups", "--paces", "0"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "must be positive" in bad.stderr
 
 
 def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
-    """A smoke run of bench/failover.py on the tiny model: each trial kills the middle worker
+    """A smoke run of bench/pipeline/failover.py on the tiny model: each trial kills the middle worker
     after the first token and the replica replays exactly the prompt's positions."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.failover", "--preset", "tiny", "--histories", "16,40",
+        [sys.executable, "-m", "bench.pipeline.failover", "--preset", "tiny", "--histories", "16,40",
          "--tokens", "4", "--relays", "client,chain", "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
     )
@@ -364,12 +377,12 @@ def test_failover_bench_replays_the_whole_history(tmp_path: Path) -> None:
 
 
 def test_pipeline_network_bench_reports_client_and_chain_modes_per_rtt(tmp_path: Path) -> None:
-    """A ``--quick`` run of bench/pipeline_network.py (tiny model, 2 hops through delayed links):
+    """A ``--quick`` run of bench/pipeline/network.py (tiny model, 2 hops through delayed links):
     the JSON has its environment and a ``client`` and a ``chain`` mode row per RTT, and a 20 ms
     round trip per link delays the first token by at least one round trip (a lower bound, not a
     speed); the speculating modes' rows say they gave the plain run's tokens."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline_network", "--quick", "--out-dir", str(tmp_path)],
+        [sys.executable, "-m", "bench.pipeline.network", "--quick", "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -392,14 +405,14 @@ def test_pipeline_network_bench_reports_client_and_chain_modes_per_rtt(tmp_path:
 
 
 def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None:
-    """A ``--quick`` run of bench/hot_path.py against this checkout twice (``--worker-root``):
+    """A ``--quick`` run of bench/worker/hot_path.py against this checkout twice (``--worker-root``):
     every timed pass of both workers (``Generate`` read by ``ShardClient`` and by grpcio, and
     ``Decode``) generated its tokens, read the engine's native time (the counter moved), the
     worker's CPU and the client's, and the ratios compare the two. With ``--floor`` the floor
     server answered both modes at the pace of the round's native steps."""
     out = tmp_path / "hot_path.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.hot_path", "--quick", "--grpcio", "--floor",
+        [sys.executable, "-m", "bench.worker.hot_path", "--quick", "--grpcio", "--floor",
          "--worker-root", str(ROOT), "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
     )
@@ -431,12 +444,12 @@ def test_hot_path_bench_measures_both_workers_every_pass(tmp_path: Path) -> None
 
 
 def test_colocated_bench_times_every_mode_next_to_a_busy_neighbour(tmp_path: Path) -> None:
-    """A ``--quick`` run of bench/colocated.py with one busy process: every mode timed the
+    """A ``--quick`` run of bench/engine/colocated.py with one busy process: every mode timed the
     tokens it claims (counted from arrivals; four streams for ``sessions4``), the whole worker
     and the two-worker pipeline chose the same tokens, and the report names the native build."""
     out = tmp_path / "colocated.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.colocated", "--quick", "--busy", "1",
+        [sys.executable, "-m", "bench.engine.colocated", "--quick", "--busy", "1",
          "--out", str(out), "--logs", str(tmp_path / "logs")],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
     )
@@ -455,9 +468,9 @@ def test_colocated_bench_times_every_mode_next_to_a_busy_neighbour(tmp_path: Pat
 
 
 def test_cpu_budget_burner_spends_what_each_token_asks(tiny: Path) -> None:
-    """bench/cpu_budget.py: every timed loop evaluates its tokens, and the burner process really
+    """bench/engine/cpu_budget.py: every timed loop evaluates its tokens, and the burner process really
     spends the CPU time it was asked for after each of them (its own rusage, read at exit)."""
-    from bench.cpu_budget import run_threads
+    from bench.engine.cpu_budget import run_threads
 
     result = run_threads(tiny, 1, [0, 50_000], n_tokens=8, rounds=2)
     assert [row["evaluated"] for row in result["rows"]] == [[8, 8], [8, 8]]
@@ -468,12 +481,12 @@ def test_cpu_budget_burner_spends_what_each_token_asks(tiny: Path) -> None:
 
 
 def test_pipeline_throughput_bench_reports_every_configuration(tmp_path: Path) -> None:
-    """A ``--quick`` run of bench/pipeline_throughput.py (tiny model, chain relay only; 2
-    simulated hops of bench/fake_worker.py): every configuration and session count has a row with
+    """A ``--quick`` run of bench/pipeline/throughput.py (tiny model, chain relay only; 2
+    simulated hops of bench/common/fake_worker.py): every configuration and session count has a row with
     each worker's busy fraction and CPU per step, every pipeline row a ratio to the whole model,
     and the before/after rows name their batch groups."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline_throughput", "--quick", "--relays", "chain",
+        [sys.executable, "-m", "bench.pipeline.throughput", "--quick", "--relays", "chain",
          "--tokens", "8", "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
     )
@@ -499,12 +512,12 @@ def test_pipeline_throughput_bench_reports_every_configuration(tmp_path: Path) -
 
 
 def test_api_abuse_bench_runs_each_kind_against_both_doors(tmp_path: Path) -> None:
-    """A short run of bench/api_abuse.py on the tiny model against this checkout twice
+    """A short run of bench/api/abuse.py on the tiny model against this checkout twice
     (``--door-root``): every door answered the neighbour and the probe, the trickling bodies
     were still held (the window is shorter than the body timeout), and the stop sequences ran
     through the door and through each checkout's text assembler."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.api_abuse", "--model", "tiny", "--seconds", "1",
+        [sys.executable, "-m", "bench.api.abuse", "--model", "tiny", "--seconds", "1",
          "--slow-seconds", "1", "--slow-connections", "3", "--kinds", "slow_bodies,stops",
          "--door-root", str(ROOT), "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
@@ -521,10 +534,10 @@ def test_api_abuse_bench_runs_each_kind_against_both_doors(tmp_path: Path) -> No
 
 
 def test_pool_spread_bench_puts_half_the_generations_on_each_route(tmp_path: Path) -> None:
-    """A small run of bench/pool_spread.py on the tiny model: both configurations run, the
+    """A small run of bench/api/pool_spread.py on the tiny model: both configurations run, the
     two-route pool splits the generations evenly, and the result file records both rates."""
     out = subprocess.run(
-        [sys.executable, "-m", "bench.pool_spread", "--model", "tiny", "--sessions", "4",
+        [sys.executable, "-m", "bench.api.pool_spread", "--model", "tiny", "--sessions", "4",
          "--tokens", "4", "--rounds", "1", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -23,7 +23,7 @@ from functools import partial
 import grpc
 import trio
 
-from bench.busy_client import KEEPALIVE, generation, session_method
+from bench.worker.busy_client import KEEPALIVE, generation, session_method
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import MODEL, V, Worker, worker
 from shard.api import Backend, build_app, serve_http
@@ -33,7 +33,7 @@ from shard.engine.fake import FakeEngine, FakeScript
 
 STREAMS, TOKENS = 32, 640  # 20,480 tokens on one connection
 # grpcio reads as the tracker did (16 more messages every 16 tokens), with keepalive
-# PINGs every second allowed without data and BDP probing: bench.busy_client's reader.
+# PINGs every second allowed without data and BDP probing: bench.worker.busy_client's reader.
 
 
 @asynccontextmanager

@@ -127,11 +127,11 @@ def test_pipeline_equals_the_whole_model_worker(
 
 
 def test_decode_bench_runs_on_the_real_model(gemma3: Path, tmp_path: Path) -> None:
-    """``python -m bench.decode_throughput --model <the real file>``: whole-model variants, and
+    """``python -m bench.engine.decode_throughput --model <the real file>``: whole-model variants, and
     the 2-shard pipeline cut at 9 of 18 blocks, with the whole model's tokens."""
     from shard.models import RANGE_ARCHITECTURES
 
-    bench = [sys.executable, "-m", "bench.decode_throughput", "--tokens", "4", "--rounds", "1",
+    bench = [sys.executable, "-m", "bench.engine.decode_throughput", "--tokens", "4", "--rounds", "1",
              "--threads", "1", "--concurrency", "1", "--out-dir", str(tmp_path)]
     proc = subprocess.run(
         [*bench, "--model", str(gemma3), "--variants", "raw,engine,server_generate,pipeline_2shard"],

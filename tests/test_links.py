@@ -1,4 +1,4 @@
-"""bench/links.py: bytes arrive intact and in order, delay and bandwidth bound times from below,
+"""bench/common/links.py: bytes arrive intact and in order, delay and bandwidth bound times from below,
 closing one side closes the other, no task outlives the link, and gRPC works through it.
 Lower bounds only: never a speed."""
 
@@ -11,7 +11,7 @@ from functools import partial
 
 import trio
 
-from bench.links import open_link
+from bench.common.links import open_link
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import worker
 from shard.client import ShardClient
