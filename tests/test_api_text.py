@@ -124,7 +124,7 @@ def test_text_is_held_back_only_while_it_may_start_a_stop_sequence(
 
 def test_an_output_held_back_whole_by_long_stop_sequences_is_released_at_the_end() -> None:
     """A stop sequence that the whole output begins holds it back to the end, beside long ones
-    that never match (what costs each token its look is measured by bench/api_abuse.py)."""
+    that never match (what costs each token its look is measured by bench/api/abuse.py)."""
     out = "ab" * 500
     stops = ["\x7f" * 1024, "a" * 1023 + "\x7f", "ab" * 511 + "x", out + "\x7f"]
     text = TextAssembler(stops)

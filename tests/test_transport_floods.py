@@ -4,7 +4,7 @@ A raw HTTP/2 peer sends one write of thousands of frames of one kind at a worker
 neighbour session generates. It must get GOAWAY(ENHANCE_YOUR_CALM) after at most its budget of
 that kind (counted from what the worker did: PING and SETTINGS ACKs, calls started), the
 neighbour must go on generating and health must answer. Reconnecting must not buy a fresh
-budget. Timing is the benchmark's (bench/floods.py); here only counts and outcomes.
+budget. Timing is the benchmark's (bench/worker/floods.py); here only counts and outcomes.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class _GilHeldCalls:
     """The tiny llama.cpp calls made per step, bound through ``ctypes.PyDLL`` so they keep the
     GIL. ``ctypes.CDLL`` (llama-cpp-python's binding) releases the GIL around every call, and
     taking it back waits while the other thread runs Python (up to the switch interval): with
-    a dozen such calls per step, those waits cost more than the calls (bench/profile_server.py).
+    a dozen such calls per step, those waits cost more than the calls (bench/worker/profile_server.py).
     Each of these returns in microseconds and never calls back into Python."""
 
     def __init__(self) -> None:

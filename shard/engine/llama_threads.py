@@ -10,7 +10,7 @@ threads poll for work (polling level 50), which was even worse. This pool is cre
 with polling level 0: its threads wait on a condition variable between graphs and spin only
 inside one (ggml's barriers). A two-worker pipeline, and any worker next to a busy process, is
 faster on it than on OpenMP's team, one worker alone the same (docs/engine.md, "Compute
-threads"; the figures in docs/benchmarks.md, bench/colocated.py).
+threads"; the figures in docs/benchmarks.md, bench/engine/colocated.py).
 
 One of the modules allowed to use ``ctypes`` and ``llama_cpp`` (tests/test_import_boundary.py):
 llama-cpp-python binds neither the pool functions (libggml-base, libggml-cpu) nor
