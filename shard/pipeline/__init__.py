@@ -3,8 +3,10 @@
 ``Pipeline`` (``shard.pipeline.pipeline``) is the entry point; the package, by what each module
 owns:
 
-* ``pipeline``: ``Pipeline``, connecting, checking the chain and generating (client relay, chain
-  relay, speculation);
+* ``pipeline``: ``Pipeline``, connecting and generating (client relay, chain relay,
+  speculation);
+* ``checks``: what is checked before a generation runs (the chain, the targets, chunk sizes);
+* ``stepping``: client-stepped generation (prefill through the hops, decode, verify drafts);
 * ``replicas``: the workers that can serve each hop (``HopReplicas``);
 * ``runner``: one hop of one generation, its session, replay and failover (``HopRunner``);
 * ``replay``: what a hop keeps so a replica can take over (``TokenLog``, ``RowLog``);
