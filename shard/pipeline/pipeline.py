@@ -39,7 +39,7 @@ the bench, and a reference for routers. What it guarantees:
 * **Replicas and failover.** A hop may list replicas (``connect([a, [b1, b2], c])``, CLI
   ``a,b1|b2,c``): workers of the same model and range (checked). When the serving one is lost,
   unavailable, draining or silent for ``step_timeout``, the hop moves to the next replica, which
-  replays the hop's history (kept by ``shard.pipeline.runner``/``shard.pipeline.replay``: token
+  replays the hop's history (kept by ``shard.pipeline.history``/``shard.pipeline.replay``: token
   ids for the first hop, boundary rows for the others, bounded by ``replay_bytes``), so the generation goes on
   where it stopped: the same greedy tokens, each seen once by the caller. A draining worker
   hands over at the next step without any error. ``PipelineResult.failovers`` says what moved.
@@ -77,14 +77,9 @@ from .groups import BatchGroups, default_groups
 from .replay import DEFAULT_REPLAY_BYTES, ReplayBudget
 from .replicas import HopReplicas, Replica
 from .result import PipelineResult
-from .runner import (
-    CLEANUP_GRACE,
-    RELEASE_TIMEOUT,
-    Failover,
-    Generation,
-    HopRunner,
-    release_session,
-)
+from .generation import CLEANUP_GRACE, RELEASE_TIMEOUT, Failover, Generation
+from .held import release_session
+from .runner import HopRunner
 from .speculation import PassCost
 from .stepping import OnToken
 
@@ -142,7 +137,7 @@ class Pipeline:
         self.step_timeout = step_timeout
         self.replay_bytes = replay_bytes
         #: On a drain, move each session's state to the replica (session hand-off) where both
-        #: workers can; False: always replay the history there (shard.pipeline.runner).
+        #: workers can; False: always replay the history there (shard.pipeline.handoff).
         self.handoff = handoff
         self._ssl_context = ssl_context  # to reconnect for a Release (see ``release_session``)
         self._metadata = tuple(metadata)

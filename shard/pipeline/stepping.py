@@ -25,7 +25,8 @@ from shard.v1 import shard_pb2 as pb
 from .drafting import Drafter
 from .errors import Blame, Blames, PipelineError
 from .result import PipelineResult
-from .runner import HopOutput, HopRunner
+from .runner import HopRunner
+from .generation import HopOutput
 from .speculation import DraftPlanner, PassCost
 
 __all__ = ["OnToken", "decode", "prefill", "run", "verify"]
