@@ -219,14 +219,11 @@ class ClientSession:
         with self._guard.exclusive():
             serial = await self._begin(req)
             step = await self._read_result(serial)
-            if step is None:
-                raise ShardError(
-                    ErrorCode.INTERNAL, "the step produced no result", session_id=self.session_id
-                )
-            if await self._read_result(serial) is not None:
-                raise ShardError(
-                    ErrorCode.INTERNAL, "the step produced several results", session_id=self.session_id
-                )
+            extra = await self._read_result(serial) if step is not None else None
+            if step is None or extra is not None:
+                what = "no result" if step is None else "several results"
+                raise ShardError(ErrorCode.INTERNAL, f"the step produced {what}",
+                                 session_id=self.session_id)
             return step
 
     async def _usage_only(self, req: pb.SessionRequest, what: str) -> int:

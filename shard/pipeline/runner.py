@@ -50,12 +50,13 @@ class HopRunner:
             self.first, TokenLog(),  # the first hop's input (a few bytes a position)
             RowLog(gen.budget) if alternatives and not self.first else None,
         )
-        self.tokens, self.rows = self.history.tokens, self.history.rows
+        self.tokens, self.rows = self.history.tokens, self.history.rows  # (the same logs)
         #: The prompt's token ids: the caller's, or a text's as the first shard tokenized it
         #: (``Prefill.echo_tokens``; None from a worker that does not echo them).
         self.prompt_ids: list[int] | None = None
         #: Where the hop runs and how it moves; every step runs through its ``attempt``.
         self.failover = HopFailover(replicas, gen, self.history, route=route)
+        # bound once, so a step reaches them in one call, as when they were the runner's
         self._attempt = self.failover.attempt
         self._timed = self.failover.timed
 
