@@ -502,7 +502,7 @@ async def test_chunk_reassembly_is_bounded_by_the_sessions_kv_capacity(
         await session.prefill([1, 2, 3])
     assert info.value.code == code and words in str(info.value), info.value
     assert stream.delivered == delivered and stream.aborted
-    assert session._chunks == [] and session._chunk_rows == session._chunk_bytes == 0
+    assert session._chunks == [] and session._chunks.rows == session._chunks.nbytes == 0
 
 
 async def test_a_second_task_cannot_step_into_a_busy_session() -> None:

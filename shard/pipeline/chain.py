@@ -33,10 +33,11 @@ from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from .errors import Blame, Blames, Hop, PipelineError
+from .generation import Generation, HopOutput
 from .replicas import HopReplicas
 from .result import PipelineResult
 from .route import ChainRoute
-from .runner import Generation, HopOutput, HopRunner
+from .runner import HopRunner
 from .speculation import PassCost
 
 __all__ = ["check_relay_allowed", "first_hop_runner", "run"]

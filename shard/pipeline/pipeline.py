@@ -39,7 +39,7 @@ the bench, and a reference for routers. What it guarantees:
 * **Replicas and failover.** A hop may list replicas (``connect([a, [b1, b2], c])``, CLI
   ``a,b1|b2,c``): workers of the same model and range (checked). When the serving one is lost,
   unavailable, draining or silent for ``step_timeout``, the hop moves to the next replica, which
-  replays the hop's history (kept by ``shard.pipeline.runner``/``shard.pipeline.replay``: token
+  replays the hop's history (kept by ``shard.pipeline.history``/``shard.pipeline.replay``: token
   ids for the first hop, boundary rows for the others, bounded by ``replay_bytes``), so the generation goes on
   where it stopped: the same greedy tokens, each seen once by the caller. A draining worker
   hands over at the next step without any error. ``PipelineResult.failovers`` says what moved.
@@ -53,41 +53,35 @@ the bench, and a reference for routers. What it guarantees:
 
 from __future__ import annotations
 
-import inspect
 import secrets
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
-import numpy as np
 import trio
 
 from shard.client import ShardClient, sampling
 from shard.deadlines import HOP_DEADLINE_MARGIN, absolute_deadline
 from shard.rpc import convert
-from shard.rpc.errors import ErrorCode, ShardError, unwrap_single_exception
+from shard.rpc.errors import ShardError, unwrap_single_exception
 from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
-from . import chain
+from . import chain, stepping
+from .checks import check_chain, check_chunk, check_speculation, hop_targets
 from .drafting import Drafter, PromptLookup
-from .speculation import DraftPlanner, PassCost
-from .errors import Blame, Blames, Hop, PipelineError
+from .errors import Blames, Hop, PipelineError
 from .groups import BatchGroups, default_groups
 from .replay import DEFAULT_REPLAY_BYTES, ReplayBudget
 from .replicas import HopReplicas, Replica
 from .result import PipelineResult
-from .runner import (
-    CLEANUP_GRACE,
-    RELEASE_TIMEOUT,
-    Failover,
-    Generation,
-    HopOutput,
-    HopRunner,
-    release_session,
-)
+from .generation import CLEANUP_GRACE, RELEASE_TIMEOUT, Failover, Generation
+from .held import release_session
+from .runner import HopRunner
+from .speculation import PassCost
+from .stepping import OnToken
 
 __all__ = [
     "CLEANUP_GRACE",
@@ -108,58 +102,6 @@ __all__ = [
 DEFAULT_CHUNK_TOKENS = 32
 RELAY_MODES = ("client", "chain")
 _DEFAULT: Any = object()
-
-OnToken = Callable[[pb.StepResult], "Awaitable[None] | None"]
-
-
-def _incompatible(hop: Hop, message: str) -> PipelineError:
-    return PipelineError(hop, ShardError(ErrorCode.INCOMPATIBLE_MODEL, message))
-
-
-def check_chain(hops: Sequence[Hop]) -> None:
-    """Refuse a chain whose shards are not one model cut into consecutive ranges."""
-    if not hops:
-        raise ValueError("a pipeline needs at least one worker")
-    first = hops[0].caps
-    assert first is not None
-    end = 0
-    for hop in hops:
-        caps = hop.caps
-        assert caps is not None
-        if caps.model_fingerprint != first.model_fingerprint:
-            raise _incompatible(
-                hop, f"serves model {caps.model_fingerprint}, hop 0 serves {first.model_fingerprint}"
-            )
-        if (caps.n_layers_total, caps.n_embd) != (first.n_layers_total, first.n_embd):
-            raise _incompatible(hop, "n_layers_total / n_embd differ from hop 0's")
-        start, stop = caps.layer_range.start, caps.layer_range.end
-        if stop <= start:
-            raise _incompatible(hop, f"reports the empty layer range [{start}, {stop})")
-        if start != end:
-            what = "a gap" if start > end else "an overlap"
-            raise _incompatible(
-                hop, f"starts at layer {start} but the previous hops end at {end} ({what})"
-            )
-        end = stop
-    if end != first.n_layers_total:
-        raise _incompatible(hops[-1], f"the chain ends at layer {end} of {first.n_layers_total}")
-
-
-def hop_targets(targets: Sequence[str | Sequence[str]]) -> list[list[str]]:
-    """Every hop's targets (a str: one worker; a sequence: the worker and its replicas, tried
-    in order); a ValueError for an empty chain, an empty hop or a target listed twice."""
-    hops = [[t] if isinstance(t, str) else list(t) for t in targets]
-    if not hops:
-        raise ValueError("a pipeline needs at least one worker")
-    seen: set[str] = set()
-    for i, hop in enumerate(hops):
-        if not hop or not all(hop):
-            raise ValueError(f"hop {i} names no worker")
-        for target in hop:
-            if target in seen:
-                raise ValueError(f"{target} is listed twice (a worker serves one hop)")
-            seen.add(target)
-    return hops
 
 
 class Pipeline:
@@ -195,7 +137,7 @@ class Pipeline:
         self.step_timeout = step_timeout
         self.replay_bytes = replay_bytes
         #: On a drain, move each session's state to the replica (session hand-off) where both
-        #: workers can; False: always replay the history there (shard.pipeline.runner).
+        #: workers can; False: always replay the history there (shard.pipeline.handoff).
         self.handoff = handoff
         self._ssl_context = ssl_context  # to reconnect for a Release (see ``release_session``)
         self._metadata = tuple(metadata)
@@ -419,7 +361,7 @@ class Pipeline:
             raise ValueError("chunk_tokens must be >= 1")
         if speculate < 0:
             raise ValueError("speculate must be >= 0")
-        self._check_chunk(chunk_tokens)
+        check_chunk(self._replicas, chunk_tokens, self.hidden_dtype)
         hops = self._replicas
         if route is not None:
             if len(route) != len(hops) or any(
@@ -427,7 +369,7 @@ class Pipeline:
                 raise ValueError("route must name one replica of each hop, first hop first")
             hops = [h.starting_at(t) for h, t in zip(hops, route)]
         if speculate:
-            self._check_speculation(speculate)
+            check_speculation(self._replicas[-1], speculate)
         if timeout is _DEFAULT:
             timeout = self.timeout
         deadline = absolute_deadline(timeout)
@@ -471,8 +413,9 @@ class Pipeline:
                             await chain.run(runners[0], result, prompt, rules, on_token, blames,
                                             self.pass_cost)
                         else:  # the client steps (a chain's passes go through hop 0's route)
-                            await self._run(runners, result, prompt, rules, on_token, blames,
-                                            speculate, drafter or PromptLookup(), loop=chained)
+                            await stepping.run(runners, result, prompt, rules, on_token, blames,
+                                               self.pass_cost, speculate,
+                                               drafter or PromptLookup(), loop=chained)
                         return result
                     raise blames.deadline_error(self.hops)  # the scope's deadline passed
                 except BaseException:
@@ -483,214 +426,3 @@ class Pipeline:
                             for runner in runners:  # (and what a routed one's hops retain)
                                 nursery.start_soon(runner.release)
                     raise
-
-    async def _run(
-        self,
-        runners: list[HopRunner],
-        result: PipelineResult,
-        prompt: str | Sequence[int],
-        rules: StopRules,
-        on_token: OnToken | None,
-        blames: Blames,
-        speculate: int = 0,
-        drafter: Drafter | None = None,
-        *,
-        loop: bool = False,
-    ) -> None:
-        """The client steps every pass. ``loop`` (chain relay, speculating): plain decoding is
-        a stretch of the workers' own loop (``Generate`` on the first hop) instead."""
-        for runner in runners:
-            with Blame(runner, blames):
-                await runner.open()
-        step = await self._prefill(runners, prompt, blames)
-        result.prompt_tokens = step.n_past
-        result.traversals = 1
-        # Drafting reads the prompt's ids (a text's as the first shard echoed them; none from a
-        # worker that does not) and every token generated.
-        history = list(prompt) if not isinstance(prompt, str) else list(runners[0].prompt_ids or ())
-        drafter = drafter if speculate else None
-        planner = DraftPlanner(speculate, self.pass_cost, loop=loop) if drafter is not None else None
-        synced = True  # every hop holds exactly the positions before ``token`` (none rejected)
-        capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
-
-        async def emit(out: pb.StepResult) -> bool:
-            """Hand one step to the result and the caller; True when the generation ends."""
-            out.finish_reason = rules.finish_reason(  # type: ignore[assignment]
-                out.logits.token_id, out.logits.is_eog, emitted=len(result.steps) + 1,
-                n_past=out.n_past, capacity=capacity)
-            result.steps.append(out)
-            history.append(out.logits.token_id)
-            if on_token is not None:
-                maybe = on_token(out)
-                if inspect.isawaitable(maybe):
-                    await maybe
-            if out.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                return True
-            # a caller that cancelled from on_token sees no token of the pass after it
-            await trio.lowlevel.checkpoint_if_cancelled()
-            return False
-
-        pending = [step]
-        while True:
-            capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
-            finished = False
-            for step in pending:
-                if finished := await emit(step):
-                    break
-            if finished:
-                break
-            token = step.logits.token_id
-            result.traversals += 1
-            if drafter is None or planner is None:
-                pending = [await self._decode(runners, token, blames)]
-                continue
-            wanted = planner.drafts()
-            if wanted == 0 and loop and synced and planner.cost.known:
-                # Plain decoding with chain relay: a stretch of the workers' loop, then the
-                # planner looks again (a text may become worth drafting).
-                got: list[pb.StepResult] = []
-
-                async def take(out: pb.StepResult) -> None:
-                    if not got or got[-1].finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-                        got.append(out)
-                        await emit(out)  # the workers stop on the same rules
-
-                started = trio.current_time()
-                with Blame(runners[0], blames):
-                    await runners[0].generate(
-                        take, max_tokens=min(planner.stretch(), rules.max_tokens - len(result.steps)),
-                        stop_tokens=sorted(rules.stop_tokens), ignore_eos=rules.ignore_eos,
-                        fed=token)
-                planner.looped(len(got), trio.current_time() - started)
-                result.traversals += max(len(got) - 1, 0)  # one trip along the chain per token
-                if not got:
-                    raise PipelineError(runners[0].hop, ShardError(
-                        ErrorCode.INTERNAL, "the workers' loop returned no token"))
-                if got[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    break
-                step, pending = got[-1], []
-                continue
-            # Drafts that pay for their rows (the planner), and that, every one kept, still
-            # leave a token to emit within max_tokens and fit every hop's KV budget.
-            room = min(wanted, rules.max_tokens - len(result.steps) - 1, capacity - step.n_past - 1)
-            drafts = list(drafter.propose(history, room))[:room] if room > 0 else []
-            started = trio.current_time()
-            if not drafts and synced:  # nothing to verify or roll back: a plain decode step
-                pending = [await self._decode(runners, token, blames)]
-            else:
-                pending = await self._speculate(runners, step.n_past, [token, *drafts], blames)
-            accepted = len(pending) - 1
-            planner.passed(len(drafts), accepted, trio.current_time() - started)
-            synced = accepted == len(drafts)  # else the hops hold rejected positions
-            result.drafted_tokens += len(drafts)
-            result.accepted_tokens += accepted
-        for runner in runners:
-            with Blame(runner, blames):
-                await runner.close()
-
-    def _check_chunk(self, chunk_tokens: int) -> None:
-        """A chunk's hidden states must fit in one message of every hop that carries them."""
-        def known(replicas: HopReplicas) -> list[pb.GetCapabilitiesResponse]:
-            return [r.caps for r in replicas.replicas if r.caps is not None]
-
-        for prev, hop in zip(self._replicas, self._replicas[1:]):
-            both = known(prev) + known(hop)
-            limit = min((c.max_message_bytes for c in both if c.max_message_bytes), default=0)
-            itemsize = max(convert.WIRE_DTYPES[convert.offered_dtype(c, self.hidden_dtype)].itemsize
-                           for c in known(hop))
-            assert hop.reference is not None
-            size = chunk_tokens * hop.reference.n_embd * itemsize
-            if limit and size + 1024 > limit:
-                raise PipelineError(hop.hop(), ShardError(
-                    ErrorCode.INVALID_ARGUMENT,
-                    f"chunk_tokens={chunk_tokens} makes {size}-byte hidden-state messages; "
-                    f"this chain accepts at most {limit} bytes per message",
-                ))
-
-    async def _prefill(
-        self, runners: list[HopRunner], prompt: str | Sequence[int], blames: Blames
-    ) -> pb.StepResult:
-        """Stream the prompt through the chain in chunks; return the last shard's last result."""
-        n = len(runners)
-        last: list[pb.StepResult] = []
-
-        async def forward(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None, o: HopOutput) -> None:
-            if out is None:
-                last[:] = [o.step]
-            else:
-                assert o.rows is not None
-                await out.send((o.start, o.rows))
-
-        async def first(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None) -> None:
-            with Blame(runners[0], blames, nursery.cancel_scope):
-                async with out if out is not None else nullcontext():  # closing ends the next hop
-                    await runners[0].prefill_prompt(prompt, partial(forward, out))
-
-        async def later(
-            k: int,
-            inbox: trio.MemoryReceiveChannel[tuple[int, np.ndarray]],
-            out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None,
-        ) -> None:
-            with Blame(runners[k], blames, nursery.cancel_scope):
-                async with inbox, out if out is not None else nullcontext():
-                    async for position, rows in inbox:
-                        await forward(out, await runners[k].prefill_rows(position, rows))
-
-        with unwrap_single_exception():
-            async with trio.open_nursery() as nursery:
-                channels = [trio.open_memory_channel[tuple[int, np.ndarray]](1) for _ in range(n - 1)]
-                nursery.start_soon(first, channels[0][0] if n > 1 else None)
-                for k in range(1, n):
-                    out = channels[k][0] if k < n - 1 else None
-                    nursery.start_soon(later, k, channels[k - 1][1], out)
-        if blames.failures:
-            raise blames.failures[0]
-        if not last or last[0].WhichOneof("output") != "logits":
-            raise PipelineError(self.hops[-1], ShardError(ErrorCode.INTERNAL, "no logits after prefill"))
-        return last[0]
-
-    def _check_speculation(self, k: int) -> None:
-        """The last shard must verify k drafted tokens and the next one in one step."""
-        last = self._replicas[-1]
-        for replica in last.replicas:
-            caps = replica.caps
-            if caps is not None and caps.max_logits_positions < k + 1:
-                why = ("does not verify drafted tokens (it reports no max_logits_positions: "
-                       "an older worker)" if not caps.max_logits_positions else
-                       f"verifies at most {caps.max_logits_positions - 1} drafted tokens a step")
-                raise PipelineError(last.hop(replica), ShardError(
-                    ErrorCode.UNSUPPORTED_FEATURE, f"speculate={k}: the last shard {why}"))
-
-    async def _speculate(
-        self, runners: list[HopRunner], position: int, tokens: list[int], blames: Blames
-    ) -> list[pb.StepResult]:
-        """One pass of ``tokens`` (the next token, then drafts) written at ``position`` on every
-        hop; returns the results to emit: one per draft the model agreed with (in order) and
-        the model's own token after them. A position's result looks like the decode's that
-        would have produced it (its ``logits``, ``n_past``)."""
-        with Blame(runners[0], blames):
-            out = await runners[0].verify(position, tokens=tokens)
-        for runner in runners[1:]:
-            with Blame(runner, blames):
-                assert out.rows is not None
-                out = await runner.verify(out.start, rows=out.rows)
-        last = out.step
-        start = last.n_past - len(last.position_logits)
-        emitted: list[pb.StepResult] = []
-        for i, logits in enumerate(last.position_logits):
-            emitted.append(pb.StepResult(
-                step=last.step, n_past=start + i + 1, tokens_processed=1, logits=logits,
-                start_position=start + i,
-            ))
-            if i + 1 >= len(tokens) or logits.token_id != tokens[i + 1]:
-                break  # the model's own token here: the drafts after it are rejected
-        return emitted
-
-    async def _decode(self, runners: list[HopRunner], token: int, blames: Blames) -> pb.StepResult:
-        """One token through every hop; the last hop's result carries the next token."""
-        with Blame(runners[0], blames):
-            out = await runners[0].decode(token=token)
-        for runner in runners[1:]:
-            with Blame(runner, blames):
-                out = await runner.decode(row=out.rows)
-        return out.step

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from shard.v1 import shard_pb2 as pb
 
-from .runner import Failover
+from .generation import Failover
 
 __all__ = ["PipelineResult"]
 

@@ -1,0 +1,79 @@
+"""The step requests a session sends (``Prefill``, ``Decode``, ``Generate``), built in one place
+for every caller (a session's steps and ``ShardClient.generate``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shard.v1 import shard_pb2 as pb
+
+__all__ = ["decode_request", "generate_request", "prefill_request"]
+
+
+def prefill_request(
+    tokens: Sequence[int] | None,
+    text: str | None,
+    hidden_states: pb.Tensor | None,
+    position: int | None,
+    sampling: pb.SamplingParams | None,
+    top_logprobs: int,
+    chunk_tokens: int = 0,
+    all_logits: bool = False,
+    echo_tokens: bool = False,
+    parse_special: bool = False,
+) -> pb.Prefill:
+    """A prompt (the first of token ids, text, hidden states given) at ``position``."""
+    p = pb.Prefill(top_logprobs=top_logprobs, chunk_tokens=chunk_tokens, all_logits=all_logits,
+                   echo_tokens=echo_tokens, parse_special=parse_special)
+    if tokens is not None:
+        p.tokens.ids.extend(tokens)
+    elif text is not None:
+        p.text = text
+    elif hidden_states is not None:
+        p.hidden_states.CopyFrom(hidden_states)
+    if position is not None:
+        p.position.value = position
+    if sampling is not None:
+        p.sampling.CopyFrom(sampling)
+    return p
+
+
+def decode_request(
+    token: int | None, hidden_state: pb.Tensor | None, sampling: pb.SamplingParams | None,
+    top_logprobs: int, relay_tag: int,
+) -> pb.Decode:
+    """One position: a token id or one hidden-state row."""
+    d = pb.Decode(top_logprobs=top_logprobs, relay_tag=relay_tag)
+    if token is not None:
+        d.token = token
+    elif hidden_state is not None:
+        d.hidden_state.CopyFrom(hidden_state)
+    if sampling is not None:
+        d.sampling.CopyFrom(sampling)
+    return d
+
+
+def generate_request(
+    tokens: Sequence[int] | None,
+    text: str | None,
+    *,
+    max_tokens: int,
+    sampling: pb.SamplingParams | None,
+    stop_tokens: Sequence[int],
+    ignore_eos: bool,
+    top_logprobs: int,
+    parse_special: bool = False,
+    yield_on_drain: bool = False,
+) -> pb.Generate:
+    """Server-driven decoding; no prompt (neither ``tokens`` nor ``text``) continues from the
+    session's last step. ``parse_special`` applies to ``text`` only."""
+    g = pb.Generate(max_tokens=max_tokens, stop_tokens=stop_tokens, ignore_eos=ignore_eos,
+                    top_logprobs=top_logprobs, yield_on_drain=yield_on_drain)
+    if tokens is not None:
+        g.tokens.ids.extend(tokens)
+    elif text is not None:
+        g.text = text
+        g.parse_special = parse_special
+    if sampling is not None:
+        g.sampling.CopyFrom(sampling)
+    return g
