@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -33,7 +33,7 @@ from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from .errors import Blame, Blames, Hop, PipelineError
-from .generation import Generation, HopOutput
+from .generation import Generation, HopOutput, OnToken
 from .replicas import HopReplicas
 from .result import PipelineResult
 from .route import ChainRoute
@@ -44,7 +44,6 @@ __all__ = ["check_relay_allowed", "first_hop_runner", "run"]
 
 log = logging.getLogger(__name__)
 
-OnToken = Callable[[pb.StepResult], "Awaitable[None] | None"]
 
 
 def check_relay_allowed(hops: Sequence[Hop]) -> None:

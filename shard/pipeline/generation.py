@@ -19,6 +19,7 @@ from .replay import ReplayBudget
 from .replicas import Replica
 
 __all__ = [
+    "OnToken",
     "CLEANUP_GRACE",
     "RELEASE_TIMEOUT",
     "Failover",
@@ -30,6 +31,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: A caller's callback for each token a generation produces (plain or async).
+OnToken = Callable[[pb.StepResult], "Awaitable[None] | None"]
 
 RELEASE_TIMEOUT = 2.0  # seconds a cleanup (Release, shielded) may take at most...
 CLEANUP_GRACE = 0.5  # ...and how long it may go on after the caller's deadline

@@ -81,7 +81,7 @@ from .generation import CLEANUP_GRACE, RELEASE_TIMEOUT, Failover, Generation
 from .held import release_session
 from .runner import HopRunner
 from .speculation import PassCost
-from .stepping import OnToken
+from .generation import OnToken
 
 __all__ = [
     "CLEANUP_GRACE",

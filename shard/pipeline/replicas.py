@@ -3,7 +3,7 @@
 A hop is a layer range served by one or more interchangeable workers (replicas: the same model
 fingerprint, the same range). ``HopReplicas`` owns that list (which replica serves now, their
 connections and capabilities) and checks that every replica serves what the hop serves;
-``shard.pipeline.runner.HopRunner`` moves a hop to another replica when its worker fails.
+``shard.pipeline.failover.HopFailover`` moves a hop to another replica when its worker fails.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ With chain relay the client talks to the first hop only; the others are named in
 worker is lost, unavailable or hung: the error's ``relay_depth`` says which hop, as each worker
 counts it up on the way), ``ChainRoute.move`` puts the next untried replica of that hop in the
 route, and the first hop's runner opens a fresh routed session with it and replays the token
-log through it (``shard.pipeline.runner``).
+log through it (``shard.pipeline.failover``).
 
 Why the client re-routes rather than the worker before the failed hop: the first hop's own
 failure needs the client anyway, and one party deciding keeps the step timeouts simple. A

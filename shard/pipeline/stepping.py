@@ -11,7 +11,7 @@ worker's ``Generate``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from functools import partial
 
@@ -26,12 +26,11 @@ from .drafting import Drafter
 from .errors import Blame, Blames, PipelineError
 from .result import PipelineResult
 from .runner import HopRunner
-from .generation import HopOutput
+from .generation import HopOutput, OnToken
 from .speculation import DraftPlanner, PassCost
 
-__all__ = ["OnToken", "decode", "prefill", "run", "verify"]
+__all__ = ["decode", "prefill", "run", "verify"]
 
-OnToken = Callable[[pb.StepResult], "Awaitable[None] | None"]
 
 
 async def run(
