@@ -3,7 +3,7 @@
 ``ShardEngine`` (``shard.engine.base``) implements every lifecycle rule once and calls these
 ``_impl_*`` methods for the work itself; FakeEngine and LlamaCppEngine implement them. The one
 hook with a default built on the base class's machinery, ``_impl_stream``, is declared there.
-Hooks hold no state of their own: this class is the interface, nothing more.
+This class is the interface only: it holds no state but the one flag an implementation sets.
 """
 
 from __future__ import annotations

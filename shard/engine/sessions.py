@@ -95,8 +95,7 @@ class SessionTable:
     async def close_all(self) -> None:
         """Stop every running operation, wait for each, and forget every session."""
         slots = list(self.slots.values())
-        for slot in slots:
-            slot.cancel.set()
+        self.stop_all()
         for slot in slots:
             await slot.wait_idle()
         self.slots.clear()
