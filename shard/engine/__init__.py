@@ -6,7 +6,10 @@ Import the contract from here; implementations live in ``shard.engine.fake`` and
 layer range (from the architecture table, ``shard.models.architectures``).
 """
 
-from .base import CancelFlag, ComputePlan, ShardEngine, Slot, new_session_id
+from .base import ShardEngine
+from .plans import ComputePlan
+from .sessions import new_session_id
+from .slots import CancelFlag, Slot
 from .errors import (
     ContextExceeded,
     EngineCancelled,

@@ -1,0 +1,252 @@
+"""Running one operation on a session: RUNNING while it runs, the cancel flag, the step's
+deadline, counted outcomes, and the rollback of a step that did not commit.
+
+Why one owner: these rules are what makes a cancelled, timed-out or failed step leave its
+session exactly as it was, on every engine and for every kind of operation (a step, a stream,
+a truncate or a hand-off). ``ShardEngine`` owns one runner, which reaches the implementation
+only through its hooks (``StepHooks``).
+
+This is the path of every generated token: a step adds no task, nursery or cancel scope unless
+it needs one (a step timeout, an implementation that does not stop by itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+import numpy as np
+import outcome
+import trio
+
+from .errors import EngineCancelled, EngineError, EngineFailure
+from .plans import ComputePlan, StreamRun
+from .sessions import SessionTable
+from .slots import Claimed, Slot, known_choice
+from .status import EngineStatus
+from .types import Capabilities, EngineState, SamplingParams, SessionState, StepResult
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StepHooks(Protocol):
+    """The hooks a runner calls (``ShardEngine``'s, looked up on each call so that an
+    implementation's or a test's override counts; ``EngineHooks`` documents them)."""
+
+    _compute_stops_itself: bool
+
+    async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> Claimed | None: ...
+
+    async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray: ...
+
+    async def _impl_truncate(self, slot: Slot, keep: int) -> None: ...
+
+    def _make_result(self, slot: Slot, caps: Capabilities, plan: ComputePlan, raw: np.ndarray,
+                     params: SamplingParams, top_k: int, reused: int, counter: str,
+                     chosen: tuple[int, float] | None = None) -> StepResult: ...
+
+
+class OperationRunner:
+    """Runs the engine's operations on its sessions (one at a time per session)."""
+
+    __slots__ = ("_hooks", "_status", "_sessions")
+
+    def __init__(self, hooks: StepHooks, status: EngineStatus, sessions: SessionTable) -> None:
+        self._hooks, self._status, self._sessions = hooks, status, sessions
+
+    def fail(self, detail: str) -> None:
+        """Turn the engine FAILED (first failure wins) and stop every running operation."""
+        if self._status.fail(detail):
+            self._sessions.stop_all()
+
+    async def guard(self, awaitable: Awaitable[T]) -> T:
+        """Turn unexpected implementation exceptions into EngineFailure + FAILED health."""
+        try:
+            return await awaitable
+        except EngineFailure as exc:
+            self.fail(exc.message)
+            raise
+        except (EngineError, trio.Cancelled):
+            raise
+        except Exception as exc:
+            log.exception("engine implementation fault")
+            self.fail(f"{type(exc).__name__} in engine")
+            raise EngineFailure(f"engine fault: {type(exc).__name__}") from exc
+
+    async def exclusive(self, slot: Slot, hook: Awaitable[T]) -> T:
+        """A short, shielded hook (truncate, export, import) with the session marked RUNNING,
+        so no other operation starts on it meanwhile."""
+        slot.state = SessionState.RUNNING
+        slot.idle = trio.Event()
+        try:
+            with trio.CancelScope(shield=True):
+                return await self.guard(hook)
+        finally:
+            slot.state = SessionState.IDLE
+            slot.idle.set()
+
+    async def step(self, slot: Slot, caps: Capabilities, plan: ComputePlan,
+                   params: SamplingParams, top_k: int, reused: int, counter: str) -> StepResult:
+        """Run one step (a prefill or decode) with the session marked RUNNING; roll back on
+        any failure.
+
+        A step that its timeout stopped after the result was computed still commits: the
+        timeout bounds the wait for a result, and throwing a finished one away would only make
+        the next step redo it.
+        """
+        hooks = self._hooks
+
+        async def work() -> StepResult:
+            claimed = await self.claim(slot, plan)
+            raw, chosen = (None, None) if claimed is None else (claimed.raw, known_choice(claimed.chosen, params))
+            if raw is None:
+                if hooks._compute_stops_itself and plan.deadline == math.inf and plan.n_new == 1:
+                    # (one row: a prompt's chunks keep the watching task, whose flag stops
+                    # a running chunk at once through the abort callback)
+                    raw = await self.guard(hooks._impl_compute(slot, plan))
+                else:
+                    raw = await self.run_guarded(
+                        slot, lambda: hooks._impl_compute(slot, plan), plan.deadline)
+            if slot.cancel.is_set() and not slot.cancel.timed_out:
+                raise slot.cancel.error(slot.session_id)
+            return hooks._make_result(slot, caps, plan, raw, params, top_k, reused, counter, chosen)
+
+        return await self.running(slot, plan.keep, work)
+
+    async def running(self, slot: Slot, keep: int | None, work: Callable[[], Awaitable[T]]) -> T:
+        """``work()`` with the session marked RUNNING, counted, and rolled back on failure to
+        ``keep`` (None: to what the session holds committed, ``slot.n_past``; a stream commits
+        step by step). Shared by single steps (``step``) and streams.
+
+        A caller whose scope is already cancelled gets ``trio.Cancelled`` before anything is
+        touched (a step whose cancel arrived first never starts).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        slot.state = SessionState.RUNNING
+        slot.cancel.clear()
+        slot.touched = False
+        slot.idle = trio.Event()
+        committed = False
+        status = self._status
+        counters = status.counters
+        try:
+            try:
+                out = await work()
+            except (EngineError, trio.Cancelled, BaseExceptionGroup):
+                raise
+            except Exception as exc:  # a hook (piece, is_eog) or the result check misbehaved
+                log.exception("engine implementation fault while building a result")
+                raise EngineFailure(f"engine fault: {type(exc).__name__}") from exc
+            committed = keep is not None
+            return out
+        except EngineCancelled:
+            if status.state is EngineState.FAILED:
+                # Stopped because the engine failed under it (see fail), not by a caller.
+                counters["errors_total"] += 1
+                raise EngineFailure(f"engine failed: {status.detail}") from None
+            counters["cancelled_total"] += 1
+            raise
+        except EngineFailure as exc:
+            self.fail(exc.message)
+            counters["errors_total"] += 1
+            raise
+        except EngineError:
+            counters["errors_total"] += 1
+            raise
+        except BaseException as exc:
+            # The caller's scope stopped the operation (an RPC Cancel, a client reset, a
+            # deadline): a cancellation too, though it reaches us as trio.Cancelled (possibly
+            # inside the exception group of run_guarded's nursery).
+            if _is_cancellation(exc):
+                counters["cancelled_total"] += 1
+            raise
+        finally:
+            try:
+                if not committed and slot.touched:
+                    # Leave the session exactly as it was up to ``keep``. (Untouched: as it was.)
+                    with trio.CancelScope(shield=True):
+                        slot.cut(slot.n_past if keep is None else min(slot.n_past, keep))
+                        if status.state is EngineState.READY:
+                            try:
+                                await self.guard(self._hooks._impl_truncate(slot, slot.n_past))
+                            except EngineError:
+                                log.warning("rollback of session %s failed", slot.session_id)
+            finally:  # never leave a session RUNNING, whatever the rollback raised
+                slot.touched = False
+                slot.state = SessionState.IDLE
+                slot.idle.set()
+
+    async def claim(self, slot: Slot, plan: ComputePlan) -> Claimed | None:
+        """``_impl_claim`` within the step's deadline (past it: ``StepTimeout``)."""
+        if plan.deadline == math.inf:  # no step timeout: no cancel scope per token
+            return await self.guard(self._hooks._impl_claim(slot, plan))
+        with trio.move_on_at(plan.deadline):
+            return await self.guard(self._hooks._impl_claim(slot, plan))
+        slot.cancel.set_timeout()
+        raise slot.cancel.error(slot.session_id)
+
+    async def run_guarded(
+        self, slot: Slot, fn: Callable[[], Awaitable[T]], deadline: float = math.inf
+    ) -> T:
+        """Run ``fn`` shielded; a cancellation of the caller sets the slot's cancel flag, and so
+        does ``deadline`` (reason TIMEOUT).
+
+        The engine work is never abandoned: if the caller's scope is cancelled, the work is told
+        to stop (flag) and waited for, then ``trio.Cancelled`` propagates to the caller.
+        """
+        box: list[outcome.Outcome] = []
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def worker() -> None:
+                with trio.CancelScope(shield=True):
+                    box.append(await outcome.acapture(self.guard, fn()))
+                done.set()
+
+            nursery.start_soon(worker)
+            # An event, not the nursery's cancellation, ends the wait: no Cancelled is raised
+            # and caught per step, and the deadline needs no task of its own.
+            try:
+                if math.isfinite(deadline):
+                    with trio.move_on_at(deadline):
+                        await done.wait()
+                    if not done.is_set():
+                        slot.cancel.set_timeout()
+                await done.wait()
+            except trio.Cancelled:
+                if not box:
+                    slot.cancel.set()
+                raise  # once the shielded work is done: the nursery waits for it
+        return box[0].unwrap()
+
+    async def stream_steps(self, slot: Slot, run: StreamRun) -> None:
+        """The default ``_impl_stream``: each step of ``run`` in the caller's task, as a
+        decode runs it (claimed if computed ahead, else computed), until the run ends."""
+        hooks = self._hooks
+        plan = run.plan
+        while plan is not None:
+            claimed = await self.claim(slot, plan)
+            if claimed is not None:
+                if slot.cancel.is_set():
+                    return
+                plan = run.step(claimed.raw, claimed.chosen)
+                continue
+            if hooks._compute_stops_itself:
+                raw = await self.guard(hooks._impl_compute(slot, plan))
+            else:
+                step_plan = plan
+                raw = await self.run_guarded(slot, lambda: hooks._impl_compute(slot, step_plan))
+            if slot.cancel.is_set():
+                return
+            plan = run.step(raw)
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """``trio.Cancelled``, alone or as the only kind of exception in a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(trio.Cancelled)
+        return rest is None
+    return isinstance(exc, trio.Cancelled)

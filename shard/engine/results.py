@@ -1,0 +1,87 @@
+"""What a computed step's output becomes: checked logits with the chosen token, or boundary
+hidden states.
+
+Why checked here: an implementation's output reaches callers only through these functions, so
+a row of the wrong shape or a non-finite logit fails the engine (``EngineFailure``) instead of
+sampling garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from . import sampling
+from .errors import EngineFailure
+from .plans import ComputePlan
+from .types import BoundaryResult, Capabilities, LogitsResult, SamplingParams
+
+
+def step_outputs(
+    caps: Capabilities,
+    plan: ComputePlan,
+    n_new: int,
+    raw: np.ndarray,
+    params: SamplingParams,
+    top_k: int,
+    chosen: tuple[int, float] | None,
+    piece: Callable[[int], bytes],
+    is_eog: Callable[[int], bool],
+) -> tuple[LogitsResult | None, tuple[LogitsResult, ...], BoundaryResult | None]:
+    """(last position's logits, every position's when ``plan.all_logits``, boundary) of
+    ``plan``'s computed ``raw`` output for its ``n_new`` positions; the last shard's or the
+    boundary's part is None.
+    ``chosen`` (a one-row step): the token ``params`` chooses and the row's log-sum-exp,
+    computed already by the implementation from this very row, which it found finite."""
+    if not caps.is_last:
+        hidden = np.asarray(raw, dtype=np.float32)
+        if hidden.shape != (n_new, caps.n_embd):
+            raise EngineFailure("engine produced hidden states of the wrong shape")
+        return None, (), BoundaryResult(hidden_states=hidden, start_position=plan.keep)
+    new_len = plan.keep + n_new
+    rows = n_new if plan.all_logits else 1
+    logits = np.asarray(raw, dtype=np.float32).reshape(rows, -1)
+    if logits.shape[1] != caps.n_vocab or (
+            (chosen is None or rows != 1) and not np.isfinite(logits).all()):
+        raise EngineFailure("engine produced invalid logits")
+    # Row i ends at position keep + i: sampled as a decode ending there would be (the
+    # sampler's stream is keyed by the session length), so a verified draft gives the
+    # very tokens plain decoding gives, sampled or greedy.
+    if rows == 1:  # (every decode: no generator per step)
+        last = logits_result(logits[0], params, top_k, new_len, chosen, piece, is_eog)
+        return last, ((last,) if plan.all_logits else ()), None
+    per_position = tuple(
+        logits_result(row, params, top_k, new_len - rows + 1 + i, None, piece, is_eog)
+        for i, row in enumerate(logits)
+    )
+    return per_position[-1], per_position, None
+
+
+def logits_result(
+    logits: np.ndarray,
+    params: SamplingParams,
+    top_k: int,
+    n_past: int,
+    chosen: tuple[int, float] | None,
+    piece: Callable[[int], bytes],
+    is_eog: Callable[[int], bool],
+) -> LogitsResult:
+    """The token chosen from one position's ``logits`` for a session of ``n_past``;
+    ``chosen``: that token and the row's log-sum-exp, already computed. ``piece`` and
+    ``is_eog``: the engine's vocabulary hooks."""
+    if chosen is None:
+        token = sampling.choose_token(logits, params, n_past)
+        # greedy chose the (first) maximum: the row's largest value is known
+        lse = sampling.logsumexp(logits, logits[token] if params.greedy else None)
+    else:
+        token, lse = chosen
+    return LogitsResult(
+        top=tuple(dataclasses.replace(t, piece=piece(t.token_id))
+                  for t in sampling.top_logprobs(logits, top_k, lse)) if top_k > 0 else (),
+        token_id=token,
+        logprob=float(logits[token]) - lse,
+        piece=piece(token),
+        is_eog=is_eog(token),
+    )

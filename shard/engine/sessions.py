@@ -1,0 +1,109 @@
+"""The engine's open sessions: their slots by id and the sequence ids still free.
+
+Why an object of its own: which sessions exist, which sequence id each holds and when an id is
+free again is one piece of bookkeeping, apart from what the engine runs on them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from .errors import SessionBusy, SessionExists, TooManySessions, UnknownSession
+from .seq_ids import pick_seq_id
+from .slots import Slot
+from .types import Capabilities, SessionInfo, SessionState
+from .validation import check_session_id, session_budget
+
+
+class SessionTable:
+    """Slots by session id (``slots``, the dict the implementations read too) and the free
+    sequence ids.
+
+    The free ids are a min-heap: a new session takes the lowest free id, so sessions opened at
+    the same time hold neighbouring ids (llama.cpp batches runs of consecutive ids together); a
+    session of a batch group takes one next to its group's (``shard.engine.seq_ids``).
+    """
+
+    __slots__ = ("slots", "_free")
+
+    def __init__(self) -> None:
+        self.slots: dict[str, Slot] = {}
+        self._free: list[int] = []
+
+    def reset(self, max_sessions: int) -> None:
+        """Every sequence id free (on load)."""
+        self._free = list(range(max_sessions))  # sorted: already a heap
+
+    def open(self, session_id: str, kv_budget: int | None, batch_group: int,
+             caps: Capabilities) -> Slot:
+        """A new IDLE slot holding the sequence id it takes."""
+        check_session_id(session_id)
+        if session_id in self.slots:
+            raise SessionExists(f"session {session_id!r} is already open", session_id=session_id)
+        kv_budget = session_budget(kv_budget, batch_group, caps, session_id)
+        free = self._free
+        if not free:
+            raise TooManySessions(f"all {caps.max_sessions} sessions are in use")
+        if batch_group:  # next to its group's sessions (shard.engine.seq_ids)
+            held = {s.seq_id: s.batch_group for s in self.slots.values()}
+            seq_id = pick_seq_id(free, held, batch_group)
+            free.remove(seq_id)
+            heapq.heapify(free)
+        else:
+            seq_id = heapq.heappop(free)
+        slot = Slot(session_id=session_id, seq_id=seq_id, kv_budget=kv_budget,
+                    batch_group=batch_group)
+        slot.idle.set()
+        self.slots[session_id] = slot
+        return slot
+
+    def lookup(self, session_id: str) -> Slot | None:
+        """The open (not releasing) session with this id; None for anything else."""
+        slot = self.slots.get(session_id) if isinstance(session_id, str) else None
+        return None if slot is None or slot.releasing else slot
+
+    def get(self, session_id: str, *, idle: bool = True) -> Slot:
+        """The open session with this id (``idle``: one that runs no operation)."""
+        slot = self.lookup(session_id)
+        if slot is None:
+            raise UnknownSession(f"session {session_id!r} is not open", session_id=session_id)
+        if idle and slot.state is SessionState.RUNNING:
+            raise SessionBusy(f"session {session_id!r} is running an operation", session_id=session_id)
+        return slot
+
+    def forget(self, slot: Slot) -> None:
+        """Unknown from now on (its sequence id stays held until ``free``)."""
+        if self.slots.get(slot.session_id) is slot:  # close_all may have cleared the table
+            del self.slots[slot.session_id]
+
+    def free(self, slot: Slot) -> None:
+        """``slot``'s sequence id may be taken again (its KV cells are gone)."""
+        heapq.heappush(self._free, slot.seq_id)
+
+    def running(self) -> int:
+        return sum(1 for s in self.slots.values() if s.state is SessionState.RUNNING)
+
+    def infos(self) -> tuple[SessionInfo, ...]:
+        return tuple(slot.info() for slot in self.slots.values() if not slot.releasing)
+
+    def stop_all(self) -> None:
+        """Set every session's cancel flag (their running operations stop)."""
+        for slot in self.slots.values():
+            slot.cancel.set()
+
+    async def close_all(self) -> None:
+        """Stop every running operation, wait for each, and forget every session."""
+        slots = list(self.slots.values())
+        self.stop_all()
+        for slot in slots:
+            await slot.wait_idle()
+        self.slots.clear()
+
+
+_ids = itertools.count()
+
+
+def new_session_id(prefix: str = "s") -> str:
+    """A process-unique session id for callers that do not bring their own."""
+    return f"{prefix}-{next(_ids)}"
