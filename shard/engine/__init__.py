@@ -1,8 +1,8 @@
 """The project-owned engine contract (see docs/engine.md).
 
 Import the contract from here; implementations live in ``shard.engine.fake`` and
-``shard.engine.llama`` (with ``shard.engine.llama_capture``, the only modules allowed to import
-``llama_cpp``/``ctypes``); ``shard.engine.layer_ranges`` decides what a model file serves as a
+``shard.engine.llama`` (with its ``llama_*`` modules, the only ones allowed to import
+``llama_cpp``/``ctypes``; tests/test_import_boundary.py lists them); ``shard.engine.layer_ranges`` decides what a model file serves as a
 layer range (from the architecture table, ``shard.models.architectures``).
 """
 

@@ -167,7 +167,7 @@ class BatchScheduler:
         A caller cancelled meanwhile (its deadline, a reset) sets the job's cancel flag and
         waits, shielded, until the job has left the queue or its tick ended; then
         ``trio.Cancelled`` propagates. So a step is never abandoned with a tick computing it,
-        and no task of its own is needed to watch the caller (``ShardEngine._run``)."""
+        and no task of its own is needed to watch the caller (``OperationRunner.step``, shard/engine/operations.py)."""
         now = trio.current_time()
         if job.plan.deadline < math.inf:
             self._timed[id(job.slot)] = (job.slot, job.plan.deadline - now, now)
