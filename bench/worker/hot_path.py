@@ -2,7 +2,7 @@
 
 Decode throughput at 2 threads is bounded by the Python work per token: every ggml thread has a
 core, so whatever the worker's event loop and engine thread run per token competes with them
-(docs/benchmarks.md, "Where the rest goes"). This bench measures that work directly, as CPU
+(docs/benchmarks.md, "CPU per token at 2 threads: the budget"). This bench measures that work directly, as CPU
 time, which is far steadier than tokens/s on a shared machine: a live ``trio-shard serve``
 generates ``--tokens`` tokens per pass (server-driven ``Generate``, then one client-driven
 ``Decode`` per token), and the worker's CPU time is read from ``/proc`` per thread before and

@@ -30,7 +30,7 @@ cache would also fit the sums and decoded no faster, so isolation decided.) The 
 stream per sequence: llama.cpp splits such a batch (``split_equal``, sequential) into one
 ubatch per run of rows whose sequence ids go up one by one, and every ubatch reads all the
 weights again. Rows are therefore written in increasing sequence order, the planner's ticks and
-the look-ahead's alike (unsorted rows made a tick about twice as long; docs/benchmarks.md). Ids
+the look-ahead's alike (unsorted rows made a tick much longer). Ids
 with a gap (0, 2, 4, 6 in one tick) still cost a ubatch per run: a session takes the lowest
 free id, and one of a batch group an id next to its group's (``shard.engine.seq_ids``).
 llama.cpp also rejects a batch whose positions do not continue the sequence (``llama_decode``
