@@ -25,6 +25,7 @@ def add_parser(sub: Any) -> Options:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the worker's capabilities (``--json``: whole, else one line per key)."""
     caps = ask_worker(args, lambda client: client.capabilities_dict())
     if args.json:
         print(json.dumps(caps, indent=2, sort_keys=True))

@@ -35,6 +35,7 @@ def add_parser(sub: Any) -> Options:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Probe once (or with ``--watch`` until interrupted); 0 only when SERVING."""
     import trio
 
     options = client_setup(args)

@@ -58,6 +58,8 @@ def environment_options(command: str = GLOBAL) -> list[EnvOption]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: the process's), configure logging and run the command; the
+    exit status: 0, 1 (it failed), 2 (bad options or files), 130 (Ctrl-C)."""
     from shard import logs
 
     parser, tables = _build()

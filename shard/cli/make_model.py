@@ -39,6 +39,7 @@ def add_parser(sub: Any) -> Options:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Write the model and print its path; 2 for an unknown preset or architecture."""
     from shard.models import PRESETS, write_model
 
     if args.arch is not None:

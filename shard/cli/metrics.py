@@ -32,6 +32,7 @@ def add_parser(sub: Any) -> Options:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the worker's counters and gauges (``--json``: by section)."""
     from shard.rpc.metrics import snapshot_values
 
     async def ask(client: ShardClient) -> dict[str, int]:

@@ -37,6 +37,7 @@ def add_parser(sub: Any) -> Options:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the parts (``--json``: as objects); 2 when no such split exists."""
     from shard.models.plan import PlanError, plan_parts
     from shard.models.real import RealModelError, resolve_model
 

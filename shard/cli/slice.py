@@ -36,6 +36,7 @@ def add_parser(sub: Any) -> Options:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Write the slice and print its path; 2 for a range the architecture table refuses."""
     from shard.layers import LayerRange
     from shard.models import SliceError, slice_model
     from shard.models.real import RealModelError, resolve_model
