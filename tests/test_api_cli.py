@@ -31,7 +31,7 @@ from test_pipeline import TIMEOUT, assert_all_free
 from test_pipeline_llama import llama_workers
 
 from shard.api import Backend, build_app, serve_http
-from shard.cli import _subparser, build_parser, env_name
+from shard.cli import build_parser, environment_options
 from shard.engine import LayerRange
 
 NAME = "chat-test"
@@ -88,11 +88,11 @@ def test_every_api_option_has_a_documented_variable(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         build_parser().parse_args(["api", "--help"])
     help_text = re.sub(r"\s+", " ", capsys.readouterr().out)
-    actions = [a for a in _subparser(build_parser(), "api")._actions if env_name(a)]
-    assert len(actions) >= 20
-    for action in actions:
-        name = env_name(action, "TRIO_SHARD_API_")
-        assert f"[env {name}]" in help_text, name
+    options = environment_options("api")
+    assert len(options) >= 20
+    for option in options:
+        assert option.variable.startswith("TRIO_SHARD_API_"), option.variable
+        assert f"[env {option.variable}]" in help_text, option.variable
 
 
 def test_environment_sets_api_options(monkeypatch: pytest.MonkeyPatch) -> None:

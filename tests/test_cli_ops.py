@@ -19,7 +19,8 @@ import trio
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from conftest import sigint_default
 from rpc_harness import CLI, signal_cli, worker
-from shard.cli import _subparser, build_parser, env_name, main
+from shard.cli import build_parser, environment_options, main
+from shard.cli.env import ENV_PREFIX, EnvOption, Options
 from shard.client import ShardClient, ShardError
 from shard.rpc.auth import bearer_metadata
 from shard.rpc.errors import ErrorCode
@@ -27,8 +28,8 @@ from shard.rpc.metrics import snapshot_values
 
 
 
-def serve_options() -> list[argparse.Action]:
-    return [a for a in _subparser(build_parser(), "serve")._actions if env_name(a)]
+def serve_options() -> list[EnvOption]:
+    return environment_options("serve")
 
 
 # ---- environment ------------------------------------------------------------------------------
@@ -46,7 +47,7 @@ def test_every_serve_option_has_a_documented_variable(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     help_text = re.sub(r"\s+", " ", capsys.readouterr().out)
-    names = [env_name(a) for a in serve_options()]
+    names = [o.variable for o in serve_options()]
     assert len(names) >= 18 and "TRIO_SHARD_MAX_SESSIONS" in names
     for name in names:
         assert f"[env {name}]" in help_text, name
@@ -86,14 +87,21 @@ def test_a_bad_variable_is_a_usage_error_naming_it(
 
 
 def test_options_added_later_are_covered_without_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    parser = build_parser()
-    serve = _subparser(parser, "serve")
-    serve.add_argument("--devices", nargs="+", type=int)  # an option added after the fact
+    """An option declared through ``Options.add`` gets its variable, its help note and its
+    --print-config line with no further code; one that takes a list is refused up front."""
     for key, value in {"TRIO_SHARD_LAYERS": "0:4", "TRIO_SHARD_NO_EXTRA_BUFTS": "yes",
-                       "TRIO_SHARD_DEVICES": "0 1"}.items():
+                       "TRIO_SHARD_DEVICES": "3"}.items():
         monkeypatch.setenv(key, value)
-    args = parser.parse_args(["serve"])
-    assert (tuple(args.layers), args.extra_bufts, args.devices) == ((0, 4), False, [0, 1])
+    args = build_parser().parse_args(["serve"])
+    assert (tuple(args.layers), args.extra_bufts) == ((0, 4), False)
+    parser = argparse.ArgumentParser()
+    opts = Options(parser, ENV_PREFIX)
+    opts.add("--devices", type=int, help="devices")  # an option added after the fact
+    assert parser.parse_args([]).devices == 3 and parser.parse_args(["--devices", "5"]).devices == 5
+    assert [(o.variable, o.raw) for o in opts.table] == [("TRIO_SHARD_DEVICES", "3")]
+    assert "[env TRIO_SHARD_DEVICES]" in parser.format_help()
+    with pytest.raises(TypeError):
+        opts.add("--gpus", nargs="+", type=int)
 
 
 def test_print_config_shows_every_value_and_its_source(
@@ -109,33 +117,30 @@ def test_print_config_shows_every_value_and_its_source(
     assert "TRIO_SHARD_MAX_SESSIONS=4  # default" in lines
     assert "TRIO_SHARD_AUTH_TOKEN_FILE=  # default" in lines
     shown = {line.split("=", 1)[0] for line in lines if not line.startswith("#")}
-    assert {env_name(a) for a in serve_options()} - {"TRIO_SHARD_PRINT_CONFIG"} <= shown
+    assert {o.variable for o in serve_options()} - {"TRIO_SHARD_PRINT_CONFIG"} <= shown
 
 
-def config_options() -> list[argparse.Action]:
+def config_options() -> list[EnvOption]:
     """What ``--print-config`` prints: the global ``--log-level`` and every serve option."""
-    parser = build_parser()
-    return [a for p in (parser, _subparser(parser, "serve")) for a in p._actions
-            if env_name(a) and a.dest != "print_config"]
+    return [o for o in environment_options() + environment_options("serve") if o.dest != "print_config"]
 
 
-def non_default_argv(action: argparse.Action) -> list[str]:
+def non_default_argv(option: EnvOption) -> list[str]:
     """The option set to a value other than its default (a KeyError for a new kind of option:
     give it a sample here)."""
-    from shard import cli
+    from shard.cli import options as o
 
-    option = next(o for o in action.option_strings if o.startswith("--"))
-    if action.nargs == 0:
-        return [option]
-    if action.choices:
-        return [option, next(str(c) for c in action.choices if c != action.default)]
+    if option.flag:
+        return [option.option]
+    if option.choices:
+        return [option.option, next(str(c) for c in option.choices if c != option.default)]
     sample = {
-        cli._port: "7", cli._positive_int: "7", cli._non_negative_int: "7",
-        cli._non_negative_float: "2.5", cli._layer_range: "1:3", cli._part: "2/3",
-        cli._memory: "1G,512M,2G",
+        o.port: "7", o.positive_int: "7", o.non_negative_int: "7",
+        o.non_negative_float: "2.5", o.layer_range: "1:3", o.part: "2/3",
+        o.memory: "1G,512M,2G",
         Path: "/srv/my models/it's.gguf", None: "10.0.0.5",
-    }[action.type]
-    return [option, sample]
+    }[option.type]
+    return [option.option, sample]
 
 
 def printed_config(argv: list[str]) -> dict[str, str]:
@@ -145,12 +150,12 @@ def printed_config(argv: list[str]) -> dict[str, str]:
     import io
     import shlex
 
-    from shard.cli import _print_config
+    from shard.cli.serve import print_config
 
-    parser = build_parser()
+    args = build_parser().parse_args([*argv, "--print-config"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert _print_config(parser, parser.parse_args([*argv, "--print-config"])) == 0
+        assert print_config(config_options(), args) == 0
     words = [shlex.split(line, comments=True) for line in out.getvalue().splitlines()]
     return dict(w[0].split("=", 1) for w in words if w)
 
@@ -166,7 +171,7 @@ def test_print_config_round_trips_through_the_environment(
         argv += [w for a in config_options() if a.dest != "log_level" for w in non_default_argv(a)]
     want = parse(argv, {}, monkeypatch)
     config = printed_config(argv)
-    assert set(config) == {env_name(a) for a in config_options()}
+    assert set(config) == {o.variable for o in config_options()}
     got = parse(["serve"], config, monkeypatch)
     assert vars(got) == vars(want)
     assert printed_config(["serve"]) == config  # printed again from the environment: the same
