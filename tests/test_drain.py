@@ -129,7 +129,7 @@ async def test_streams_outliving_the_grace_end_with_draining_and_the_trailer() -
 
 
 async def test_a_second_signal_gives_every_stream_a_status_before_stopping() -> None:
-    from shard.cli import _stop_on_signal
+    from shard.cli.serve import stop_on_signal as _stop_on_signal
 
     async with worker() as w, connect(w.target, SHARD) as conn, connect(w.target, HEALTH) as h:
         session = await open_session(conn, "held")

@@ -577,7 +577,8 @@ def test_serve_relay_options_are_checked(
 
 
 def test_serve_relay_options_build_the_outbound_credentials(tmp_path: Any) -> None:
-    from shard.cli import _relay_options, build_parser
+    from shard.cli import build_parser
+    from shard.cli.serve import relay_options as _relay_options
 
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret relay\n")

@@ -14,7 +14,5 @@ environment variable, ``TRIO_SHARD_`` + the long option name in upper case with 
 
 from shard.cli.env import env_name
 from shard.cli.main import build_parser, environment_options, main
-from shard.cli.serve import relay_options as _relay_options  # noqa: F401 (tests import these
-from shard.cli.serve import stop_on_signal as _stop_on_signal  # noqa: F401  from here)
 
 __all__ = ["build_parser", "env_name", "environment_options", "main"]
