@@ -336,13 +336,16 @@ async def _sessions(w: Worker) -> int:
         return (await client.metrics()).engine["sessions_active"]
 
 
-async def test_full_workers_answer_429_with_retry_after() -> None:
+async def test_full_workers_answer_429_with_retry_after_without_a_queue() -> None:
+    """``queue_length=0``: a request that finds the sessions all taken is refused at once
+    (tests/test_api_queue.py: the queue)."""
     gate = trio.Event()
 
     async def hold(step: FakeStep) -> None:
         await gate.wait()
 
-    async with front_door(max_sessions=1, script=FakeScript(on_step=hold)) as door:
+    async with front_door(max_sessions=1, script=FakeScript(on_step=hold),
+                          limits=Limits(queue_length=0)) as door:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(in_thread, lambda: post(door.url + "/v1/completions", {
                 "model": NAME, "prompt": "a", "max_tokens": 2}))

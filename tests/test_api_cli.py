@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 from contextlib import AsyncExitStack
 from functools import partial
@@ -128,6 +129,46 @@ def test_unreachable_workers_are_an_error_not_a_hang() -> None:
                           "--connect-timeout", "2"], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 1
     assert "the workers cannot serve" in out.stderr
+
+
+async def test_a_door_started_before_its_worker_waits_for_it_and_serves() -> None:
+    """``--connect-timeout``: nothing listens on the worker's port yet when the door starts;
+    it keeps trying (it said so in its log) and serves once the worker is up."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = await trio.lowlevel.open_process(
+        [*CLI, "--log-level", "INFO", "api", "--target", f"127.0.0.1:{port}", "--port", "0",
+         "--model-name", "m", "--connect-timeout", "60"],
+        stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stderr is not None
+    log = bytearray()
+
+    async def read_until(pattern: bytes) -> re.Match[bytes]:
+        with trio.fail_after(60):
+            while not (found := re.search(pattern, log)):
+                chunk = await proc.stderr.receive_some()  # type: ignore[union-attr]
+                assert chunk, f"the front door exited:\n{log.decode(errors='replace')}"
+                log.extend(chunk)
+        return found
+
+    try:
+        await read_until(rb"waiting up to 60s for the workers")
+        await trio.sleep(0.5)
+        assert proc.poll() is None  # still waiting, not exited
+        async with worker(port=port) as w:
+            url = (await read_until(rb"Running on (http://\S+)")).group(1).decode()
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            status, _, got = await trio.to_thread.run_sync(lambda: post(url + "/v1/completions", body))
+            assert status == 200, got
+            proc.send_signal(signal.SIGTERM)
+            with trio.fail_after(30):
+                assert await proc.wait() == 0
+            await w.idle()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def test_the_command_serves_reloads_keys_on_sighup_and_stops_on_sigterm(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 ``shard.api.app`` (routes, Starlette), ``limits`` (what a request and a key may take),
 ``schemas`` (Pydantic bodies), ``backend`` (the pipeline client and one generation), ``text``
 (UTF-8 and stop sequences), ``replies`` (each endpoint's body and stream chunks),
-``streaming`` (a generation as an ASGI response), ``errors`` (OpenAI's error shape),
+``streaming`` (a generation as an ASGI response), ``queue`` (each model's wait for a free
+session), ``errors`` (OpenAI's error shape),
 ``metrics`` (Prometheus) and ``server`` (hypercorn on Trio). docs/api.md.
 """
 

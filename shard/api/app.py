@@ -36,6 +36,7 @@ from .bodies import BodyBudget, Holding, count_values, value_limit
 from .errors import ApiError
 from .limits import DEFAULT_LIMITS, KeySlots, Limits
 from .metrics import ApiMetrics
+from .queue import Queues
 from .replies import ChatReply, CompletionReply, Reply
 from .schemas import (
     ChatCompletionRequest,
@@ -73,6 +74,7 @@ def build_app(
     created = int(time.time())
     max_body_bytes = limits.max_body_bytes
     slots = KeySlots(limits.requests_per_key)
+    queues = Queues(length=limits.queue_length, timeout=limits.queue_timeout, metrics=metrics)
     bodies = BodyBudget(limits.max_total_body_bytes)
 
     def model_card(model_id: str) -> Model:
@@ -216,9 +218,10 @@ def build_app(
             else:  # counted first, a chunk at a time: decoding 100,000s of values holds the GIL
                 await count_values(data, value_limit(catalog.max_context()))
                 body, backend, job, reply = await trio.to_thread.run_sync(prepare, data)
+        queue = queues.of(backend.model_id, backend.routes.capacity)
         return GenerationResponse(backend, job, reply, stream=bool(body.stream), endpoint=endpoint,
                                   metrics=metrics, started=started, principal=who, user=body.user,
-                                  limits=limits, slots=slots)
+                                  limits=limits, slots=slots, queue=queue)
 
     async def completions(request: HttpRequest) -> GenerationResponse:
         return await generation(request, "completions", completion_job)

@@ -15,10 +15,11 @@ hop, as it does when the HTTP client disconnects and the request's task is cance
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import ssl
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +33,7 @@ from shard.rpc.errors import ShardError
 from shard.v1 import shard_pb2 as pb
 
 from .errors import RETRY_AFTER_SECONDS, ApiError, from_shard_error
+from .queue import WaitQueue
 from .text import Alternative, Delta, TextAssembler, TokenOut
 
 __all__ = ["Backend", "Catalog", "Outcome", "PipelineRoutes", "PoolRoutes", "Request", "Routes"]
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 _LENGTH = frozenset({pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_CONTEXT_FULL})
 #: Seconds a health answer is reused (``Backend.not_serving``).
 HEALTH_TTL = 1.0
+#: Seconds between tries to reach workers that are not listening yet at start, doubled from
+#: the first to the last (``Backend.connect``).
+FIRST_RETRY = 0.05
+MAX_RETRY = 1.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,8 @@ class Routes(Protocol):
     @property
     def context(self) -> int: ...
 
+    def capacity(self) -> int | None: ...
+
     async def not_serving(self) -> list[str]: ...
 
 
@@ -96,6 +104,12 @@ class PipelineRoutes:
     @property
     def context(self) -> int:
         return min(h.caps.n_ctx_per_session for h in self.pipeline.hops if h.caps is not None)
+
+    def capacity(self) -> int | None:
+        """The sessions of the chain's fullest hop (a generation opens on each hop's serving
+        replica), None when unknown."""
+        return min((h.caps.max_sessions for h in self.pipeline.hops if h.caps is not None),
+                   default=0) or None
 
     async def not_serving(self) -> list[str]:
         return [f"{hop}: {why}" for hop, why in await self.pipeline.serving(timeout=2.0)]
@@ -120,6 +134,9 @@ class PoolRoutes:
     @property
     def context(self) -> int:
         return self.pool.context(self.model)
+
+    def capacity(self) -> int | None:
+        return self.pool.capacity(self.model)
 
     async def not_serving(self) -> list[str]:
         await trio.lowlevel.checkpoint()
@@ -192,11 +209,28 @@ class Backend:
         step_timeout: float | None = None, connect_timeout: float | None = 30.0,
     ) -> AsyncIterator[Backend]:
         """Connect to every hop (``hops``: each a list of replica targets, first hop first),
-        waiting within ``connect_timeout`` for workers still loading."""
-        async with Pipeline.connect(
-            [list(h) for h in hops], timeout=connect_timeout, ssl_context=ssl_context,
-            metadata=metadata, wait_for_ready=True, step_timeout=step_timeout, relay=relay,
-        ) as pipeline:
+        waiting within ``connect_timeout`` for workers still loading, and for workers not
+        listening yet (a door started with its workers): a connection refused is tried again
+        until then, a worker that answers and refuses (another model, bad credentials) is not."""
+        async with AsyncExitStack() as stack:
+            deadline = trio.current_time() + (connect_timeout if connect_timeout is not None
+                                              else math.inf)
+            delay, waiting = FIRST_RETRY, False
+            while True:
+                try:
+                    pipeline = await stack.enter_async_context(Pipeline.connect(
+                        [list(h) for h in hops], timeout=connect_timeout, ssl_context=ssl_context,
+                        metadata=metadata, wait_for_ready=True, step_timeout=step_timeout,
+                        relay=relay))
+                    break
+                except ShardError as err:
+                    if not err.retryable or trio.current_time() + delay >= deadline:
+                        raise
+                    if not waiting:
+                        log.info("waiting up to %gs for the workers: %s", connect_timeout, err)
+                        waiting = True
+                    await trio.sleep(delay)
+                    delay = min(2 * delay, MAX_RETRY)
             yield cls(pipeline, model_id=model_id, chat_template=chat_template,
                       speculate=speculate, timeout=timeout)
 
@@ -231,8 +265,11 @@ class Backend:
             self._health = (trio.current_time(), failing)
         return self._health[1]
 
-    async def generate(self, request: Request, out: trio.MemorySendChannel[Delta]) -> Outcome:
-        """Run one generation, sending each ``Delta`` to ``out``; raises ``ApiError``."""
+    async def generate(self, request: Request, out: trio.MemorySendChannel[Delta], *,
+                       queue: WaitQueue | None = None) -> Outcome:
+        """Run one generation, sending each ``Delta`` to ``out``; raises ``ApiError``.
+        ``queue``: the model's wait for a free session (None: a full worker's refusal is
+        answered at once)."""
         text = TextAssembler(request.stops)
         counts = {"prompt": 0, "completion": 0}
         finish = pb.FINISH_REASON_UNSPECIFIED
@@ -252,18 +289,24 @@ class Backend:
             if text.stopped:
                 scope.cancel()  # the generation's sessions are reset and released
 
+        async def attempt() -> None:
+            async with self.routes.lease() as (pipeline, route):
+                context = min(h.caps.n_ctx_per_session for h in pipeline.hops if h.caps)
+                await pipeline.generate(
+                    # no generation outlives the context: a larger limit is the context's
+                    request.prompt, max_tokens=min(request.max_tokens or context, context),
+                    temperature=request.temperature, top_p=request.top_p, seed=seed,
+                    top_logprobs=request.top_logprobs, timeout=self.timeout,
+                    on_token=on_token, speculate=self.speculate,
+                    parse_special=request.parse_special, route=route,
+                )
+
         with trio.CancelScope() as scope:
             try:
-                async with self.routes.lease() as (pipeline, route):
-                    context = min(h.caps.n_ctx_per_session for h in pipeline.hops if h.caps)
-                    await pipeline.generate(
-                        # no generation outlives the context: a larger limit is the context's
-                        request.prompt, max_tokens=min(request.max_tokens or context, context),
-                        temperature=request.temperature, top_p=request.top_p, seed=seed,
-                        top_logprobs=request.top_logprobs, timeout=self.timeout,
-                        on_token=on_token, speculate=self.speculate,
-                        parse_special=request.parse_special, route=route,
-                    )
+                if queue is None:
+                    await attempt()
+                else:  # its turn among the model's requests; again after a full worker's refusal
+                    await queue.run(attempt, started=lambda: bool(counts["completion"]))
             except ShardError as err:
                 raise from_shard_error(err, prompt_param=request.prompt_param) from None
         if not text.stopped:

@@ -2,8 +2,8 @@
 
 ``Limits`` gathers the operator's bounds (``trio-shard api`` options) in one value that the app
 and each generation read. ``KeySlots`` counts the generations each key's principal runs: with
-``requests_per_key`` set, one key cannot take every session of the workers (the others would
-get 429s from full workers); its own extra requests get a 429 instead.
+``requests_per_key`` set, one key cannot take every session of the workers and the wait queue
+(the others would wait behind it); its own extra requests get a 429 instead.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from .errors import RETRY_AFTER_SECONDS, ApiError
 
 __all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_KEEPALIVE", "DEFAULT_LIMITS", "DEFAULT_MAX_BODY_BYTES",
-           "DEFAULT_MAX_TOTAL_BODY_BYTES", "DEFAULT_SEND_TIMEOUT", "KeySlots", "Limits"]
+           "DEFAULT_MAX_TOTAL_BODY_BYTES", "DEFAULT_QUEUE_LENGTH", "DEFAULT_QUEUE_TIMEOUT",
+           "DEFAULT_SEND_TIMEOUT", "KeySlots", "Limits"]
 
 #: Request bodies are bounded: 4 MiB holds any prompt a worker's context takes.
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -33,6 +34,12 @@ DEFAULT_KEEPALIVE = 15.0
 #: sends a large Content-Length, then a byte now and then, would hold its connection and a
 #: task of the door for ever.
 DEFAULT_BODY_TIMEOUT = 30.0
+#: Requests per model that may wait for a session when all are taken (``shard.api.queue``):
+#: enough for a burst of a few dozen clients, few enough that a flood is told to come back.
+DEFAULT_QUEUE_LENGTH = 64
+#: Seconds one request may wait for a session before it gets 429: about what a client waits
+#: for a first token before giving up.
+DEFAULT_QUEUE_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,9 @@ class Limits:
     ``DEFAULT_SEND_TIMEOUT``. ``keepalive``: None sends no comments. ``requests_per_key``:
     generations one key's principal may run at once (None: no bound). ``body_timeout``: see
     ``DEFAULT_BODY_TIMEOUT``. ``max_total_body_bytes``: what all bodies being received or
-    checked at once may hold (503 past it; ``shard.api.bodies``)."""
+    checked at once may hold (503 past it; ``shard.api.bodies``). ``queue_length``: requests
+    per model that may wait for a session (0: none, a full worker answers 429 at once);
+    ``queue_timeout``: seconds each may wait (``shard.api.queue``)."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     send_timeout: float = DEFAULT_SEND_TIMEOUT
@@ -49,6 +58,8 @@ class Limits:
     requests_per_key: int | None = None
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     max_total_body_bytes: int = DEFAULT_MAX_TOTAL_BODY_BYTES
+    queue_length: int = DEFAULT_QUEUE_LENGTH
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.max_total_body_bytes < self.max_body_bytes:
@@ -59,6 +70,8 @@ class Limits:
             raise ValueError("keepalive must be positive (None: off)")
         if self.requests_per_key is not None and self.requests_per_key < 1:
             raise ValueError("requests_per_key must be at least 1 (None: no bound)")
+        if self.queue_length < 0 or not self.queue_timeout > 0:
+            raise ValueError("queue_length must be >= 0 and queue_timeout positive")
 
 
 #: The defaults above (a value: ``Limits`` is frozen).

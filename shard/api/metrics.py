@@ -1,6 +1,7 @@
 """The front door's Prometheus metrics: requests by endpoint and status, time to first token,
-tokens per second and token counts, and over a pool its workers by state and each model's
-complete routes, served at ``GET /metrics``.
+tokens per second and token counts, each model's wait queue (depth, waits, refusals past its
+bounds), and over a pool its workers by state and each model's complete routes, served at
+``GET /metrics``.
 
 Each app has its own ``CollectorRegistry`` (not prometheus_client's global one), so several
 front doors in one process (tests) never share counters. Everything is updated on the Trio
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 PREFIX = "trio_shard_api"
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class ApiMetrics:
@@ -40,8 +42,8 @@ class ApiMetrics:
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered, by endpoint and "
                                 "status code", ["endpoint", "status"], registry=r)
-        self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "generations running now",
-                               registry=r)
+        self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "generation requests being "
+                               "answered now (queued ones included)", registry=r)
         self.time_to_first_token = Histogram(
             f"{PREFIX}_time_to_first_token_seconds", "from a generation request's arrival to its "
             "first text", ["endpoint"], buckets=_TTFT_BUCKETS, registry=r)
@@ -52,6 +54,15 @@ class ApiMetrics:
                                      registry=r)
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "tokens generated",
                                          registry=r)
+        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "requests waiting for a session of "
+                                 "the model now", ["model"], registry=r)
+        self.queue_wait = Histogram(
+            f"{PREFIX}_queue_wait_seconds", "from a generation request's arrival until its "
+            "last try for a session began (0: a session was free), or until it was refused",
+            ["model"], buckets=_WAIT_BUCKETS, registry=r)
+        self.queue_refused = Counter(
+            f"{PREFIX}_queue_refused", "requests answered 429 past the model's queue: full "
+            "(--queue-length) or timeout (--queue-timeout)", ["model", "reason"], registry=r)
         self.pool_workers = Gauge(f"{PREFIX}_pool_workers", "workers listed in the pool, by "
                                   "state (up, down, connecting, refused)", ["state"], registry=r)
         self.pool_routes = Gauge(f"{PREFIX}_pool_routes", "complete routes (one replica per hop) "

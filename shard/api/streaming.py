@@ -33,6 +33,7 @@ from .backend import Backend, Outcome, Request
 from .errors import ApiError
 from .limits import DEFAULT_LIMITS, KeySlots, Limits
 from .metrics import ApiMetrics
+from .queue import WaitQueue
 from .replies import Reply
 from .text import Delta
 
@@ -70,6 +71,7 @@ class GenerationResponse:
         self, backend: Backend, request: Request, reply: Reply, *, stream: bool,
         endpoint: str, metrics: ApiMetrics, started: float, principal: str | None = None,
         user: str | None = None, limits: Limits = DEFAULT_LIMITS, slots: KeySlots | None = None,
+        queue: WaitQueue | None = None,
     ) -> None:
         self.backend = backend
         self.request = request
@@ -83,6 +85,7 @@ class GenerationResponse:
         self.send_timeout = limits.send_timeout
         self.keepalive = limits.keepalive  # None: no comments
         self.slots = slots if slots is not None else KeySlots(None)
+        self.queue = queue
         self.status = 0
         self._first_at: float | None = None
         #: Set before the last bytes are sent: the client may disconnect (and cancel this
@@ -139,7 +142,8 @@ class GenerationResponse:
     async def _generate(self, out: trio.MemorySendChannel[Event]) -> None:
         async with out:
             try:
-                outcome: Event = await self.backend.generate(self.request, out)  # type: ignore[arg-type]
+                outcome: Event = await self.backend.generate(
+                    self.request, out, queue=self.queue)  # type: ignore[arg-type]
             except ApiError as err:
                 outcome = err
             except Exception:

@@ -75,8 +75,8 @@ def add_parser(sub: Any) -> Options:
     opts.add("--timeout", type=positive_float, default=600.0,
              help="deadline in seconds of one generation (default: 600)")
     opts.add("--connect-timeout", type=positive_float, default=60.0,
-             help="seconds to wait at start for the workers to answer and serve "
-             "(default: 60)")
+             help="seconds to wait at start for the workers to listen, answer and serve, so "
+             "the door may start with its workers (default: 60)")
     opts.add("--send-timeout", type=positive_float, default=30.0, metavar="SECONDS",
              help="a client that takes no data for this long (it stopped reading) has its "
              "generation cancelled and its sessions released (default: 30)")
@@ -86,6 +86,13 @@ def add_parser(sub: Any) -> Options:
     opts.add("--requests-per-key", type=positive_int, metavar="N",
              help="with --api-key-file: generations one key (its NAME) may run at once, "
              "more get 429, so one key cannot take every session (default: no bound)")
+    opts.add("--queue-length", type=non_negative_int, default=64, metavar="N",
+             help="requests per model that may wait for a session while all are in use, "
+             "served in order as sessions free; more get 429 with Retry-After (0: no queue, "
+             "429 at once; default: 64)")
+    opts.add("--queue-timeout", type=positive_float, default=60.0, metavar="SECONDS",
+             help="a request that has waited this long for a session gets 429 with "
+             "Retry-After (default: 60)")
     opts.add("--max-body-bytes", type=positive_int, default=4 * 2**20,
              help="largest request body accepted, larger ones get 413 (default: 4 MiB)")
     opts.add("--max-total-body-bytes", type=positive_int, default=64 * 2**20,
@@ -145,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("--max-total-body-bytes must be at least --max-body-bytes", 2)
     limits = Limits(max_body_bytes=args.max_body_bytes, send_timeout=args.send_timeout,
                     keepalive=args.keepalive or None, requests_per_key=args.requests_per_key,
-                    body_timeout=args.body_timeout, max_total_body_bytes=args.max_total_body_bytes)
+                    body_timeout=args.body_timeout, max_total_body_bytes=args.max_total_body_bytes,
+                    queue_length=args.queue_length, queue_timeout=args.queue_timeout)
     template = read_chat_template(args.chat_template)
 
     import functools
