@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from rpc_harness import (
     StepGate,
     in_thread,
@@ -32,6 +33,7 @@ from test_pipeline import TIMEOUT, assert_all_free
 from test_pool import A, Listed, fleet, pool_of
 
 from shard.api import Backend, Catalog, Limits, build_app, serve_http
+from shard.api.queue import WaitQueue
 from shard.engine import LayerRange, LoadSpec
 from shard.engine.fake import FakeEngine, FakeScript
 from shard.pipeline import Pipeline
@@ -42,8 +44,8 @@ BODY = {"model": NAME, "prompt": "hello", "max_tokens": 4}
 def metric(page: bytes, name: str, **labels: str) -> float:
     """One sample of the /metrics page (0 when absent)."""
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    found = re.search(rb"^trio_shard_api_" + re.escape(f"{name}{{{want}}}".encode()) + rb" (\S+)$",
-                      page, re.M)
+    sample = f"{name}{{{want}}}" if labels else name
+    found = re.search(rb"^trio_shard_api_" + re.escape(sample.encode()) + rb" (\S+)$", page, re.M)
     return float(found.group(1)) if found else 0.0
 
 
@@ -132,6 +134,31 @@ async def test_a_pool_queues_over_its_replicas_sessions() -> None:
         assert all(m.sessions == 0 for m in pool.members.values())
         shutdown.set()
         await assert_all_free(list(f.workers.values()))
+
+
+async def test_waiters_are_served_in_order_of_arrival() -> None:
+    """FIFO, and the door's own count: with one session, each request runs only once the one
+    before it ended, in the order they came, and a newcomer never jumps the line."""
+    queue = WaitQueue("m", lambda: 1, length=8, timeout=10)
+    order: list[int] = []
+    ends = [trio.Event() for _ in range(4)]
+
+    async def one(i: int) -> None:
+        async def attempt() -> None:
+            order.append(i)
+            await ends[i].wait()
+        await queue.run(attempt)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(one, i)
+            await trio.testing.wait_all_tasks_blocked()
+        assert order == [0] and queue.depth == 3 and queue.running == 1
+        for i in range(4):
+            ends[i].set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert order == list(range(min(i + 2, 4)))
+    assert queue.depth == 0 and queue.running == 0
 
 
 # ---- past the bounds -----------------------------------------------------------------------
@@ -239,10 +266,16 @@ async def test_a_refusal_for_sessions_held_elsewhere_is_retried_until_one_frees(
             await holding.wait()
             got: list[Any] = []
             await burst(door.url, 1, into=got, nursery=nursery)
-            await trio.sleep(0.3)  # refused and tried again meanwhile
+            with trio.fail_after(10):
+                while metric(await page(door.url), "requests_in_flight") != 1:
+                    await trio.sleep(0.01)
+            await trio.sleep(0.3)  # refused, and tried again, meanwhile
             assert not got
             release.set()
         assert got[0][0] == 200
+        text = await page(door.url)
+        assert metric(text, "queue_wait_seconds_sum", model=NAME) >= 0.3  # its last try: after
+        assert metric(text, "queue_refused_total", model=NAME, reason="timeout") == 0
         await assert_all_free(door.workers)
 
 

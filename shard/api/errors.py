@@ -2,9 +2,10 @@
 
 Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with a status an OpenAI
 client acts on: 400 for the request itself, 401 without a valid key, 404 for an unknown model,
-413 for a body over the limit, 429 (with ``Retry-After``) when the workers are full, 503 when no
-replica of a hop serves, 504 when the deadline passed. A worker's error keeps its message
-(which names the hop), so an operator reads the cause from the client's side too.
+413 for a body over the limit, 429 (with ``Retry-After``) when the workers are full past the
+door's wait queue (``shard.api.queue``), 503 when no replica of a hop serves, 504 when the
+deadline passed. A worker's error keeps its message (which names the hop), so an operator reads
+the cause from the client's side too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .schemas import ErrorDetail, ErrorResponse
 
 __all__ = ["ApiError", "from_shard_error"]
 
-#: Seconds a client is asked to wait after a 429 (the workers' sessions were all taken).
+#: Seconds a client is asked to wait after a 429 (the sessions were all taken, past the queue).
 RETRY_AFTER_SECONDS = 1
 #: ``ShardError.reason`` of input longer than a session's context (``shard.errors.ContextExceeded``),
 #: and of input beyond a session's KV budget (with chain relay: a later hop's smaller context).

@@ -1,14 +1,14 @@
 """A bounded FIFO wait per model for a free session: a request that finds a model's sessions
 all taken waits its turn instead of being refused, as llama-server, vLLM and SGLang queue.
 
-Why in the door: a worker refuses an OpenSession past its ``max_sessions`` (``RESOURCE_EXHAUSTED``,
-reason ``TOO_MANY_SESSIONS``) and keeps no queue of its own. The door knows how many sessions
-the model's routes have (``capacity``: the workers' ``max_sessions``) and when each of its own
-generations ends, so a request that finds them all taken waits in line and is woken when one
-ends, without asking the workers again and again. A worker may still refuse (sessions opened
-by other clients of the worker, or a session still being released): the request keeps its place
-and tries again after a short backoff, or at once when one of the door's generations ends, until
-its wait is over.
+Why in the door: a worker refuses an OpenSession past its ``max_sessions``
+(``RESOURCE_EXHAUSTED``, reason ``TOO_MANY_SESSIONS``) and keeps no queue of its own. The door
+knows how many sessions the model's routes have (``capacity``: the workers' ``max_sessions``)
+and when each of its own generations ends, so a request that finds them all taken waits in line
+and is woken when one ends, without asking the workers again and again. A worker may still
+refuse (sessions opened by other clients of the worker, or one still being released): the
+request keeps its place and tries again after a short backoff, or at once when one of the
+door's generations ends, until its wait is over.
 
 Bounds: at most ``length`` requests wait per model (``0``: no queue, a full worker's refusal is
 answered at once) and each waits at most ``timeout`` seconds from its arrival; past either,
@@ -74,6 +74,7 @@ class WaitQueue:
         #: worker's refusal).
         self.running = 0
         self._freed = trio.Event()  # set (and replaced) whenever one of them ends
+        self._show()
 
     @property
     def depth(self) -> int:
@@ -125,18 +126,18 @@ class WaitQueue:
         waiter = _Waiter()
         self._waiting.append(waiter)
         self._show()
-        arrived = trio.current_time()
+        arrived, admitted = trio.current_time(), False
         try:
             with trio.move_on_at(deadline):
                 while not waiter.granted:
                     with trio.move_on_after(RECHECK):
                         await waiter.woken.wait()
                     self._grant()
-        except BaseException:  # the client left (its task is cancelled): out of line at once
-            self._leave(waiter)
-            raise
-        if not waiter.granted:
-            self._leave(waiter)
+            admitted = waiter.granted
+        finally:  # the wait is over, or the client left (its task is cancelled): out of line
+            if not admitted:
+                self._leave(waiter)
+        if not admitted:
             self._metrics.queue_wait.labels(self.model).observe(trio.current_time() - arrived)
             raise self._refusal("timeout", f"all sessions of {self.model!r} are in use")
 
@@ -189,9 +190,9 @@ class Queues:
         self._queues: dict[str, WaitQueue] = {}
 
     def of(self, model: str, capacity: Callable[[], int | None]) -> WaitQueue:
+        """``model``'s queue; ``capacity`` (its routes' sessions) is read on each decision."""
         queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = WaitQueue(
                 model, capacity, length=self.length, timeout=self.timeout, metrics=self.metrics)
-            queue._show()
         return queue
