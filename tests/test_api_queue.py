@@ -27,7 +27,7 @@ from rpc_harness import (
     no_engine_leaks,  # noqa: F401 - autouse: no sessions/KV cells leak
     worker,
 )
-from test_api import MODEL, NAME, FrontDoor, front_door, get, post
+from test_api import MODEL, NAME, SHAPES, FrontDoor, front_door, get, post
 from test_api import _sessions as worker_sessions
 from test_pipeline import TIMEOUT, assert_all_free
 from test_pool import A, Listed, fleet, pool_of
@@ -90,9 +90,12 @@ async def burst(url: str, n: int, *, into: list[tuple[int, dict[str, str], Any]]
 # ---- queued, served in turn ----------------------------------------------------------------
 
 
-async def test_thirty_two_requests_on_four_sessions_all_complete() -> None:
+@pytest.mark.parametrize("shape", list(SHAPES))
+async def test_thirty_two_requests_on_four_sessions_all_complete(shape: str) -> None:
+    ranges, relay = SHAPES[shape]
     gate = StepGate()
-    async with front_door(max_sessions=4, script=FakeScript(on_step=gate)) as door:
+    async with front_door(ranges, relay=relay, max_sessions=4,
+                          script=FakeScript(on_step=gate)) as door:
         gate.hold()
         got: list[Any] = []
         async with trio.open_nursery() as nursery:

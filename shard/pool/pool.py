@@ -434,16 +434,12 @@ class Pool:
         return min(sizes, default=0)
 
     def capacity(self, model: str) -> int | None:
-        """The generations ``model``'s complete routes take at once (each route shape: its
-        smallest hop's sessions over its serving replicas; an upper bound where shapes share a
-        hop), None when it has none now. The door's wait queue counts against it."""
-        total = 0
-        for shape, _ in self._pipelines.get(model, {}).values():
-            hops = [sum(self.members[t].capacity for t in hop.targets
-                        if t in self.members and self.members[t].state == "up"
-                        and not self.members[t].removed) for hop in shape.hops]
-            total += min(hops, default=0)
-        return total or None
+        """The generations ``model``'s routes take at once (per shape, its smallest hop's
+        sessions over its serving replicas; an upper bound where shapes share a hop), None when
+        it has no route now. The door's wait queue counts against it."""
+        up = {t: m.capacity for t, m in self.members.items() if m.state == "up" and not m.removed}
+        return sum(min(sum(up.get(t, 0) for t in hop.targets) for hop in shape.hops)
+                   for shape, _ in self._pipelines.get(model, {}).values()) or None
 
     def _choose(self, model: str) -> Lease:
         pipes = self._pipelines.get(model)
