@@ -106,8 +106,8 @@ class PipelineRoutes:
         return min(h.caps.n_ctx_per_session for h in self.pipeline.hops if h.caps is not None)
 
     def capacity(self) -> int | None:
-        """The sessions of the chain's fullest hop (a generation opens on each hop's serving
-        replica), None when unknown."""
+        """The smallest ``max_sessions`` of the chain's hops (a generation opens a session on
+        each hop's serving replica), None when unknown."""
         return min((h.caps.max_sessions for h in self.pipeline.hops if h.caps is not None),
                    default=0) or None
 
