@@ -49,7 +49,7 @@ from .errors import (
 from .hooks import EngineHooks
 from .operations import OperationRunner
 from .plans import ComputePlan, StreamRun
-from .prefix_reuse import PrefixReuse
+from .prefix_reuse import PrefixReuse, commit_history
 from .results import step_outputs
 from .sessions import SessionTable, new_session_id
 from .slots import CancelFlag, CancelReason, Claimed, Slot
@@ -481,18 +481,12 @@ class ShardEngine(EngineHooks):
             caps, plan, n_new, raw, params, top_k, chosen, self._impl_token_piece, self._impl_is_eog)
         new_len = plan.keep + n_new
         counters = self._counters
-        # Commit the new history (a hidden-state step's ids, when it has them).
-        ids = plan.tokens if plan.tokens is not None else plan.token_ids
-        cached = plan.cached_ids
-        if ids is not None and slot.tokens is not None:
-            del slot.tokens[plan.keep - len(cached) :]
-            if cached:  # positions copied from the prefix cache (``prefix_reuse``)
-                slot.tokens.extend(cached)
-                counters["prefix_cache_hits_total"] += 1
-                counters["prefix_cache_hit_tokens_total"] += len(cached)
-            slot.tokens.extend(ids)
-        elif ids is None:
-            slot.tokens = None
+        # Commit the new history.
+        if plan.tokens is not None and slot.tokens is not None and not plan.cached_ids:
+            del slot.tokens[plan.keep :]
+            slot.tokens.extend(plan.tokens)
+        else:  # hidden states, or a start copied from the prefix cache
+            commit_history(slot, plan, counters)
         slot.n_past = new_len
         counters["steps_total"] += 1
         counters[counter] += n_new
@@ -502,7 +496,7 @@ class ShardEngine(EngineHooks):
             n_past=new_len,
             tokens_processed=n_new,
             reused_tokens=reused,
-            cached_tokens=len(cached),
+            cached_tokens=len(plan.cached_ids),
             logits=logits,
             boundary=boundary,
             position_logits=per_position,

@@ -110,4 +110,23 @@ class PrefixReuse:
                 self._sessions.free_id(seq_id)
 
 
-__all__ = ["PrefixReuse"]
+def commit_history(slot: Slot, plan: ComputePlan, counters: dict[str, int]) -> None:
+    """Commit the ids of a computed step that is not the plain token case: a hidden-state
+    step's ids (``plan.token_ids``; without them the session stops keeping its history), and a
+    prefill's start copied from the cache (``plan.cached_ids``, counted as a hit)."""
+    ids = plan.tokens if plan.tokens is not None else plan.token_ids
+    if ids is None:
+        slot.tokens = None
+        return
+    if slot.tokens is None:
+        return
+    cached = plan.cached_ids
+    del slot.tokens[plan.keep - len(cached) :]
+    if cached:
+        slot.tokens.extend(cached)
+        counters["prefix_cache_hits_total"] += 1
+        counters["prefix_cache_hit_tokens_total"] += len(cached)
+    slot.tokens.extend(ids)
+
+
+__all__ = ["PrefixReuse", "commit_history"]
