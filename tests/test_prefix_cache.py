@@ -190,3 +190,28 @@ def test_an_off_cache_keeps_nothing() -> None:
 def test_reserved_entries_round_the_budget_up_to_whole_histories(
         budget: int, per_session: int, entries: int) -> None:
     assert reserved_entries(budget, per_session) == entries
+
+
+async def test_a_thousand_conversations_leave_the_cache_within_its_budget() -> None:
+    """1,000 distinct conversations through a fake engine with a small cache: after every
+    release the cache is within its budget and holds no more entries than it may, no session
+    cell is left, and every history was either kept, replaced or evicted (counted)."""
+    from shard.engine import LoadSpec, PrefillRequest
+    from shard.engine.fake import FakeEngine
+
+    budget = 300
+    async with FakeEngine() as engine:
+        caps = await engine.load(LoadSpec(n_ctx=1024, max_sessions=4, prefix_cache_tokens=budget))
+        assert reserved_entries(budget, caps.n_ctx_per_session) == 2
+        for i in range(1000):
+            await engine.open_session("c")
+            prompt = (1, 3 + i % 200, 3 + (i // 200) % 200, *range(10, 10 + i % 17))
+            await engine.prefill(PrefillRequest("c", tokens=prompt, top_k_logprobs=0))
+            await engine.release("c")
+            m = engine.metrics()
+            assert m.prefix_cache_tokens <= budget and m.prefix_cache_entries <= 2
+            assert m.kv_cells_used == 0
+        m = engine.metrics()
+        assert m.prefix_cache_stored_total == 1000
+        assert m.prefix_cache_evictions_total + m.prefix_cache_entries == 1000
+        assert engine._impl_kv_cells_used() == m.prefix_cache_tokens  # nothing else held

@@ -287,6 +287,33 @@ class PrefixCache:
             want = await plain.prefill(PrefillRequest("r", hidden_states=rows[21:], position=21))
             assert_same_logits(got, want)
 
+    async def test_a_first_shards_boundary_starts_after_the_cached_positions(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """On a first shard that is not last, a prefill from the cache returns the hidden
+        states of the positions it computed only, from where the copy ends (the next hop must
+        hold the cached positions itself), equal to a cacheless engine's for the same steps."""
+        if not engine_factory.layer_ranges:
+            return
+        options = EngineOptions(part=ShardPart.FIRST)
+        async with (cached_engine(engine_factory, options=options) as engine,
+                    engine_factory.open(options) as plain):
+            prompt = prompt_tokens(engine, 25, salt=60)
+            tail = prompt_tokens(engine, 6, salt=61)[1:]
+            await engine.open_session("a")
+            await prefill(engine, "a", prompt)
+            await engine.release("a")
+            await engine.open_session("b")
+            got = await prefill(engine, "b", prompt + tail)
+            assert got.cached_tokens == len(prompt) and got.boundary is not None
+            assert got.boundary.start_position == len(prompt)
+            await plain.open_session("r")
+            await prefill(plain, "r", prompt)
+            want = await prefill(plain, "r", tail, position=len(prompt))
+            assert want.boundary is not None
+            np.testing.assert_allclose(got.boundary.hidden_states, want.boundary.hidden_states,
+                                       atol=1e-4)
+
     async def test_a_session_started_from_the_cache_moves_to_another_engine(
         self, engine_factory: EngineFactory
     ) -> None:
