@@ -6,11 +6,14 @@ with ``trio.from_thread.run(..., trio_token=...)``. A small reference model pred
 operation, either the exact resulting session state or the exact error type, following the
 precedence documented in docs/engine.md. Greedy results are also remembered per token history:
 the same history must always choose the same token, whatever reuse, rollback or cancellation
-led to it.
+led to it. Each engine also runs with a prefix cache: then a prefill may copy the start of its
+prompt from a released history (``cached_tokens``), the same histories must still choose the same
+tokens, and the cache stays within its budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -56,6 +59,7 @@ from shard.testing import EngineFactory, EngineOptions, fake_factory, llama_fact
 MAX_SESSIONS = 3
 PER_SESSION = 48
 OPTIONS = EngineOptions(n_ctx=MAX_SESSIONS * PER_SESSION, max_sessions=MAX_SESSIONS, n_batch=8)
+CACHE_BUDGET = 2 * PER_SESSION  # two entries
 NAMES = ("a", "b", "c", "d")
 BAD_IDS = (-1, 10**6)
 
@@ -77,6 +81,8 @@ class EngineLoop:
         self.token: trio.lowlevel.TrioToken | None = None
         self.error: BaseException | None = None
         self.greedy_seen: dict[tuple[int, ...], tuple[int, float]] = {}
+        self.cached = factory.name.endswith("-cached")
+        self.released: list[tuple[int, ...]] = []  # histories of released sessions, latest last
         self._ready = threading.Event()
         self._stop: trio.Event | None = None
         self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
@@ -212,8 +218,9 @@ class SessionLifecycle(RuleBasedStateMachine):
             reused += 1
         ref.tokens = ref.tokens[:position] + tokens
         ref.n_past = len(ref.tokens)
-        assert (result.n_past, result.reused_tokens, result.tokens_processed) == (
-            ref.n_past, reused, len(tokens) - reused)
+        assert (result.n_past, result.reused_tokens) == (ref.n_past, reused)
+        assert result.tokens_processed + result.cached_tokens == len(tokens) - reused
+        assert self.loop.cached or result.cached_tokens == 0
         self.check_greedy(ref.tokens, result)
 
     def check_greedy(self, history: tuple[int, ...], result: StepResult) -> None:
@@ -287,6 +294,16 @@ class SessionLifecycle(RuleBasedStateMachine):
         position = self._position(name, where)
         held = ref.tokens[position:] if ref is not None and position <= ref.n_past else ()
         self.prefill(name, held[:share] + extra, where, False)
+
+    @rule(name=session_names, back=st.integers(1, 4), share=st.integers(1, PER_SESSION),
+          extra=st.lists(st.integers(3, 258), max_size=4).map(tuple))
+    def prefill_from_a_released_history(self, name: str, back: int, share: int,
+                                        extra: tuple[int, ...]) -> None:
+        """A prompt that starts with a released session's history (the prefix cache's case;
+        without a cache, an ordinary prefill)."""
+        released = self.loop.released
+        if released:
+            self.prefill(name, released[-min(back, len(released))][:share] + extra, "zero", False)
 
     @rule(name=session_names, token=st.one_of(st.integers(3, 258), st.sampled_from(BAD_IDS)))
     def decode(self, name: str, token: int) -> None:
@@ -382,7 +399,9 @@ class SessionLifecycle(RuleBasedStateMachine):
     def release(self, name: str) -> None:
         out = self.loop.run(capture, self.engine.release, name)
         assert out.error is None and out.value is (name in self.refs)
-        self.refs.pop(name, None)
+        ref = self.refs.pop(name, None)
+        if ref is not None and ref.tokens:
+            self.loop.released = [*self.loop.released[-3:], ref.tokens]
 
     @rule(name=session_names)
     def cancel_idle(self, name: str) -> None:
@@ -423,6 +442,8 @@ class SessionLifecycle(RuleBasedStateMachine):
         assert metrics.sessions_active == len(self.refs)
         assert metrics.kv_cells_used == sum(r.n_past for r in self.refs.values())
         assert metrics.operations_running == 0
+        assert metrics.prefix_cache_tokens <= (CACHE_BUDGET if self.loop.cached else 0)
+        assert metrics.prefix_cache_entries <= 2
 
     def teardown(self) -> None:
         for name in list(self.refs):
@@ -431,11 +452,19 @@ class SessionLifecycle(RuleBasedStateMachine):
         assert (m.sessions_active, m.kv_cells_used) == (0, 0)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[fake_factory(), llama_factory("tiny", n_threads=1)],
-    ids=str,
-)
+def with_cache(factory: EngineFactory) -> EngineFactory:
+    """``factory``'s engine with a prefix cache of ``CACHE_BUDGET`` tokens."""
+    def load_spec(options: EngineOptions) -> Any:
+        return dataclasses.replace(factory.load_spec(options), prefix_cache_tokens=CACHE_BUDGET)
+
+    return dataclasses.replace(factory, name=f"{factory.name}-cached", load_spec=load_spec)
+
+
+_FAKE, _LLAMA = fake_factory(), llama_factory("tiny", n_threads=1)
+
+
+@pytest.fixture(scope="module", params=[_FAKE, with_cache(_FAKE), _LLAMA, with_cache(_LLAMA)],
+                ids=str)
 def engine_loop(request: pytest.FixtureRequest) -> Iterator[EngineLoop]:
     with EngineLoop(request.param, OPTIONS) as loop:
         yield loop
@@ -446,3 +475,6 @@ def test_session_lifecycle_state_machine(engine_loop: EngineLoop) -> None:
                    {"loop": engine_loop})
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert len(engine_loop.greedy_seen) > 0
+    if engine_loop.cached:
+        m = engine_loop.run_sync(engine_loop.engine.metrics)  # type: ignore[union-attr]
+        assert m.prefix_cache_hits_total > 0 and m.prefix_cache_stored_total > 0

@@ -6,6 +6,7 @@ import-boundary rule applies to ``shard/`` only).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -31,10 +32,12 @@ from shard.engine import (
     PrefillRequest,
     SamplingParams,
     SessionState,
+    StepResult,
     StepTimeout,
 )
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model
+from shard.models.arch_models import ARCHS, ensure_arch_model
 
 N_THREADS = 1  # robust on a busy 2-core machine (ggml's threads spin at barriers inside a step)
 PROMPTS = ("hello world, the quick brown fox", "Once upon a time there was a little dog named")
@@ -747,3 +750,58 @@ async def test_a_state_with_cells_at_positions_the_session_cannot_hold_is_refuse
         await engine.open_session(sid)
         assert (await engine.prefill(PrefillRequest(sid, tokens))).n_past == 12
     assert engine.health().ready
+
+
+# ---- the prefix cache on every architecture's test model -------------------------------------
+
+async def _greedy_after(engine: LlamaCppEngine, sid: str, first: StepResult, n: int) -> list[int]:
+    assert first.logits is not None
+    out = [first.logits.token_id]
+    for _ in range(n):
+        r = await engine.decode(DecodeRequest(sid, token=out[-1]))
+        assert r.logits is not None
+        out.append(r.logits.token_id)
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+async def test_the_prefix_cache_equals_the_same_steps_without_it(arch: str) -> None:
+    """On each architecture's test model (sliding windows, chunked attention, low-rank KV
+    included): a session started from a cached history, and one of them rewound into the shared
+    part, compute the greedy tokens (and logits) that a cacheless engine computes from the same
+    steps in the same chunks. Prompts are longer than the sliding windows (8)."""
+    path = await trio.to_thread.run_sync(ensure_arch_model, arch)
+    spec = LoadSpec(model_path=path, n_ctx=512, max_sessions=2, n_batch=16, n_threads=N_THREADS)
+    async with LlamaCppEngine() as cached, LlamaCppEngine() as plain:
+        caps = await cached.load(dataclasses.replace(spec, prefix_cache_tokens=256))
+        await plain.load(spec)
+        assert caps.prefix_cache_tokens == 256, caps.prefix_cache_detail
+        span = min(caps.n_vocab, 259) - 3
+        prompt = tuple(3 + (i * 37 + 11) % span for i in range(40))
+        tail = tuple(3 + (i * 13 + 5) % span for i in range(9))
+        other = tuple(3 + (i * 29 + 7) % span for i in range(6))
+        histories = []
+        for engine in (cached, plain):
+            await engine.open_session("a")
+            first = await engine.prefill(PrefillRequest("a", tokens=prompt))
+            made = await _greedy_after(engine, "a", first, 3)
+            histories.append(prompt + tuple(made[:3]))
+        assert histories[0] == histories[1]
+        history = histories[0]
+        await cached.release("a")
+        await cached.open_session("b")
+        got = await cached.prefill(PrefillRequest("b", tokens=history + tail))
+        assert got.cached_tokens == len(history) and got.tokens_processed == len(tail)
+        want = await plain.prefill(PrefillRequest("a", tokens=tail, position=len(history)))
+        assert got.logits is not None and want.logits is not None
+        assert [t.token_id for t in got.logits.top] == [t.token_id for t in want.logits.top]
+        assert got.logits.logprob == pytest.approx(want.logits.logprob, abs=1e-5)
+        assert await _greedy_after(cached, "b", got, 6) == await _greedy_after(plain, "a", want, 6)
+        # A rewind into the copied prefix, then other tokens: as the same steps without a cache.
+        for engine, sid in ((cached, "b"), (plain, "a")):
+            await engine.truncate(sid, 30)
+        got = await cached.prefill(PrefillRequest("b", tokens=other, position=30))
+        want = await plain.prefill(PrefillRequest("a", tokens=other, position=30))
+        assert await _greedy_after(cached, "b", got, 6) == await _greedy_after(plain, "a", want, 6)
+        await cached.release("b")
+        assert cached.metrics().kv_cells_used == 0

@@ -8,9 +8,9 @@ through a handful of ``_impl`` hooks (``shard.engine.hooks``). The contract suit
 
 What the engine owns lives beside it, one module per concept: the session table
 (``sessions``), slots and cancel flags (``slots``), plans and stream runs (``plans``), request
-checks (``validation``), result checks (``results``), health and counters (``status``), and the
-rules of running an operation on a session (``operations``). This class is the public API that
-ties them together.
+checks (``validation``), result checks (``results``), health and counters (``status``), the
+rules of running an operation on a session (``operations``), and the prefix cache kept across
+sessions (``prefix_reuse``). This class is the public API that ties them together.
 
 Resource handling: an engine owns its native resources from ``load`` until ``aclose``; use it as
 ``async with engine:``. Sessions own KV cells from ``open_session`` until ``release``.
@@ -49,6 +49,7 @@ from .errors import (
 from .hooks import EngineHooks
 from .operations import OperationRunner
 from .plans import ComputePlan, StreamRun
+from .prefix_reuse import PrefixReuse, commit_history
 from .results import step_outputs
 from .sessions import SessionTable, new_session_id
 from .slots import CancelFlag, CancelReason, Claimed, Slot
@@ -101,6 +102,7 @@ class ShardEngine(EngineHooks):
         self._sessions = SessionTable()
         self._slots = self._sessions.slots  # (implementations read it)
         self._runner = OperationRunner(self, self._status, self._sessions)
+        self._prefix = PrefixReuse(self, self._runner, self._sessions, self._counters)
         self._closed = trio.Event()  # set once aclose() has freed everything
         # Tokenizations running in worker threads (tokenize_async); aclose waits for them
         # before it frees the vocabulary they read.
@@ -151,7 +153,7 @@ class ShardEngine(EngineHooks):
                 await self._impl_close()
             raise NotReady("engine was closed while loading")
         self._caps = caps
-        self._sessions.reset(caps.max_sessions)
+        self._sessions.reset(caps.max_sessions, self._prefix.reset(caps))
         status.state, status.detail = EngineState.READY, ""
         return caps
 
@@ -171,6 +173,7 @@ class ShardEngine(EngineHooks):
             status.state, status.detail = EngineState.CLOSED, "closed"
             try:
                 await self._sessions.close_all()
+                self._prefix.cache.clear()  # (its cells go with the context)
                 await self._readers_done.wait()
                 if not loading:  # a running load() frees what it loaded when it sees CLOSED
                     await self._impl_close()
@@ -199,12 +202,17 @@ class ShardEngine(EngineHooks):
         return self._status.health()
 
     def metrics(self) -> EngineMetrics:
+        """Counters since load and gauges now. ``kv_cells_used`` counts the sessions' cells;
+        the prefix cache's are ``prefix_cache_tokens``."""
         ready = self._status.state is EngineState.READY
+        cache = self._prefix.cache
         return self._status.metrics(
             sessions=len(self._slots),
             running=self._sessions.running(),
-            kv_cells=self._impl_kv_cells_used() if ready else 0,
+            kv_cells=self._impl_kv_cells_used() - cache.tokens if ready else 0,
             lookahead_cells=self._impl_lookahead_cells() if ready else 0,
+            cache_entries=len(cache),
+            cache_tokens=cache.tokens,
         )
 
     def session_info(self, session_id: str) -> SessionInfo:
@@ -272,7 +280,8 @@ class ShardEngine(EngineHooks):
         return True
 
     async def release(self, session_id: str) -> bool:
-        """Cancel any running operation, free the session's KV cells and forget it.
+        """Cancel any running operation, free the session's KV cells and forget it. With a
+        prefix cache, its history and cells become a cache entry instead (``prefix_reuse``).
 
         Idempotent: returns False if the session was not open (or another release of it is
         already in progress). Completes even if the caller is cancelled meanwhile (the cleanup
@@ -290,11 +299,14 @@ class ShardEngine(EngineHooks):
             slot.cancel.set()
             await slot.wait_idle()
             self._sessions.forget(slot)
+            cached = False
             try:
                 if self._status.state is EngineState.READY:
-                    await self._runner.guard(self._impl_truncate(slot, 0))
+                    cached = await self._prefix.keep(slot)
+                    if not cached:
+                        await self._runner.guard(self._impl_truncate(slot, 0))
             finally:
-                self._sessions.free(slot)
+                self._sessions.free(slot, cached=cached)
                 self._counters["sessions_released_total"] += 1
         return True
 
@@ -365,12 +377,17 @@ class ShardEngine(EngineHooks):
     # ---- steps -----------------------------------------------------------------------------
 
     async def prefill(self, request: PrefillRequest) -> StepResult:
-        """Write prompt tokens or hidden states at ``request.position`` (see PrefillRequest)."""
+        """Write prompt tokens or hidden states at ``request.position`` (see PrefillRequest);
+        a start the prefix cache holds is copied, not computed (``StepResult.cached_tokens``)."""
         caps = self._require_ready()
         slot = self._sessions.get(request.session_id)
         plan, reused = prefill_plan(request, slot, caps)
-        return await self._runner.step(slot, caps, plan, request.sampling,
-                                       request.top_k_logprobs, reused, "prefill_tokens_total")
+        plan = self._prefix.plan(slot, plan)
+        try:
+            return await self._runner.step(slot, caps, plan, request.sampling,
+                                           request.top_k_logprobs, reused, "prefill_tokens_total")
+        finally:
+            self._prefix.done(plan)
 
     async def decode(self, request: DecodeRequest) -> StepResult:
         """Append one token or hidden-state row and compute one step."""
@@ -463,14 +480,14 @@ class ShardEngine(EngineHooks):
         logits, per_position, boundary = step_outputs(
             caps, plan, n_new, raw, params, top_k, chosen, self._impl_token_piece, self._impl_is_eog)
         new_len = plan.keep + n_new
+        counters = self._counters
         # Commit the new history.
-        if plan.tokens is not None and slot.tokens is not None:
+        if plan.tokens is not None and slot.tokens is not None and not plan.cached_ids:
             del slot.tokens[plan.keep :]
             slot.tokens.extend(plan.tokens)
-        elif plan.tokens is None:
-            slot.tokens = None
+        else:  # hidden states, or a start copied from the prefix cache
+            commit_history(slot, plan, counters)
         slot.n_past = new_len
-        counters = self._counters
         counters["steps_total"] += 1
         counters[counter] += n_new
         counters["reused_tokens_total"] += reused
@@ -479,6 +496,7 @@ class ShardEngine(EngineHooks):
             n_past=new_len,
             tokens_processed=n_new,
             reused_tokens=reused,
+            cached_tokens=len(plan.cached_ids),
             logits=logits,
             boundary=boundary,
             position_logits=per_position,

@@ -246,6 +246,9 @@ class FakeEngine(ShardEngine):
             layer_ranges=LayerRangeSupport(True, "any boundary (the fake model computes every range)"),
             kv_layout="" if self.script.kv_layout_tag is None
             else f"fake-kv/f64/{layers.count}x{m.n_embd}{self.script.kv_layout_tag}",
+            prefix_cache_tokens=spec.prefix_cache_tokens,
+            prefix_cache_detail="released histories, one sequence each, copied to a new "
+            "session (as on llama.cpp)" if spec.prefix_cache_tokens else "off (budget 0)",
         )
 
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
@@ -264,8 +267,7 @@ class FakeEngine(ShardEngine):
             slot.cancel.raise_if_set(slot.session_id)
             if i == 0:  # nothing changes before the first position is computed
                 slot.touch()
-                cells = self._kv.setdefault(slot.seq_id, [])
-                del cells[plan.keep :]
+                cells = self._start_cells(slot, plan)
             outputs.append(self._compute_position(plan, i, cells))
         return self._output(outputs, plan)
 
@@ -291,11 +293,24 @@ class FakeEngine(ShardEngine):
             raise last.error
 
     def _cells_to_keep(self, slot: Slot, plan: ComputePlan) -> list[np.ndarray]:
-        cells = self._kv.get(slot.seq_id, [])
+        """The cells the plan starts from: the session's, or the prefix cache entry's it copies."""
+        seq = slot.seq_id if plan.copy_from is None else plan.copy_from
+        cells = self._kv.get(seq, [])
         if len(cells) < plan.keep:
             raise EngineFailure(
                 f"fake KV cache holds {len(cells)} positions but the plan keeps {plan.keep}"
             )
+        return cells
+
+    def _start_cells(self, slot: Slot, plan: ComputePlan) -> list[np.ndarray]:
+        """The session's cells cut to ``plan.keep``, or a copy of the entry's first ``keep``
+        (``plan.copy_from``: the prefix cache) replacing them. (A cell is never changed in
+        place, so a copy of the list copies the cells.)"""
+        if plan.copy_from is not None:
+            cells = self._kv[slot.seq_id] = self._kv[plan.copy_from][: plan.keep]
+            return cells
+        cells = self._kv.setdefault(slot.seq_id, [])
+        del cells[plan.keep :]
         return cells
 
     def _compute_position(self, plan: ComputePlan, i: int, cells: list[np.ndarray]) -> np.ndarray:
@@ -335,7 +350,7 @@ class FakeEngine(ShardEngine):
                 if not job.started:
                     self._cells_to_keep(slot, plan)
                     job.start()
-                    del self._kv.setdefault(slot.seq_id, [])[plan.keep :]
+                    self._start_cells(slot, plan)
                 cells = self._kv[slot.seq_id]
                 for i in range(piece.start, piece.start + piece.count):
                     await self._on_step(slot, plan.keep + i)
@@ -374,6 +389,11 @@ class FakeEngine(ShardEngine):
             del cells[keep:]
             if not cells:
                 del self._kv[slot.seq_id]
+        await trio.lowlevel.checkpoint()
+
+    async def _impl_forget_cells(self, seq_ids: list[int]) -> None:
+        for seq in seq_ids:
+            self._kv.pop(seq, None)
         await trio.lowlevel.checkpoint()
 
     def _cell_shape(self) -> tuple[int, int]:

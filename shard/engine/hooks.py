@@ -37,7 +37,9 @@ class EngineHooks(abc.ABC):
     @abc.abstractmethod
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray:
         """Execute ``plan`` for ``slot``. Check ``slot.cancel`` between steps and raise
-        ``EngineCancelled`` when set. Must not return before native work on the slot stops."""
+        ``EngineCancelled`` when set. Must not return before native work on the slot stops.
+        With ``plan.copy_from`` (an engine with a prefix cache), the slot's cells are first
+        replaced by positions ``[0, keep)`` of that sequence, when the slot is touched."""
 
     async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> Claimed | None:
         """The result of ``plan`` if the implementation computes it already (a step computed
@@ -81,6 +83,11 @@ class EngineHooks(abc.ABC):
         """An upper bound of the bytes ``_impl_export`` returns for ``n_past`` positions, so a
         transport can refuse a larger import before it buffers it."""
         return 0
+
+    async def _impl_forget_cells(self, seq_ids: list[int]) -> None:
+        """Free every cell of these sequences, prefix cache entries that no session holds
+        (engines that report ``Capabilities.prefix_cache_tokens``)."""
+        raise UnsupportedFeature("this engine keeps no prefix cache")
 
     def _impl_lookahead_cells(self) -> int:
         """KV cells held by steps computed ahead and not claimed (engines that look ahead)."""

@@ -19,8 +19,8 @@ call; a shard needs one context serving many sessions (one llama.cpp *sequence i
 explicit KV truncation for prefix reuse and rollback, and in-step cancellation through the
 abort callback.
 
-Context layout: one ``llama_context`` with ``n_seq_max = max_sessions`` and ``kv_unified =
-false``. llama.cpp then gives every sequence its own KV stream of ``n_ctx_seq =
+Context layout: one ``llama_context`` with ``n_seq_max = max_sessions`` (plus one sequence
+per prefix cache entry, ``shard.engine.prefix_reuse``) and ``kv_unified = false``. llama.cpp then gives every sequence its own KV stream of ``n_ctx_seq =
 pad256(n_ctx / n_seq_max)`` cells (it pads ``n_ctx`` to a multiple of 256 and rounds the total
 to ``n_ctx_seq * n_seq_max``), so each session can always hold ``n_ctx // max_sessions``
 positions no matter what the other sessions hold (no fragmentation, no starvation), and a step
@@ -201,6 +201,9 @@ class LlamaCppEngine(ShardEngine):
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         await self._native.run(self._truncate_sync, slot.seq_id, keep)
 
+    async def _impl_forget_cells(self, seq_ids: list[int]) -> None:
+        await self._native.run(self._forget_sync, seq_ids)
+
     async def _impl_export(self, slot: Slot) -> bytes:
         return await self._native.run(self._kv.export_sync, slot.seq_id, slot.n_past, slot.session_id,
                                       self._ahead.drop_sync)
@@ -253,7 +256,7 @@ class LlamaCppEngine(ShardEngine):
     def _load_sync(self, spec: LoadSpec) -> Capabilities:
         m = self._llama
         m.open(spec)
-        self._kv.reset(spec.max_sessions)
+        self._kv.reset(m.n_seq)
         self._ticks.opened()
         self._scheduler.planner = m.planner(spec)
         self._ticks.warm_up_sync()
@@ -261,6 +264,10 @@ class LlamaCppEngine(ShardEngine):
 
     def _truncate_sync(self, seq: int, keep: int) -> None:
         self._kv.truncate_sync(seq, keep, self._ahead.drop_sync)
+
+    def _forget_sync(self, seq_ids: list[int]) -> None:
+        for seq in seq_ids:
+            self._kv.truncate_sync(seq, 0, self._ahead.drop_sync)
 
     def _close_sync(self) -> None:
         self._ticks.closed()

@@ -43,6 +43,7 @@ from .llama_native import (
     native_system_info,
 )
 from .llama_threads import ComputeThreads
+from .prefix_cache import reserved_entries
 from .types import Capabilities, ChatTemplate, LoadSpec
 
 log = logging.getLogger("shard.engine.llama")
@@ -95,6 +96,10 @@ class LlamaModel:
         self.threads: ComputeThreads | None = None
         self.n_batch = self.n_vocab = self.n_embd = self.n_seq = self.n_threads = 0
         self.n_ctx_seq = self.n_layers_total = 0
+        #: Sequences beyond the sessions' kept for the prefix cache's entries, and what the
+        #: cache does here (or why it is off).
+        self.cache_entries = 0
+        self.cache_detail = ""
         self.info: ModelInfo | None = None
         self.served: LayerRange | None = None
         self.arch = "unknown"
@@ -150,12 +155,14 @@ class LlamaModel:
             n_embd = int(lc.llama_model_n_embd(model))
             arch = _meta_str(model, b"general.architecture") or "unknown"
             boundary = None if last else BoundaryCapture(n_layer, n_embd)
+            entries, cache_detail = _cache_layout(model, spec, n_ctx_per_session)
 
             cparams = lc.llama_context_default_params()
-            cparams.n_ctx = spec.n_ctx
+            # Every sequence, a session's or a cache entry's, gets a stream of the same size.
+            cparams.n_ctx = spec.n_ctx + entries * n_ctx_per_session
             cparams.n_batch = spec.n_batch
             cparams.n_ubatch = min(spec.n_batch, self.n_ubatch_opt)
-            cparams.n_seq_max = spec.max_sessions
+            cparams.n_seq_max = spec.max_sessions + entries
             threads = spec.n_threads or default_threads()
             cparams.n_threads = threads
             cparams.n_threads_batch = threads
@@ -198,7 +205,8 @@ class LlamaModel:
 
             # Commit: from here on this object owns the handles (freed by close).
             self.model, self.ctx, self.mem, self.vocab, self.batch = model, ctx, mem, vocab, batch
-            self.n_batch, self.n_vocab, self.n_seq, self.n_embd = n_batch, n_vocab, spec.max_sessions, n_embd
+            self.n_batch, self.n_vocab, self.n_embd = n_batch, n_vocab, n_embd
+            self.n_seq, self.cache_entries, self.cache_detail = spec.max_sessions + entries, entries, cache_detail
             self.n_threads, self.n_ctx_seq, self.n_layers_total = threads, n_ctx_seq, n_layers_total
             self.first, self.last = first, last
             self.boundary, self.threads = boundary, pool
@@ -243,6 +251,8 @@ class LlamaModel:
             layer_ranges=range_support(info, self.arch),
             chat=self._chat_template() if self.first else ChatTemplate(),
             kv_layout=kv_layout,
+            prefix_cache_tokens=spec.prefix_cache_tokens if self.cache_entries else 0,
+            prefix_cache_detail=self.cache_detail,
         )
 
     def close(self) -> None:
@@ -329,6 +339,29 @@ class LlamaModel:
             special_texts=tuple(t for i in range(int(lc.llama_vocab_n_tokens(vocab)))
                                 if lc.llama_vocab_get_attr(vocab, i) & special and (t := text(i))),
         )
+
+
+def _cache_layout(model: lc.llama_model_p, spec: LoadSpec, n_ctx_per_session: int) -> tuple[int, str]:
+    """The sequences to reserve for the prefix cache's entries, and what it does or why not.
+
+    An entry is a released session's stream kept whole (``kv_unified`` is false: a copy
+    between streams copies a whole stream, ``llama_kv_cache::seq_cp``), so the budget buys
+    ``ceil(budget / n_ctx_per_session)`` more streams of a session's size, in memory as many
+    more sessions' KV would take. A recurrent or hybrid model's state is one row per sequence,
+    not cells by position: a copy could not be cut back to a shared prefix, so the cache is
+    off there."""
+    if spec.prefix_cache_tokens == 0:
+        return 0, "off (budget 0)"
+    if lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model):
+        return 0, "off: a recurrent or hybrid model's state cannot be cut back to a prefix"
+    entries = reserved_entries(spec.prefix_cache_tokens, n_ctx_per_session)
+    if spec.max_sessions + entries > LLAMA_MAX_SEQ:
+        raise InvalidInput(
+            f"a prefix cache of {spec.prefix_cache_tokens} tokens takes {entries} sequences of "
+            f"{n_ctx_per_session} beside {spec.max_sessions} sessions; llama.cpp allows "
+            f"{LLAMA_MAX_SEQ} in all")
+    return entries, (f"released histories kept whole in {entries} more sequences of "
+                     f"{n_ctx_per_session} cells, copied to a new session's stream")
 
 
 def _meta_str(model: lc.llama_model_p, key: bytes) -> str | None:

@@ -168,10 +168,19 @@ class Ticks:
         return native
 
     def _start(self, work: Work) -> None:
-        """Before a compute's first rows: drop its sequence's cells from ``keep`` on and check."""
+        """Before a compute's first rows: drop its sequence's cells from ``keep`` on and check.
+
+        A plan that starts from the prefix cache (``copy_from``) first takes the entry's whole
+        stream: llama.cpp copies between streams only whole (a partial range asserts) and
+        performs the copy at the next ``llama_decode``, this tick's, before it writes a row,
+        so nothing can read or overwrite the stream in between. Then the tail past ``keep``."""
         slot, keep, mem = work.slot, work.plan.keep, self.model.mem
         work.start()
         cut = self.ahead.drop_sync(slot.seq_id, keep)
+        source = work.plan.copy_from
+        if source is not None:
+            lc.llama_memory_seq_cp(mem, source, slot.seq_id, -1, -1)
+            cut = keep
         if not held.llama_memory_seq_rm(mem, slot.seq_id, cut, -1):
             raise EngineFailure(f"llama.cpp could not truncate the KV cache of {slot.session_id!r}")
         # llama_decode itself rejects a gap only when the sequence still holds cells; an emptied

@@ -47,6 +47,15 @@ class ComputePlan:
     #: Last shard: return the logits of every evaluated position ([n_new, n_vocab]), not only
     #: the last one's (``PrefillRequest.all_logits``).
     all_logits: bool = False
+    #: Hidden-state input: the token ids its rows stand for (``PrefillRequest.token_ids``), so
+    #: the session keeps its history; None: it stops keeping one.
+    token_ids: tuple[int, ...] | None = None
+    #: Prefix cache (``shard.engine.base``, docs/engine.md): before its first row the step
+    #: replaces the session's cells by the first ``keep`` positions of the entry held by
+    #: sequence ``copy_from``; ``cached_ids`` are the ids of the positions that copy adds
+    #: (from the session's length to ``keep``), committed with the step.
+    copy_from: int | None = None
+    cached_ids: tuple[int, ...] = ()
 
     @property
     def n_new(self) -> int:

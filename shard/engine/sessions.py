@@ -1,7 +1,10 @@
 """The engine's open sessions: their slots by id and the sequence ids still free.
 
 Why an object of its own: which sessions exist, which sequence id each holds and when an id is
-free again is one piece of bookkeeping, apart from what the engine runs on them.
+free again is one piece of bookkeeping, apart from what the engine runs on them. The prefix
+cache's entries hold sequence ids too (a released session's id passes to its entry, and comes
+back here when the entry goes): the engine has ``max_sessions`` ids for sessions plus one per
+entry the cache may keep, so a session can always open while fewer than ``max_sessions`` are.
 """
 
 from __future__ import annotations
@@ -25,15 +28,18 @@ class SessionTable:
     session of a batch group takes one next to its group's (``shard.engine.seq_ids``).
     """
 
-    __slots__ = ("slots", "_free")
+    __slots__ = ("slots", "_free", "_max", "_held")
 
     def __init__(self) -> None:
         self.slots: dict[str, Slot] = {}
         self._free: list[int] = []
+        self._max = self._held = 0  # sessions allowed; sessions holding an id (releasing too)
 
-    def reset(self, max_sessions: int) -> None:
-        """Every sequence id free (on load)."""
-        self._free = list(range(max_sessions))  # sorted: already a heap
+    def reset(self, max_sessions: int, spare: int = 0) -> None:
+        """Every sequence id free (on load): one per session and ``spare`` more for the prefix
+        cache's entries."""
+        self._free = list(range(max_sessions + spare))  # sorted: already a heap
+        self._max, self._held = max_sessions, 0
 
     def open(self, session_id: str, kv_budget: int | None, batch_group: int,
              caps: Capabilities) -> Slot:
@@ -43,7 +49,7 @@ class SessionTable:
             raise SessionExists(f"session {session_id!r} is already open", session_id=session_id)
         kv_budget = session_budget(kv_budget, batch_group, caps, session_id)
         free = self._free
-        if not free:
+        if self._held >= self._max or not free:
             raise TooManySessions(f"all {caps.max_sessions} sessions are in use")
         if batch_group:  # next to its group's sessions (shard.engine.seq_ids)
             held = {s.seq_id: s.batch_group for s in self.slots.values()}
@@ -56,6 +62,7 @@ class SessionTable:
                     batch_group=batch_group)
         slot.idle.set()
         self.slots[session_id] = slot
+        self._held += 1
         return slot
 
     def lookup(self, session_id: str) -> Slot | None:
@@ -77,9 +84,16 @@ class SessionTable:
         if self.slots.get(slot.session_id) is slot:  # close_all may have cleared the table
             del self.slots[slot.session_id]
 
-    def free(self, slot: Slot) -> None:
-        """``slot``'s sequence id may be taken again (its KV cells are gone)."""
-        heapq.heappush(self._free, slot.seq_id)
+    def free(self, slot: Slot, *, cached: bool = False) -> None:
+        """``slot`` holds its sequence id no more: free again (its KV cells are gone), or
+        (``cached``) held by the prefix cache's entry that keeps its cells."""
+        self._held -= 1
+        if not cached:
+            heapq.heappush(self._free, slot.seq_id)
+
+    def free_id(self, seq_id: int) -> None:
+        """A prefix cache entry's sequence id is free again (its cells are gone)."""
+        heapq.heappush(self._free, seq_id)
 
     def running(self) -> int:
         return sum(1 for s in self.slots.values() if s.state is SessionState.RUNNING)

@@ -45,13 +45,15 @@ class EngineStatus:
     def health(self) -> EngineHealth:
         return EngineHealth(state=self.state, detail=self.detail)
 
-    def metrics(self, *, sessions: int, running: int, kv_cells: int,
-                lookahead_cells: int) -> EngineMetrics:
+    def metrics(self, *, sessions: int, running: int, kv_cells: int, lookahead_cells: int,
+                cache_entries: int = 0, cache_tokens: int = 0) -> EngineMetrics:
         """The counters with the gauges the engine reads now."""
         return EngineMetrics(
             sessions_active=sessions,
             kv_cells_used=kv_cells,
             lookahead_cells=lookahead_cells,
             operations_running=running,
+            prefix_cache_entries=cache_entries,
+            prefix_cache_tokens=cache_tokens,
             **self.counters,
         )

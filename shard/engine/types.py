@@ -61,6 +61,10 @@ class LoadSpec:
     ``batch_tokens`` caps the rows of one batched step across sessions (None: ``n_batch``), so a
     long prompt delays running decodes by at most one such chunk; ``max_batch_sessions`` caps the
     sessions in one step (None: ``max_sessions``). Engines that do not batch ignore both.
+    ``prefix_cache_tokens``: the prefix cache's budget in tokens (0: off; docs/engine.md,
+    "Prefix cache"): released histories are kept up to it and a new prompt that starts with one
+    reuses its cells. Off by default here, so a caller that does not ask pays no memory; the
+    worker's options choose the operator's default.
     """
 
     model_path: Path | None = None
@@ -72,6 +76,7 @@ class LoadSpec:
     use_extra_bufts: bool = True
     batch_tokens: int | None = None
     max_batch_sessions: int | None = None
+    prefix_cache_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.n_ctx <= 0:
@@ -88,6 +93,8 @@ class LoadSpec:
             raise InvalidInput("max_batch_sessions must be positive")
         if not isinstance(self.use_extra_bufts, bool):
             raise InvalidInput("use_extra_bufts must be a boolean")
+        if not _is_int(self.prefix_cache_tokens) or self.prefix_cache_tokens < 0:
+            raise InvalidInput("prefix_cache_tokens must be an integer >= 0")
 
 
 # --- Reserved hooks -------------------------------------------------------------------------
@@ -206,6 +213,10 @@ class Capabilities:
     #: one model and range with the same layout can move a session between them (hand-off on
     #: drain); "" when this engine cannot export or import a session.
     kv_layout: str = ""
+    #: The prefix cache's budget in effect, in tokens (0: off), and what it does or why it is
+    #: off on this engine (docs/engine.md, "Prefix cache").
+    prefix_cache_tokens: int = 0
+    prefix_cache_detail: str = ""
 
     @property
     def is_first(self) -> bool:
@@ -325,6 +336,11 @@ class PrefillRequest:
     be, so one step verifies several drafted tokens (speculative decoding). At most
     ``Capabilities.max_logits_positions`` positions; such a step reuses no held prefix (every
     position's logits are computed).
+
+    ``token_ids`` (hidden-state input only, optional): the token ids the rows stand for, one per
+    row (4 bytes a position beside kilobytes of hidden state). Only with them does a later shard
+    keep the session's history for the prefix cache and serve its start from there; without
+    them the session is never cached.
     """
 
     session_id: str
@@ -338,10 +354,13 @@ class PrefillRequest:
     step_timeout: float | None = None
     lookahead: Lookahead | None = None
     all_logits: bool = False
+    token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens is not None:
             object.__setattr__(self, "tokens", tuple(self.tokens))
+        if self.token_ids is not None:
+            object.__setattr__(self, "token_ids", tuple(self.token_ids))
         if self.hidden_states is not None:
             object.__setattr__(self, "hidden_states", _frozen_array(self.hidden_states))
 
@@ -357,7 +376,8 @@ class PrefillRequest:
 @dataclass(frozen=True)
 class DecodeRequest:
     """Append one token (first shard) or one hidden-state row (later shards) and step once.
-    ``step_timeout`` and ``lookahead`` as for ``PrefillRequest``."""
+    ``step_timeout`` and ``lookahead`` as for ``PrefillRequest``; ``token_id`` (hidden-state
+    input only, optional) as its ``token_ids``: without it the session is no longer cached."""
 
     session_id: str
     token: int | None = None
@@ -368,6 +388,7 @@ class DecodeRequest:
     aux_state: AuxState | None = None
     step_timeout: float | None = None
     lookahead: Lookahead | None = None
+    token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.hidden_state is not None:
@@ -446,7 +467,10 @@ class StepResult:
 
     Exactly one of ``logits`` / ``boundary`` is set, according to ``Capabilities.result_kind``.
     ``tokens_processed`` counts positions actually computed (for usage reporting);
-    ``reused_tokens`` counts positions served from the session's existing KV cache.
+    ``reused_tokens`` counts positions served from the session's existing KV cache;
+    ``cached_tokens`` those copied from the engine's prefix cache (neither computed nor held by
+    the session before): ``tokens_processed + reused_tokens + cached_tokens`` is the input's
+    length.
     ``position_logits`` (a prefill asked with ``all_logits`` on a last shard): one entry per
     computed position, in order; the last one is ``logits``.
     """
@@ -458,6 +482,7 @@ class StepResult:
     logits: LogitsResult | None = None
     boundary: BoundaryResult | None = None
     position_logits: tuple[LogitsResult, ...] = ()
+    cached_tokens: int = 0
     mtp: MtpResult | None = None  # reserved
     aux_state: AuxState | None = None  # reserved
 
@@ -533,6 +558,15 @@ class EngineMetrics:
     # Session hand-off (docs/engine.md, "Moving a session"): sessions exported and imported.
     sessions_exported_total: int = 0
     sessions_imported_total: int = 0
+    # Prefix cache (docs/engine.md, "Prefix cache"): prefills that started from a cached
+    # history and the positions they took from it; released histories kept, and entries
+    # evicted for room (least recently used); the entries and tokens held now.
+    prefix_cache_hits_total: int = 0
+    prefix_cache_hit_tokens_total: int = 0
+    prefix_cache_stored_total: int = 0
+    prefix_cache_evictions_total: int = 0
+    prefix_cache_entries: int = 0
+    prefix_cache_tokens: int = 0
 
 
 # --- Helpers shared by every implementation --------------------------------------------------

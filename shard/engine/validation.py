@@ -146,6 +146,8 @@ def prefill_plan(request: PrefillRequest, slot: Slot, caps: Capabilities) -> tup
         if not caps.is_first:
             raise InvalidInput("this shard does not start at layer 0: send hidden states", session_id=sid)
         validate_tokens(request.tokens, caps.n_vocab)
+        if request.token_ids is not None:
+            raise InvalidInput("token_ids go with hidden states only", session_id=sid)
         if slot.tokens is not None and not all_logits:  # every position's logits are asked
             held = slot.tokens[request.position :]
             limit = min(len(held), len(request.tokens) - 1)  # recompute at least one position
@@ -160,7 +162,15 @@ def prefill_plan(request: PrefillRequest, slot: Slot, caps: Capabilities) -> tup
         if caps.is_first:
             raise InvalidInput("a first shard takes token ids, not hidden states", session_id=sid)
         validate_hidden_states(request.hidden_states, caps.n_embd)
-        plan = ComputePlan(request.position, None, request.hidden_states, deadline, all_logits=all_logits)
+        ids = request.token_ids
+        if ids is not None:
+            validate_tokens(ids, caps.n_vocab)
+            if len(ids) != request.n_tokens:
+                raise InvalidInput(f"{len(ids)} token ids for {request.n_tokens} hidden-state "
+                                   "rows", session_id=sid)
+            ids = tuple(int(t) for t in ids)
+        plan = ComputePlan(request.position, None, request.hidden_states, deadline,
+                           all_logits=all_logits, token_ids=ids)
     check_length(slot, caps, request.position + request.n_tokens)
     return plan, reused
 
@@ -179,6 +189,8 @@ def decode_plan(request: DecodeRequest, slot: Slot, caps: Capabilities) -> Compu
         if not caps.is_first:
             raise InvalidInput("this shard does not start at layer 0: send a hidden state", session_id=sid)
         validate_tokens((request.token,), caps.n_vocab)
+        if request.token_id is not None:
+            raise InvalidInput("token_id goes with a hidden state only", session_id=sid)
         plan = ComputePlan(
             slot.n_past, (int(request.token),), None, deadline,
             lookahead_plan(request.lookahead, request.sampling, slot, caps),
@@ -187,7 +199,11 @@ def decode_plan(request: DecodeRequest, slot: Slot, caps: Capabilities) -> Compu
         if caps.is_first:
             raise InvalidInput("a first shard takes token ids, not hidden states", session_id=sid)
         validate_hidden_states(request.hidden_state, caps.n_embd, rows=1)
-        plan = ComputePlan(slot.n_past, None, request.hidden_state, deadline)
+        ids = None
+        if request.token_id is not None:
+            validate_tokens((request.token_id,), caps.n_vocab)
+            ids = (int(request.token_id),)
+        plan = ComputePlan(slot.n_past, None, request.hidden_state, deadline, token_ids=ids)
     check_length(slot, caps, slot.n_past + 1)
     return plan
 

@@ -50,6 +50,7 @@ from .harness import (
 from .layer_ranges import LayerRanges
 from .lifecycle import Lifecycle
 from .lookahead import LookAhead
+from .prefix_cache import PrefixCache
 from .sampling import Sampling
 from .sessions import Sessions
 from .streams import Streams
@@ -72,6 +73,7 @@ class EngineContractSuite(
     Tokens,
     LayerRanges,
     Concurrency,
+    PrefixCache,
     ReferenceTrace,
 ):
     """The contract tests. Subclass it as ``Test...`` and provide ``engine_factory``."""
@@ -88,6 +90,7 @@ __all__ = [
     "Lifecycle",
     "LookAhead",
     "Pending",
+    "PrefixCache",
     "ReferenceTrace",
     "Sampling",
     "Sessions",
