@@ -275,7 +275,7 @@ async def test_a_cancel_rpc_stops_the_step_on_every_hop_and_the_session_goes_on(
                     last = chain[2].call("c.0>>")
                     assert last is not None
                     with trio.fail_after(10):  # the Cancel reached the last hop's step
-                        while not last._cancel_requested:
+                        while not last._cancel.requested:  # noqa: SLF001
                             await trio.sleep(0.001)
                     gates[2].release()  # the engine notices at its next position
 

@@ -1,0 +1,302 @@
+"""The step context of a session stream (``StepHost``): checked input, engine calls and their
+resync, tokenization, room checks, and sending a step's results.
+
+Why one place: the plain steps (``steps.py``) and a routed session's (``shard.relay``) use the
+same calls, so both check, compute and account alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Sequence
+import numpy as np
+
+from shard.engine import (
+    Capabilities,
+    DecodeRequest,
+    EngineError,
+    Lookahead,
+    PrefillRequest,
+    SamplingParams,
+    ShardEngine,
+    StepResult,
+    StepTimeout,
+)
+from shard.stops import StopRules
+from shard.v1 import shard_pb2 as pb
+
+from .. import convert
+from ..errors import ErrorCode, ShardError
+from . import inputs
+from .cancellation import Region
+from .phase import illegal
+from .protocols import R
+
+
+class StepContext:
+    """``SessionCall``'s step API (a mixin: it reads the call's session fields)."""
+
+    # ---- the session as a step sees it ---------------------------------------------------
+
+    @property
+    def deadline(self) -> float:
+        """The call deadline (trio clock); ``inf`` without ``grpc-timeout``."""
+        return self._deadline
+
+    @property
+    def engine(self) -> ShardEngine:
+        return self._engine
+
+    @property
+    def caps(self) -> Capabilities:
+        """The engine's capabilities as the session was opened with them."""
+        assert self._caps is not None
+        return self._caps
+
+    @property
+    def kv_capacity(self) -> int:
+        """The most positions the session may hold (a routed one: the chain's least)."""
+        return self._kv_capacity
+
+    @property
+    def wire_dtype(self) -> str:
+        """Hidden states on the wire, both directions."""
+        return self._wire_dtype
+
+    @property
+    def batch_group(self) -> int:
+        """``OpenSession.batch_group`` (a relaying worker opens its next hop in the same)."""
+        return self._batch_group
+
+    def count(self, name: str) -> None:
+        """Bump a worker counter (``GetMetrics``' ``worker.<name>``)."""
+        self._registry.count(name)
+
+    def cancellable(self) -> Region:
+        """A region an out-of-band Cancel stops (also one requested before it was entered);
+        ends with ``ShardError(CANCELLED)`` when it did."""
+        return Region(self._cancel, self.session_id)
+
+    # ---- checked input -------------------------------------------------------------------
+
+    async def prefill_input(
+        self, p: pb.Prefill
+    ) -> tuple[int, SamplingParams, tuple[int, ...] | None, np.ndarray | None, int]:
+        """A Prefill's checked input, before any engine work: (position, sampling, tokens or
+        hidden rows, positions)."""
+        caps, sid = self.caps, self.session_id
+        end = self.positions.end
+        position = p.position.value if p.HasField("position") else end
+        if position > end:
+            raise convert.invalid(f"position {position} is beyond the session end {end}", sid)
+        sampling = convert.sampling_from_proto(p.sampling, sid)
+        which = p.WhichOneof("input")
+        tokens = hidden = None
+        if which == "tokens":
+            self._check_room(position, len(p.tokens.ids))  # before copying millions of ids
+            tokens = tuple(p.tokens.ids)
+        elif which == "text":
+            tokens = await self._tokenize(p.text, add_bos=position == 0, position=position,
+                                          parse_special=p.parse_special)
+        elif which == "hidden_states":
+            hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid, dtype=self._wire_dtype)
+        else:
+            raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
+        inputs.check_row_fits(caps, self._outbox.max_message_bytes, sid)
+        n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        # Before any chunk is computed: a prompt in chunks that cannot fit is refused whole (it
+        # used to be refused at the first chunk past the context, the earlier ones computed).
+        self._check_room(position, n)
+        return position, sampling, tokens, hidden, n
+
+    def decode_input(
+        self, d: pb.Decode
+    ) -> tuple[SamplingParams, int | None, np.ndarray | None]:
+        """A Decode's checked input: (sampling, token or one hidden row)."""
+        caps, sid = self.caps, self.session_id
+        sampling = convert.sampling_from_proto(d.sampling, sid)
+        which = d.WhichOneof("input")
+        if which == "token":
+            token, hidden = d.token, None
+        elif which == "hidden_state":
+            token, hidden = None, convert.tensor_to_array(
+                d.hidden_state, caps.n_embd, sid, dtype=self._wire_dtype, rows=1
+            )
+        else:
+            raise convert.invalid("Decode needs a token or a hidden_state", sid)
+        inputs.check_row_fits(caps, self._outbox.max_message_bytes, sid)
+        return sampling, token, hidden
+
+    async def generate_input(
+        self, g: pb.Generate
+    ) -> tuple[SamplingParams, tuple[int, ...] | None]:
+        """A Generate's checked input: (sampling, prompt ids; None: continue from the token
+        the previous step chose)."""
+        sid = self.session_id
+        if g.max_tokens == 0:
+            raise convert.invalid("Generate.max_tokens must be >= 1", sid)
+        sampling = convert.sampling_from_proto(g.sampling, sid)
+        which = g.WhichOneof("prompt")
+        prompt: tuple[int, ...] | None = None
+        end = self.positions.end
+        if which == "tokens":
+            self._check_room(end, len(g.tokens.ids))
+            prompt = tuple(g.tokens.ids)
+        elif which == "text":
+            prompt = await self._tokenize(g.text, add_bos=end == 0, position=end,
+                                          parse_special=g.parse_special)
+            self._check_room(end, len(prompt))
+        elif self.positions.next_token is None:
+            raise illegal("Generate without a prompt needs a previous step to continue from", sid)
+        return sampling, prompt
+
+    def rewind_position(self, r: pb.Rewind) -> int:
+        """A Rewind's checked position."""
+        return inputs.check_rewind(r, self.positions.end, self.session_id)
+
+    def finish_reason(
+        self, rules: StopRules, token: int, is_eog: bool, emitted: int, n_past: int
+    ) -> int:
+        """Whether a Generate ends with this token (the shared stop rules, ``shard.stops``),
+        against this session's capacity."""
+        return rules.finish_reason(token, is_eog, emitted=emitted, n_past=n_past,
+                                   capacity=self._kv_capacity)
+
+    def _check_room(self, position: int, n_tokens: int) -> None:
+        inputs.check_room(self.caps, self._kv_capacity, position, n_tokens, self.session_id)
+
+    async def _tokenize(
+        self, text: str, *, add_bos: bool, position: int, parse_special: bool = False
+    ) -> tuple[int, ...]:
+        """Tokenize a remote caller's text off the event loop, after refusing (before any work)
+        a text too long to fit (``inputs.text_floor``)."""
+        if self.caps.max_token_bytes:
+            self._check_room(position, inputs.text_floor(self.caps, text))
+        try:
+            return await self._engine.tokenize_async(text, add_bos=add_bos, parse_special=parse_special)
+        except EngineError as exc:
+            raise ShardError.from_engine(exc) from None
+
+    # ---- engine calls --------------------------------------------------------------------
+
+    def _client_hint(self) -> Lookahead | None:
+        """A client-driven step's look-ahead hint: only for a client that decoded the token the
+        worker sampled last time (a router that samples for itself would waste the work)."""
+        return Lookahead() if self._limits.lookahead == "auto" and self._follows else None
+
+    async def decode_one(
+        self,
+        token: int | None,
+        hidden: np.ndarray | None,
+        sampling: SamplingParams,
+        top_k: int,
+        lookahead: Lookahead | None = None,
+    ) -> StepResult:
+        """Append one position at the logical end.
+
+        After a resume that kept fewer positions than the engine holds, the engine's own end is
+        past the logical one; a one-position prefill at the logical end drops the surplus.
+        """
+        sid = self.session_id
+        end = self.positions.end
+        if end != self.positions.engine:
+            request = PrefillRequest(
+                session_id=sid,
+                tokens=None if token is None else (token,),
+                hidden_states=hidden,
+                position=end,
+                sampling=sampling,
+                top_k_logprobs=top_k,
+                lookahead=lookahead,
+            )
+            return await self.engine_call(self._engine.prefill, request)
+        return await self.engine_call(
+            self._engine.decode,
+            DecodeRequest(
+                session_id=sid,
+                token=token,
+                hidden_state=hidden,
+                sampling=sampling,
+                top_k_logprobs=top_k,
+                lookahead=lookahead,
+            ),
+        )
+
+    async def engine_call(
+        self, fn: Callable[[R], Awaitable[StepResult]], request: R
+    ) -> StepResult:
+        """One engine step under the per-step timeout; engine errors become ShardErrors.
+
+        The engine owns the step timeout (``step_timeout`` of the request): it keeps the step
+        out of shared steps that cannot end in time and delivers a result computed in time.
+        After any failure the positions are read back from the engine (``resync``).
+        """
+        position = getattr(request, "position", None)
+        start = self.positions.engine if position is None else position
+        try:
+            if request.step_timeout != self._step_timeout:  # (a copy per step only when needed)
+                request = dataclasses.replace(request, step_timeout=self._step_timeout)
+            result = await fn(request)
+        except StepTimeout as exc:
+            self.resync()
+            assert self._step_timeout is not None
+            raise ShardError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"the step exceeded step_timeout_ms={round(self._step_timeout * 1000)}",
+                session_id=self.session_id,
+                reason=exc.code,
+            ) from None
+        except EngineError as exc:
+            self.resync()
+            raise ShardError.from_engine(exc) from None
+        except BaseException:  # a Cancel RPC, the call deadline, a reset: the step was rolled back
+            self.resync()
+            raise
+        self.positions.computed(start, result)
+        return result
+
+    def resync(self) -> None:
+        """Read back what the engine holds after a failed step.
+
+        A failed step normally leaves the session as it was, but a prefill that rewrote from an
+        earlier position keeps only ``[0, position + reused)`` once it began computing (the old
+        positions after it were being replaced). Every position reported afterwards (``Usage``,
+        the next ``StepResult.start_position``, a resume) must be the engine's, never a stale one.
+        """
+        try:
+            held = self._engine.session_info(self.session_id).n_past
+        except EngineError:
+            return  # released or the engine failed: the stream ends anyway
+        self.positions.resync(held)
+
+    async def truncate_engine(self, keep: int) -> None:
+        """Drop the engine's positions from ``keep`` on (nothing if it holds no more)."""
+        if keep < self.positions.engine:
+            try:
+                await self._engine.truncate(self.session_id, keep)
+            except EngineError as exc:
+                raise ShardError.from_engine(exc) from None
+        self.positions.rewound(keep)
+
+    # ---- results -------------------------------------------------------------------------
+
+    async def send_step(
+        self, result: StepResult, start: int,
+        finish: int = pb.FINISH_REASON_UNSPECIFIED, input_tokens: Sequence[int] | None = None,
+        *, usage_follows: bool = False, now: bool = False,
+    ) -> None:
+        """Send one of this engine's results (one credit), split into chunks when it exceeds
+        one message. ``usage_follows``: the step's ``Usage`` comes next; ``now``: queued
+        without a scheduler pass when there is room (``Outbox.respond``)."""
+        outbox = self._outbox
+        msg = convert.step_to_proto(result, outbox.step_no + 1, start, self._wire_dtype)
+        if input_tokens is not None:
+            msg.input_tokens.ids.extend(input_tokens)
+        msg.finish_reason = finish  # type: ignore[assignment]
+        await outbox.send_numbered(msg, usage_follows, now)
+        self.positions.sent(result.n_past)
+
+    async def send_result(self, msg: pb.StepResult, *, usage_follows: bool = False) -> None:
+        """Send a result built by the step (a routed session's: the last shard's answer, with
+        this worker's own accounting), numbered as this session's next step (one credit)."""
+        await self._outbox.send_numbered(msg, usage_follows)
