@@ -24,7 +24,8 @@ One module per concept:
 - ``lifecycle``: open (fresh, resumed, routed), close, release or retain;
 - ``inputs``: checks of input before any engine work (pure functions);
 - ``context``: the step API (``StepHost``): engine calls, resync, tokenize, sending results;
-- ``steps``: the plain steps; ``generation``: a Generate's stop rules and counters;
+- ``steps``: the plain steps; ``generation``: the one generation loop (its stop decisions
+  and counters), run by the plain steps and by a routed session with its own step source;
 - ``transfer``: state export/import; ``protocols``: the registry's and the relay's seams.
 
 Positions: what the session holds lives in one object (``SessionCall.positions``,
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 from .call import SessionCall
 from .credit import UNLIMITED_CREDIT
-from .generation import count_generated, stop_rules
+from .generation import Generation, StepSource, count_generated, generate, stop_rules
 from .limits import LOOKAHEAD_MODES, MAX_SESSION_ID_BYTES, SessionLimits
 from .outbox import Responses
 from .phase import Phase, StreamEnd
@@ -65,6 +66,7 @@ __all__ = [
     "LOOKAHEAD_MODES",
     "MAX_SESSION_ID_BYTES",
     "NOT_ALLOWED",
+    "Generation",
     "Phase",
     "Relay",
     "Responses",
@@ -75,9 +77,11 @@ __all__ = [
     "SessionHost",
     "SessionLimits",
     "StepHost",
+    "StepSource",
     "StreamEnd",
     "UNLIMITED_CREDIT",
     "count_generated",
+    "generate",
     "return_refused",
     "stop_rules",
 ]

@@ -22,7 +22,6 @@ from shard.engine import (
     StepResult,
     StepTimeout,
 )
-from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from .. import convert
@@ -153,14 +152,6 @@ class StepContext:
     def rewind_position(self, r: pb.Rewind) -> int:
         """A Rewind's checked position."""
         return inputs.check_rewind(r, self.positions.end, self.session_id)
-
-    def finish_reason(
-        self, rules: StopRules, token: int, is_eog: bool, emitted: int, n_past: int
-    ) -> int:
-        """Whether a Generate ends with this token (the shared stop rules, ``shard.stops``),
-        against this session's capacity."""
-        return rules.finish_reason(token, is_eog, emitted=emitted, n_past=n_past,
-                                   capacity=self._kv_capacity)
 
     def _check_room(self, position: int, n_tokens: int) -> None:
         inputs.check_room(self.caps, self._kv_capacity, position, n_tokens, self.session_id)

@@ -26,7 +26,6 @@ from shard.engine import (
     ShardEngine,
     StepResult,
 )
-from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from ..errors import ErrorCode, ShardError
@@ -128,8 +127,6 @@ class StepHost(Protocol):
     def rewind_position(self, r: pb.Rewind) -> int: ...
 
     async def truncate_engine(self, keep: int) -> None: ...
-
-    def finish_reason(self, rules: StopRules, token: int, is_eog: bool, emitted: int, n_past: int) -> int: ...
 
     async def send_result(self, msg: pb.StepResult, *, usage_follows: bool = False) -> None: ...
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import trio
 
-from shard.engine import EngineError, Lookahead, PrefillRequest, SamplingParams, StepResult, StreamRequest
-from shard.stops import StopRules
+from shard.engine import EngineError, Lookahead, PrefillRequest, StepResult, StreamRequest
 from shard.v1 import shard_pb2 as pb
 
 from .. import convert, handoff
 from ..errors import FATAL_IN_SESSION, ErrorCode, ShardError
+from .generation import UNFINISHED, Generation, generate
 from .phase import Phase, StreamEnd
-from .generation import count_generated, stop_rules
 
 
 class Steps:
@@ -166,114 +165,110 @@ class Steps:
         usage.generated_tokens += 1
 
     async def _generate(self, g: pb.Generate, usage: pb.Usage) -> None:
-        caps, sid = self.caps, self.session_id
+        caps = self.caps
         if not (caps.is_first and caps.is_last):
             raise ShardError(
                 ErrorCode.UNSUPPORTED_FEATURE,
                 "Generate needs a worker that serves the whole model (first and last shard)",
-                session_id=sid,
+                session_id=self.session_id,
             )
-        sampling, prompt = await self.generate_input(g)
-        rules = stop_rules(g)
-        ahead = self._limits.lookahead != "off"
-        emitted = 0
-        while True:
-            if emitted and self._step_timeout is None and self.positions.end == self.positions.engine:
-                # The steady state: the next tokens as one engine stream (no task step per token)
-                emitted, finish = await self._stream(g, sampling, rules, emitted, usage, ahead)
-            else:
-                # The steps that may follow this one: the engine may compute the next ahead.
-                hint = None
-                if ahead and g.max_tokens - emitted > 1:
-                    hint = Lookahead(g.max_tokens - emitted - 1, rules.stop_tokens,
-                                     stop_at_eog=not g.ignore_eos)
-                with self.cancellable():
-                    await self.take_credit()
-                    start = self.positions.end
-                    if emitted == 0 and prompt is not None:
-                        request = PrefillRequest(
-                            sid, prompt, position=start, sampling=sampling,
-                            top_k_logprobs=g.top_logprobs, lookahead=hint,
-                        )
-                        result = await self.engine_call(self._engine.prefill, request)
-                    else:
-                        token = self.positions.next_token
-                        assert token is not None
-                        result = await self.decode_one(token, None, sampling, g.top_logprobs, hint)
-                assert result.logits is not None
-                emitted += 1
-                finish = self.finish_reason(rules, result.logits.token_id, result.logits.is_eog,
-                                            emitted, result.n_past)
-                # (queued without a scheduler pass: the next step's engine call is one)
-                await self.send_step(result, start, finish, now=True,
-                                     usage_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
-                count_generated(usage, result, prompt_step=emitted == 1 and prompt is not None)
-            if finish != pb.FINISH_REASON_UNSPECIFIED:
-                return
-            if g.yield_on_drain and self._registry.draining and caps.kv_layout:
-                raise ShardError(ErrorCode.DRAINING, "the worker is draining: the generation "
-                                 "yields its session to be moved (export_state)",
-                                 session_id=sid, reason=handoff.YIELDED)
+        drain = self._registry if g.yield_on_drain and caps.kv_layout else None
+        await generate(self, g, usage, LocalSteps(self), drain=drain)
 
-    async def _stream(
-        self, g: pb.Generate, sampling: SamplingParams, rules: StopRules, emitted: int,
-        usage: pb.Usage, ahead: bool,
-    ) -> tuple[int, int]:
-        """A Generate's next tokens as one engine stream (``ShardEngine.stream``): each token is
-        framed by ``deliver`` where the engine finished its step (for a batching engine, one
-        pass over a tick's sessions), not by this task, which sleeps until the stream ends:
-        the generation finished, the credit ran out (the next stream waits for it), a
-        response must wait for room, or a drain asks the generation to yield. The same
-        messages, credits, counts and positions as step by step (``send_step``); returns
-        (tokens emitted, the last one's finish reason)."""
-        token = self.positions.next_token
+
+class LocalSteps:
+    """A plain session's generation source (``StepSource``): this engine's steps, and once
+    the prompt is in (and no step timeout applies) the next tokens as one engine stream."""
+
+    __slots__ = ("_call", "_ahead")
+
+    forward = None  # the token is read from this engine's own result
+
+    def __init__(self, call: Steps) -> None:  # (the SessionCall)
+        self._call = call
+        self._ahead = call._limits.lookahead != "off"  # the engine may compute the next step ahead
+
+    def batched(self, run: Generation) -> bool:
+        call = self._call
+        positions = call.positions
+        return bool(run.emitted) and call._step_timeout is None and positions.end == positions.engine
+
+    async def compute(self, run: Generation) -> StepResult:
+        call, g = self._call, run.request
+        # The steps that may follow this one: the engine may compute the next ahead.
+        hint = None
+        if self._ahead and run.left > 1:
+            hint = Lookahead(run.left - 1, run.rules.stop_tokens, stop_at_eog=not g.ignore_eos)
+        if run.prompt_step:
+            result = await call.engine_call(call.engine.prefill, PrefillRequest(
+                call.session_id, run.prompt, position=call.positions.end, sampling=run.sampling,
+                top_k_logprobs=g.top_logprobs, lookahead=hint,
+            ))
+        else:
+            token = call.positions.next_token
+            assert token is not None
+            result = await call.decode_one(token, None, run.sampling, g.top_logprobs, hint)
+        assert result.logits is not None
+        return result
+
+    async def send(self, run: Generation, answer: StepResult | pb.StepResult, start: int,
+                   mine: StepResult) -> None:
+        finish = run.finish
+        # (queued without a scheduler pass: the next step's engine call is one)
+        await self._call.send_step(mine, start, finish, now=True,
+                                   usage_follows=finish != UNFINISHED)
+
+    async def run_batch(self, run: Generation) -> None:
+        """The next tokens as one engine stream (``ShardEngine.stream``): each token is framed
+        by ``deliver`` where the engine finished its step (for a batching engine, one pass over
+        a tick's sessions), not by this task, which sleeps until the stream ends: the
+        generation finished, the credit ran out (the next stream waits for it), a response
+        must wait for room, or a drain asks the generation to yield. The same messages,
+        credits, counts and positions as step by step (``send_step``)."""
+        call, g = self._call, run.request
+        token = call.positions.next_token
         assert token is not None
-        finish = pb.FINISH_REASON_UNSPECIFIED
         held: pb.SessionResponse | None = None
-        positions, outbox, capacity = self.positions, self._outbox, self._kv_capacity
-        registry = self._registry
-        yields = g.yield_on_drain and bool(self.caps.kv_layout)
-        take_credit = self._credits.take_now
+        positions, outbox, count = call.positions, call._outbox, call._registry.count
+        decide, counted, drain = run.decide, run.count, run.drain
+        take_credit = call._credits.take_now
 
         def deliver(result: StepResult) -> bool:
-            nonlocal emitted, finish, held
+            nonlocal held
             start = positions.end
             positions.computed(start, result)
             logits = result.logits
-            emitted += 1
-            finish = rules.finish_reason(logits.token_id, logits.is_eog, emitted=emitted,
-                                         n_past=result.n_past, capacity=capacity)
+            finish = decide(logits.token_id, logits.is_eog, result.n_past)
             msg = convert.token_response(result, outbox.next_result(), start, finish)
-            usage.generated_tokens += 1
-            last = finish != pb.FINISH_REASON_UNSPECIFIED
+            counted(result)
+            last = finish != UNFINISHED
             try:
                 outbox.send_nowait(msg, more_follows=last)
             except (trio.WouldBlock, trio.BrokenResourceError):
                 held = msg  # sent by the task once the stream ended (it may wait)
                 return False
-            registry.count("steps_sent_total")
+            count("steps_sent_total")
             positions.sent(result.n_past)
-            if last or (yields and registry.draining):
+            if last or (drain is not None and drain.draining):
                 return False
             return take_credit()  # none left: the next step waits for credit in this task
 
         try:
-            with self.cancellable():
-                await self.take_credit()
+            with call.cancellable():
+                await call.take_credit()
                 try:
-                    await self._engine.stream(StreamRequest(
-                        self.session_id, token, g.max_tokens - emitted, sampling, g.top_logprobs,
-                        lookahead=ahead, stop_tokens=rules.stop_tokens,
+                    await call.engine.stream(StreamRequest(
+                        call.session_id, token, run.left, run.sampling, g.top_logprobs,
+                        lookahead=self._ahead, stop_tokens=run.rules.stop_tokens,
                         stop_at_eog=not g.ignore_eos), deliver)
                 except EngineError as exc:
-                    self.resync()
+                    call.resync()
                     raise ShardError.from_engine(exc) from None
                 except BaseException:  # a Cancel, the call deadline, a reset: rolled back
-                    self.resync()
+                    call.resync()
                     raise
         finally:
             if held is not None:  # a delivered token that found no room: it waits its turn
-                await outbox.respond(held, more_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
-                self._registry.count("steps_sent_total")
+                await outbox.respond(held, more_follows=run.finish != UNFINISHED)
+                count("steps_sent_total")
                 positions.sent(positions.end)
-        return emitted, finish
