@@ -31,7 +31,7 @@ from .context import StepContext
 from .credit import Credit
 from .lifecycle import Lifecycle
 from .limits import SessionLimits
-from .outbox import Outbox, Responses
+from .outbox import DirectPath, Outbox, Responses
 from .phase import STEP_KINDS, Phase, StreamEnd, illegal
 from .protocols import Relay, Returner, Routed, SessionHost, return_refused
 from .steps import Steps
@@ -142,9 +142,9 @@ class SessionCall(StepContext, Lifecycle, Steps, StateTransfer):
             raise return_refused(self.session_id)
         return self.routed.offer_return(secret, tag, step)
 
-    def send_directly(self, direct: Callable[[pb.SessionResponse, bool], bool]) -> None:
+    def send_directly(self, direct: DirectPath | None) -> None:
         """The handler's way to take responses straight to the transport (``Responses``)."""
-        self._outbox.direct = direct
+        self._outbox.send_directly(direct)
 
     @property
     def outbox(self) -> Responses:

@@ -2,7 +2,7 @@
 
 Responses leave through a bounded memory channel (capacity ``max_credit`` + a few control
 messages) that the stream's handler forwards to the transport, or, while that handler waits on
-an empty channel, straight to the transport from the session's own task (``Responses.direct``).
+an empty channel, straight to the transport from the session's own task (``DirectPath``).
 A boundary result larger than one message is sent as several ``StepResult`` chunks
 (``more_chunks``) for one credit.
 """
@@ -10,7 +10,7 @@ A boundary result larger than one message is sent as several ``StepResult`` chun
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -22,35 +22,78 @@ from .credit import Credit
 CHUNK_OVERHEAD = 4096
 
 
+class DirectPath(Protocol):
+    """The transport's way for a response to leave from the producing task (the handler
+    registers one with ``Responses.send_directly``)."""
+
+    def send_now(self, msg: pb.SessionResponse, more_follows: bool) -> bool:
+        """Frame ``msg`` now if that needs no wait; False: nothing was sent."""
+        ...
+
+
 class Responses:
     """A session's responses: a bounded channel its handler forwards to the transport, or,
-    while that handler waits on an empty channel, straight to the transport from the
-    session's own task (``direct``, set by the handler).
+    while that handler waits on an empty channel (``next_response``), straight to the
+    transport from the session's own task (the handler's ``DirectPath``).
 
     Why: a token that travels session task -> channel -> handler task -> transport costs a
     task step and a scheduler pass more than one framed by the task that produced it. The
     channel stays the bound and the path for anything that must wait (no window, a slow
-    reader): ``direct`` refuses those, and once a response went through the channel, every
-    later one follows it there until the handler has forwarded them all (order is kept)."""
+    reader): the direct path refuses those, and once a response went through the channel,
+    every later one follows it there until the handler has forwarded them all (order is
+    kept)."""
 
     def __init__(self, size: int) -> None:
         self._send, self.receive = trio.open_memory_channel[pb.SessionResponse](size)
-        self.direct: Callable[[pb.SessionResponse, bool], bool] | None = None
-        self.idle = False  # the handler waits on an empty channel, holding nothing
+        self._direct: DirectPath | None = None
+        self._idle = False  # the handler waits on an empty channel, holding nothing
         self.through_handler = False  # every response takes the channel (a slower path)
+
+    def send_directly(self, direct: DirectPath | None) -> None:
+        """The handler's direct path to the transport (None: none)."""
+        self._direct = direct
+
+    @property
+    def idle(self) -> bool:
+        """The handler waits on an empty channel (``next_response``), holding nothing."""
+        return self._idle
+
+    async def next_response(self) -> pb.SessionResponse | None:
+        """The handler's next response to forward (None once the last was sent); one already
+        queued is taken without a scheduler pass.
+
+        Why: a step's result and its ``Usage`` are queued together (``Outbox.respond``); taken
+        one scheduler pass apart, the transport's writer would send each in a socket write of
+        its own (and wake the client twice). While this waits on an empty channel, the
+        session's task frames its responses itself (the direct path)."""
+        receive = self.receive
+        try:
+            return receive.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        except trio.EndOfChannel:
+            return None
+        self._idle = True
+        try:
+            return await receive.receive()
+        except trio.EndOfChannel:
+            return None
+        finally:
+            self._idle = False
 
     def statistics(self) -> Any:
         return self._send.statistics()
 
     def _sent_directly(self, msg: pb.SessionResponse, more_follows: bool) -> bool:
-        return (self.idle and self.direct is not None and not self.through_handler
-                and self.direct(msg, more_follows))
+        direct = self._direct
+        return (self._idle and direct is not None and not self.through_handler
+                and direct.send_now(msg, more_follows))
 
     def send_nowait(self, msg: pb.SessionResponse, *, more_follows: bool = False) -> None:
         """``more_follows``: another response follows in this task step (they are written
         together)."""
         if not self._sent_directly(msg, more_follows):
-            self.idle = False
+            self._idle = False
             self._send.send_nowait(msg)
 
     async def send(self, msg: pb.SessionResponse) -> None:
@@ -58,7 +101,7 @@ class Responses:
         if self._sent_directly(msg, False):
             await trio.lowlevel.cancel_shielded_checkpoint()  # and a scheduler pass
         else:
-            self.idle = False
+            self._idle = False
             await self._send.send(msg)
 
     def close(self) -> None:

@@ -14,7 +14,15 @@ Everything outside this package imports from here, never from purerpc's internal
 """
 
 from .client import ClientConnection, ClientStream
-from .server import CallContext, EndReason, Server, StatusError, current_call
+from .server import (
+    CallContext,
+    EndReason,
+    ResponseSink,
+    Server,
+    StatusError,
+    StreamHandler,
+    current_call,
+)
 from .wire import TransportLimits
 
 __all__ = [
@@ -22,8 +30,10 @@ __all__ = [
     "ClientConnection",
     "ClientStream",
     "EndReason",
+    "ResponseSink",
     "Server",
     "StatusError",
+    "StreamHandler",
     "TransportLimits",
     "current_call",
 ]

@@ -48,7 +48,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import h2.exceptions
 import purerpc
@@ -141,6 +141,39 @@ class StatusError(Exception):
         return cls(int(err.grpc_status), err.message, err.trailers())
 
 
+class StreamHandler(Protocol):
+    """A stream-input handler's fast path for requests, registered with its call
+    (``CallContext.register``)."""
+
+    def take_now(self, message: Any) -> bool:
+        """Offered each request message, parsed, by the connection's reader while the handler
+        waits for the next one with none queued; True: taken (the request iterator never
+        yields it), False: queued as usual. Why: a client-driven step's request otherwise
+        wakes the handler's task only to be handed on, a task step and a scheduler pass per
+        request. It must not wait; order is kept (offered only when every earlier message
+        was read)."""
+        ...
+
+
+class ResponseSink(Protocol):
+    """The transport's fast path for responses (what ``CallContext.register`` returns)."""
+
+    def send_now(self, message: Any, flush: bool = True) -> bool:
+        """Frame one response now, from the caller's own task, if the peer's windows and the
+        connection's unsent bytes allow it without waiting; False otherwise (nothing was sent:
+        hand it to the handler's stream as usual). Only while the handler itself sends nothing
+        (see ``_Call.send_now``); a streaming handler's producer uses it to skip a task hop.
+        ``flush``: False when another response follows at once."""
+        ...
+
+
+class _NoSink:
+    """The sink of a context without a transport call behind it (tests): never sends."""
+
+    def send_now(self, message: Any, flush: bool = True) -> bool:
+        return False
+
+
 @dataclass
 class CallContext:
     """Per-call facts the transport gives the handler (through ``current_call()``)."""
@@ -151,19 +184,22 @@ class CallContext:
     deadline: float = math.inf  # trio.current_time() based; inf when no grpc-timeout
     end_reason: EndReason | None = None  # set before the handler is cancelled early
     trailers: list[tuple[str, str | bytes]] = field(default_factory=list)  # sent with the status
-    #: ``send_now(message, flush)``: frame one response now, from the caller's own task, if the
-    #: peer's windows and the connection's unsent bytes allow it without waiting; False
-    #: otherwise (nothing was sent: hand it to the handler's stream as usual). Only while the
-    #: handler itself sends nothing (see ``_Call.send_now``); a streaming handler's producer
-    #: uses it to skip a task hop. ``flush``: False when another response follows at once.
-    send_now: Callable[[Any, bool], bool] = lambda _message, _flush=True: False
-    #: ``take_now(message)``, set by a stream-input handler: offered each request message, parsed,
-    #: by the connection's reader while the handler waits for the next one with none queued;
-    #: True: taken (the request iterator never yields it), False: queued as usual. Why: a
-    #: client-driven step's request otherwise wakes the handler's task only to be handed on, a
-    #: task step and a scheduler pass per request. It must not wait; order is kept (offered
-    #: only when every earlier message was read).
-    take_now: Callable[[Any], bool] | None = None
+    _sink: ResponseSink = field(default_factory=_NoSink, repr=False)
+    _handler: StreamHandler | None = field(default=None, init=False, repr=False)
+
+    def register(self, handler: StreamHandler) -> ResponseSink:
+        """A stream-input handler's fast paths: ``handler.take_now`` is offered requests (see
+        ``StreamHandler``) until ``unregister``; the returned sink frames responses at once."""
+        self._handler = handler
+        return self._sink
+
+    def unregister(self) -> None:
+        self._handler = None
+
+    @property
+    def handler(self) -> StreamHandler | None:
+        """The registered ``StreamHandler``, if any."""
+        return self._handler
 
 
 _current: ContextVar[CallContext] = ContextVar("shard_rpc_call")
@@ -206,8 +242,8 @@ class _Call:
             metadata=tuple(event.custom_metadata),
             peer=conn.peer,
             deadline=math.inf if timeout is None else trio.current_time() + timeout.total_seconds(),
+            _sink=self,
         )
-        self.ctx.send_now = self.send_now
         self.scope = trio.CancelScope()
         # Unbounded in items, bounded in bytes: the ledger stops acknowledging (flow control)
         # once a window of messages waits here.
@@ -252,14 +288,14 @@ class _Call:
 
     def deliver(self, data: bytes) -> None:
         """A request message from the connection: offered to the handler's ``take_now`` (see
-        ``CallContext``) while the handler's task waits on the inbox and nothing is queued or
+        ``StreamHandler``) while the handler's task waits on the inbox and nothing is queued or
         handed to it, so no earlier message is overtaken; else queued (parsed, if it was).
 
         A fault in ``take_now`` is logged and the message queued: the handler's own task then
         meets whatever is wrong, and one stream fails, not the connection."""
-        take = self.ctx.take_now
+        handler = self.ctx._handler  # (the registered StreamHandler)
         stats = self.inbox.statistics()
-        if (take is None or self.error is not None or stats.current_buffer_used
+        if (handler is None or self.error is not None or stats.current_buffer_used
                 or not stats.tasks_waiting_receive):
             self.inbox_send.send_nowait(data)
             return
@@ -270,7 +306,7 @@ class _Call:
             self.inbox_send.send_nowait(data)  # ``receive`` reports it
             return
         try:
-            taken = take(message)
+            taken = handler.take_now(message)
         except Exception:
             log.exception("%s on stream %d from %s: take_now failed", self.ctx.method, self.sid,
                           self.conn.peer)
