@@ -1,5 +1,5 @@
 """The served token's short path (issue "a lean per-token path"): a response framed by the
-session's own task (``session.Responses``, ``_Call.send_now``), a DATA frame built without h2's
+session's own task (``session.Responses``, ``Call.send_now``), a DATA frame built without h2's
 frame objects (``BoundedH2.send_message``) and a lone stream's bytes written by the task that
 framed them (``wire.Outbox.push(write_through=True)``). Each must be indistinguishable on the
 wire from the long path it replaces, and must refuse whatever would need a wait."""
