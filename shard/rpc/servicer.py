@@ -1,6 +1,6 @@
 """The ``shard.v1.Shard`` RPC handlers: authorize, check the version, call, map errors.
 
-Why thin: the session state machine lives in ``session.py`` and the session table in
+Why thin: the session state machine lives in ``session/`` and the session table in
 ``registry.py``; this module only adapts them to the transport API (``current_call()``,
 ``StatusError``) and to protobuf. Every error leaves as a gRPC status plus the
 ``shard-error-bin`` trailer; an unexpected exception becomes a generic INTERNAL status and a log
