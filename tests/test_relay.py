@@ -134,7 +134,7 @@ async def test_chain_relay_carries_float16_between_the_workers() -> None:
                                         hidden_dtype="float16") as pipe:
                 got[relay] = await pipe.generate(PROMPT, max_tokens=12, ignore_eos=True, top_logprobs=3)
         assert [s.logits for s in got["chain"].steps] == [s.logits for s in got["client"].steps]
-        assert [w.calls[-1]._wire_dtype for w in chain] == ["float16"] * 3
+        assert [w.calls[-1].ctx.wire_dtype for w in chain] == ["float16"] * 3
         await assert_all_free(chain)
 
 

@@ -57,6 +57,7 @@ from shard.engine.base import Slot as EngineSlot
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
 from shard.rpc.server import serve
 from shard.rpc.session import SessionCall, SessionLimits
+from shard.rpc.session.context import StepContext
 from shard.v1 import shard_pb2 as pb
 
 MODEL = FakeModel(n_layers_total=2, n_embd=8, seed=11)
@@ -1159,7 +1160,7 @@ def test_fuzzer_finds_the_cancel_race(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fuzzer_finds_stale_positions_after_a_failed_rewind(monkeypatch: pytest.MonkeyPatch) -> None:
     """The session layer keeps believing the positions it had before a failed rewind (the
     issue-14 desync): the worker reports positions the engine no longer holds."""
-    monkeypatch.setattr(SessionCall, "resync", lambda self: None)
+    monkeypatch.setattr(StepContext, "resync", lambda self: None)
     # It takes a rewind stopped after it began computing: found within 60 examples in about 9
     # of 10 runs, so it gets more (it stops at the first find).
     _finds(FakeFuzz, "a failed rewind left", "the engine holds", "n_past", examples=200)

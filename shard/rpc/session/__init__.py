@@ -17,18 +17,19 @@ session stays usable. Every Prefill/Decode/Generate/Rewind is answered by zero o
 
 One module per concept:
 
-- ``call``: ``SessionCall``, the stream's task tree, phase, dispatch and end;
+- ``call``: ``SessionCall``, the stream's task tree, phase, dispatch, a request's end;
 - ``credit``: the credit counters (grant, take, spend, give back);
 - ``cancellation``: the Cancel region of a step;
 - ``outbox``: responses, their numbering and chunking;
-- ``lifecycle``: open (fresh, resumed, routed), close, release or retain;
+- ``lifecycle``: open (fresh, resumed, routed), close, release or retain (the call's);
 - ``inputs``: checks of input before any engine work (pure functions);
-- ``context``: the step API (``StepHost``): engine calls, resync, tokenize, sending results;
+- ``context``: ``StepContext``, the session as its steps see it (``StepHost``): engine
+  calls, resync, tokenize, sending results; the relay's routed steps get it too;
 - ``steps``: the plain steps; ``generation``: the one generation loop (its stop decisions
   and counters), run by the plain steps and by a routed session with its own step source;
 - ``transfer``: state export/import; ``protocols``: the registry's and the relay's seams.
 
-Positions: what the session holds lives in one object (``SessionCall.positions``,
+Positions: what the session holds lives in one object (``StepContext.positions``,
 ``Positions``; a routed session's is its relay's ``ChainLedger``), moved only by its event
 methods. If the stream ends first, a retained session resumes from what was handed to the
 transport (``positions.delivered``).

@@ -13,44 +13,37 @@ import contextvars
 import logging
 import math
 from collections.abc import AsyncIterable, Awaitable, Callable
-from typing import NoReturn
 
 import trio
 from google.protobuf.message import DecodeError
 from trio_util import AsyncValue
 
-from shard.engine import Capabilities, EngineError, ShardEngine
+from shard.engine import EngineError, ShardEngine
 from shard.v1 import shard_pb2 as pb
 
 from .. import convert, handoff
-from ..errors import ErrorCode, ShardError, internal_error
+from ..errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
 from ..positions import Positions
 from ..versions import check_version
-from .cancellation import StepCancel
+from . import steps, transfer
 from .context import StepContext
-from .credit import Credit
 from .lifecycle import Lifecycle
 from .limits import SessionLimits
-from .outbox import DirectPath, Outbox, Responses
+from .outbox import DirectPath, Responses
 from .phase import STEP_KINDS, Phase, StreamEnd, illegal
 from .protocols import Relay, Returner, Routed, SessionHost, return_refused
-from .steps import Steps
-from .transfer import StateTransfer
 
 log = logging.getLogger(__name__)
 
 
-_CONTROL_SLOTS = 4  # opened + error + usage + closed never need credit
-
-
-class SessionCall(StepContext, Lifecycle, Steps, StateTransfer):
+class SessionCall(Lifecycle):
     """The server side of one ``Session`` stream (see ``shard.rpc.session``).
 
     Created and started by ``Registry.start_call``. Public surface for the handler and the
     registry: ``responses`` (receive channel), ``end(reason)``, ``done``, ``error``;
     ``cancel_step()`` for the Cancel RPC, ``offer_return()`` for the Return RPC; ``phase``,
-    ``credit``, ``parked``, ``positions`` and ``buffered()`` for observers and tests; and the
-    ``StepHost`` API (``StepContext``) for the steps' implementations.
+    ``credit``, ``parked``, ``positions`` and ``buffered()`` for observers and tests; and its
+    step context ``ctx`` (``StepHost``), which runs the steps.
     """
 
     def __init__(
@@ -77,19 +70,20 @@ class SessionCall(StepContext, Lifecycle, Steps, StateTransfer):
         # starts from the connection's task run in it, as the reader task's do.
         self._context = contextvars.copy_context()
         self._deadline = deadline
-        self._credits = credits = Credit(limits.max_credit)
-        self.credit: AsyncValue[int] = credits.value
-        self.parked = credits.parked  # a step waits for credit
-        self.take_credit = credits.take  # (StepHost: the credit's own method, no layer between)
-        self._outbox = Outbox(limits.max_credit + _CONTROL_SLOTS, max_message_bytes=max_message_bytes,
-                              credit=credits, count=registry.count, lost=self._connection_lost)
-        self.responses: trio.MemoryReceiveChannel[pb.SessionResponse] = self._outbox.receive
-        self._cancel = StepCancel()
+        #: The session as its steps see it (``StepHost``: what a routed session is given too).
+        self.ctx = ctx = StepContext(engine=engine, registry=registry, limits=limits,
+                                     deadline=deadline, max_message_bytes=max_message_bytes,
+                                     fail=self._fail, lost=self._connection_lost)
+        self.credit: AsyncValue[int] = ctx.credit
+        self.parked = ctx.parked  # a step waits for credit
+        self._credits = ctx.credits
+        self._outbox = ctx.outbox
+        self.responses: trio.MemoryReceiveChannel[pb.SessionResponse] = ctx.outbox.receive
+        self._cancel = ctx.cancel_state
 
         self.phase: AsyncValue[Phase] = AsyncValue(Phase.AWAITING_OPEN)
         self.done = trio.Event()
         self.error: ShardError | None = None  # the fatal error the stream ends with, if any
-        self.session_id = ""
 
         self._scope = trio.CancelScope(deadline=deadline)
         self._end_reason: StreamEnd | None = None
@@ -97,17 +91,22 @@ class SessionCall(StepContext, Lifecycle, Steps, StateTransfer):
         self._nursery: trio.Nursery | None = None
         self._reader_scope = trio.CancelScope()
         self._owns_engine_session = False  # the engine session exists and is ours to free
-        self._caps: Capabilities | None = None
-        self._wire_dtype = convert.HIDDEN_DTYPE  # hidden states on the wire, both directions
-        self._batch_group = 0  # OpenSession.batch_group
-        self._kv_capacity = 0
-        self._step_timeout: float | None = None  # seconds per engine step (step_timeout_ms)
-        self._version = (1, 0)  # the protocol version the session was opened with
         self._importing: handoff.StateImport | None = None  # a state's chunks so far
-        self.positions = Positions()  # what the session holds (a routed one's: its ledger)
-        # The client's last Decode sent the token the worker had sampled (look-ahead pays).
-        self._follows = False
         self._totals = pb.Usage()
+
+    @property
+    def session_id(self) -> str:
+        return self.ctx.session_id
+
+    @property
+    def deadline(self) -> float:
+        """The call deadline (trio clock); ``inf`` without ``grpc-timeout``."""
+        return self._deadline
+
+    @property
+    def positions(self) -> Positions:
+        """What the session holds (a routed one's: its relay's ledger)."""
+        return self.ctx.positions
 
     # ---- control from outside ------------------------------------------------------------
 
@@ -205,12 +204,6 @@ class SessionCall(StepContext, Lifecycle, Steps, StateTransfer):
         except Exception:
             log.exception("session %r: internal error", self.session_id)
             self._fail(internal_error(self.session_id))
-
-    async def end_with(self, err: ShardError) -> NoReturn:
-        """End the stream with ``err`` now (``_fail``; the step's task is cancelled here)."""
-        self._fail(err)
-        await trio.lowlevel.checkpoint()  # raises Cancelled: the stream's scope was cancelled
-        raise AssertionError("unreachable")
 
     def _fail(self, err: ShardError) -> None:
         """End the stream with ``err`` (first error wins); the session is released."""
@@ -312,3 +305,106 @@ class SessionCall(StepContext, Lifecycle, Steps, StateTransfer):
         self._cancel.started()
         self._credits.begin_step()
         self._nursery.start_soon(self._guarded, lambda: self._run_step(req))
+
+    # ---- a step and the end of its request -------------------------------------------------
+
+    async def _run_step(self, req: pb.SessionRequest) -> None:
+        """One Prefill/Decode/Generate/Rewind (or state move): StepResult*, optional Error,
+        then Usage. Only credit waits and engine calls are cancellable by an out-of-band Cancel
+        (``StepContext.cancellable``); handing a computed result to the transport is not, so a
+        Cancel can never drop a committed result, and ``Usage`` counts exactly the results
+        sent."""
+        usage = pb.Usage()
+        err: ShardError | None = None
+        try:
+            kind = req.WhichOneof("kind")
+            if kind != "import_state":
+                self._importing = None  # an import's chunks come one after another, or not at all
+            if kind in ("export_state", "import_state") and (
+                    self.routed is not None or self.returner is not None):
+                raise ShardError(ErrorCode.UNSUPPORTED_FEATURE, "a session of a chain relay route "
+                                 "cannot be moved (its hops hold it together)",
+                                 session_id=self.session_id)
+            ctx = self.ctx
+            if self.routed is not None:
+                await self.routed.step(req, usage)
+            elif kind == "prefill":
+                await steps.prefill(ctx, req.prefill, usage)
+            elif kind == "decode":
+                await steps.decode(ctx, req.decode, usage, self.returner)
+            elif kind == "rewind":
+                await ctx.truncate_engine(ctx.rewind_position(req.rewind))
+            elif kind == "export_state":
+                await transfer.export_state(ctx, req.export_state)
+            elif kind == "import_state":
+                pending, self._importing = self._importing, None
+                self._importing = await transfer.import_state(ctx, req.import_state, pending)
+            else:
+                await steps.run_generate(ctx, req.generate, usage, self._registry)
+        except ShardError as exc:
+            if exc.code in FATAL_IN_SESSION:
+                raise
+            err = exc
+        finally:
+            self._cancel.finished()  # nothing left to stop: a Cancel now finds no step
+            self._credits.end_step()  # credits taken for results never sent go back
+        if self.routed is not None:
+            # the one rule, after every request: this worker and its next hop hold the same
+            # positions again (a fatal error if they cannot be made to)
+            await self.routed.settle()
+        if err is not None:
+            if not err.session_id:
+                err.session_id = self.session_id
+            if err.reason == handoff.YIELDED:  # a drain's doing, not a failure
+                self._registry.count("generations_yielded_total")
+            else:
+                self._registry.count_error(err.code)
+            await self._outbox.respond(pb.SessionResponse(error=err.to_proto()))
+        for field in ("prompt_tokens", "generated_tokens", "reused_tokens"):
+            setattr(self._totals, field, getattr(self._totals, field) + getattr(usage, field))
+        if self.ctx.version >= (1, 1):
+            usage.n_past = self.positions.end  # what the session holds now, also after a failure
+        ended = pb.SessionResponse(usage=usage)
+        queued, self._queued = self._queued, None
+        if queued is None:
+            await self._end_request(ended)
+            return
+        # A direct-return route's next step, sent before this one ended (also before a
+        # CloseSession: the close waits for it).
+        await self._outbox.respond(ended)
+        if err is None:
+            self._start_step(queued)  # (the session stays RUNNING: no request slips in)
+            return
+        # it was sent for the state the failed step would have left: it must not run
+        await self._outbox.respond(pb.SessionResponse(error=ShardError(
+            ErrorCode.CANCELLED, "not run: the step queued before it failed",
+            session_id=self.session_id, reason="QUEUED_STEP_DROPPED",
+        ).to_proto()))
+        dropped = pb.Usage()
+        if self.ctx.version >= (1, 1):
+            dropped.n_past = self.positions.end
+        await self._end_request(pb.SessionResponse(usage=dropped))
+
+    async def _end_request(self, usage: pb.SessionResponse) -> None:
+        """Queue a request's last ``Usage`` and leave RUNNING with no scheduler pass between
+        the two: a client may send its next request the moment it reads the Usage, and that
+        request must find the session idle (a pass in between let it find the step still
+        RUNNING and end the stream with ILLEGAL_TRANSITION: seen with a relaying worker,
+        which sends its next hop a Rewind as soon as the failed step's Usage arrives).
+        With the channel full (never, by the credit bound) the Usage waits first in line.
+        Queued, it is the step task's last act: no checkpoint (it would only cost the task one
+        more scheduler pass before it ends)."""
+        try:
+            self._outbox.send_nowait(usage)
+            queued = True
+        except trio.WouldBlock:
+            queued = False
+        except trio.BrokenResourceError:
+            self.end(StreamEnd.CONNECTION_LOST)
+            await trio.lowlevel.checkpoint()  # raises Cancelled: our scope was just cancelled
+            raise AssertionError("unreachable") from None
+        if self.phase.value is Phase.RUNNING:
+            self.phase.value = Phase.IDLE
+        self._cancel.ended()
+        if not queued:  # blocked senders go first when room frees: no later response overtakes it
+            await self._outbox.respond(usage)

@@ -1,15 +1,22 @@
-"""The step context of a session stream (``StepHost``): checked input, engine calls and their
-resync, tokenization, room checks, and sending a step's results.
+"""The step context of a session stream (``StepHost``): the session as its steps see it
+(id, capabilities, capacity, positions, credit, the Cancel region, the outbox), checked input,
+engine calls and their resync, tokenization, room checks, and sending a step's results.
 
-Why one place: the plain steps (``steps.py``) and a routed session's (``shard.relay``) use the
-same calls, so both check, compute and account alike.
+Why one object: the plain steps (``steps.py``) and a routed session's (``shard.relay``) use the
+same calls, so both check, compute and account alike, and neither reaches into the stream's
+task, phase or dispatch (``SessionCall``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Awaitable, Callable, Sequence
+from typing import NoReturn
+
 import numpy as np
+import trio
+from trio_util import AsyncValue
 
 from shard.engine import (
     Capabilities,
@@ -27,13 +34,58 @@ from shard.v1 import shard_pb2 as pb
 from .. import convert
 from ..errors import ErrorCode, ShardError
 from . import inputs
-from .cancellation import Region
+from ..positions import Positions
+from .cancellation import Region, StepCancel
+from .credit import Credit
+from .limits import SessionLimits
+from .outbox import Outbox
 from .phase import illegal
-from .protocols import R
+from .protocols import R, SessionHost
+
+_CONTROL_SLOTS = 4  # opened + error + usage + closed never need credit
 
 
 class StepContext:
-    """``SessionCall``'s step API (a mixin: it reads the call's session fields)."""
+    """A session stream's step API (``StepHost``); its ``SessionCall`` opens it (``opened``)
+    and runs the steps with it."""
+
+    def __init__(
+        self, *, engine: ShardEngine, registry: SessionHost, limits: SessionLimits,
+        deadline: float = math.inf, max_message_bytes: int, fail: Callable[[ShardError], None],
+        lost: Callable[[], None],
+    ) -> None:
+        self._engine = engine
+        self.registry = registry
+        self.limits = limits
+        self._deadline = deadline
+        self._fail = fail  # the call's: end the stream with an error
+        self.credits = credits = Credit(limits.max_credit)
+        self.credit: AsyncValue[int] = credits.value
+        self.parked = credits.parked  # a step waits for credit
+        self.take_credit = credits.take  # (StepHost: the credit's own method, no layer between)
+        self.outbox = Outbox(limits.max_credit + _CONTROL_SLOTS, max_message_bytes=max_message_bytes,
+                             credit=credits, count=registry.count, lost=lost)
+        self.cancel_state = StepCancel()
+        self.session_id = ""
+        self._caps: Capabilities | None = None
+        self.version = (1, 0)  # the protocol version the session was opened with
+        self._wire_dtype = convert.HIDDEN_DTYPE  # hidden states on the wire, both directions
+        self._batch_group = 0  # OpenSession.batch_group
+        self.kv_capacity = 0  # the most positions the session may hold (routed: the chain's least)
+        self.step_timeout: float | None = None  # seconds per engine step (step_timeout_ms)
+        self.positions = Positions()  # what the session holds (a routed one's: its ledger)
+        # The client's last Decode sent the token the worker had sampled (look-ahead pays).
+        self.follows = False
+
+    def opened(self, sid: str, caps: Capabilities, version: tuple[int, int], wire_dtype: str,
+               step_timeout: float | None, batch_group: int) -> None:
+        """The session ``sid`` was claimed with these settings (OpenSession)."""
+        self.session_id = sid
+        self._caps = caps
+        self.version = version
+        self._wire_dtype = wire_dtype
+        self.step_timeout = step_timeout
+        self._batch_group = batch_group
 
     # ---- the session as a step sees it ---------------------------------------------------
 
@@ -53,11 +105,6 @@ class StepContext:
         return self._caps
 
     @property
-    def kv_capacity(self) -> int:
-        """The most positions the session may hold (a routed one: the chain's least)."""
-        return self._kv_capacity
-
-    @property
     def wire_dtype(self) -> str:
         """Hidden states on the wire, both directions."""
         return self._wire_dtype
@@ -69,12 +116,18 @@ class StepContext:
 
     def count(self, name: str) -> None:
         """Bump a worker counter (``GetMetrics``' ``worker.<name>``)."""
-        self._registry.count(name)
+        self.registry.count(name)
 
     def cancellable(self) -> Region:
         """A region an out-of-band Cancel stops (also one requested before it was entered);
         ends with ``ShardError(CANCELLED)`` when it did."""
-        return Region(self._cancel, self.session_id)
+        return Region(self.cancel_state, self.session_id)
+
+    async def end_with(self, err: ShardError) -> NoReturn:
+        """End the stream with ``err`` now (the step's task is cancelled here)."""
+        self._fail(err)
+        await trio.lowlevel.checkpoint()  # raises Cancelled: the stream's scope was cancelled
+        raise AssertionError("unreachable")
 
     # ---- checked input -------------------------------------------------------------------
 
@@ -101,7 +154,7 @@ class StepContext:
             hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid, dtype=self._wire_dtype)
         else:
             raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
-        inputs.check_row_fits(caps, self._outbox.max_message_bytes, sid)
+        inputs.check_row_fits(caps, self.outbox.max_message_bytes, sid)
         n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
         # Before any chunk is computed: a prompt in chunks that cannot fit is refused whole (it
         # used to be refused at the first chunk past the context, the earlier ones computed).
@@ -123,7 +176,7 @@ class StepContext:
             )
         else:
             raise convert.invalid("Decode needs a token or a hidden_state", sid)
-        inputs.check_row_fits(caps, self._outbox.max_message_bytes, sid)
+        inputs.check_row_fits(caps, self.outbox.max_message_bytes, sid)
         return sampling, token, hidden
 
     async def generate_input(
@@ -154,7 +207,7 @@ class StepContext:
         return inputs.check_rewind(r, self.positions.end, self.session_id)
 
     def _check_room(self, position: int, n_tokens: int) -> None:
-        inputs.check_room(self.caps, self._kv_capacity, position, n_tokens, self.session_id)
+        inputs.check_room(self.caps, self.kv_capacity, position, n_tokens, self.session_id)
 
     async def _tokenize(
         self, text: str, *, add_bos: bool, position: int, parse_special: bool = False
@@ -170,10 +223,10 @@ class StepContext:
 
     # ---- engine calls --------------------------------------------------------------------
 
-    def _client_hint(self) -> Lookahead | None:
+    def client_hint(self) -> Lookahead | None:
         """A client-driven step's look-ahead hint: only for a client that decoded the token the
         worker sampled last time (a router that samples for itself would waste the work)."""
-        return Lookahead() if self._limits.lookahead == "auto" and self._follows else None
+        return Lookahead() if self.limits.lookahead == "auto" and self.follows else None
 
     async def decode_one(
         self,
@@ -225,15 +278,15 @@ class StepContext:
         position = getattr(request, "position", None)
         start = self.positions.engine if position is None else position
         try:
-            if request.step_timeout != self._step_timeout:  # (a copy per step only when needed)
-                request = dataclasses.replace(request, step_timeout=self._step_timeout)
+            if request.step_timeout != self.step_timeout:  # (a copy per step only when needed)
+                request = dataclasses.replace(request, step_timeout=self.step_timeout)
             result = await fn(request)
         except StepTimeout as exc:
             self.resync()
-            assert self._step_timeout is not None
+            assert self.step_timeout is not None
             raise ShardError(
                 ErrorCode.DEADLINE_EXCEEDED,
-                f"the step exceeded step_timeout_ms={round(self._step_timeout * 1000)}",
+                f"the step exceeded step_timeout_ms={round(self.step_timeout * 1000)}",
                 session_id=self.session_id,
                 reason=exc.code,
             ) from None
@@ -279,7 +332,7 @@ class StepContext:
         """Send one of this engine's results (one credit), split into chunks when it exceeds
         one message. ``usage_follows``: the step's ``Usage`` comes next; ``now``: queued
         without a scheduler pass when there is room (``Outbox.respond``)."""
-        outbox = self._outbox
+        outbox = self.outbox
         msg = convert.step_to_proto(result, outbox.step_no + 1, start, self._wire_dtype)
         if input_tokens is not None:
             msg.input_tokens.ids.extend(input_tokens)
@@ -290,4 +343,4 @@ class StepContext:
     async def send_result(self, msg: pb.StepResult, *, usage_follows: bool = False) -> None:
         """Send a result built by the step (a routed session's: the last shard's answer, with
         this worker's own accounting), numbered as this session's next step (one credit)."""
-        await self._outbox.send_numbered(msg, usage_follows)
+        await self.outbox.send_numbered(msg, usage_follows)

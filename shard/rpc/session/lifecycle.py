@@ -22,7 +22,8 @@ from .protocols import NOT_ALLOWED, Retained
 
 
 class Lifecycle:
-    """``SessionCall``'s open and close (a mixin: they set the call's session fields)."""
+    """``SessionCall``'s open and close (a mixin: the call's own life; the session's fields
+    it sets are its step context's, ``SessionCall.ctx``)."""
 
     # ---- open ----------------------------------------------------------------------------
 
@@ -51,18 +52,16 @@ class Lifecycle:
             )
         expectation = req.cache if req.HasField("cache") else None
         retained = self._registry.claim(sid, self, resuming=expectation is not None)
-        self.session_id = sid  # claimed: from here on the cleanup frees or returns it
-        self._caps = caps
-        self._version = version
-        self._wire_dtype = wire_dtype
-        self._step_timeout = req.step_timeout_ms / 1000 if req.step_timeout_ms else None
-        self._batch_group = req.batch_group
+        ctx = self.ctx
+        # claimed: from here on the cleanup frees or returns it
+        ctx.opened(sid, caps, version, wire_dtype,
+                   req.step_timeout_ms / 1000 if req.step_timeout_ms else None, req.batch_group)
         cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
         if routed:
             assert self._relay is not None and self._nursery is not None
-            self.routed = await self._relay.open(self, req, nursery=self._nursery)
-            self.positions = self.routed.positions
-            self._kv_capacity = min(self._kv_capacity, self.routed.kv_capacity)
+            self.routed = await self._relay.open(ctx, req, nursery=self._nursery)
+            ctx.positions = self.routed.positions
+            ctx.kv_capacity = min(ctx.kv_capacity, self.routed.kv_capacity)
         elif returning:
             assert self._relay is not None and self._nursery is not None
             self.returner = await self._relay.open_return(
@@ -70,17 +69,17 @@ class Lifecycle:
             )
             # The chain's copy of each answer is the fallback: it leaves through the handler,
             # after the direct copy the returner sends (which is why the route asked for one).
-            self._outbox.through_handler = True
+            ctx.outbox.through_handler = True
         self._queue_ok = returning
-        credit = self._credits.open(req.initial_credit or self._limits.default_credit)
+        credit = ctx.credits.open(req.initial_credit or self._limits.default_credit)
         self.phase.value = Phase.IDLE
-        await self._outbox.respond(
+        await ctx.outbox.respond(
             pb.SessionResponse(
                 opened=pb.SessionOpened(
                     session_id=sid,
                     cache=cache,
-                    kv_capacity=self._kv_capacity,
-                    n_past=self.positions.end,
+                    kv_capacity=self.ctx.kv_capacity,
+                    n_past=ctx.positions.end,
                     credit=credit,
                     version=pb.ProtocolVersion(major=version[0], minor=version[1]),
                     # echoed only when asked, so that v1.0 clients see the same bytes as before
@@ -103,8 +102,8 @@ class Lifecycle:
             self._owns_engine_session = True
             outcome, held, reason = self._compare(sid, retained, expectation)
             if outcome in (R.OUTCOME_HIT, R.OUTCOME_PARTIAL):
-                self.positions.resumed(held, retained.engine_len)
-                self._kv_capacity = retained.kv_capacity
+                self.ctx.positions.resumed(held, retained.engine_len)
+                self.ctx.kv_capacity = retained.kv_capacity
                 self._registry.count("sessions_resumed_total")
                 return R(outcome=outcome, tokens_held=held, reason=reason)
             # Mismatch: the held cache is of no use to this client. Clear it, start empty.
@@ -143,7 +142,7 @@ class Lifecycle:
         while True:
             try:
                 info = await self._engine.open_session(sid, kv_budget=kv_budget,
-                                                       batch_group=self._batch_group)
+                                                       batch_group=self.ctx.batch_group)
                 break
             except TooManySessions as exc:
                 # Retained sessions are a best-effort cache: evict the oldest before refusing.
@@ -152,22 +151,22 @@ class Lifecycle:
             except EngineError as exc:
                 raise ShardError.from_engine(exc) from None
         self._owns_engine_session = True
-        self._kv_capacity = info.kv_budget
-        self.positions = Positions()
+        self.ctx.kv_capacity = info.kv_budget
+        self.ctx.positions = Positions()
 
     # ---- close ---------------------------------------------------------------------------
 
     async def _close_requested(self, *, retain: bool, half_close: bool) -> None:
         """CloseSession or half-close: let the running step finish, then release or retain."""
         self.phase.value = Phase.CLOSING
-        self._credits.unlimited()  # the client can no longer grant credit
+        self.ctx.credits.unlimited()  # the client can no longer grant credit
         await self._cancel.active.wait_value(False)
         if self.routed is not None:
             await self.routed.close()
         C = pb.SessionClosed
         reason = C.REASON_CLIENT_HALF_CLOSE if half_close else C.REASON_CLIENT_CLOSE
         closed = await self._close(retain=retain, reason=reason)
-        await self._outbox.respond(pb.SessionResponse(closed=closed))
+        await self.ctx.outbox.respond(pb.SessionResponse(closed=closed))
         if not half_close:
             # Keep reading until the client half-closes, so that anything it sends after
             # CloseSession is refused with ILLEGAL_TRANSITION rather than silently dropped.
@@ -194,7 +193,7 @@ class Lifecycle:
                     sid,
                     end=min(positions.end, positions.delivered),
                     engine_len=positions.engine,
-                    kv_capacity=self._kv_capacity,
+                    kv_capacity=self.ctx.kv_capacity,
                 )
             if not retained:
                 await self._registry.release_owned(sid)
@@ -224,6 +223,6 @@ class Lifecycle:
         closed = await self._close(retain=retain, reason=closed_reason)
         if reason is StreamEnd.RELEASED:
             try:
-                self._outbox.send_nowait(pb.SessionResponse(closed=closed))
+                self.ctx.outbox.send_nowait(pb.SessionResponse(closed=closed))
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the client is not reading; the stream still ends cleanly

@@ -172,8 +172,6 @@ def current_call() -> CallContext:
     return _current.get()
 
 
-
-
 class Requests:
     """The request stream given to stream-input handlers; a plain class, not an async
     generator, so an abandoned iterator needs no finalizer."""
