@@ -1,5 +1,5 @@
 """The served token's short path (issue "a lean per-token path"): a response framed by the
-session's own task (``session.Responses``, ``_Call.send_now``), a DATA frame built without h2's
+session's own task (``session.Responses``, ``Call.send_now``), a DATA frame built without h2's
 frame objects (``BoundedH2.send_message``) and a lone stream's bytes written by the task that
 framed them (``wire.Outbox.push(write_through=True)``). Each must be indistinguishable on the
 wire from the long path it replaces, and must refuse whatever would need a wait."""
@@ -83,15 +83,16 @@ async def test_responses_keep_their_order_across_the_direct_path_and_the_channel
     wire_order: list[int] = []
     refuse = {2}
 
-    def direct(msg: pb.SessionResponse, more_follows: bool) -> bool:
-        if msg.step.step in refuse:
-            return False
-        wire_order.append(msg.step.step)
-        return True
+    class Wire:
+        def send_now(self, msg: pb.SessionResponse, more_follows: bool) -> bool:
+            if msg.step.step in refuse:
+                return False
+            wire_order.append(msg.step.step)
+            return True
 
     out = Responses(8)
-    out.direct = direct
-    out.idle = True  # the handler waits on an empty channel
+    out.send_directly(Wire())
+    out._idle = True  # noqa: SLF001 - the handler waits on an empty channel (next_response)
     out.send_nowait(_response(1))  # direct
     out.send_nowait(_response(2))  # refused: the channel
     out.send_nowait(_response(3))  # the direct path would take it, but 2 waits in the channel
@@ -100,7 +101,7 @@ async def test_responses_keep_their_order_across_the_direct_path_and_the_channel
     wire_order.append(2)
     assert out.receive.receive_nowait().step.step == 3
     wire_order.append(3)
-    out.idle = True  # the handler waits again
+    out._idle = True  # noqa: SLF001 - the handler waits again
     await out.send(_response(4))
     assert wire_order == [1, 2, 3, 4]
     out.through_handler = True  # (a relayed last hop: the chain's copy is the slow one)

@@ -134,7 +134,7 @@ async def test_chain_relay_carries_float16_between_the_workers() -> None:
                                         hidden_dtype="float16") as pipe:
                 got[relay] = await pipe.generate(PROMPT, max_tokens=12, ignore_eos=True, top_logprobs=3)
         assert [s.logits for s in got["chain"].steps] == [s.logits for s in got["client"].steps]
-        assert [w.calls[-1]._wire_dtype for w in chain] == ["float16"] * 3
+        assert [w.calls[-1].ctx.wire_dtype for w in chain] == ["float16"] * 3
         await assert_all_free(chain)
 
 
@@ -275,7 +275,7 @@ async def test_a_cancel_rpc_stops_the_step_on_every_hop_and_the_session_goes_on(
                     last = chain[2].call("c.0>>")
                     assert last is not None
                     with trio.fail_after(10):  # the Cancel reached the last hop's step
-                        while not last._cancel_requested:
+                        while not last._cancel.requested:  # noqa: SLF001
                             await trio.sleep(0.001)
                     gates[2].release()  # the engine notices at its next position
 

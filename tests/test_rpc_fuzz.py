@@ -45,6 +45,7 @@ from rpc_fuzz_streams import StreamRules
 from shard.engine.base import Slot as EngineSlot
 from shard.engine.fake import FakeEngine, FakeScript
 from shard.rpc.session import SessionCall
+from shard.rpc.session.context import StepContext
 
 
 class RpcFuzz(StreamRules, StepRules):
@@ -189,14 +190,15 @@ class LeakyFuzz(RpcFuzz):
 
 def _ignore_cancel(self: SessionCall) -> bool:
     """A session handler that answers Cancel but never stops anything."""
-    return self._step_active.value and not self._step_finishing  # noqa: SLF001
+    return self._cancel.active.value and not self._cancel._finishing  # noqa: SLF001
 
 
 def _racy_cancel(self: SessionCall) -> bool:
     """The item-3 race: a Cancel finds only a step whose task already entered its scope."""
-    if self._step_scope is None or not self._step_active.value:  # noqa: SLF001
+    scope = self._cancel._scope  # noqa: SLF001
+    if scope is None or not self._cancel.active.value:  # noqa: SLF001
         return False
-    self._step_scope.cancel()  # noqa: SLF001
+    scope.cancel()
     return True
 
 
@@ -238,7 +240,7 @@ def test_fuzzer_finds_the_cancel_race(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fuzzer_finds_stale_positions_after_a_failed_rewind(monkeypatch: pytest.MonkeyPatch) -> None:
     """The session layer keeps believing the positions it had before a failed rewind (the
     issue-14 desync): the worker reports positions the engine no longer holds."""
-    monkeypatch.setattr(SessionCall, "_resync", lambda self: None)
+    monkeypatch.setattr(StepContext, "resync", lambda self: None)
     # It takes a rewind stopped after it began computing: found within 60 examples in about 9
     # of 10 runs, so it gets more (it stops at the first find).
     _finds(FakeFuzz, "a failed rewind left", "the engine holds", "n_past", examples=200)

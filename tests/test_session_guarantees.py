@@ -132,7 +132,7 @@ async def test_a_step_whose_cancel_arrived_first_changes_nothing() -> None:
         steps_before = engine.metrics().steps_total
         await d.send(prefill=pb.Prefill(tokens=pb.TokenIds(ids=REWRITE), position=pb.Position(value=60)))
         with trio.fail_after(10):  # the request was read and dispatched, its task not yet run
-            await d.call._step_active.wait_value(True)  # noqa: SLF001 - the race under test
+            await d.call._cancel.active.wait_value(True)  # noqa: SLF001 - the race under test
         assert d.call.cancel_step()
         steps, err, usage = await d.until_usage()
         assert steps == [] and err.code == pb.ERROR_CODE_CANCELLED and usage.n_past == 100

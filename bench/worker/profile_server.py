@@ -49,7 +49,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("transport (h2/gRPC framing)", ("shard/rpc/transport.py", "/h2/", "/hpack/", "purerpc")),
     ("engine bookkeeping", ("shard/engine/base.py", "shard/engine/types.py", "shard/engine/llama.py",
                             "shard/engine/lookahead.py", "shard/engine/scheduler.py")),
-    ("session/servicer", ("shard/rpc/session.py", "shard/rpc/servicer.py", "shard/rpc/registry.py")),
+    ("session/servicer", ("shard/rpc/session/", "shard/rpc/servicer.py", "shard/rpc/registry.py")),
     ("trio scheduler", ("trio/_core/",)),
 ]
 

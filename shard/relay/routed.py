@@ -39,7 +39,7 @@ from shard.engine import DecodeRequest, PrefillRequest, SamplingParams, StepResu
 from shard.v1 import shard_pb2 as pb
 
 from shard.rpc.errors import ErrorCode, ShardError
-from shard.rpc.session import StepHost, count_generated, return_refused, stop_rules
+from shard.rpc.session import Generation, StepHost, generate, return_refused
 from .downstream import NextHop
 from .ledger import ChainLedger
 from .returns import DirectReturns, Slot
@@ -271,50 +271,50 @@ class RoutedSession:
         usage.generated_tokens += 1
 
     async def _generate(self, g: pb.Generate, usage: pb.Usage) -> None:
-        """Server-driven decoding over the chain: the first hop feeds each token the last shard
-        chose back into its own next step, with the worker's stop rules, the capacity being the
-        least of the chain's."""
+        """Server-driven decoding over the chain (the session's one generation loop, with this
+        session as its step source): the first hop feeds each token the last shard chose back
+        into its own next step, with the worker's stop rules, the capacity being the least of
+        the chain's."""
         host = self.host
         if not host.caps.is_first:
             raise ShardError(ErrorCode.UNSUPPORTED_FEATURE,
                              "Generate on a routed session needs the first shard",
                              session_id=host.session_id)
-        sampling, prompt = await host.generate_input(g)
-        rules = stop_rules(g)
-        emitted = 0
-        while True:
-            ledger = self.ledger
-            if (self.returns is not None and (emitted > 0 or prompt is None)
-                    and ledger.pending == ledger.engine):
-                await self._generate_ahead(g, usage, sampling, emitted)
-                return
-            with host.cancellable():
-                await host.take_credit()
-                start = ledger.end
-                if emitted == 0 and prompt is not None:
-                    result = await host.engine_call(host.engine.prefill, PrefillRequest(
-                        host.session_id, prompt, position=start, sampling=sampling,
-                        top_k_logprobs=g.top_logprobs,
-                    ))
-                else:
-                    token = ledger.next_token
-                    assert token is not None
-                    result = await self._compute_decode(token, None, sampling, g.top_logprobs)
-            final = await self._forward(_rows(result), first_row(result), g.sampling,
-                                        g.top_logprobs)
-            emitted += 1
-            finish = host.finish_reason(rules, final.logits.token_id, final.logits.is_eog,
-                                        emitted, final.n_past)
-            await self._answer(final, start, result, finish,
-                               usage_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
-            count_generated(usage, result, prompt_step=emitted == 1 and prompt is not None)
-            if finish != pb.FINISH_REASON_UNSPECIFIED:
-                return
+        await generate(host, g, usage, self)
 
-    async def _generate_ahead(
-        self, g: pb.Generate, usage: pb.Usage, sampling: SamplingParams, emitted: int,
-    ) -> None:
-        """``_generate``'s decode loop with a direct return: each step goes on with the first
+    # ---- the generation's step source (``shard.rpc.session.StepSource``) -----------------
+
+    def batched(self, run: Generation) -> bool:
+        """With a direct return, once the chain holds the prompt: steps run ahead of the
+        chain's answers (``run_batch``)."""
+        ledger = self.ledger
+        return (self.returns is not None and (run.emitted > 0 or run.prompt is None)
+                and ledger.pending == ledger.engine)
+
+    async def compute(self, run: Generation) -> StepResult:
+        host, g = self.host, run.request
+        if run.prompt_step:
+            return await host.engine_call(host.engine.prefill, PrefillRequest(
+                host.session_id, run.prompt, position=self.ledger.end, sampling=run.sampling,
+                top_k_logprobs=g.top_logprobs,
+            ))
+        token = self.ledger.next_token
+        assert token is not None
+        return await self._compute_decode(token, None, run.sampling, g.top_logprobs)
+
+    async def forward(self, run: Generation, mine: StepResult) -> pb.StepResult:
+        g = run.request
+        return await self._forward(_rows(mine), first_row(mine), g.sampling, g.top_logprobs)
+
+    async def send(self, run: Generation, answer: StepResult | pb.StepResult, start: int,
+                   mine: StepResult) -> None:
+        assert isinstance(answer, pb.StepResult)
+        finish = run.finish
+        await self._answer(answer, start, mine, finish,
+                           usage_follows=finish != pb.FINISH_REASON_UNSPECIFIED)
+
+    async def run_batch(self, run: Generation) -> None:
+        """The generation's steps with a direct return: each step goes on with the first
         copy of the last hop's result to arrive (``Return`` or the chain's answer), so the next
         step is sent before the previous one's answer came back up the chain (its session
         queues it). Results reach the client in order, each once the chain's answer confirmed
@@ -322,7 +322,7 @@ class RoutedSession:
         sent is answered before the ledger is told what the next hop holds."""
         host, ledger, down, returns = self.host, self.ledger, self.down, self.returns
         assert returns is not None
-        rules = stop_rules(g)
+        g = run.request
         token = ledger.next_token
         assert token is not None
         inflight: deque[Slot] = deque()  # sent downstream, not delivered yet (oldest first)
@@ -359,9 +359,10 @@ class RoutedSession:
                 await host.end_with(ShardError(
                     ErrorCode.INTERNAL, f"{down.label}: the result handed back directly "
                     "disagrees with the chain's answer"))
-            await self._answer(answer, slot.start, mine.pop(slot.tag), finish_of[slot.tag])
+            result = mine.pop(slot.tag)
+            await self._answer(answer, slot.start, result, finish_of[slot.tag])
             delivered[0] = answer.n_past
-            usage.generated_tokens += 1
+            run.count(result)
             return True
 
         async with trio.open_nursery() as nursery:
@@ -378,7 +379,8 @@ class RoutedSession:
                             break
                         with host.cancellable():
                             await host.take_credit()
-                            result = await self._compute_decode(token, None, sampling, g.top_logprobs)
+                            result = await self._compute_decode(token, None, run.sampling,
+                                                                g.top_logprobs)
                         first = first_row(result)
                         slot = returns.expect(first)
                         mine[slot.tag] = result
@@ -396,9 +398,7 @@ class RoutedSession:
                         if used is None:  # the chain's answer came first, and is an error
                             break
                         token = used.logits.token_id
-                        emitted += 1
-                        finish = host.finish_reason(rules, token, used.logits.is_eog, emitted,
-                                                    first + 1)
+                        finish = run.decide(token, used.logits.is_eog, first + 1)
                         finish_of[slot.tag] = finish
                         while inflight[0] is not slot and inflight[0].answered.is_set():
                             if not await deliver(inflight[0]):

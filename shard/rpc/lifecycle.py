@@ -1,7 +1,7 @@
 """What happened to each session, told to the operator: one log line per lifecycle event, and
 the session counters and latencies that ``GetMetrics`` and ``/metrics`` report.
 
-Why by watching messages: the session state machine (``session.py``) already answers every
+Why by watching messages: the session state machine (``session/``) already answers every
 event with a response (``SessionOpened`` with its cache outcome, an in-stream ``Error``,
 ``SessionClosed``) or with the stream's final error, so the servicer hands each request and
 response to a ``StreamWatch`` and the state machine stays free of logging and metrics. The

@@ -1,6 +1,6 @@
 """The ``shard.v1.Shard`` RPC handlers: authorize, check the version, call, map errors.
 
-Why thin: the session state machine lives in ``session.py`` and the session table in
+Why thin: the session state machine lives in ``session/`` and the session table in
 ``registry.py``; this module only adapts them to the transport API (``current_call()``,
 ``StatusError``) and to protobuf. Every error leaves as a gRPC status plus the
 ``shard-error-bin`` trailer; an unexpected exception becomes a generic INTERNAL status and a log
@@ -258,8 +258,9 @@ class ShardServicer(_ShardServicerBase):
     ) -> AsyncIterator[pb.SessionResponse]:
         """Relay one ``SessionCall``'s responses; end it with the transport's end reason.
 
-        No nursery or cancel scope is open across ``yield`` (see session.py): the session's work
-        runs in the registry's nursery; this generator only forwards messages.
+        No nursery or cancel scope is open across ``yield`` (see ``shard.rpc.session``): the session's work
+        runs in the registry's nursery; this generator only forwards messages
+        (``Responses.next_response``).
         """
         ctx = current_call()
         watch = lifecycle.StreamWatch(self.metrics, ctx)
@@ -273,29 +274,16 @@ class ShardServicer(_ShardServicerBase):
         except ShardError as err:
             raise self._refuse(err) from None
 
-        def direct(message: pb.SessionResponse, more_follows: bool) -> bool:
-            if ctx.send_now(message, not more_follows):
-                watch.response(message)
-                return True
-            return False
-
-        call.send_directly(direct)
-
-        def take_now(message: pb.SessionRequest) -> bool:
-            if call.take_request_now(message):
-                watch.request(message)
-                return True
-            return False
-
-        ctx.take_now = take_now
+        stream = _SessionStream(ctx, call, watch)
         finished = False
         try:
-            while (message := await _next_response(call)) is not None:
+            next_response = call.outbox.next_response
+            while (message := await next_response()) is not None:
                 watch.response(message)
                 yield message
             finished = True
         finally:
-            ctx.take_now = None
+            stream.close()
             if not finished:
                 reason = ctx.end_reason
                 call.end(_STREAM_END[reason] if reason is not None else StreamEnd.CONNECTION_LOST)
@@ -321,32 +309,34 @@ class ShardServicer(_ShardServicerBase):
         return status_error(err)
 
 
-async def _next_response(call: SessionCall) -> pb.SessionResponse | None:
-    """The session's next response (None once it sent its last); one already queued is taken
-    without a scheduler pass.
+class _SessionStream:
+    """A Session handler's fast paths, both ways (``StreamHandler`` for the transport,
+    ``DirectPath`` for the session's responses): a request taken by the session from the
+    connection's task, a response framed by the session's task, each observed as the
+    handler's own would be."""
 
-    Why: a step's result and its ``Usage`` are queued together (``SessionCall._send``); taken
-    one scheduler pass apart, the transport's writer would send each in a socket write of its
-    own (and wake the client twice). The channel is bounded, so a full one is drained in a
-    bounded run. While this waits on an empty channel, the session frames its responses itself
-    (``session.Responses``). (A plain function, not an async generator inside this one, which
-    would be finalized by the garbage collector when the call ends mid-stream.)
-    """
-    responses = call.responses
-    try:
-        return responses.receive_nowait()
-    except trio.WouldBlock:
-        pass
-    except trio.EndOfChannel:
-        return None
-    out = call.outbox
-    out.idle = True
-    try:
-        return await responses.receive()
-    except trio.EndOfChannel:
-        return None
-    finally:
-        out.idle = False
+    __slots__ = ("_call", "_watch", "_send_now", "_ctx")
+
+    def __init__(self, ctx: CallContext, call: SessionCall, watch: lifecycle.StreamWatch) -> None:
+        self._ctx, self._call, self._watch = ctx, call, watch
+        self._send_now = ctx.register(self).send_now
+        call.send_directly(self)
+
+    def take_now(self, message: pb.SessionRequest) -> bool:
+        if self._call.take_request_now(message):
+            self._watch.request(message)
+            return True
+        return False
+
+    def send_now(self, message: pb.SessionResponse, more_follows: bool) -> bool:
+        if self._send_now(message, not more_follows):
+            self._watch.response(message)
+            return True
+        return False
+
+    def close(self) -> None:
+        """No more requests are taken (the call ends)."""
+        self._ctx.unregister()
 
 
 def _note_end(ctx: CallContext) -> None:
