@@ -29,9 +29,7 @@ call still open with UNAVAILABLE and a ``shard-error-bin`` DRAINING trailer, and
 ``wait_flushed()`` waits (on events) until those statuses are written.  Cancelling ``serve`` does
 all three, bounded by ``flush_timeout``, before the sockets close.
 
-Measured on loopback with a grpcio client in another process (2 cores, noisy): unary echo
-~700-1,000 calls/s, bidi ~3,100-4,600 msgs/s, 1 MiB bidi messages ~120-200 msgs/s; stock
-purerpc on the same bench: ~600-850, ~2,900-4,200 and ~80-230.  The grpcio client is the limit.
+The hardening keeps stock purerpc's throughput (docs/benchmarks.md, "The stack's floor").
 """
 
 from __future__ import annotations
