@@ -25,6 +25,7 @@ from shard.cli.options import (
     layer_range,
     memory,
     non_negative_float,
+    non_negative_int,
     part,
     port,
     positive_int,
@@ -84,6 +85,14 @@ def add_parser(sub: Any) -> Options:
     opts.add("--max-batch-sessions", type=positive_int,
              help="most sessions in one batched step; when more are ready they take "
              "turns, prompts and decodes alike (default: --max-sessions)")
+    opts.add("--prefix-cache-tokens", type=non_negative_int, metavar="N",
+             help="prefix cache budget in tokens: a finished session's KV stays cached, and a "
+             "later prompt that starts with it (a chat resending its conversation) computes "
+             "only the rest; each cached conversation costs the memory of one more session "
+             "(docs/operations.md, \"Prefix cache\"); 0 turns it off (default: the "
+             "per-session context, --ctx / --max-sessions, on a worker serving the whole "
+             "model; 0 on a layer range, where every hop of a chain must hold the same "
+             "prefixes)")
     opts.add("--lookahead", choices=("auto", "generate", "off"), default="auto",
              help="compute a session's next step ahead, in the engine's thread, while "
              "the last result is sent: for Generate and for clients that decode the "
@@ -231,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         use_extra_bufts=args.extra_bufts,
         batch_tokens=args.batch_tokens,
         max_batch_sessions=args.max_batch_sessions,
+        prefix_cache_tokens=prefix_cache_budget(args, whole_model=served.layers is None),
     )
     model_name = args.model_name if args.model_name is not None else served.name
     log.info("model: %s", served.path)
@@ -259,6 +269,15 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return fail(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}")
     return 0
+
+
+def prefix_cache_budget(args: argparse.Namespace, *, whole_model: bool) -> int:
+    """``--prefix-cache-tokens``, or its default: one session's context on a worker serving the
+    whole model (a chat's previous turn stays cached: one more session's KV), 0 on a layer
+    range (a chain's hops would each have to hold the same prefixes)."""
+    if args.prefix_cache_tokens is not None:
+        return int(args.prefix_cache_tokens)
+    return args.ctx // args.max_sessions if whole_model else 0
 
 
 def print_config(options: Sequence[EnvOption], args: argparse.Namespace) -> int:

@@ -21,8 +21,10 @@ def prefill_request(
     all_logits: bool = False,
     echo_tokens: bool = False,
     parse_special: bool = False,
+    token_ids: Sequence[int] | None = None,
 ) -> pb.Prefill:
-    """A prompt (the first of token ids, text, hidden states given) at ``position``."""
+    """A prompt (the first of token ids, text, hidden states given) at ``position``;
+    ``token_ids``: the ids hidden states stand for (``Prefill.token_ids``)."""
     p = pb.Prefill(top_logprobs=top_logprobs, chunk_tokens=chunk_tokens, all_logits=all_logits,
                    echo_tokens=echo_tokens, parse_special=parse_special)
     if tokens is not None:
@@ -31,6 +33,8 @@ def prefill_request(
         p.text = text
     elif hidden_states is not None:
         p.hidden_states.CopyFrom(hidden_states)
+        if token_ids is not None:
+            p.token_ids.extend(token_ids)
     if position is not None:
         p.position.value = position
     if sampling is not None:
@@ -40,14 +44,16 @@ def prefill_request(
 
 def decode_request(
     token: int | None, hidden_state: pb.Tensor | None, sampling: pb.SamplingParams | None,
-    top_logprobs: int, relay_tag: int,
+    top_logprobs: int, relay_tag: int, token_id: int | None = None,
 ) -> pb.Decode:
-    """One position: a token id or one hidden-state row."""
+    """One position: a token id or one hidden-state row (``token_id``: the id it stands for)."""
     d = pb.Decode(top_logprobs=top_logprobs, relay_tag=relay_tag)
     if token is not None:
         d.token = token
     elif hidden_state is not None:
         d.hidden_state.CopyFrom(hidden_state)
+        if token_id is not None:
+            d.has_token_id, d.token_id = True, token_id
     if sampling is not None:
         d.sampling.CopyFrom(sampling)
     return d

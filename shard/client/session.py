@@ -240,14 +240,15 @@ class ClientSession:
     def _prefill_msg(
         self, tokens: Sequence[int] | None, text: str | None, hidden_states: np.ndarray | None,
         position: int | None, sampling: pb.SamplingParams | None, top_logprobs: int,
-        chunk_tokens: int = 0, **flags: bool,
+        chunk_tokens: int = 0, token_ids: Sequence[int] | None = None, **flags: bool,
     ) -> pb.SessionRequest:
         """A ``Prefill`` request, hidden states (used when neither ``tokens`` nor ``text`` is
         given) in this session's wire dtype; ``flags``: ``prefill_request``'s."""
         rows = (convert.array_to_tensor(hidden_states, self.hidden_dtype)
                 if tokens is None and text is None and hidden_states is not None else None)
         return self._request(prefill=prefill_request(
-            tokens, text, rows, position, sampling, top_logprobs, chunk_tokens, **flags))
+            tokens, text, rows, position, sampling, top_logprobs, chunk_tokens,
+            token_ids=token_ids, **flags))
 
     async def prefill(
         self,
@@ -259,13 +260,17 @@ class ClientSession:
         sampling: pb.SamplingParams | None = None,
         top_logprobs: int = 0,
         all_logits: bool = False,
+        token_ids: Sequence[int] | None = None,
     ) -> pb.StepResult:
         """Write a prompt (token ids, text, or float32 [n, n_embd] hidden states, sent in
         ``hidden_dtype``) at ``position`` (default: append at the session's end). ``all_logits``
         (a last shard reporting ``max_logits_positions``): one ``Logits`` per position in
-        ``position_logits``, for verifying drafted tokens."""
+        ``position_logits``, for verifying drafted tokens. ``token_ids`` with hidden states:
+        the ids they stand for, more than the rows when the hop before took the first ones from
+        its prefix cache (``Prefill.token_ids``)."""
         return await self._one_step(self._prefill_msg(
-            tokens, text, hidden_states, position, sampling, top_logprobs, all_logits=all_logits
+            tokens, text, hidden_states, position, sampling, top_logprobs, all_logits=all_logits,
+            token_ids=token_ids,
         ))
 
     def prefill_chunks(
@@ -280,6 +285,7 @@ class ClientSession:
         top_logprobs: int = 0,
         echo_tokens: bool = False,
         parse_special: bool = False,
+        token_ids: Sequence[int] | None = None,
     ) -> StepStream:
         """Like ``prefill``, but the worker computes ``chunk_tokens`` positions at a time and
         sends each chunk's result as soon as it is done: iterate for one ``StepResult`` per
@@ -291,7 +297,7 @@ class ClientSession:
             raise ValueError("chunk_tokens must be >= 1")
         return StepStream(self, self._prefill_msg(
             tokens, text, hidden_states, position, sampling, top_logprobs, chunk_tokens,
-            echo_tokens=echo_tokens, parse_special=parse_special,
+            token_ids=token_ids, echo_tokens=echo_tokens, parse_special=parse_special,
         ))
 
     async def decode(
@@ -302,20 +308,24 @@ class ClientSession:
         sampling: pb.SamplingParams | None = None,
         top_logprobs: int = 0,
         relay_tag: int = 0,
+        token_id: int | None = None,
     ) -> pb.StepResult:
-        """Append one token (or one hidden-state row [1, n_embd]) and compute one step
-        (``relay_tag``: a chain relay's direct return, see ``send_ahead``)."""
+        """Append one token (or one hidden-state row [1, n_embd], ``token_id`` the id it stands
+        for) and compute one step (``relay_tag``: a chain relay's direct return, see
+        ``send_ahead``)."""
         return await self._one_step(
-            self._decode_msg(token, hidden_state, sampling, top_logprobs, relay_tag)
+            self._decode_msg(token, hidden_state, sampling, top_logprobs, relay_tag, token_id)
         )
 
     def _decode_msg(
         self, token: int | None, hidden_state: np.ndarray | None,
         sampling: pb.SamplingParams | None, top_logprobs: int, relay_tag: int,
+        token_id: int | None = None,
     ) -> pb.SessionRequest:
         tensor = (None if token is not None or hidden_state is None
                   else convert.array_to_tensor(hidden_state, self.hidden_dtype))
-        return self._request(decode=decode_request(token, tensor, sampling, top_logprobs, relay_tag))
+        return self._request(decode=decode_request(token, tensor, sampling, top_logprobs,
+                                                   relay_tag, token_id))
 
     async def rewind(self, position: int) -> int:
         """Drop the session's positions from ``position`` on, computing nothing (a worker that
@@ -344,7 +354,7 @@ class ClientSession:
 
     async def send_ahead(
         self, *, hidden_state: np.ndarray, sampling: pb.SamplingParams | None = None,
-        top_logprobs: int = 0, relay_tag: int = 0,
+        top_logprobs: int = 0, relay_tag: int = 0, token_id: int | None = None,
     ) -> None:
         """Send a Decode without reading its answer (``read_ahead`` does, in order).
 
@@ -357,7 +367,8 @@ class ClientSession:
             raise ShardError(ErrorCode.ILLEGAL_TRANSITION, "a step is pending on this session",
                              session_id=self.session_id)
         await self._top_up()
-        await self._send(self._decode_msg(None, hidden_state, sampling, top_logprobs, relay_tag))
+        await self._send(self._decode_msg(None, hidden_state, sampling, top_logprobs, relay_tag,
+                                          token_id))
 
     async def read_ahead(self) -> pb.StepResult:
         """The answer to the oldest unanswered ``send_ahead``; its step error is raised."""

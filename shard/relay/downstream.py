@@ -18,7 +18,7 @@ reached is logged once and then ignored (the chain's answers carry every result 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -86,29 +86,34 @@ class NextHop:
 
     async def prefill(
         self, rows: np.ndarray, first: int, sampling: pb.SamplingParams, top_logprobs: int,
-        all_logits: bool = False,
+        all_logits: bool = False, token_ids: Sequence[int] | None = None,
     ) -> pb.StepResult:
-        """Rows written at ``first`` (whatever the hop holds from there is dropped)."""
+        """Rows written at ``first`` (whatever the hop holds from there is dropped), with the
+        token ids they stand for (``Prefill.token_ids``) when known."""
         return await self._answer(lambda: self._session.prefill(
             hidden_states=rows, position=first, sampling=sampling, top_logprobs=top_logprobs,
-            all_logits=all_logits))
+            all_logits=all_logits, token_ids=token_ids))
 
     async def decode(
         self, row: np.ndarray, sampling: pb.SamplingParams, top_logprobs: int, relay_tag: int = 0,
+        token_id: int | None = None,
     ) -> pb.StepResult:
         """One row appended at the hop's end."""
         return await self._answer(lambda: self._session.decode(
-            hidden_state=row, sampling=sampling, top_logprobs=top_logprobs, relay_tag=relay_tag))
+            hidden_state=row, sampling=sampling, top_logprobs=top_logprobs, relay_tag=relay_tag,
+            token_id=token_id))
 
     async def send_decode(
         self, row: np.ndarray, sampling: pb.SamplingParams, top_logprobs: int, relay_tag: int,
+        token_id: int | None = None,
     ) -> None:
         """A Decode sent without waiting for its answer (``read_answer``; at most two
         unanswered: the hop queues one behind the running one)."""
         await self._after_cancels()
         try:
             await self._session.send_ahead(hidden_state=row, sampling=sampling,
-                                           top_logprobs=top_logprobs, relay_tag=relay_tag)
+                                           top_logprobs=top_logprobs, relay_tag=relay_tag,
+                                           token_id=token_id)
         except ShardError as err:
             raise self.named(err) from None
         self.busy += 1

@@ -64,8 +64,9 @@ class ChainLedger(Positions):
         raise AssertionError("a routed session is never resumed")
 
     def computed(self, position: int, result: StepResult) -> None:
-        """This engine computed rows ``[first, n_past)`` (``first = position + reused``)."""
-        first = result.n_past - result.tokens_processed
+        """This engine holds ``[first, n_past)`` anew (``first = position + reused``: computed
+        or copied from its prefix cache; the next hop takes the copied ones from its own)."""
+        first = result.n_past - result.tokens_processed - result.cached_tokens
         self.engine = result.n_past
         self.synced = min(self.synced, first)
         self.delivered = min(self.delivered, position)

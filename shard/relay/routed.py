@@ -39,7 +39,7 @@ from shard.engine import DecodeRequest, PrefillRequest, SamplingParams, StepResu
 from shard.v1 import shard_pb2 as pb
 
 from shard.rpc.errors import ErrorCode, ShardError
-from shard.rpc.session import Generation, StepHost, generate, return_refused
+from shard.rpc.session import Generation, StepHost, count_prefill, generate, return_refused
 from .downstream import NextHop
 from .ledger import ChainLedger
 from .returns import DirectReturns, Slot
@@ -80,6 +80,8 @@ class RoutedSession:
         self.ledger = ChainLedger()
         self.positions = self.ledger
         self.kv_capacity = down.kv_capacity
+        #: The token ids of the generation step just computed (what its rows stand for).
+        self._step_ids: tuple[int, ...] = ()
 
     # ---- the Routed protocol ---------------------------------------------------------------
 
@@ -135,22 +137,31 @@ class RoutedSession:
 
     async def _forward(
         self, rows: np.ndarray, first: int, sampling: pb.SamplingParams, top_logprobs: int,
-        *, all_logits: bool = False, relay_tag: int = 0,
+        *, all_logits: bool = False, relay_tag: int = 0, cached: int = 0,
+        ids: Sequence[int] | None = None,
     ) -> pb.StepResult:
         """Rows computed here from ``first`` go to the next hop, at ``first``: one row appended
-        (a Decode) when that is where its end will be, else written there (a Prefill). Returns the
-        last shard's answer; the ledger records what the next hop holds either way."""
-        appends = self.ledger.sending(first, int(rows.shape[0]))
+        (a Decode) when that is where its end will be, else written there (a Prefill). ``ids``:
+        the token ids of the step's input from its first position on, of which the ``cached``
+        positions before ``first`` (copied here from the prefix cache, so without rows) go as
+        ids only: the next hop takes them from its own cache. Returns the last shard's answer;
+        the ledger records what the next hop holds either way."""
+        n = int(rows.shape[0])
+        start = first - cached
+        send_ids = None if ids is None else ids[len(ids) - n - cached :]
+        appends = self.ledger.sending(start, n + cached)
         try:
-            if appends and first > 0 and rows.shape[0] == 1 and not all_logits:
-                final = await self.down.decode(rows, sampling, top_logprobs, relay_tag)
+            if appends and start > 0 and n == 1 and not cached and not all_logits:
+                final = await self.down.decode(rows, sampling, top_logprobs, relay_tag,
+                                               None if send_ids is None else send_ids[0])
             else:
-                final = await self.down.prefill(rows, first, sampling, top_logprobs, all_logits)
+                final = await self.down.prefill(rows, start, sampling, top_logprobs, all_logits,
+                                                send_ids)
         except ShardError as err:
             await self._failed_downstream(err)
             raise
-        self._check_answer(final, first + int(rows.shape[0]))
-        self.ledger.forwarded(first, final.n_past, final.logits.token_id)
+        self._check_answer(final, first + n)
+        self.ledger.forwarded(start, final.n_past, final.logits.token_id)
         return final
 
     def _check_answer(self, final: pb.StepResult, n_past: int) -> None:
@@ -183,6 +194,7 @@ class RoutedSession:
         msg.start_position = start
         msg.tokens_processed = mine.tokens_processed
         msg.reused_tokens = mine.reused_tokens
+        msg.cached_tokens = mine.cached_tokens
         msg.finish_reason = finish  # type: ignore[assignment]
         msg.more_chunks = False
         if input_tokens is not None:  # Prefill.echo_tokens: this worker tokenized the text
@@ -191,13 +203,15 @@ class RoutedSession:
         self.ledger.sent(final.n_past)
 
     async def _compute_decode(
-        self, token: int | None, hidden: np.ndarray | None, sampling: SamplingParams, top_k: int
+        self, token: int | None, hidden: np.ndarray | None, sampling: SamplingParams, top_k: int,
+        token_id: int | None = None,
     ) -> StepResult:
         """One position appended at this engine's end (which is ahead of the chain's while a
-        direct return runs a step ahead)."""
+        direct return runs a step ahead); ``token_id``: what a hidden row stands for."""
         host = self.host
         return await host.engine_call(host.engine.decode, DecodeRequest(
-            host.session_id, token=token, hidden_state=hidden, sampling=sampling, top_k_logprobs=top_k))
+            host.session_id, token=token, hidden_state=hidden, sampling=sampling, top_k_logprobs=top_k,
+            token_id=token_id))
 
     # ---- Prefill, Decode, Generate ---------------------------------------------------------
 
@@ -205,28 +219,27 @@ class RoutedSession:
         """Pipelined as the client relay is: this engine computes chunk i+1 while the next hop
         takes chunk i (a channel of one chunk between the two tasks)."""
         host = self.host
-        position, sampling, tokens, hidden, n = await host.prefill_input(p)
-        chunk = p.chunk_tokens or max(n, 1)
-        echo = (list(tokens) if p.WhichOneof("input") == "text" and p.echo_tokens
-                and tokens is not None else None)
+        inp = await host.prefill_input(p)
+        ids = inp.tokens if inp.tokens is not None else inp.token_ids
+        echo = (list(inp.tokens) if p.WhichOneof("input") == "text" and p.echo_tokens
+                and inp.tokens is not None else None)
         failed: list[ShardError] = []
         send, recv = trio.open_memory_channel[tuple[StepResult, int]](1)
 
         async def compute() -> None:
             async with send:
                 try:
-                    for offset in range(0, max(n, 1), chunk):
+                    chunks = inp.chunks(p.chunk_tokens)
+                    for start, stop in chunks:
                         with host.cancellable():
                             await host.take_credit()
-                            result = await host.engine_call(host.engine.prefill, PrefillRequest(
-                                host.session_id,
-                                None if tokens is None else tokens[offset : offset + chunk],
-                                None if hidden is None else hidden[offset : offset + chunk],
-                                position=position + offset, sampling=sampling,
-                                top_k_logprobs=p.top_logprobs,
-                            ))
+                            result = await host.engine_call(host.engine.prefill, inp.request(
+                                host.session_id, start, stop, top_k_logprobs=p.top_logprobs))
+                        if start == 0:
+                            await host.first_chunk(inp, result)
+                        chunks.took(result, start, stop)
                         try:
-                            await send.send((result, position + offset))
+                            await send.send((result, inp.position + start))
                         except trio.BrokenResourceError:
                             return  # the forward failed: its error is the request's
                 except ShardError as err:  # computed chunks are still forwarded, then it raises
@@ -237,8 +250,11 @@ class RoutedSession:
             async with recv:
                 async for result, start in recv:
                     try:  # verification (all_logits): the last shard's
-                        final = await self._forward(_rows(result), first_row(result), p.sampling,
-                                                    p.top_logprobs, all_logits=p.all_logits)
+                        final = await self._forward(
+                            _rows(result), first_row(result), p.sampling, p.top_logprobs,
+                            all_logits=p.all_logits, cached=result.cached_tokens,
+                            ids=None if ids is None
+                            else ids[start - inp.position : result.n_past - inp.position])
                     except ShardError as err:  # the next hop's: stop computing, it is the error
                         failed.insert(0, err)
                         nursery.cancel_scope.cancel()
@@ -246,8 +262,7 @@ class RoutedSession:
                     await self._answer(final, start, result,
                                        input_tokens=echo if sent == 0 else None)
                     sent += 1
-                    usage.prompt_tokens += result.tokens_processed
-                    usage.reused_tokens += result.reused_tokens
+                    count_prefill(usage, result)
 
         # Neither task raises a ShardError out of the nursery: a failure is recorded and the
         # other task cancelled, so the request ends with one error, never a group (a group of
@@ -260,13 +275,14 @@ class RoutedSession:
 
     async def _decode(self, d: pb.Decode, usage: pb.Usage) -> None:
         host = self.host
-        sampling, token, hidden = host.decode_input(d)
+        sampling, token, hidden, token_id = host.decode_input(d)
         with host.cancellable():
             await host.take_credit()
             start = self.ledger.end
-            result = await self._compute_decode(token, hidden, sampling, d.top_logprobs)
+            result = await self._compute_decode(token, hidden, sampling, d.top_logprobs, token_id)
+        own = token if token is not None else token_id
         final = await self._forward(_rows(result), first_row(result), d.sampling, d.top_logprobs,
-                                    relay_tag=d.relay_tag)
+                                    relay_tag=d.relay_tag, ids=None if own is None else (own,))
         await self._answer(final, start, result, usage_follows=True)
         usage.generated_tokens += 1
 
@@ -294,17 +310,21 @@ class RoutedSession:
     async def compute(self, run: Generation) -> StepResult:
         host, g = self.host, run.request
         if run.prompt_step:
+            assert run.prompt is not None
+            self._step_ids = run.prompt
             return await host.engine_call(host.engine.prefill, PrefillRequest(
                 host.session_id, run.prompt, position=self.ledger.end, sampling=run.sampling,
                 top_k_logprobs=g.top_logprobs,
             ))
         token = self.ledger.next_token
         assert token is not None
+        self._step_ids = (token,)
         return await self._compute_decode(token, None, run.sampling, g.top_logprobs)
 
     async def forward(self, run: Generation, mine: StepResult) -> pb.StepResult:
         g = run.request
-        return await self._forward(_rows(mine), first_row(mine), g.sampling, g.top_logprobs)
+        return await self._forward(_rows(mine), first_row(mine), g.sampling, g.top_logprobs,
+                                   cached=mine.cached_tokens, ids=self._step_ids)
 
     async def send(self, run: Generation, answer: StepResult | pb.StepResult, start: int,
                    mine: StepResult) -> None:
@@ -385,7 +405,8 @@ class RoutedSession:
                         slot = returns.expect(first)
                         mine[slot.tag] = result
                         try:
-                            await down.send_decode(_rows(result), g.sampling, g.top_logprobs, slot.tag)
+                            await down.send_decode(_rows(result), g.sampling, g.top_logprobs,
+                                                   slot.tag, token)
                         except BaseException:
                             returns.forget(slot)  # no answer will come for it
                             mine.pop(slot.tag, None)

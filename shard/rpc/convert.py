@@ -155,6 +155,7 @@ def step_to_proto(
         tokens_processed=result.tokens_processed,
         reused_tokens=result.reused_tokens,
         start_position=start_position,
+        cached_tokens=result.cached_tokens,
     )
     if result.logits is not None:
         msg.logits.CopyFrom(logits_to_proto(result.logits))
@@ -175,6 +176,8 @@ def token_response(result: StepResult, step: int, start_position: int, finish: i
     msg.tokens_processed = result.tokens_processed
     if result.reused_tokens:
         msg.reused_tokens = result.reused_tokens
+    if result.cached_tokens:
+        msg.cached_tokens = result.cached_tokens
     msg.start_position = start_position
     lg = result.logits
     assert lg is not None
@@ -242,6 +245,8 @@ def capabilities_to_proto(
             special_texts=caps.chat.special_texts,
         ),
         parse_special=caps.is_first,
+        prefix_cache_tokens=caps.prefix_cache_tokens,
+        prefix_cache_detail=caps.prefix_cache_detail,
     )
 
 

@@ -102,7 +102,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout", "prefix_cache_tokens", "prefix_cache_detail")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,8 @@ class GetCapabilitiesResponse(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -175,7 +177,9 @@ class GetCapabilitiesResponse(_message.Message):
     model_name: str
     session_handoff: bool
     kv_layout: str
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    prefix_cache_tokens: int
+    prefix_cache_detail: str
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_detail: _Optional[str] = ...) -> None: ...
 
 class ChatTemplate(_message.Message):
     __slots__ = ("template", "bos_token", "eos_token", "eot_token", "add_bos", "special_texts")
@@ -450,7 +454,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens", "all_logits", "echo_tokens", "parse_special")
+    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens", "all_logits", "echo_tokens", "parse_special", "token_ids")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -461,6 +465,7 @@ class Prefill(_message.Message):
     ALL_LOGITS_FIELD_NUMBER: _ClassVar[int]
     ECHO_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     hidden_states: Tensor
     text: str
@@ -471,21 +476,26 @@ class Prefill(_message.Message):
     all_logits: bool
     echo_tokens: bool
     parse_special: bool
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ..., echo_tokens: _Optional[bool] = ..., parse_special: _Optional[bool] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ..., echo_tokens: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Decode(_message.Message):
-    __slots__ = ("token", "hidden_state", "sampling", "top_logprobs", "relay_tag")
+    __slots__ = ("token", "hidden_state", "sampling", "top_logprobs", "relay_tag", "has_token_id", "token_id")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RELAY_TAG_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     token: int
     hidden_state: Tensor
     sampling: SamplingParams
     top_logprobs: int
     relay_tag: int
-    def __init__(self, token: _Optional[int] = ..., hidden_state: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., relay_tag: _Optional[int] = ...) -> None: ...
+    has_token_id: bool
+    token_id: int
+    def __init__(self, token: _Optional[int] = ..., hidden_state: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., relay_tag: _Optional[int] = ..., has_token_id: _Optional[bool] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class Generate(_message.Message):
     __slots__ = ("tokens", "text", "sampling", "max_tokens", "stop_tokens", "ignore_eos", "top_logprobs", "parse_special", "yield_on_drain")
@@ -604,7 +614,7 @@ class Logits(_message.Message):
     def __init__(self, top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., piece: _Optional[bytes] = ..., is_eog: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "n_past", "tokens_processed", "reused_tokens", "logits", "hidden_states", "start_position", "finish_reason", "more_chunks", "position_logits", "input_tokens")
+    __slots__ = ("step", "n_past", "tokens_processed", "reused_tokens", "logits", "hidden_states", "start_position", "finish_reason", "more_chunks", "position_logits", "input_tokens", "cached_tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
@@ -616,6 +626,7 @@ class StepResult(_message.Message):
     MORE_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     POSITION_LOGITS_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     n_past: int
     tokens_processed: int
@@ -627,19 +638,22 @@ class StepResult(_message.Message):
     more_chunks: bool
     position_logits: _containers.RepeatedCompositeFieldContainer[Logits]
     input_tokens: TokenIds
-    def __init__(self, step: _Optional[int] = ..., n_past: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., more_chunks: _Optional[bool] = ..., position_logits: _Optional[_Iterable[_Union[Logits, _Mapping]]] = ..., input_tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, step: _Optional[int] = ..., n_past: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., logits: _Optional[_Union[Logits, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., start_position: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., more_chunks: _Optional[bool] = ..., position_logits: _Optional[_Iterable[_Union[Logits, _Mapping]]] = ..., input_tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "reused_tokens", "n_past")
+    __slots__ = ("prompt_tokens", "generated_tokens", "reused_tokens", "n_past", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     N_PAST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     reused_tokens: int
     n_past: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., n_past: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., n_past: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SessionClosed(_message.Message):
     __slots__ = ("reason", "totals", "kv_retained", "resume_ttl_ms")

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from .call import SessionCall
 from .credit import UNLIMITED_CREDIT
-from .generation import Generation, StepSource, count_generated, generate, stop_rules
+from .generation import Generation, StepSource, count_generated, count_prefill, generate, stop_rules
 from .limits import LOOKAHEAD_MODES, MAX_SESSION_ID_BYTES, SessionLimits
 from .outbox import Responses
 from .phase import Phase, StreamEnd
@@ -82,6 +82,7 @@ __all__ = [
     "StreamEnd",
     "UNLIMITED_CREDIT",
     "count_generated",
+    "count_prefill",
     "generate",
     "return_refused",
     "stop_rules",

@@ -360,7 +360,7 @@ class SessionCall(Lifecycle):
             else:
                 self._registry.count_error(err.code)
             await self._outbox.respond(pb.SessionResponse(error=err.to_proto()))
-        for field in ("prompt_tokens", "generated_tokens", "reused_tokens"):
+        for field in ("prompt_tokens", "generated_tokens", "reused_tokens", "cached_tokens"):
             setattr(self._totals, field, getattr(self._totals, field) + getattr(usage, field))
         if self.ctx.version >= (1, 1):
             usage.n_past = self.positions.end  # what the session holds now, also after a failure

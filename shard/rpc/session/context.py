@@ -131,11 +131,8 @@ class StepContext:
 
     # ---- checked input -------------------------------------------------------------------
 
-    async def prefill_input(
-        self, p: pb.Prefill
-    ) -> tuple[int, SamplingParams, tuple[int, ...] | None, np.ndarray | None, int]:
-        """A Prefill's checked input, before any engine work: (position, sampling, tokens or
-        hidden rows, positions)."""
+    async def prefill_input(self, p: pb.Prefill) -> inputs.PrefillInput:
+        """A Prefill's checked input, before any engine work."""
         caps, sid = self.caps, self.session_id
         end = self.positions.end
         position = p.position.value if p.HasField("position") else end
@@ -144,6 +141,8 @@ class StepContext:
         sampling = convert.sampling_from_proto(p.sampling, sid)
         which = p.WhichOneof("input")
         tokens = hidden = None
+        ids: tuple[int, ...] | None = None
+        lead = 0
         if which == "tokens":
             self._check_room(position, len(p.tokens.ids))  # before copying millions of ids
             tokens = tuple(p.tokens.ids)
@@ -152,6 +151,8 @@ class StepContext:
                                           parse_special=p.parse_special)
         elif which == "hidden_states":
             hidden = convert.tensor_to_array(p.hidden_states, caps.n_embd, sid, dtype=self._wire_dtype)
+            if p.token_ids:
+                hidden, ids, lead = inputs.hidden_ids(hidden, p.token_ids, position, end, sid)
         else:
             raise convert.invalid("Prefill needs tokens, text or hidden_states", sid)
         inputs.check_row_fits(caps, self.outbox.max_message_bytes, sid)
@@ -159,12 +160,13 @@ class StepContext:
         # Before any chunk is computed: a prompt in chunks that cannot fit is refused whole (it
         # used to be refused at the first chunk past the context, the earlier ones computed).
         self._check_room(position, n)
-        return position, sampling, tokens, hidden, n
+        return inputs.PrefillInput(position, sampling, tokens, hidden, ids, n, lead)
 
     def decode_input(
         self, d: pb.Decode
-    ) -> tuple[SamplingParams, int | None, np.ndarray | None]:
-        """A Decode's checked input: (sampling, token or one hidden row)."""
+    ) -> tuple[SamplingParams, int | None, np.ndarray | None, int | None]:
+        """A Decode's checked input: (sampling, token or one hidden row, the id that row
+        stands for if the client sent it)."""
         caps, sid = self.caps, self.session_id
         sampling = convert.sampling_from_proto(d.sampling, sid)
         which = d.WhichOneof("input")
@@ -177,7 +179,8 @@ class StepContext:
         else:
             raise convert.invalid("Decode needs a token or a hidden_state", sid)
         inputs.check_row_fits(caps, self.outbox.max_message_bytes, sid)
-        return sampling, token, hidden
+        token_id = d.token_id if hidden is not None and d.has_token_id else None
+        return sampling, token, hidden, token_id
 
     async def generate_input(
         self, g: pb.Generate
@@ -235,6 +238,7 @@ class StepContext:
         sampling: SamplingParams,
         top_k: int,
         lookahead: Lookahead | None = None,
+        token_id: int | None = None,
     ) -> StepResult:
         """Append one position at the logical end.
 
@@ -249,6 +253,7 @@ class StepContext:
                 tokens=None if token is None else (token,),
                 hidden_states=hidden,
                 position=end,
+                token_ids=None if token_id is None else (token_id,),
                 sampling=sampling,
                 top_k_logprobs=top_k,
                 lookahead=lookahead,
@@ -263,6 +268,7 @@ class StepContext:
                 sampling=sampling,
                 top_k_logprobs=top_k,
                 lookahead=lookahead,
+                token_id=token_id,
             ),
         )
 
@@ -312,6 +318,14 @@ class StepContext:
         except EngineError:
             return  # released or the engine failed: the stream ends anyway
         self.positions.resync(held)
+
+    async def first_chunk(self, inp: inputs.PrefillInput, result: StepResult) -> None:
+        """After a prefill's first step: positions that came without rows were taken from this
+        engine's cache, or the step is dropped (``PREFIX_NOT_CACHED``; the session holds what
+        it held before)."""
+        if inp.lead and inp.lead_missed(result):
+            await self.truncate_engine(inp.position)
+            raise inputs.prefix_not_cached(inp.lead, self.session_id)
 
     async def truncate_engine(self, keep: int) -> None:
         """Drop the engine's positions from ``keep`` on (nothing if it holds no more)."""

@@ -25,12 +25,19 @@ from .protocols import SessionHost, StepHost
 UNFINISHED = pb.FINISH_REASON_UNSPECIFIED
 
 
+def count_prefill(usage: pb.Usage, result: StepResult) -> None:
+    """A delivered prefill step's input in the request's ``Usage``: positions computed, held
+    by the session already, and copied from the prefix cache."""
+    usage.prompt_tokens += result.tokens_processed
+    usage.reused_tokens += result.reused_tokens
+    usage.cached_tokens += result.cached_tokens
+
+
 def count_generated(usage: pb.Usage, result: StepResult, *, prompt_step: bool) -> None:
     """A Generate's token delivered: the request's ``Usage`` counts it (and, for the step that
-    prefilled the prompt, the prompt's positions computed and reused)."""
+    prefilled the prompt, the prompt's input)."""
     if prompt_step:
-        usage.prompt_tokens += result.tokens_processed
-        usage.reused_tokens += result.reused_tokens
+        count_prefill(usage, result)
     usage.generated_tokens += 1
 
 

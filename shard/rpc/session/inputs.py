@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
-from shard.engine import Capabilities, ContextExceeded, KvCacheFull
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from shard.engine import Capabilities, ContextExceeded, KvCacheFull, PrefillRequest, SamplingParams, StepResult
 from shard.v1 import shard_pb2 as pb
 
 from .. import convert
@@ -15,6 +20,96 @@ FLOAT32_BYTES = 4  # the widest wire dtype: a row never takes more than 4 * n_em
 #: A text longer than this many times ``max_token_bytes`` per position of room is refused
 #: before tokenization (slack for tokenizers that normalise text away, e.g. runs of spaces).
 TEXT_SLACK = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillInput:
+    """A Prefill's checked input: ``n`` positions from ``position``, as ``tokens`` or as hidden
+    rows (``hidden``) with the ids they stand for (``token_ids``, or None). The first ``lead``
+    positions came without rows (the hop before took them from its prefix cache): ``hidden``
+    holds zero rows there, which the engine must take from its own cache (``lead_missed``)."""
+
+    position: int
+    sampling: SamplingParams
+    tokens: tuple[int, ...] | None
+    hidden: np.ndarray | None
+    token_ids: tuple[int, ...] | None
+    n: int
+    lead: int = 0
+
+    def chunks(self, chunk_tokens: int) -> PrefillChunks:
+        """The engine steps of this input, ``chunk_tokens`` positions at a time (0: all)."""
+        return PrefillChunks(self.n, chunk_tokens or max(self.n, 1), self.lead)
+
+    def request(self, sid: str, start: int, stop: int, **options: object) -> PrefillRequest:
+        """The engine request of the chunk ``[start, stop)`` (``options``: sampling aside)."""
+        return PrefillRequest(
+            sid,
+            None if self.tokens is None else self.tokens[start:stop],
+            None if self.hidden is None else self.hidden[start:stop],
+            position=self.position + start, sampling=self.sampling,
+            token_ids=None if self.token_ids is None else self.token_ids[start:stop],
+            **options,  # type: ignore[arg-type]
+        )
+
+    def lead_missed(self, first: StepResult) -> bool:
+        """The first step computed some of the positions that came without rows (this engine's
+        cache did not hold them): its result is wrong and must be dropped."""
+        return first.reused_tokens + first.cached_tokens < self.lead
+
+
+class PrefillChunks:
+    """The ``[start, stop)`` offsets of a prefill's engine steps: ``chunk`` positions at a time,
+    the first also holding the positions that came without rows (``lead``). A step whose start
+    the prefix cache covered as far as it may (all but the one position a step computes) makes
+    the next one twice as long: a cached conversation takes a few steps instead of one copy
+    and one computed position per chunk (``took``)."""
+
+    __slots__ = ("_n", "_chunk", "_span")
+
+    def __init__(self, n: int, chunk: int, lead: int) -> None:
+        self._n, self._chunk, self._span = n, chunk, lead + chunk
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        start = 0
+        while True:
+            stop = min(self._n, start + self._span)
+            yield start, stop
+            if stop >= self._n:
+                return
+            start = stop
+
+    def took(self, result: StepResult, start: int, stop: int) -> None:
+        """The step ``[start, stop)`` returned ``result``."""
+        held = result.cached_tokens + result.reused_tokens
+        self._span = 2 * (stop - start) if result.cached_tokens and held >= stop - start - 1 else self._chunk
+
+
+def hidden_ids(
+    hidden: np.ndarray, ids: Sequence[int], position: int, end: int, sid: str
+) -> tuple[np.ndarray, tuple[int, ...], int]:
+    """Hidden rows with the ids they stand for (``Prefill.token_ids``): (rows, zero rows first
+    for any positions without rows, ids, how many came without rows)."""
+    rows = int(hidden.shape[0])
+    lead = len(ids) - rows
+    if lead < 0:
+        raise convert.invalid(f"{len(ids)} token_ids for {rows} hidden-state rows", sid)
+    if lead and position != end:
+        raise convert.invalid("token_ids beyond the rows need the prefill at the session end "
+                              f"({end}), not at {position}", sid)
+    if lead:
+        pad = np.zeros((lead, hidden.shape[1]), dtype=hidden.dtype)
+        hidden = np.concatenate([pad, hidden])
+    return hidden, tuple(ids), lead
+
+
+def prefix_not_cached(lead: int, sid: str) -> ShardError:
+    return ShardError(
+        ErrorCode.ILLEGAL_TRANSITION,
+        f"the first {lead} positions came without hidden states and this worker's prefix cache "
+        "does not hold them",
+        retryable=False, session_id=sid, reason="PREFIX_NOT_CACHED",
+    )
 
 
 def check_session_id(sid: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 import numpy as np
 import trio
@@ -30,6 +30,9 @@ from shard.v1 import shard_pb2 as pb
 
 from ..errors import ErrorCode, ShardError
 from ..positions import Positions
+
+if TYPE_CHECKING:
+    from .inputs import PrefillInput
 
 
 R = TypeVar("R", PrefillRequest, DecodeRequest)
@@ -116,11 +119,13 @@ class StepHost(Protocol):
 
     async def engine_call(self, fn: Callable[[R], Awaitable[StepResult]], request: R) -> StepResult: ...
 
-    async def prefill_input(
-        self, p: pb.Prefill
-    ) -> tuple[int, SamplingParams, tuple[int, ...] | None, np.ndarray | None, int]: ...
+    async def prefill_input(self, p: pb.Prefill) -> PrefillInput: ...
 
-    def decode_input(self, d: pb.Decode) -> tuple[SamplingParams, int | None, np.ndarray | None]: ...
+    async def first_chunk(self, inp: PrefillInput, result: StepResult) -> None: ...
+
+    def decode_input(
+        self, d: pb.Decode
+    ) -> tuple[SamplingParams, int | None, np.ndarray | None, int | None]: ...
 
     async def generate_input(self, g: pb.Generate) -> tuple[SamplingParams, tuple[int, ...] | None]: ...
 

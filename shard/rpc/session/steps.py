@@ -16,7 +16,7 @@ from shard.v1 import shard_pb2 as pb
 from .. import convert
 from ..errors import ErrorCode, ShardError
 from .context import StepContext
-from .generation import UNFINISHED, Generation, generate
+from .generation import UNFINISHED, Generation, count_prefill, generate
 from .protocols import Returner, SessionHost
 
 
@@ -24,37 +24,31 @@ async def prefill(ctx: StepContext, p: pb.Prefill, usage: pb.Usage) -> None:
     """One StepResult for the whole input, or one per ``chunk_tokens`` positions, each sent
     as soon as it is computed (a failed chunk leaves the earlier chunks in the session)."""
     sid = ctx.session_id
-    position, sampling, tokens, hidden, n = await ctx.prefill_input(p)
-    chunk = p.chunk_tokens or max(n, 1)
-    hint = ctx.client_hint() if tokens is not None and not p.all_logits else None
-    echo = tokens if p.WhichOneof("input") == "text" and p.echo_tokens else None
-    for offset in range(0, max(n, 1), chunk):
+    inp = await ctx.prefill_input(p)
+    hint = ctx.client_hint() if inp.tokens is not None and not p.all_logits else None
+    echo = inp.tokens if p.WhichOneof("input") == "text" and p.echo_tokens else None
+    chunks = inp.chunks(p.chunk_tokens)
+    for start, stop in chunks:
+        last = stop >= inp.n
         with ctx.cancellable():
             await ctx.take_credit()
-            result = await ctx.engine_call(
-                ctx.engine.prefill,
-                PrefillRequest(
-                    sid,
-                    None if tokens is None else tokens[offset : offset + chunk],
-                    None if hidden is None else hidden[offset : offset + chunk],
-                    position=position + offset, sampling=sampling,
-                    top_k_logprobs=p.top_logprobs,
-                    lookahead=hint if offset + chunk >= n else None,
-                    all_logits=p.all_logits,
-                ),
-            )
-        await ctx.send_step(result, position + offset, input_tokens=echo,
-                            usage_follows=offset + chunk >= n)
+            result = await ctx.engine_call(ctx.engine.prefill, inp.request(
+                sid, start, stop, top_k_logprobs=p.top_logprobs,
+                lookahead=hint if last else None, all_logits=p.all_logits,
+            ))
+        if start == 0:
+            await ctx.first_chunk(inp, result)
+        chunks.took(result, start, stop)
+        await ctx.send_step(result, inp.position + start, input_tokens=echo, usage_follows=last)
         echo = None
         # Counted once delivered: Usage reports only what the client received.
-        usage.prompt_tokens += result.tokens_processed
-        usage.reused_tokens += result.reused_tokens
+        count_prefill(usage, result)
 
 
 async def decode(ctx: StepContext, d: pb.Decode, usage: pb.Usage, returner: Returner | None) -> None:
     """One position appended (a token or a hidden row); a last hop of a direct-return route
     also hands its result to the route's return address (``returner``)."""
-    sampling, token, hidden = ctx.decode_input(d)
+    sampling, token, hidden, token_id = ctx.decode_input(d)
     if token is not None:
         ctx.follows = (ctx.positions.next_token is not None
                        and token == ctx.positions.next_token)
@@ -62,7 +56,7 @@ async def decode(ctx: StepContext, d: pb.Decode, usage: pb.Usage, returner: Retu
     with ctx.cancellable():
         await ctx.take_credit()
         start = ctx.positions.end
-        result = await ctx.decode_one(token, hidden, sampling, d.top_logprobs, hint)
+        result = await ctx.decode_one(token, hidden, sampling, d.top_logprobs, hint, token_id)
     if returner is not None and d.relay_tag and result.logits is not None:
         # the chain's first hop may start its next step before this reaches it up the chain
         returner.push(d.relay_tag, convert.step_to_proto(
