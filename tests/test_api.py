@@ -75,13 +75,14 @@ async def front_door(
     ranges: Sequence[LayerRange | None] = (None,), *, model: FakeModel = MODEL,
     max_sessions: int = 4, script: FakeScript | None = None, keys: TokenAuthenticator | None = None,
     timeout: float | None = TIMEOUT, relay: str = "client", speculate: int = 0,
-    tls: HttpTls | None = None, **app_kw: Any,
+    tls: HttpTls | None = None, prefix_cache_tokens: int = 0, **app_kw: Any,
 ) -> AsyncIterator[FrontDoor]:
     async with AsyncExitStack() as stack:
         workers = []
         for lr in ranges:
             engine = FakeEngine(model=model, script=script or FakeScript())
-            spec = LoadSpec(n_ctx=max_sessions * 512, max_sessions=max_sessions, layer_range=lr)
+            spec = LoadSpec(n_ctx=max_sessions * 512, max_sessions=max_sessions, layer_range=lr,
+                            prefix_cache_tokens=prefix_cache_tokens)
             relaying = None
             if relay == "chain":
                 from shard.relay import ChainRelay

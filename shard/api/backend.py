@@ -26,7 +26,7 @@ from typing import Protocol
 import trio
 
 from shard.chat import ChatTemplate, ChatTemplateError
-from shard.pipeline import Pipeline
+from shard.pipeline import Pipeline, PipelineResult
 from shard.pool import Pool
 from shard.pool import model_id as pool_model_id
 from shard.rpc.errors import ShardError
@@ -69,6 +69,9 @@ class Outcome:
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    #: Prompt positions the workers took from their prefix cache (OpenAI's
+    #: ``usage.prompt_tokens_details.cached_tokens``).
+    cached_tokens: int = 0
 
 
 class Routes(Protocol):
@@ -274,6 +277,7 @@ class Backend:
         counts = {"prompt": 0, "completion": 0}
         finish = pb.FINISH_REASON_UNSPECIFIED
         seed = request.seed if request.seed is not None else secrets.randbits(63)
+        got = PipelineResult()
 
         async def on_token(step: pb.StepResult) -> None:
             nonlocal finish
@@ -298,7 +302,7 @@ class Backend:
                     temperature=request.temperature, top_p=request.top_p, seed=seed,
                     top_logprobs=request.top_logprobs, timeout=self.timeout,
                     on_token=on_token, speculate=self.speculate,
-                    parse_special=request.parse_special, route=route,
+                    parse_special=request.parse_special, route=route, result=got,
                 )
 
         with trio.CancelScope() as scope:
@@ -314,7 +318,7 @@ class Backend:
             if delta:
                 await out.send(delta)
         reason = "length" if finish in _LENGTH and not text.stopped else "stop"
-        return Outcome(reason, counts["prompt"], counts["completion"])
+        return Outcome(reason, counts["prompt"], counts["completion"], got.cached_tokens)
 
 
 class Catalog:

@@ -22,7 +22,8 @@ __all__ = ["ChatReply", "CompletionReply", "Reply"]
 
 def _usage(outcome: Outcome) -> s.Usage:
     return s.Usage(prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
-                   total_tokens=outcome.prompt_tokens + outcome.completion_tokens)
+                   total_tokens=outcome.prompt_tokens + outcome.completion_tokens,
+                   prompt_tokens_details=s.PromptTokensDetails(cached_tokens=outcome.cached_tokens))
 
 
 class Reply:

@@ -190,10 +190,16 @@ class ChatCompletionRequest(GenerationRequest):
 # ---- responses ---------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    #: Prompt tokens taken from the workers' prefix cache rather than computed.
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class TopLogprob(BaseModel):

@@ -330,6 +330,7 @@ class Pipeline:
         drafter: Drafter | None = None,
         parse_special: bool = False,
         route: Sequence[str] | None = None,
+        result: PipelineResult | None = None,
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
@@ -354,6 +355,9 @@ class Pipeline:
         ``route``: the replica each hop starts on (one target per hop, each one of the hop's
         replicas), for this generation only; by default the one serving the hop now. A
         failover then moves this generation alone.
+
+        ``result``: the (empty) result to fill, so a caller that cancels the generation from
+        ``on_token`` still reads what it got (``prompt_tokens``, ``cached_tokens``).
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -374,7 +378,7 @@ class Pipeline:
             timeout = self.timeout
         deadline = absolute_deadline(timeout)
         blames = Blames(self.hops)
-        result = PipelineResult()
+        result = result if result is not None else PipelineResult()
         rules = StopRules.of(max_tokens, stop_tokens, ignore_eos)
         with self.batch_groups.member() as group, unwrap_single_exception():
             async with trio.open_nursery() as retirements:  # releases of failed-over sessions

@@ -156,6 +156,12 @@ class RowLog:
         self.dropped = True
         self._chunks = []
 
+    def gap(self, positions: int) -> None:
+        """``positions`` arrived without rows (the hop before took them from its prefix
+        cache): the log cannot replay the hop any more, but still counts positions."""
+        self.positions += positions
+        self.drop()
+
     def slices(self, max_rows: int) -> Iterator[np.ndarray]:
         """Every row so far, in order, as float32 arrays of at most ``max_rows`` rows (exact:
         float16 widens without loss); one slice is copied at a time."""

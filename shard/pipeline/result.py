@@ -20,6 +20,9 @@ class PipelineResult:
 
     steps: list[pb.StepResult] = field(default_factory=list)
     prompt_tokens: int = 0
+    #: Prompt positions the first hop took from its prefix cache instead of computing them
+    #: (``StepResult.cached_tokens``; every later hop took at least as many from its own).
+    cached_tokens: int = 0
     failovers: list[Failover] = field(default_factory=list)
     #: Passes through the chain: the prompt's, then one per decode or speculative step (a
     #: generation without speculation takes one per token).

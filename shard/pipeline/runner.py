@@ -54,6 +54,8 @@ class HopRunner:
         #: The prompt's token ids: the caller's, or a text's as the first shard tokenized it
         #: (``Prefill.echo_tokens``; None from a worker that does not echo them).
         self.prompt_ids: list[int] | None = None
+        #: Prompt positions this hop took from its prefix cache (``StepResult.cached_tokens``).
+        self.cached_tokens = 0
         #: Where the hop runs and how it moves; every step runs through its ``attempt``.
         self.failover = HopFailover(replicas, gen, self.history, route=route)
         # bound once, so a step reaches them in one call, as when they were the runner's
@@ -81,6 +83,8 @@ class HopRunner:
         failover the replacement computes the prompt again; what was emitted is not repeated)."""
         text = prompt if isinstance(prompt, str) else None
         tokens = None if isinstance(prompt, str) else list(prompt)
+        if tokens is not None:
+            self.prompt_ids = tokens
         emitted = 0
 
         async def action(session: ClientSession) -> None:
@@ -99,32 +103,56 @@ class HopRunner:
                 if out.rows is not None and out.start < emitted:
                     out = HopOutput(step, emitted, out.rows[emitted - out.start:])
                 emitted = step.n_past
+                self.cached_tokens += step.cached_tokens
                 await emit(out)
 
         await self._attempt(action)  # a replacement replays nothing: held stays 0 until here
         self.tokens.hold_prompt(prompt, emitted)
         self.history.held = emitted
 
-    async def prefill_rows(self, position: int, rows: np.ndarray) -> HopOutput:
-        """Later hop: prefill boundary ``rows`` at ``position``."""
+    async def prefill_rows(
+        self, position: int, rows: np.ndarray, ids: Sequence[int] | None = None
+    ) -> HopOutput:
+        """Later hop: prefill boundary ``rows`` at ``position``, with the token ids of the
+        positions from ``position`` on (``ids``: more than the rows when the hop before took
+        the first ones from its prefix cache, which this hop must then hold too)."""
+        lead = self._lead(rows, ids)
         out = await self._attempt(lambda s: self._step(s, lambda: s.prefill(
             hidden_states=rows, position=position, sampling=self.gen.sampling,
-            top_logprobs=self.gen.top_logprobs,
+            top_logprobs=self.gen.top_logprobs, token_ids=ids,
         )))
+        self.cached_tokens += out.step.cached_tokens
+        if lead and self.rows is not None:
+            self.rows.gap(lead)
         self._log_rows(rows)
         return out
 
+    def _lead(self, rows: np.ndarray, ids: Sequence[int] | None) -> int:
+        """Positions sent as ids only; refused before sending to a hop without a prefix cache
+        (a worker older than ``Prefill.token_ids`` would take the rows for those positions)."""
+        lead = 0 if ids is None else len(ids) - int(rows.shape[0])
+        reference = self._replicas.reference
+        if lead and (reference is None or not reference.prefix_cache_tokens):
+            raise ShardError(
+                ErrorCode.ILLEGAL_TRANSITION,
+                f"the hop before took {lead} positions from its prefix cache and this hop has "
+                "none (serve --prefix-cache-tokens on every hop of a chain, or on none)",
+                retryable=False, reason="PREFIX_NOT_CACHED")
+        return lead
+
     async def verify(
-        self, position: int, *, tokens: Sequence[int] | None = None, rows: np.ndarray | None = None
+        self, position: int, *, tokens: Sequence[int] | None = None,
+        rows: np.ndarray | None = None, ids: Sequence[int] | None = None,
     ) -> HopOutput:
         """A speculative step at ``position``: token ids (first hop) or boundary rows (later
         hops) written over whatever the session holds from there (the rejected drafts of the
         step before, on every hop alike). The last hop returns one ``Logits`` per position
         (``step.position_logits``, checked)."""
         n = len(tokens) if tokens is not None else int(rows.shape[0])  # type: ignore[union-attr]
+        lead = 0 if rows is None else self._lead(rows, ids)
         out = await self._attempt(lambda s: self._step(s, lambda: s.prefill(
             tokens, hidden_states=rows, position=position, sampling=self.gen.sampling,
-            top_logprobs=self.gen.top_logprobs, all_logits=self.last,
+            top_logprobs=self.gen.top_logprobs, all_logits=self.last, token_ids=ids,
         )))
         if self.last and len(out.step.position_logits) != n:
             raise PipelineError(self.hop, ShardError(
@@ -135,14 +163,20 @@ class HopRunner:
             self.tokens.write(position, tokens)
         elif self.rows is not None and self.session is not None:
             self.rows.truncate(position)
+            if lead:
+                self.rows.gap(lead)
             self.rows.append(rows, self.session.hidden_dtype)  # type: ignore[arg-type]
         return out
 
-    async def decode(self, *, token: int | None = None, row: np.ndarray | None = None) -> HopOutput:
-        """One position: a token id (first hop) or one boundary row (later hops)."""
+    async def decode(
+        self, *, token: int | None = None, row: np.ndarray | None = None,
+        token_id: int | None = None,
+    ) -> HopOutput:
+        """One position: a token id (first hop) or one boundary row (later hops; ``token_id``
+        the id it stands for)."""
         out = await self._attempt(lambda s: self._step(s, lambda: s.decode(
             token, hidden_state=row, sampling=self.gen.sampling,
-            top_logprobs=self.gen.top_logprobs,
+            top_logprobs=self.gen.top_logprobs, token_id=token_id,
         )))
         if token is not None:
             self.tokens.append(token)

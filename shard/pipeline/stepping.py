@@ -31,6 +31,9 @@ from .speculation import DraftPlanner, PassCost
 
 __all__ = ["decode", "prefill", "run", "verify"]
 
+#: A prefill chunk on its way to the next hop: (position, rows, the ids from position on).
+_Chunk = tuple[int, np.ndarray, Sequence[int] | None]
+
 
 
 async def run(
@@ -55,6 +58,7 @@ async def run(
             await runner.open()
     step = await prefill(runners, prompt, blames)
     result.prompt_tokens = step.n_past
+    result.cached_tokens = runners[0].cached_tokens
     result.traversals = 1
     # Drafting reads the prompt's ids (a text's as the first shard echoed them; none from a
     # worker that does not) and every token generated.
@@ -147,31 +151,34 @@ async def prefill(
     n = len(runners)
     last: list[pb.StepResult] = []
 
-    async def forward(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None, o: HopOutput) -> None:
+    async def forward(out: trio.MemorySendChannel[_Chunk] | None, o: HopOutput) -> None:
         if out is None:
             last[:] = [o.step]
         else:
             assert o.rows is not None
-            await out.send((o.start, o.rows))
+            # positions the hop took from its prefix cache go on as ids only (the next hop
+            # takes them from its own), then the rows with the ids they stand for
+            position = o.start - o.step.cached_tokens
+            ids = runners[0].prompt_ids
+            await out.send((position, o.rows,
+                            None if ids is None else ids[position : o.step.n_past]))
 
-    async def first(out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None) -> None:
+    async def first(out: trio.MemorySendChannel[_Chunk] | None) -> None:
         with Blame(runners[0], blames, nursery.cancel_scope):
             async with out if out is not None else nullcontext():  # closing ends the next hop
                 await runners[0].prefill_prompt(prompt, partial(forward, out))
 
     async def later(
-        k: int,
-        inbox: trio.MemoryReceiveChannel[tuple[int, np.ndarray]],
-        out: trio.MemorySendChannel[tuple[int, np.ndarray]] | None,
+        k: int, inbox: trio.MemoryReceiveChannel[_Chunk], out: trio.MemorySendChannel[_Chunk] | None,
     ) -> None:
         with Blame(runners[k], blames, nursery.cancel_scope):
             async with inbox, out if out is not None else nullcontext():
-                async for position, rows in inbox:
-                    await forward(out, await runners[k].prefill_rows(position, rows))
+                async for position, rows, ids in inbox:
+                    await forward(out, await runners[k].prefill_rows(position, rows, ids))
 
     with unwrap_single_exception():
         async with trio.open_nursery() as nursery:
-            channels = [trio.open_memory_channel[tuple[int, np.ndarray]](1) for _ in range(n - 1)]
+            channels = [trio.open_memory_channel[_Chunk](1) for _ in range(n - 1)]
             nursery.start_soon(first, channels[0][0] if n > 1 else None)
             for k in range(1, n):
                 out = channels[k][0] if k < n - 1 else None
@@ -196,7 +203,8 @@ async def verify(
     for runner in runners[1:]:
         with Blame(runner, blames):
             assert out.rows is not None
-            out = await runner.verify(out.start, rows=out.rows)
+            start = out.start - out.step.cached_tokens
+            out = await runner.verify(start, rows=out.rows, ids=tokens[start - position :])
     last = out.step
     start = last.n_past - len(last.position_logits)
     emitted: list[pb.StepResult] = []
@@ -215,5 +223,5 @@ async def decode(runners: list[HopRunner], token: int, blames: Blames) -> pb.Ste
         out = await runners[0].decode(token=token)
     for runner in runners[1:]:
         with Blame(runner, blames):
-            out = await runner.decode(row=out.rows)
+            out = await runner.decode(row=out.rows, token_id=token)
     return out.step
