@@ -249,12 +249,14 @@ async def test_every_hop_of_a_pipeline_takes_the_same_prefix(relay: str, chunk: 
             assert got[0][1] == 0 and held_after(0) - 3 <= got[1][1] <= held_after(0)
 
 
-async def test_a_hop_without_the_cache_refuses_what_it_cannot_hold() -> None:
+@pytest.mark.parametrize("relay", ["client", "chain"])
+async def test_a_hop_without_the_cache_refuses_what_it_cannot_hold(relay: str) -> None:
     """The first hop took positions from its cache, the next has none: the turn fails with
-    PREFIX_NOT_CACHED instead of computing from rows that were never sent."""
-    async with workers(HALVES, [BUDGET, 0]) as hops:
+    PREFIX_NOT_CACHED (the client, or the relaying worker, sends nothing) instead of the next
+    hop reading the rows as the first positions."""
+    async with workers(HALVES, [BUDGET, 0], relay=relay == "chain") as hops:
         targets = [h.target for h in hops]
-        async with Pipeline.connect(targets, timeout=TIMEOUT) as pipe:
+        async with Pipeline.connect(targets, timeout=TIMEOUT, relay=relay) as pipe:
             first = await pipe.generate(TURNS[0], max_tokens=N_NEW, ignore_eos=True)
             with pytest.raises(PipelineError) as info:
                 await pipe.generate([*TURNS[0], *first.tokens, *TURNS[1]], max_tokens=N_NEW,

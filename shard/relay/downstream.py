@@ -62,6 +62,9 @@ class NextHop:
         #: step behind the running one, so steps may be sent ahead of the previous answer.
         self.pipelined = pipelined
         self.rewinds = caps.session_rewind  # it takes Rewind
+        #: It has a prefix cache: positions this worker took from its own may go to it as ids
+        #: only (a worker without one, or older than the field, would misplace the rows).
+        self.caches = caps.prefix_cache_tokens > 0
         self._client = client
         self._session = session
         self._nursery = nursery

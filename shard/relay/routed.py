@@ -149,6 +149,12 @@ class RoutedSession:
         n = int(rows.shape[0])
         start = first - cached
         send_ids = None if ids is None else ids[len(ids) - n - cached :]
+        if cached and (send_ids is None or not self.down.caches):
+            raise self.down.named(ShardError(
+                ErrorCode.ILLEGAL_TRANSITION,
+                f"this worker took {cached} positions from its prefix cache and the next hop has "
+                "none (serve --prefix-cache-tokens on every hop of a route, or on none)",
+                retryable=False, reason="PREFIX_NOT_CACHED"))
         appends = self.ledger.sending(start, n + cached)
         try:
             if appends and start > 0 and n == 1 and not cached and not all_logits:

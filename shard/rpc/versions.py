@@ -27,6 +27,10 @@ from .errors import ErrorCode, ShardError
 #: capabilities.
 #: 1.2 adds session hand-off: ``SessionRequest.export_state``/``import_state``,
 #: ``SessionResponse.state`` and ``session_handoff``/``kv_layout`` in the capabilities.
+#: The prefix cache's fields (``StepResult``/``Usage.cached_tokens``, ``Prefill.token_ids``,
+#: ``Decode.token_id``, ``prefix_cache_tokens``/``_detail``) need no minor: a worker without
+#: them sends zeros and ignores the ids, and ids beyond the rows (the one use an older worker
+#: would misread) go only to a worker that reports ``prefix_cache_tokens``.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 
