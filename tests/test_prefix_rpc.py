@@ -17,6 +17,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import numpy as np
 import pytest
+import trio
 
 from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, V, Requests, Worker, in_thread, req, worker
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
@@ -24,6 +25,8 @@ from shard.cli.serve import prefix_cache_budget
 from shard.client import ShardClient, ShardError
 from shard.engine import LayerRange, LoadSpec
 from shard.engine.fake import FakeEngine
+from shard.engine.llama import LlamaCppEngine
+from shard.models import ensure_model, ensure_slice
 from shard.pipeline import Pipeline, PipelineError
 from shard.relay import ChainRelay
 from shard.rpc.errors import ErrorCode
@@ -284,3 +287,51 @@ async def test_the_door_reports_cached_prompt_tokens(shape: str) -> None:
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         # the whole prompt but the position a step must compute
         assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------
+
+
+async def chat_in_one_session(target: str) -> list[list[int]]:
+    """The reference for llama.cpp: the turns on one cacheless session that is never released,
+    each turn appending what is new (the last token, then the turn's text) in one step: the
+    steps a cached turn computes, so the same cells and the same tokens."""
+    out: list[list[int]] = []
+    async with ShardClient.connect(target, timeout=TIMEOUT) as client:
+        async with client.session() as s:
+            for turn in TURNS:
+                feed = turn if not out else [out[-1][-1], *turn]
+                steps = [st async for st in s.generate(feed, max_tokens=N_NEW, ignore_eos=True)]
+                out.append([st.logits.token_id for st in steps])
+    return out
+
+
+async def test_llama_workers_take_the_conversation_from_the_cache() -> None:
+    source = ensure_model("tiny")
+
+    @asynccontextmanager
+    async def llama(ranges: Sequence[LayerRange | None], budget: int,
+                    relay: bool = False) -> AsyncIterator[list[Worker]]:
+        async with AsyncExitStack() as stack:
+            out = []
+            for lr in ranges:
+                path = source if lr is None else await trio.to_thread.run_sync(ensure_slice, source, lr)
+                spec = LoadSpec(model_path=path, layer_range=lr, n_ctx=512, max_sessions=2,
+                                n_threads=1, prefix_cache_tokens=budget)
+                out.append(await stack.enter_async_context(worker(
+                    engine=LlamaCppEngine(), load=spec, relay=ChainRelay() if relay else None)))
+            yield out
+
+    async with llama([None], 0) as (plain,):
+        want = await chat_in_one_session(plain.target)
+    async with llama([None], 256) as (cached,):
+        got = await chat_on_worker(cached.target)
+        assert [t for t, _, _ in got] == want
+        assert [c for _, c, _ in got] == [0, held_after(0), held_after(1)]
+    for relay in ("client", "chain"):
+        async with llama(HALVES, 256, relay=relay == "chain") as hops:
+            piped = await chat_on_pipeline([h.target for h in hops], relay, chunk=64)
+            assert [t for t, _ in piped] == want, relay
+            assert [c for _, c in piped] == [0, held_after(0), held_after(1)], relay
+            hits = [(await engine_metrics(h.target))["prefix_cache_hit_tokens_total"] for h in hops]
+            assert hits == [held_after(0) + held_after(1)] * 2, relay
