@@ -95,7 +95,9 @@ class StateImport:
             raise ShardError(ErrorCode.RESOURCE_EXHAUSTED, f"the state holds {n} positions, this "
                              f"session {kv_capacity}", retryable=False, session_id=sid,
                              reason="KV_CACHE_FULL")
-        if header.has_tokens != caps.is_first or (header.has_tokens and len(header.tokens) != n):
+        # a first shard's state always has its ids; a later shard's when every hidden-state
+        # step carried them (Prefill.token_ids), so that it stays in the prefix cache
+        if (caps.is_first and not header.has_tokens) or (header.has_tokens and len(header.tokens) != n):
             raise invalid(f"the state carries {len(header.tokens)} token ids for {n} positions "
                           f"of a {'first' if caps.is_first else 'later'} shard", sid)
         limit = bound(n)
