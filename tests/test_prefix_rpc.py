@@ -1,6 +1,7 @@
 """The engine's prefix cache above the engine: the worker's option and capabilities, the wire
 fields (``StepResult``/``Usage.cached_tokens``, ``Prefill.token_ids``, ``Decode.token_id``),
-metrics and Prometheus, the pipeline in client and chain relay, and the front door's usage.
+metrics and Prometheus, the pipeline in client and chain relay, and the front door's usage, on
+the fake engine and on the tiny llama.cpp model.
 
 Every test runs a chat as a chat UI does: each turn resends the whole conversation (the
 previous prompt, the tokens generated for it, something new). With the cache, a later turn
@@ -231,22 +232,28 @@ async def chat_on_pipeline(targets: Sequence[str], relay: str, chunk: int = 5) -
     return out
 
 
+THIRDS = [LayerRange(0, 1), LayerRange(1, 3), LayerRange(3, 4)]
+
+
+@pytest.mark.parametrize("ranges", [HALVES, THIRDS], ids=["2-hops", "3-hops"])
 @pytest.mark.parametrize("chunk", [5, 64])
 @pytest.mark.parametrize("relay", ["client", "chain"])
-async def test_every_hop_of_a_pipeline_takes_the_same_prefix(relay: str, chunk: int) -> None:
+async def test_every_hop_of_a_pipeline_takes_the_same_prefix(
+    relay: str, chunk: int, ranges: list[LayerRange]
+) -> None:
     async with workers([None], [0]) as (plain,):
         want = await chat_on_worker(plain.target, 5)
-    async with workers(HALVES, [BUDGET, BUDGET], relay=relay == "chain") as hops:
+    async with workers(ranges, [BUDGET] * len(ranges), relay=relay == "chain") as hops:
         got = await chat_on_pipeline([h.target for h in hops], relay, chunk)
         assert [t for t, _ in got] == [t for t, _, _ in want]
         metrics = [await engine_metrics(hop.target) for hop in hops]
         for m in metrics:
             assert m["prefix_cache_entries"] == 1 and m["prefix_cache_tokens"] == held_after(2)
         # each hop took the same positions from its own cache
-        assert metrics[0]["prefix_cache_hit_tokens_total"] == metrics[1]["prefix_cache_hit_tokens_total"]
+        assert len({m["prefix_cache_hit_tokens_total"] for m in metrics}) == 1
         if chunk == 64:  # one step a turn
             assert [c for _, c in got] == [0, held_after(0), held_after(1)]
-            assert [m["prefix_cache_hits_total"] for m in metrics] == [2, 2]
+            assert [m["prefix_cache_hits_total"] for m in metrics] == [2] * len(ranges)
             assert metrics[0]["prefix_cache_hit_tokens_total"] == held_after(0) + held_after(1)
         else:  # each step computes one position at least
             assert got[0][1] == 0 and held_after(0) - 3 <= got[1][1] <= held_after(0)
