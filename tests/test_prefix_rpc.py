@@ -280,7 +280,7 @@ async def test_a_hop_without_the_cache_refuses_what_it_cannot_hold(relay: str) -
 
 @pytest.mark.parametrize("shape", ["whole", "pipeline", "chain"])
 async def test_the_door_reports_cached_prompt_tokens(shape: str) -> None:
-    from test_api import NAME, SHAPES, front_door
+    from test_api import NAME, SHAPES, front_door, get
 
     ranges, relay = SHAPES[shape]
     async with front_door(ranges, relay=relay, prefix_cache_tokens=512) as door:
@@ -294,6 +294,10 @@ async def test_the_door_reports_cached_prompt_tokens(shape: str) -> None:
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         # the whole prompt but the position a step must compute
         assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+        status, page = await in_thread(lambda: get(door.url + "/metrics"))
+        assert status == 200
+        assert (f"trio_shard_api_cached_prompt_tokens_total {second.usage.prompt_tokens - 1}.0"
+                in page.decode().splitlines())
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ class ApiMetrics:
             "its first token", ["endpoint"], buckets=_RATE_BUCKETS, registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens computed",
                                      registry=r)
+        self.cached_tokens = Counter(f"{PREFIX}_cached_prompt_tokens", "prompt tokens the "
+                                     "workers took from their prefix cache", registry=r)
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "tokens generated",
                                          registry=r)
         self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "requests waiting for a session of "

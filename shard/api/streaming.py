@@ -226,11 +226,13 @@ class GenerationResponse:
         if outcome is None:
             return
         m.prompt_tokens.inc(outcome.prompt_tokens)
+        m.cached_tokens.inc(outcome.cached_tokens)
         m.completion_tokens.inc(outcome.completion_tokens)
         if self._first_at is not None and outcome.completion_tokens > 1 and now > self._first_at:
             m.tokens_per_second.labels(self.endpoint).observe(
                 (outcome.completion_tokens - 1) / (now - self._first_at))
         _log("generation done", endpoint=self.endpoint, id=self.reply.id, status=self.status,
              principal=self.principal, user=self.user, prompt_tokens=outcome.prompt_tokens,
+             cached_tokens=outcome.cached_tokens,
              completion_tokens=outcome.completion_tokens, finish_reason=outcome.finish_reason,
              ttft_ms=None if self._first_at is None else round((self._first_at - self.started) * 1e3, 1))
