@@ -73,6 +73,9 @@ class ReplayBudget:
             self.used = max(0, self.used - nbytes)
 
     def why_dropped(self) -> str:
+        if self.exceeded_at is None:  # (``RowLog.gap``)
+            return ("part of its input came as token ids without rows (the hop before took them "
+                    "from its prefix cache), which cannot be replayed")
         return (f"its replay log was dropped when the history reached {self.exceeded_at} "
                 f"positions (replay_bytes={self.limit})")
 
