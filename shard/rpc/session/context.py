@@ -160,7 +160,8 @@ class StepContext:
         # Before any chunk is computed: a prompt in chunks that cannot fit is refused whole (it
         # used to be refused at the first chunk past the context, the earlier ones computed).
         self._check_room(position, n)
-        return inputs.PrefillInput(position, sampling, tokens, hidden, ids, n, lead)
+        return inputs.PrefillInput(position, sampling, tokens, hidden, ids, n, lead,
+                                   inputs.rows_per_message(caps, self.outbox.max_message_bytes))
 
     def decode_input(
         self, d: pb.Decode

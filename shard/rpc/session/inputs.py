@@ -36,10 +36,13 @@ class PrefillInput:
     token_ids: tuple[int, ...] | None
     n: int
     lead: int = 0
+    #: The most positions a step may grow to (the rows one message carries on; None: any).
+    max_span: int | None = None
 
     def chunks(self, chunk_tokens: int) -> PrefillChunks:
         """The engine steps of this input, ``chunk_tokens`` positions at a time (0: all)."""
-        return PrefillChunks(self.n, chunk_tokens or max(self.n, 1), self.lead)
+        chunk = chunk_tokens or max(self.n, 1)
+        return PrefillChunks(self.n, chunk, self.lead, max(chunk, self.max_span or self.n))
 
     def request(self, sid: str, start: int, stop: int, **options: object) -> PrefillRequest:
         """The engine request of the chunk ``[start, stop)`` (``options``: sampling aside)."""
@@ -62,13 +65,14 @@ class PrefillChunks:
     """The ``[start, stop)`` offsets of a prefill's engine steps: ``chunk`` positions at a time,
     the first also holding the positions that came without rows (``lead``). A step whose start
     the prefix cache covered as far as it may (all but the one position a step computes) makes
-    the next one twice as long: a cached conversation takes a few steps instead of one copy
-    and one computed position per chunk (``took``)."""
+    the next one twice as long (up to ``most``, so that the rows a step computes once the
+    cache runs out still fit one message to the next hop): a cached conversation takes a few
+    steps instead of one copy and one computed position per chunk (``took``)."""
 
-    __slots__ = ("_n", "_chunk", "_span")
+    __slots__ = ("_n", "_chunk", "_most", "_span")
 
-    def __init__(self, n: int, chunk: int, lead: int) -> None:
-        self._n, self._chunk, self._span = n, chunk, lead + chunk
+    def __init__(self, n: int, chunk: int, lead: int, most: int) -> None:
+        self._n, self._chunk, self._most, self._span = n, chunk, most, lead + chunk
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         start = 0
@@ -82,7 +86,8 @@ class PrefillChunks:
     def took(self, result: StepResult, start: int, stop: int) -> None:
         """The step ``[start, stop)`` returned ``result``."""
         held = result.cached_tokens + result.reused_tokens
-        self._span = 2 * (stop - start) if result.cached_tokens and held >= stop - start - 1 else self._chunk
+        grow = result.cached_tokens and held >= stop - start - 1
+        self._span = min(2 * (stop - start), self._most) if grow else self._chunk
 
 
 def hidden_ids(
@@ -159,6 +164,13 @@ def text_floor(caps: Capabilities, text: str) -> int:
     if not caps.max_token_bytes:
         return 0
     return len(text) // (TEXT_SLACK * caps.max_token_bytes)
+
+
+def rows_per_message(caps: Capabilities, max_message_bytes: int) -> int | None:
+    """The most boundary rows one message carries (None on a last shard: it sends logits)."""
+    if caps.is_last:
+        return None
+    return max(1, (max_message_bytes - CHUNK_OVERHEAD) // (FLOAT32_BYTES * caps.n_embd))
 
 
 def check_row_fits(caps: Capabilities, max_message_bytes: int, sid: str) -> None:
