@@ -143,6 +143,8 @@ def test_serve_defaults_to_one_session_of_cache_on_a_whole_model_only() -> None:
     args = argparse.Namespace(prefix_cache_tokens=None, ctx=4096, max_sessions=4)
     assert prefix_cache_budget(args, whole_model=True) == 1024
     assert prefix_cache_budget(args, whole_model=False) == 0
+    args.max_sessions = 256  # every sequence llama.cpp has is a session's
+    assert prefix_cache_budget(args, whole_model=True) == 0
     args.prefix_cache_tokens = 0
     assert prefix_cache_budget(args, whole_model=True) == 0
     args.prefix_cache_tokens = 300

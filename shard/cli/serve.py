@@ -274,10 +274,15 @@ def run(args: argparse.Namespace) -> int:
 def prefix_cache_budget(args: argparse.Namespace, *, whole_model: bool) -> int:
     """``--prefix-cache-tokens``, or its default: one session's context on a worker serving the
     whole model (a chat's previous turn stays cached: one more session's KV), 0 on a layer
-    range (a chain's hops would each have to hold the same prefixes)."""
+    range (a chain's hops would each have to hold the same prefixes), and 0 where the
+    sessions leave llama.cpp no sequence for an entry."""
+    from shard.engine.llama_native import LLAMA_MAX_SEQ
+
     if args.prefix_cache_tokens is not None:
         return int(args.prefix_cache_tokens)
-    return args.ctx // args.max_sessions if whole_model else 0
+    if not whole_model or args.max_sessions >= LLAMA_MAX_SEQ:
+        return 0
+    return args.ctx // args.max_sessions
 
 
 def print_config(options: Sequence[EnvOption], args: argparse.Namespace) -> int:
