@@ -14,6 +14,8 @@
 * The hot-path bench reads two workers' CPU and native time per pass, alternating them, and
   the client's CPU (ours and grpcio's).
 * The CPU-budget bench's burner really spends, in CPU time, what every token asks of it.
+* The multi-turn chat bench resends the whole conversation each turn and reads the door's
+  cached tokens.
 """
 
 from __future__ import annotations
@@ -545,3 +547,34 @@ def test_pool_spread_bench_puts_half_the_generations_on_each_route(tmp_path: Pat
     assert record["rounds"]["spread"] == [[2, 2]]
     assert record["results"]["two_routes_tokens_per_s"] > 0
     assert record["results"]["one_route_tokens_per_s"] > 0
+
+
+def test_chat_turns_bench_resends_the_conversation_and_reports_every_turn(tmp_path: Path) -> None:
+    """A quick run of bench/api/chat_turns.py (the tiny model with a chat template, no
+    llama-server): both door variants ran every turn, each turn's prompt holds the previous
+    one's, the cached door reused the conversation so far and the cacheless one nothing, and
+    the summary has a median row per turn and the last-over-first ratio."""
+    out = tmp_path / "chat_turns.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.api.chat_turns", "--quick", "--out", str(out),
+         "--logs", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["config"]["variants"] == ["door", "door_nocache"]
+    (rounds,) = record["rounds"]
+    for variant, rows in rounds.items():
+        assert [r["turn"] for r in rows] == [1, 2, 3]
+        prompts = [r["prompt_tokens"] for r in rows]
+        assert all(b > a for a, b in zip(prompts, prompts[1:])), (variant, prompts)
+        assert all(r["completion_tokens"] >= 1 and r["ttft_ms"] > 0 for r in rows)
+    assert all(r["cached_tokens"] == 0 for r in rounds["door_nocache"])
+    door = rounds["door"]
+    assert all(0 < door[t]["cached_tokens"] < door[t]["prompt_tokens"] for t in (1, 2))
+    assert door[1]["cached_tokens"] >= door[0]["prompt_tokens"] - 1
+    results = record["results"]
+    assert set(results["per_turn"]) == {"door", "door_nocache"}
+    assert all(len(rows) == 3 for rows in results["per_turn"].values())
+    assert set(results["last_over_first_ttft"]) == {"door", "door_nocache"}
+    assert results["over_llama_server_ttft"] == {}
+    assert record["environment"]["model"].endswith(".gguf")
