@@ -95,6 +95,38 @@ async def engine_metrics(target: str) -> dict[str, int]:
         return dict((await client.metrics()).engine)
 
 
+# ---- the steps of a cached prefill ----------------------------------------------------------
+
+
+class _Step:
+    """What ``PrefillChunks.took`` reads of a step's result."""
+
+    def __init__(self, cached: int, reused: int = 0) -> None:
+        self.cached_tokens, self.reused_tokens = cached, reused
+
+
+def test_a_prefill_the_cache_covers_takes_the_rest_in_one_more_step() -> None:
+    """A covered first chunk (all but the one position a step computes) makes the next step take
+    the rest, up to ``most``: one more copy of the entry's stream, not one per doubling."""
+    from shard.rpc.session.inputs import PrefillChunks
+
+    chunks = PrefillChunks(1000, 32, 0, 1000)
+    spans = iter(chunks)
+    assert next(spans) == (0, 32)
+    chunks.took(_Step(31), 0, 32)  # type: ignore[arg-type]
+    assert next(spans) == (32, 1000)
+
+    bounded = PrefillChunks(1000, 32, 0, 300)  # one message carries at most 300 rows on
+    spans = iter(bounded)
+    assert next(spans) == (0, 32)
+    bounded.took(_Step(31), 0, 32)  # type: ignore[arg-type]
+    assert next(spans) == (32, 332)
+    bounded.took(_Step(100), 32, 332)  # type: ignore[arg-type]  # the cache ran out: chunks again
+    assert next(spans) == (332, 364)
+    bounded.took(_Step(0), 332, 364)  # type: ignore[arg-type]
+    assert next(spans) == (364, 396)
+
+
 # ---- one worker -----------------------------------------------------------------------------
 
 

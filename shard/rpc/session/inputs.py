@@ -65,9 +65,10 @@ class PrefillChunks:
     """The ``[start, stop)`` offsets of a prefill's engine steps: ``chunk`` positions at a time,
     the first also holding the positions that came without rows (``lead``). A step whose start
     the prefix cache covered as far as it may (all but the one position a step computes) makes
-    the next one twice as long (up to ``most``, so that the rows a step computes once the
-    cache runs out still fit one message to the next hop): a cached conversation takes a few
-    steps instead of one copy and one computed position per chunk (``took``)."""
+    the next one take the rest at once (up to ``most``, so that the rows a step computes once
+    the cache runs out still fit one message to the next hop): a cached conversation takes two
+    steps, where each further step would copy the cache entry's whole stream again and compute
+    one more position the cache held (``took``)."""
 
     __slots__ = ("_n", "_chunk", "_most", "_span")
 
@@ -87,7 +88,7 @@ class PrefillChunks:
         """The step ``[start, stop)`` returned ``result``."""
         held = result.cached_tokens + result.reused_tokens
         grow = result.cached_tokens and held >= stop - start - 1
-        self._span = min(2 * (stop - start), self._most) if grow else self._chunk
+        self._span = self._most if grow else self._chunk
 
 
 def hidden_ids(
