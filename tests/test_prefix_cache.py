@@ -86,21 +86,31 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert k not in self.outside, "a key handed back twice"
             self.outside.add(k)
 
-    @rule(ids=histories, limit=st.none() | st.integers(0, 10))
-    def lookup(self, ids: list[int], limit: int | None) -> None:
-        hit = self.cache.lookup(ids, limit)
+    def _best(self, ids: list[int], limit: int | None) -> tuple[_ModelEntry | None, int]:
         query = tuple(ids if limit is None else ids[:limit])
         best, best_len = None, 0
         for e in reversed(self.model):
             n = _shared(e.ids, query)
             if n > best_len:
                 best, best_len = e, n
+        return best, best_len
+
+    @rule(ids=histories, limit=st.none() | st.integers(0, 10))
+    def lookup(self, ids: list[int], limit: int | None) -> None:
+        hit = self.cache.lookup(ids, limit)
+        best, best_len = self._best(ids, limit)
         if best is None:
             assert hit == Hit()
             return
         assert hit == Hit(best.key, best_len)
         self.model.remove(best)
         self.model.append(best)
+
+    @rule(ids=histories, limit=st.none() | st.integers(0, 10))
+    def peek(self, ids: list[int], limit: int | None) -> None:
+        """The same answer as ``lookup``, and the order of use stays as it was."""
+        best, best_len = self._best(ids, limit)
+        assert self.cache.peek(ids, limit) == (Hit() if best is None else Hit(best.key, best_len))
 
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data())

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -219,6 +219,13 @@ class ShardEngine(EngineHooks):
         """Snapshot of an open session, also while it is RUNNING (never SessionBusy)."""
         return self._sessions.get(session_id, idle=False).info()
 
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ids of ``tokens`` the prefix cache could serve now (0 without a
+        cache). A question only: no entry is marked used, so asking never changes what is
+        evicted next; a prefill may still find less (an eviction in between)."""
+        self._require_ready()
+        return self._prefix.held(tokens)
+
     def sessions(self) -> tuple[SessionInfo, ...]:
         return self._sessions.infos()
 
@@ -382,7 +389,7 @@ class ShardEngine(EngineHooks):
         caps = self._require_ready()
         slot = self._sessions.get(request.session_id)
         plan, reused = prefill_plan(request, slot, caps)
-        plan = self._prefix.plan(slot, plan)
+        plan = self._prefix.plan(slot, plan, request.cache_limit)
         try:
             return await self._runner.step(slot, caps, plan, request.sampling,
                                            request.top_k_logprobs, reused, "prefill_tokens_total")

@@ -17,7 +17,8 @@ Rules (``tests/test_prefix_cache.py`` checks them against a plain model):
   entries until it fits ``budget`` tokens and ``max_entries``; an entry pinned by a copy in
   flight is never evicted (then the new one is not kept).
 - ``lookup`` returns the entry sharing the longest prefix with a prompt (the most recently used
-  among equals) and marks it used.
+  among equals) and marks it used; ``peek`` answers the same length and changes nothing (a
+  question about what the cache could serve must not reorder what it evicts).
 - Every key the cache lets go (evicted, replaced, or not kept) is returned to the caller, who
   frees its storage; the cache never holds a key twice.
 
@@ -92,6 +93,13 @@ class PrefixCache:
     def lookup(self, ids: Sequence[int], limit: int | None = None) -> Hit:
         """The entry sharing the longest prefix with ``ids`` (at most ``limit`` tokens), marked
         used; ``Hit()`` when none shares a token."""
+        hit = self.peek(ids, limit)
+        if hit.key is not None:
+            self._entries.move_to_end(hit.key)
+        return hit
+
+    def peek(self, ids: Sequence[int], limit: int | None = None) -> Hit:
+        """``lookup``'s answer without marking the entry used."""
         n = len(ids) if limit is None else min(limit, len(ids))
         if n <= 0 or not self._entries:
             return Hit()
@@ -108,7 +116,6 @@ class PrefixCache:
                 best, best_len = key, shared
         if best is None:
             return Hit()
-        self._entries.move_to_end(best)
         return Hit(best, best_len)
 
     def pin(self, key: int) -> None:

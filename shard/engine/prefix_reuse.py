@@ -12,7 +12,10 @@ overwrite first. See docs/engine.md, "Prefix cache".
 Rules: a prefill uses the cache only when the session's whole history starts its prompt (an
 empty session always does), takes the entry with the longest shared prefix when it is longer
 than what the session holds, never more than the prompt less one position (a step computes at
-least one), and never for an ``all_logits`` step. The entry is pinned until the step ends, so
+least one) nor than the request's ``cache_limit`` (a pipeline's first hop held to what every
+later hop holds), and never for an ``all_logits`` step. ``held`` answers how much of a prompt the
+cache could serve now without using it (a worker reports it to the hop before, and plans its
+chunks with it). The entry is pinned until the step ends, so
 no eviction can free it under the copy; a step that fails or is cancelled rolls the session
 back to what it held (``OperationRunner.running``), and entries are only ever written by a
 release, so no failure leaves half an entry.
@@ -21,6 +24,7 @@ release, so no failure leaves half an entry.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Protocol
 
 from .operations import OperationRunner
@@ -55,9 +59,16 @@ class PrefixReuse:
         self.cache = PrefixCache(caps.prefix_cache_tokens if entries else 0, entries)
         return entries
 
-    def plan(self, slot: Slot, plan: ComputePlan) -> ComputePlan:
+    def held(self, ids: Sequence[int]) -> int:
+        """How many leading ids of ``ids`` an entry holds now (no entry is marked used)."""
+        if not self.cache.enabled:
+            return 0
+        return self.cache.peek(ids).length
+
+    def plan(self, slot: Slot, plan: ComputePlan, limit: int | None = None) -> ComputePlan:
         """``plan`` started from the cached entry that shares more of its prompt than the
-        session holds (that entry pinned: ``done`` unpins it), or ``plan`` itself."""
+        session holds, at most ``limit`` positions of the session (that entry pinned: ``done``
+        unpins it), or ``plan`` itself."""
         cache = self.cache
         held = slot.tokens
         if not cache.enabled or held is None or plan.all_logits or plan.keep != slot.n_past:
@@ -66,7 +77,8 @@ class PrefixReuse:
         if ids is None:
             return plan
         prompt = [*held, *ids]
-        hit = cache.lookup(prompt, len(prompt) - 1)
+        most = len(prompt) - 1 if limit is None else min(limit, len(prompt) - 1)
+        hit = cache.lookup(prompt, most)
         if hit.key is None or hit.length <= plan.keep:
             return plan
         skip = hit.length - plan.keep

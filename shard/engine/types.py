@@ -341,6 +341,10 @@ class PrefillRequest:
     row (4 bytes a position beside kilobytes of hidden state). Only with them does a later shard
     keep the session's history for the prefix cache and serve its start from there; without
     them the session is never cached.
+
+    ``cache_limit`` (``None``: no limit): at most this many of the session's leading positions
+    come from the prefix cache (a pipeline's first hop held to what every later hop holds,
+    which must take the same positions from its own cache).
     """
 
     session_id: str
@@ -355,6 +359,7 @@ class PrefillRequest:
     lookahead: Lookahead | None = None
     all_logits: bool = False
     token_ids: tuple[int, ...] | None = None
+    cache_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokens is not None:

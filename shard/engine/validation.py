@@ -135,6 +135,9 @@ def prefill_plan(request: PrefillRequest, slot: Slot, caps: Capabilities) -> tup
             f"position {request.position} is outside [0, {slot.n_past}] for this session",
             session_id=sid,
         )
+    limit = request.cache_limit
+    if limit is not None and not (is_int(limit) and limit >= 0):
+        raise InvalidInput(f"cache_limit must be an int >= 0 or None, not {limit!r}", session_id=sid)
     all_logits = bool(request.all_logits) and caps.is_last
     if all_logits and not 1 <= request.n_tokens <= caps.max_logits_positions:
         raise InvalidInput(

@@ -21,6 +21,7 @@ from shard.engine import (
     DecodeRequest,
     EngineCancelled,
     EngineFailure,
+    InvalidInput,
     PrefillRequest,
     ShardEngine,
     StepResult,
@@ -335,3 +336,61 @@ class PrefixCache:
             await plain.import_session("b", snapshot)
             nxt = first.logits.token_id
             assert_same_logits(await decode(engine, "b", nxt), await decode(plain, "b", nxt))
+
+    async def test_cached_prefix_answers_without_touching_the_cache(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """``cached_prefix`` says how many leading ids an entry holds (whole, past, partly, not
+        at all; 0 without a cache) and marks nothing used: after asking about the older entry,
+        a new history still evicts that one, as if nobody had asked."""
+        budget = 300  # two entries, at most 300 tokens
+        async with cached_engine(engine_factory, budget) as engine, engine_factory.open() as plain:
+            histories = []
+            for i in range(2):
+                h, _ = await history_of(engine, f"h{i}", prompt_tokens(engine, 60, salt=70 + i), 1)
+                histories.append(h)
+                await engine.release(f"h{i}")
+            old = histories[0]
+            assert engine.cached_prefix(old) == len(old)
+            assert engine.cached_prefix(old + (5, 6)) == len(old)
+            assert engine.cached_prefix(old[:10]) == 10
+            assert engine.cached_prefix(old[:10] + (old[10] + 1,)) == 10
+            assert engine.cached_prefix(()) == 0
+            assert plain.cached_prefix(old) == 0
+            before = engine.metrics()
+            h, _ = await history_of(engine, "h2", prompt_tokens(engine, 200, salt=72), 0)
+            await engine.release("h2")  # evicts the least recently used: still entry 0
+            assert engine.metrics().prefix_cache_evictions_total == before.prefix_cache_evictions_total + 1
+            assert engine.cached_prefix(old) < len(old)
+            assert engine.cached_prefix(histories[1]) == len(histories[1])
+
+    async def test_a_cache_limit_holds_a_prefill_to_that_many_cached_positions(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """``PrefillRequest.cache_limit`` caps the positions copied from the cache (0: none);
+        the rest is computed, and the result is what a cacheless engine computes from the
+        same steps. A negative limit is refused before any work."""
+        async with cached_engine(engine_factory) as engine, engine_factory.open() as plain:
+            prompt = prompt_tokens(engine, 30, salt=80)
+            history, _ = await history_of(engine, "a", prompt, 2)
+            await engine.release("a")
+            tail = prompt_tokens(engine, 5, salt=81)[1:]
+            await engine.open_session("b")
+            try:
+                await engine.prefill(PrefillRequest("b", tokens=history + tail, cache_limit=-1))
+            except InvalidInput:
+                pass
+            else:  # pragma: no cover - the contract says otherwise
+                raise AssertionError("a negative cache_limit must be refused")
+            assert engine.session_info("b").n_past == 0
+            got = await engine.prefill(PrefillRequest("b", tokens=history + tail, cache_limit=12))
+            assert (got.cached_tokens, got.tokens_processed) == (12, len(history) + len(tail) - 12)
+            await engine.open_session("c")
+            none = await engine.prefill(PrefillRequest("c", tokens=history + tail, cache_limit=0))
+            assert none.cached_tokens == 0
+            await plain.open_session("r")
+            await prefill(plain, "r", history[:12])
+            want = await prefill(plain, "r", history[12:] + tail, position=12)
+            assert_same_logits(got, want)
+            assert (await continue_greedy(engine, "b", got, 3)
+                    == await continue_greedy(plain, "r", want, 3))
