@@ -331,9 +331,13 @@ class ShardClient:
         hidden_wire_dtype: str = "",
         route: pb.Route | None = None,
         batch_group: int = 0,
+        prefix_probe: Sequence[int] = (),
         timeout: float | None = _DEFAULT,
     ) -> ClientSession:
         """Open a session stream and return it (prefer ``session()``, which also closes it).
+        ``prefix_probe`` (a worker reporting ``prefix_cache_limit``): token ids, of which
+        ``session.opened.prefix_cached_tokens`` says how many leading ones its prefix cache (and
+        its route's) holds.
 
         The caller owns the result: finish it with ``close()`` or ``abort()``.
         """
@@ -346,6 +350,7 @@ class ShardClient:
             step_timeout_ms=0 if step_timeout is None else max(1, round(step_timeout * 1000)),
             hidden_wire_dtype=hidden_wire_dtype,
             batch_group=batch_group,
+            prefix_probe=prefix_probe,
         )
         if cache is not None:
             open_msg.cache.CopyFrom(cache)

@@ -22,11 +22,15 @@ def prefill_request(
     echo_tokens: bool = False,
     parse_special: bool = False,
     token_ids: Sequence[int] | None = None,
+    cache_limit: int | None = None,
 ) -> pb.Prefill:
     """A prompt (the first of token ids, text, hidden states given) at ``position``;
-    ``token_ids``: the ids hidden states stand for (``Prefill.token_ids``)."""
+    ``token_ids``: the ids hidden states stand for (``Prefill.token_ids``); ``cache_limit``:
+    the most leading positions the worker's prefix cache may serve (None: any)."""
     p = pb.Prefill(top_logprobs=top_logprobs, chunk_tokens=chunk_tokens, all_logits=all_logits,
                    echo_tokens=echo_tokens, parse_special=parse_special)
+    if cache_limit is not None:
+        p.has_cache_limit, p.cache_limit = True, cache_limit
     if tokens is not None:
         p.tokens.ids.extend(tokens)
     elif text is not None:
@@ -70,11 +74,15 @@ def generate_request(
     top_logprobs: int,
     parse_special: bool = False,
     yield_on_drain: bool = False,
+    cache_limit: int | None = None,
 ) -> pb.Generate:
     """Server-driven decoding; no prompt (neither ``tokens`` nor ``text``) continues from the
-    session's last step. ``parse_special`` applies to ``text`` only."""
+    session's last step. ``parse_special`` applies to ``text`` only; ``cache_limit`` as
+    ``prefill_request``'s."""
     g = pb.Generate(max_tokens=max_tokens, stop_tokens=stop_tokens, ignore_eos=ignore_eos,
                     top_logprobs=top_logprobs, yield_on_drain=yield_on_drain)
+    if cache_limit is not None:
+        g.has_cache_limit, g.cache_limit = True, cache_limit
     if tokens is not None:
         g.tokens.ids.extend(tokens)
     elif text is not None:

@@ -240,7 +240,8 @@ class ClientSession:
     def _prefill_msg(
         self, tokens: Sequence[int] | None, text: str | None, hidden_states: np.ndarray | None,
         position: int | None, sampling: pb.SamplingParams | None, top_logprobs: int,
-        chunk_tokens: int = 0, token_ids: Sequence[int] | None = None, **flags: bool,
+        chunk_tokens: int = 0, token_ids: Sequence[int] | None = None,
+        cache_limit: int | None = None, **flags: bool,
     ) -> pb.SessionRequest:
         """A ``Prefill`` request, hidden states (used when neither ``tokens`` nor ``text`` is
         given) in this session's wire dtype; ``flags``: ``prefill_request``'s."""
@@ -248,7 +249,7 @@ class ClientSession:
                 if tokens is None and text is None and hidden_states is not None else None)
         return self._request(prefill=prefill_request(
             tokens, text, rows, position, sampling, top_logprobs, chunk_tokens,
-            token_ids=token_ids, **flags))
+            token_ids=token_ids, cache_limit=cache_limit, **flags))
 
     async def prefill(
         self,
@@ -261,16 +262,19 @@ class ClientSession:
         top_logprobs: int = 0,
         all_logits: bool = False,
         token_ids: Sequence[int] | None = None,
+        cache_limit: int | None = None,
     ) -> pb.StepResult:
         """Write a prompt (token ids, text, or float32 [n, n_embd] hidden states, sent in
         ``hidden_dtype``) at ``position`` (default: append at the session's end). ``all_logits``
         (a last shard reporting ``max_logits_positions``): one ``Logits`` per position in
         ``position_logits``, for verifying drafted tokens. ``token_ids`` with hidden states:
         the ids they stand for, more than the rows when the hop before took the first ones from
-        its prefix cache (``Prefill.token_ids``)."""
+        its prefix cache (``Prefill.token_ids``). ``cache_limit`` (a worker reporting
+        ``prefix_cache_limit``): at most that many of the session's leading positions come
+        from its prefix cache (None: any)."""
         return await self._one_step(self._prefill_msg(
             tokens, text, hidden_states, position, sampling, top_logprobs, all_logits=all_logits,
-            token_ids=token_ids,
+            token_ids=token_ids, cache_limit=cache_limit,
         ))
 
     def prefill_chunks(
@@ -286,18 +290,21 @@ class ClientSession:
         echo_tokens: bool = False,
         parse_special: bool = False,
         token_ids: Sequence[int] | None = None,
+        cache_limit: int | None = None,
     ) -> StepStream:
         """Like ``prefill``, but the worker computes ``chunk_tokens`` positions at a time and
         sends each chunk's result as soon as it is done: iterate for one ``StepResult`` per
         chunk (``start_position`` says where it went). ``echo_tokens`` with ``text``: the first
         result's ``input_tokens`` holds the ids the worker tokenized it into;
         ``parse_special``: special-token texts in ``text`` become special tokens (a worker
-        reports ``parse_special`` in its capabilities when it honours this)."""
+        reports ``parse_special`` in its capabilities when it honours this); ``cache_limit``
+        as ``prefill``'s."""
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
         return StepStream(self, self._prefill_msg(
             tokens, text, hidden_states, position, sampling, top_logprobs, chunk_tokens,
-            token_ids=token_ids, echo_tokens=echo_tokens, parse_special=parse_special,
+            token_ids=token_ids, cache_limit=cache_limit, echo_tokens=echo_tokens,
+            parse_special=parse_special,
         ))
 
     async def decode(
@@ -408,6 +415,7 @@ class ClientSession:
         ignore_eos: bool = False,
         top_logprobs: int = 0,
         yield_on_drain: bool = False,
+        cache_limit: int | None = None,
     ) -> StepStream:
         """Server-driven decoding: iterate for one ``StepResult`` per token (the last one has
         ``finish_reason`` set). Without a prompt it continues from the last step's token.
@@ -421,6 +429,7 @@ class ClientSession:
         return StepStream(self, self._request(generate=generate_request(
             tokens, text, max_tokens=max_tokens, sampling=sampling, stop_tokens=stop_tokens,
             ignore_eos=ignore_eos, top_logprobs=top_logprobs, yield_on_drain=yield_on_drain,
+            cache_limit=cache_limit,
         )))
 
     async def close(self, *, retain: bool = False) -> pb.SessionClosed:

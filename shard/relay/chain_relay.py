@@ -137,7 +137,7 @@ class ChainRelay:
                 return_to = returns.address(address)
         with unwrap_single_exception():
             down: NextHop = await nursery.start(
-                self._hold, host, route, layers, peer, return_to, nursery)
+                self._hold, host, route, layers, peer, return_to, nursery, req.prefix_probe)
         if not down.pipelined:
             returns = None  # the next hop takes no part: answers come up the chain
         return RoutedSession(host, down, returns)
@@ -159,7 +159,7 @@ class ChainRelay:
 
     async def _hold(
         self, host: StepHost, route: pb.Route, layers: tuple[int, int], peer: Peer,
-        return_to: pb.ReturnAddress | None, nursery: trio.Nursery,
+        return_to: pb.ReturnAddress | None, nursery: trio.Nursery, probe: Sequence[int],
         task_status: trio.TaskStatus[NextHop],
     ) -> None:
         """Own the next hop's session (on a pooled connection) until the upstream stream ends:
@@ -201,6 +201,8 @@ class ChainRelay:
                     hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
                     route=down_route if rest or returning else None,
                     batch_group=host.batch_group,  # the pipeline's group, on every hop
+                    # what the route holds of the prompt, asked of a hop that answers
+                    prefix_probe=probe if caps.prefix_cache_limit else (),
                     timeout=timeout,
                 )
                 step = route.step_timeout_ms / 1000 * (len(rest) + 1) if route.step_timeout_ms else None

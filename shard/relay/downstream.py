@@ -65,6 +65,12 @@ class NextHop:
         #: It has a prefix cache: positions this worker took from its own may go to it as ids
         #: only (a worker without one, or older than the field, would misplace the rows).
         self.caches = caps.prefix_cache_tokens > 0
+        #: How many leading ids of the probe it was opened with the route from it on holds
+        #: (``SessionOpened.prefix_cached_tokens``); None: it is older than the probe and has
+        #: a cache, so nobody knows.
+        self.prefix_held: int | None = (
+            session.opened.prefix_cached_tokens if caps.prefix_cache_limit
+            else None if self.caches else 0)
         self._client = client
         self._session = session
         self._nursery = nursery
@@ -90,12 +96,14 @@ class NextHop:
     async def prefill(
         self, rows: np.ndarray, first: int, sampling: pb.SamplingParams, top_logprobs: int,
         all_logits: bool = False, token_ids: Sequence[int] | None = None,
+        cache_limit: int | None = None,
     ) -> pb.StepResult:
         """Rows written at ``first`` (whatever the hop holds from there is dropped), with the
-        token ids they stand for (``Prefill.token_ids``) when known."""
+        token ids they stand for (``Prefill.token_ids``) when known; ``cache_limit``: the
+        route's (``Prefill.cache_limit``), which holds every hop but the last to it."""
         return await self._answer(lambda: self._session.prefill(
             hidden_states=rows, position=first, sampling=sampling, top_logprobs=top_logprobs,
-            all_logits=all_logits, token_ids=token_ids))
+            all_logits=all_logits, token_ids=token_ids, cache_limit=cache_limit))
 
     async def decode(
         self, row: np.ndarray, sampling: pb.SamplingParams, top_logprobs: int, relay_tag: int = 0,

@@ -39,7 +39,9 @@ from shard.engine import DecodeRequest, PrefillRequest, SamplingParams, StepResu
 from shard.v1 import shard_pb2 as pb
 
 from shard.rpc.errors import ErrorCode, ShardError
-from shard.rpc.session import Generation, StepHost, count_prefill, generate, return_refused
+from shard.rpc.session import (
+    Generation, StepHost, cache_limit, count_prefill, generate, return_refused,
+)
 from .downstream import NextHop
 from .ledger import ChainLedger
 from .returns import DirectReturns, Slot
@@ -80,6 +82,7 @@ class RoutedSession:
         self.ledger = ChainLedger()
         self.positions = self.ledger
         self.kv_capacity = down.kv_capacity
+        self.prefix_held = down.prefix_held
         #: The token ids of the generation step just computed (what its rows stand for).
         self._step_ids: tuple[int, ...] = ()
 
@@ -138,13 +141,15 @@ class RoutedSession:
     async def _forward(
         self, rows: np.ndarray, first: int, sampling: pb.SamplingParams, top_logprobs: int,
         *, all_logits: bool = False, relay_tag: int = 0, cached: int = 0,
-        ids: Sequence[int] | None = None,
+        ids: Sequence[int] | None = None, limit: int | None = None,
     ) -> pb.StepResult:
         """Rows computed here from ``first`` go to the next hop, at ``first``: one row appended
         (a Decode) when that is where its end will be, else written there (a Prefill). ``ids``:
         the token ids of the step's input from its first position on, of which the ``cached``
         positions before ``first`` (copied here from the prefix cache, so without rows) go as
-        ids only: the next hop takes them from its own cache. Returns the last shard's answer;
+        ids only: the next hop takes them from its own cache (``limit``: the step's
+        ``cache_limit``, passed on so that no hop before the last takes more from its cache than
+        the hops after it hold). Returns the last shard's answer;
         the ledger records what the next hop holds either way."""
         n = int(rows.shape[0])
         start = first - cached
@@ -162,7 +167,7 @@ class RoutedSession:
                                                None if send_ids is None else send_ids[0])
             else:
                 final = await self.down.prefill(rows, start, sampling, top_logprobs, all_logits,
-                                                send_ids)
+                                                send_ids, limit)
         except ShardError as err:
             await self._failed_downstream(err)
             raise
@@ -259,7 +264,7 @@ class RoutedSession:
                         final = await self._forward(
                             _rows(result), first_row(result), p.sampling, p.top_logprobs,
                             all_logits=p.all_logits, cached=result.cached_tokens,
-                            ids=None if ids is None
+                            limit=inp.cache_limit, ids=None if ids is None
                             else ids[start - inp.position : result.n_past - inp.position])
                     except ShardError as err:  # the next hop's: stop computing, it is the error
                         failed.insert(0, err)
@@ -320,7 +325,7 @@ class RoutedSession:
             self._step_ids = run.prompt
             return await host.engine_call(host.engine.prefill, PrefillRequest(
                 host.session_id, run.prompt, position=self.ledger.end, sampling=run.sampling,
-                top_k_logprobs=g.top_logprobs,
+                top_k_logprobs=g.top_logprobs, cache_limit=cache_limit(g),
             ))
         token = self.ledger.next_token
         assert token is not None
@@ -330,7 +335,8 @@ class RoutedSession:
     async def forward(self, run: Generation, mine: StepResult) -> pb.StepResult:
         g = run.request
         return await self._forward(_rows(mine), first_row(mine), g.sampling, g.top_logprobs,
-                                   cached=mine.cached_tokens, ids=self._step_ids)
+                                   cached=mine.cached_tokens, ids=self._step_ids,
+                                   limit=cache_limit(g))
 
     async def send(self, run: Generation, answer: StepResult | pb.StepResult, start: int,
                    mine: StepResult) -> None:

@@ -247,6 +247,7 @@ def capabilities_to_proto(
         parse_special=caps.is_first,
         prefix_cache_tokens=caps.prefix_cache_tokens,
         prefix_cache_detail=caps.prefix_cache_detail,
+        prefix_cache_limit=True,  # Prefill.cache_limit, OpenSession.prefix_probe
     )
 
 

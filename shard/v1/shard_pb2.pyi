@@ -102,7 +102,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout", "prefix_cache_tokens", "prefix_cache_detail")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout", "prefix_cache_tokens", "prefix_cache_detail", "prefix_cache_limit")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class GetCapabilitiesResponse(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -179,7 +180,8 @@ class GetCapabilitiesResponse(_message.Message):
     kv_layout: str
     prefix_cache_tokens: int
     prefix_cache_detail: str
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_detail: _Optional[str] = ...) -> None: ...
+    prefix_cache_limit: bool
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_detail: _Optional[str] = ..., prefix_cache_limit: _Optional[bool] = ...) -> None: ...
 
 class ChatTemplate(_message.Message):
     __slots__ = ("template", "bos_token", "eos_token", "eot_token", "add_bos", "special_texts")
@@ -366,7 +368,7 @@ class CacheExpectation(_message.Message):
     def __init__(self, n_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "expected_model_fingerprint", "expected_layer_range", "kv_budget", "cache", "initial_credit", "step_timeout_ms", "hidden_wire_dtype", "route", "batch_group")
+    __slots__ = ("session_id", "expected_model_fingerprint", "expected_layer_range", "kv_budget", "cache", "initial_credit", "step_timeout_ms", "hidden_wire_dtype", "route", "batch_group", "prefix_probe")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +379,7 @@ class OpenSession(_message.Message):
     HIDDEN_WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     BATCH_GROUP_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PROBE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     expected_model_fingerprint: str
     expected_layer_range: LayerRange
@@ -387,7 +390,8 @@ class OpenSession(_message.Message):
     hidden_wire_dtype: str
     route: Route
     batch_group: int
-    def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., hidden_wire_dtype: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., batch_group: _Optional[int] = ...) -> None: ...
+    prefix_probe: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., hidden_wire_dtype: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., batch_group: _Optional[int] = ..., prefix_probe: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("hops", "return_to", "step_timeout_ms")
@@ -454,7 +458,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens", "all_logits", "echo_tokens", "parse_special", "token_ids")
+    __slots__ = ("tokens", "hidden_states", "text", "position", "sampling", "top_logprobs", "chunk_tokens", "all_logits", "echo_tokens", "parse_special", "token_ids", "has_cache_limit", "cache_limit")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -466,6 +470,8 @@ class Prefill(_message.Message):
     ECHO_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CACHE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     hidden_states: Tensor
     text: str
@@ -477,7 +483,9 @@ class Prefill(_message.Message):
     echo_tokens: bool
     parse_special: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ..., echo_tokens: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    has_cache_limit: bool
+    cache_limit: int
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., all_logits: _Optional[bool] = ..., echo_tokens: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., has_cache_limit: _Optional[bool] = ..., cache_limit: _Optional[int] = ...) -> None: ...
 
 class Decode(_message.Message):
     __slots__ = ("token", "hidden_state", "sampling", "top_logprobs", "relay_tag", "has_token_id", "token_id")
@@ -498,7 +506,7 @@ class Decode(_message.Message):
     def __init__(self, token: _Optional[int] = ..., hidden_state: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs: _Optional[int] = ..., relay_tag: _Optional[int] = ..., has_token_id: _Optional[bool] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class Generate(_message.Message):
-    __slots__ = ("tokens", "text", "sampling", "max_tokens", "stop_tokens", "ignore_eos", "top_logprobs", "parse_special", "yield_on_drain")
+    __slots__ = ("tokens", "text", "sampling", "max_tokens", "stop_tokens", "ignore_eos", "top_logprobs", "parse_special", "yield_on_drain", "has_cache_limit", "cache_limit")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -508,6 +516,8 @@ class Generate(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     YIELD_ON_DRAIN_FIELD_NUMBER: _ClassVar[int]
+    HAS_CACHE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenIds
     text: str
     sampling: SamplingParams
@@ -517,7 +527,9 @@ class Generate(_message.Message):
     top_logprobs: int
     parse_special: bool
     yield_on_drain: bool
-    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., parse_special: _Optional[bool] = ..., yield_on_drain: _Optional[bool] = ...) -> None: ...
+    has_cache_limit: bool
+    cache_limit: int
+    def __init__(self, tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., parse_special: _Optional[bool] = ..., yield_on_drain: _Optional[bool] = ..., has_cache_limit: _Optional[bool] = ..., cache_limit: _Optional[int] = ...) -> None: ...
 
 class Credit(_message.Message):
     __slots__ = ("messages",)
@@ -572,7 +584,7 @@ class CacheResult(_message.Message):
     def __init__(self, outcome: _Optional[_Union[CacheResult.Outcome, str]] = ..., tokens_held: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "cache", "kv_capacity", "n_past", "credit", "version", "hidden_wire_dtype")
+    __slots__ = ("session_id", "cache", "kv_capacity", "n_past", "credit", "version", "hidden_wire_dtype", "prefix_cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -580,6 +592,7 @@ class SessionOpened(_message.Message):
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache: CacheResult
     kv_capacity: int
@@ -587,7 +600,8 @@ class SessionOpened(_message.Message):
     credit: int
     version: ProtocolVersion
     hidden_wire_dtype: str
-    def __init__(self, session_id: _Optional[str] = ..., cache: _Optional[_Union[CacheResult, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., n_past: _Optional[int] = ..., credit: _Optional[int] = ..., version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., hidden_wire_dtype: _Optional[str] = ...) -> None: ...
+    prefix_cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., cache: _Optional[_Union[CacheResult, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., n_past: _Optional[int] = ..., credit: _Optional[int] = ..., version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., hidden_wire_dtype: _Optional[str] = ..., prefix_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "piece")

@@ -49,6 +49,7 @@ from __future__ import annotations
 from .call import SessionCall
 from .credit import UNLIMITED_CREDIT
 from .generation import Generation, StepSource, count_generated, count_prefill, generate, stop_rules
+from .inputs import cache_limit
 from .limits import LOOKAHEAD_MODES, MAX_SESSION_ID_BYTES, SessionLimits
 from .outbox import Responses
 from .phase import Phase, StreamEnd
@@ -81,6 +82,7 @@ __all__ = [
     "StepSource",
     "StreamEnd",
     "UNLIMITED_CREDIT",
+    "cache_limit",
     "count_generated",
     "count_prefill",
     "generate",

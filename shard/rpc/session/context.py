@@ -160,8 +160,27 @@ class StepContext:
         # Before any chunk is computed: a prompt in chunks that cannot fit is refused whole (it
         # used to be refused at the first chunk past the context, the earlier ones computed).
         self._check_room(position, n)
+        limit = inputs.cache_limit(p)
+        covered = self._covered(position, tokens if tokens is not None else ids, limit) \
+            if p.chunk_tokens else 0
         return inputs.PrefillInput(position, sampling, tokens, hidden, ids, n, lead,
-                                   inputs.rows_per_message(caps, self.outbox.max_message_bytes))
+                                   inputs.rows_per_message(caps, self.outbox.max_message_bytes),
+                                   limit, covered)
+
+    def _covered(self, position: int, ids: Sequence[int] | None, limit: int | None) -> int:
+        """How many leading positions of input ``ids`` at ``position`` the prefix cache holds
+        now, within ``limit`` and never the last (a step computes one): what a chunked
+        prefill's first step takes besides its chunk (0 where the engine would not use it)."""
+        if not ids or not self.caps.prefix_cache_tokens or position != self.positions.engine:
+            return 0
+        try:
+            held = self._engine.session_info(self.session_id).tokens
+        except EngineError:
+            return 0
+        if held is None or len(held) != position:
+            return 0
+        most = position + len(ids) - 1 if limit is None else min(limit, position + len(ids) - 1)
+        return max(0, min(self._engine.cached_prefix([*held, *ids]), most) - position)
 
     def decode_input(
         self, d: pb.Decode

@@ -38,11 +38,17 @@ class PrefillInput:
     lead: int = 0
     #: The most positions a step may grow to (the rows one message carries on; None: any).
     max_span: int | None = None
+    #: The most of the session's leading positions the prefix cache may serve (None: any).
+    cache_limit: int | None = None
+    #: Leading positions of this input the prefix cache held when it was checked (a hint for
+    #: the first step's size: the engine looks again when it computes it).
+    covered: int = 0
 
     def chunks(self, chunk_tokens: int) -> PrefillChunks:
         """The engine steps of this input, ``chunk_tokens`` positions at a time (0: all)."""
         chunk = chunk_tokens or max(self.n, 1)
-        return PrefillChunks(self.n, chunk, self.lead, max(chunk, self.max_span or self.n))
+        return PrefillChunks(self.n, chunk, max(self.lead, self.covered),
+                             max(chunk, self.max_span or self.n))
 
     def request(self, sid: str, start: int, stop: int, **options: object) -> PrefillRequest:
         """The engine request of the chunk ``[start, stop)`` (``options``: sampling aside)."""
@@ -52,6 +58,7 @@ class PrefillInput:
             None if self.hidden is None else self.hidden[start:stop],
             position=self.position + start, sampling=self.sampling,
             token_ids=None if self.token_ids is None else self.token_ids[start:stop],
+            cache_limit=self.cache_limit,
             **options,  # type: ignore[arg-type]
         )
 
@@ -63,17 +70,19 @@ class PrefillInput:
 
 class PrefillChunks:
     """The ``[start, stop)`` offsets of a prefill's engine steps: ``chunk`` positions at a time,
-    the first also holding the positions that came without rows (``lead``). A step whose start
-    the prefix cache covered as far as it may (all but the one position a step computes) makes
-    the next one take the rest at once (up to ``most``, so that the rows a step computes once
-    the cache runs out still fit one message to the next hop): a cached conversation takes two
-    steps, where each further step would copy the cache entry's whole stream again and compute
-    one more position the cache held (``took``)."""
+    the first also holding the positions the prefix cache serves (``covered``: those that came
+    without rows, or what the cache held when the input was checked), which cost a copy, not a
+    computation: a cached conversation takes one step when its new part fits one chunk, and the
+    uncovered rest still goes in pipelined chunks. Should the first step's start be covered as
+    far as it may (all but the one position a step computes: the cache held more than it was
+    told), the next takes the rest at once (up to ``most``, so that the rows a step computes
+    still fit one message to the next hop), where each further step would copy the cache
+    entry's whole stream again and compute one more position the cache held (``took``)."""
 
     __slots__ = ("_n", "_chunk", "_most", "_span")
 
-    def __init__(self, n: int, chunk: int, lead: int, most: int) -> None:
-        self._n, self._chunk, self._most, self._span = n, chunk, most, lead + chunk
+    def __init__(self, n: int, chunk: int, covered: int, most: int) -> None:
+        self._n, self._chunk, self._most, self._span = n, chunk, most, covered + chunk
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         start = 0
@@ -107,6 +116,11 @@ def hidden_ids(
         pad = np.zeros((lead, hidden.shape[1]), dtype=hidden.dtype)
         hidden = np.concatenate([pad, hidden])
     return hidden, tuple(ids), lead
+
+
+def cache_limit(msg: pb.Prefill | pb.Generate) -> int | None:
+    """``cache_limit`` when the message sets it (``has_cache_limit``), else None: no limit."""
+    return msg.cache_limit if msg.has_cache_limit else None
 
 
 def prefix_not_cached(lead: int, sid: str) -> ShardError:

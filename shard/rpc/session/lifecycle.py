@@ -71,6 +71,7 @@ class Lifecycle:
             # after the direct copy the returner sends (which is why the route asked for one).
             ctx.outbox.through_handler = True
         self._queue_ok = returning
+        prefix_held = self._prefix_held(req)
         credit = ctx.credits.open(req.initial_credit or self._limits.default_credit)
         self.phase.value = Phase.IDLE
         await ctx.outbox.respond(
@@ -84,9 +85,23 @@ class Lifecycle:
                     version=pb.ProtocolVersion(major=version[0], minor=version[1]),
                     # echoed only when asked, so that v1.0 clients see the same bytes as before
                     hidden_wire_dtype=wire_dtype if req.hidden_wire_dtype else "",
+                    prefix_cached_tokens=prefix_held,
                 )
             )
         )
+
+    def _prefix_held(self, req: pb.OpenSession) -> int:
+        """The answer to ``prefix_probe``: how many of its leading ids this worker's prefix
+        cache holds now, and with a route the least of that and what the route holds (a hop
+        that cannot say does not lower it: the client's retry covers it)."""
+        if not req.prefix_probe:
+            return 0
+        try:
+            own = self._engine.cached_prefix(req.prefix_probe)
+        except EngineError as exc:
+            raise ShardError.from_engine(exc) from None
+        down = self.routed.prefix_held if self.routed is not None else None
+        return own if down is None else min(own, down)
 
     async def _attach_kv(
         self,

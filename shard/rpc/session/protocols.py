@@ -146,6 +146,9 @@ class Routed(Protocol):
     positions: Positions
     #: The least KV capacity of the chain from this worker on.
     kv_capacity: int
+    #: How many leading ids of ``OpenSession.prefix_probe`` the route from the next hop on
+    #: holds in its prefix caches (None: unknown, a next hop older than the probe).
+    prefix_held: int | None
 
     async def step(self, req: pb.SessionRequest, usage: pb.Usage) -> None:
         """Run one Prefill/Decode/Generate/Rewind through the chain (results sent with the

@@ -15,6 +15,7 @@ from shard.v1 import shard_pb2 as pb
 
 from .. import convert
 from ..errors import ErrorCode, ShardError
+from . import inputs
 from .context import StepContext
 from .generation import UNFINISHED, Generation, count_prefill, generate
 from .protocols import Returner, SessionHost
@@ -105,7 +106,7 @@ class LocalSteps:
         if run.prompt_step:
             result = await ctx.engine_call(ctx.engine.prefill, PrefillRequest(
                 ctx.session_id, run.prompt, position=ctx.positions.end, sampling=run.sampling,
-                top_k_logprobs=g.top_logprobs, lookahead=hint,
+                top_k_logprobs=g.top_logprobs, lookahead=hint, cache_limit=inputs.cache_limit(g),
             ))
         else:
             token = ctx.positions.next_token
