@@ -34,6 +34,7 @@ from shard.v1 import shard_pb2 as pb
 
 from .errors import Blame, Blames, Hop, PipelineError
 from .generation import Generation, HopOutput, OnToken
+from .prefix import route_limit
 from .replicas import HopReplicas
 from .result import PipelineResult
 from .route import ChainRoute
@@ -97,7 +98,7 @@ async def run(
         async def keep(out: HopOutput) -> None:
             last[:] = [out.step]
 
-        await runner.prefill_prompt(prompt, keep)
+        await runner.prefill_prompt(prompt, keep, route_limit([runner]))
     if not last or last[0].WhichOneof("output") != "logits":
         raise PipelineError(runner.hop, ShardError(ErrorCode.INTERNAL, "no logits after prefill"))
     step = last[0]

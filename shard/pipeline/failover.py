@@ -357,5 +357,14 @@ class HopFailover:
             hidden_wire_dtype="" if want == convert.HIDDEN_DTYPE else want,
             route=self.route.message() if self.route is not None else None,
             batch_group=self.gen.batch_group,
+            prefix_probe=self.gen.prefix_probe if self.probes(replica) else (),
             timeout=timeout,
         )
+
+    def probes(self, replica: Replica) -> bool:
+        """Whether the session on ``replica`` is asked what it holds of the prompt
+        (``shard.pipeline.prefix``): a later hop's, or a first hop's that asks its route; one
+        that answers, when the prompt's ids are known."""
+        caps = replica.caps
+        return (bool(self.gen.prefix_probe) and caps is not None and caps.prefix_cache_limit
+                and (self.index > 0 or self.route is not None))

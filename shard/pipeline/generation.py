@@ -94,6 +94,10 @@ class Generation:
     parse_special: bool = False
     #: A draining worker's sessions move to the replica as state (``shard.pipeline.handoff``).
     handoff: bool = True
+    #: The prompt's ids each hop is asked about at its open (``shard.pipeline.prefix``).
+    prefix_probe: tuple[int, ...] = ()
+    #: The turn runs again after a later hop lacked the first hop's cached prefix.
+    prefix_retry: bool = False
 
     def cleanup_deadline(self) -> float:
         return min(trio.current_time() + RELEASE_TIMEOUT, self.deadline + CLEANUP_GRACE)

@@ -76,6 +76,7 @@ from .errors import Blames, Hop, PipelineError
 from .groups import BatchGroups, default_groups
 from .replay import DEFAULT_REPLAY_BYTES, ReplayBudget
 from .replicas import HopReplicas, Replica
+from .prefix import PrefixTurn
 from .result import PipelineResult
 from .generation import CLEANUP_GRACE, RELEASE_TIMEOUT, Failover, Generation
 from .held import release_session
@@ -407,26 +408,29 @@ class Pipeline:
                 # the client steps, so that a draining worker hands over at the next token
                 # (the hand-over is checked before each step the client sends).
                 alone = last == 0 and (len(hops[0].replicas) == 1 or not self.step_replicas)
-                if chained:  # one runner: the first hop, answering with the last shard's results
-                    runners = [chain.first_hop_runner(hops, gen)]
-                else:
-                    runners = [HopRunner(r, gen, last=r.index == last) for r in hops]
-                try:
-                    with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
-                        if (chained or alone) and not speculate:  # the workers loop: Generate on hop 0
-                            await chain.run(runners[0], result, prompt, rules, on_token, blames,
-                                            self.pass_cost)
-                        else:  # the client steps (a chain's passes go through hop 0's route)
-                            await stepping.run(runners, result, prompt, rules, on_token, blames,
-                                               self.pass_cost, speculate,
-                                               drafter or PromptLookup(), loop=chained)
-                        return result
-                    raise blames.deadline_error(self.hops)  # the scope's deadline passed
-                except BaseException:
-                    for runner in runners:
-                        runner.abort()  # RST_STREAM: the worker stops the step and releases
-                    with trio.CancelScope(shield=True, deadline=gen.cleanup_deadline()):
-                        async with trio.open_nursery() as nursery:
-                            for runner in runners:  # (and what a routed one's hops retain)
-                                nursery.start_soon(runner.release)
-                    raise
+                turn = PrefixTurn(prompt, gen)  # the prefix every hop holds, and its one retry
+                while True:
+                    if chained:  # one runner: the first hop, answering with the last shard's results
+                        runners = [chain.first_hop_runner(hops, gen)]
+                    else:
+                        runners = [HopRunner(r, gen, last=r.index == last) for r in hops]
+                    try:
+                        with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
+                            if (chained or alone) and not speculate:  # the workers loop: Generate on hop 0
+                                await chain.run(runners[0], result, prompt, rules, on_token, blames,
+                                                self.pass_cost)
+                            else:  # the client steps (a chain's passes go through hop 0's route)
+                                await stepping.run(runners, result, prompt, rules, on_token, blames,
+                                                   self.pass_cost, speculate,
+                                                   drafter or PromptLookup(), loop=chained)
+                            return result
+                        raise blames.deadline_error(self.hops)  # the scope's deadline passed
+                    except BaseException as exc:
+                        for runner in runners:
+                            runner.abort()  # RST_STREAM: the worker stops the step and releases
+                        with trio.CancelScope(shield=True, deadline=gen.cleanup_deadline()):
+                            async with trio.open_nursery() as nursery:
+                                for runner in runners:  # (and what a routed one's hops retain)
+                                    nursery.start_soon(runner.release)
+                        if not turn.retry(exc, runners, result):
+                            raise

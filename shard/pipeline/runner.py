@@ -23,6 +23,7 @@ from .errors import Hop, PipelineError
 from .failover import HopFailover
 from .generation import Generation, HopOutput, next_or_none
 from .history import HopHistory
+from .prefix import held_by
 from .replay import RowLog, TokenLog
 from .replicas import HopReplicas
 from .route import ChainRoute
@@ -76,11 +77,27 @@ class HopRunner:
         """Open the hop's session on the current replica (or the next that takes it)."""
         await self.failover.open()
 
+    def honours_cache_limit(self) -> bool:
+        """The hop's worker takes ``Prefill.cache_limit`` (reports ``prefix_cache_limit``)."""
+        caps = self.failover.replica.caps
+        return caps is not None and caps.prefix_cache_limit
+
+    def prefix_held(self) -> int | None:
+        """What the hop's session (with chain relay: its route) holds of the prompt, as it
+        answered the open's probe; None when it was not asked or cannot say."""
+        session = self.session
+        if session is None or not self.failover.probes(self.failover.replica):
+            return None
+        return held_by(self.failover.replica.caps, session.opened)
+
     async def prefill_prompt(
-        self, prompt: str | Sequence[int], emit: Callable[[HopOutput], Awaitable[None]]
+        self, prompt: str | Sequence[int], emit: Callable[[HopOutput], Awaitable[None]],
+        cache_limit: int | None = None,
     ) -> None:
         """First hop: prefill the prompt in chunks, ``emit`` each chunk's output once (after a
-        failover the replacement computes the prompt again; what was emitted is not repeated)."""
+        failover the replacement computes the prompt again; what was emitted is not repeated).
+        ``cache_limit``: the most positions it may take from its prefix cache (what every later
+        hop holds, ``shard.pipeline.prefix``)."""
         text = prompt if isinstance(prompt, str) else None
         tokens = None if isinstance(prompt, str) else list(prompt)
         if tokens is not None:
@@ -93,6 +110,7 @@ class HopRunner:
                 tokens, text=text, chunk_tokens=self.gen.chunk_tokens,
                 sampling=self.gen.sampling, top_logprobs=self.gen.top_logprobs,
                 echo_tokens=text is not None, parse_special=self.gen.parse_special,
+                cache_limit=cache_limit,
             )
             while (step := await self._timed(lambda: next_or_none(steps))) is not None:
                 if step.HasField("input_tokens"):
@@ -111,15 +129,17 @@ class HopRunner:
         self.history.held = emitted
 
     async def prefill_rows(
-        self, position: int, rows: np.ndarray, ids: Sequence[int] | None = None
+        self, position: int, rows: np.ndarray, ids: Sequence[int] | None = None,
+        cache_limit: int | None = None,
     ) -> HopOutput:
         """Later hop: prefill boundary ``rows`` at ``position``, with the token ids of the
         positions from ``position`` on (``ids``: more than the rows when the hop before took
-        the first ones from its prefix cache, which this hop must then hold too)."""
+        the first ones from its prefix cache, which this hop must then hold too), taking at
+        most ``cache_limit`` positions from its own cache."""
         lead = self._lead(rows, ids)
         out = await self._attempt(lambda s: self._step(s, lambda: s.prefill(
             hidden_states=rows, position=position, sampling=self.gen.sampling,
-            top_logprobs=self.gen.top_logprobs, token_ids=ids,
+            top_logprobs=self.gen.top_logprobs, token_ids=ids, cache_limit=cache_limit,
         )))
         self.cached_tokens += out.step.cached_tokens
         if lead and self.rows is not None:

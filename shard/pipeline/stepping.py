@@ -27,6 +27,7 @@ from .errors import Blame, Blames, PipelineError
 from .result import PipelineResult
 from .runner import HopRunner
 from .generation import HopOutput, OnToken
+from .prefix import route_limit
 from .speculation import DraftPlanner, PassCost
 
 __all__ = ["decode", "prefill", "run", "verify"]
@@ -150,6 +151,7 @@ async def prefill(
     """Stream the prompt through the chain in chunks; return the last shard's last result."""
     n = len(runners)
     last: list[pb.StepResult] = []
+    limit = route_limit(runners)  # what every hop holds of the prompt
 
     async def forward(out: trio.MemorySendChannel[_Chunk] | None, o: HopOutput) -> None:
         if out is None:
@@ -166,7 +168,7 @@ async def prefill(
     async def first(out: trio.MemorySendChannel[_Chunk] | None) -> None:
         with Blame(runners[0], blames, nursery.cancel_scope):
             async with out if out is not None else nullcontext():  # closing ends the next hop
-                await runners[0].prefill_prompt(prompt, partial(forward, out))
+                await runners[0].prefill_prompt(prompt, partial(forward, out), limit)
 
     async def later(
         k: int, inbox: trio.MemoryReceiveChannel[_Chunk], out: trio.MemorySendChannel[_Chunk] | None,
@@ -174,7 +176,7 @@ async def prefill(
         with Blame(runners[k], blames, nursery.cancel_scope):
             async with inbox, out if out is not None else nullcontext():
                 async for position, rows, ids in inbox:
-                    await forward(out, await runners[k].prefill_rows(position, rows, ids))
+                    await forward(out, await runners[k].prefill_rows(position, rows, ids, limit))
 
     with unwrap_single_exception():
         async with trio.open_nursery() as nursery:
