@@ -9,13 +9,19 @@ conversation) and its greedy tokens must equal a cacheless worker's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from shard.client import ShardClient
+from shard.client import ShardClient, ShardError
 from shard.engine import LayerRange
-from shard.pipeline import Pipeline
+from shard.pipeline import Pipeline, PipelineError, PipelineResult
+from shard.pipeline.errors import Blames, Hop
+from shard.pipeline.prefix import PrefixTurn, route_limit
+from shard.rpc.errors import ErrorCode
 from shard.rpc.session.inputs import PrefillChunks
+from shard.v1 import shard_pb2 as pb
 from test_prefix_rpc import (
     BUDGET, HALVES, N_NEW, THIRDS, TIMEOUT, TURNS, _Step, chat_on_pipeline, chat_on_worker,
     engine_metrics, held_after, workers,
@@ -67,6 +73,20 @@ async def test_a_chunked_prefill_of_a_cached_conversation_takes_one_step_and_chu
 
 
 # ---- the probe and the limit on the wire -----------------------------------------------------
+
+
+async def test_a_generate_takes_no_more_than_its_cache_limit() -> None:
+    async with workers([None, None], [BUDGET, 0]) as (w, plain):
+        prompt = [*TURNS[0], *await first_turn(w.target), *TURNS[1]]
+        got = []
+        for target, limit in ((w.target, 5), (plain.target, None)):
+            async with ShardClient.connect(target, timeout=TIMEOUT) as client:
+                async with client.session() as s:
+                    steps = [st async for st in s.generate(prompt, max_tokens=N_NEW,
+                                                           ignore_eos=True, cache_limit=limit)]
+                    assert s.usage.cached_tokens == steps[0].cached_tokens == (limit or 0)
+            got.append([st.logits.token_id for st in steps])
+        assert got[0] == got[1]
 
 
 async def test_the_probe_says_what_the_cache_holds_and_changes_nothing() -> None:
@@ -151,3 +171,58 @@ async def test_a_text_prompt_a_later_hop_lacks_runs_again_within_what_it_holds(
         m = await engine_metrics(hops[0].target)
         # the refused try took the prompt from the first hop's cache; the retry did not
         assert m["prefix_cache_hits_total"] == 1
+
+
+# ---- the retry's rules -----------------------------------------------------------------------
+
+
+@dataclass
+class _Gen:
+    """What ``PrefixTurn`` reads and writes of a ``Generation``."""
+
+    sid: str = "p-1"
+    prefix_probe: tuple[int, ...] = ()
+    prefix_retry: bool = False
+    blames: Blames = field(default_factory=Blames)
+
+
+@dataclass
+class _Runner:
+    gen: _Gen
+    prompt_ids: list[int] | None = None
+    honours: bool = True
+
+    def honours_cache_limit(self) -> bool:
+        return self.honours
+
+    def prefix_held(self) -> int | None:
+        return None
+
+
+def _refused(reason: str = "PREFIX_NOT_CACHED") -> PipelineError:
+    return PipelineError(Hop(1, "t"), ShardError(ErrorCode.ILLEGAL_TRANSITION, "x", reason=reason))
+
+
+def test_a_turn_runs_again_once_and_only_for_a_prefix_a_later_hop_lacks() -> None:
+    gen = _Gen()
+    turn = PrefixTurn("a text", gen)  # type: ignore[arg-type]
+    assert gen.prefix_probe == ()  # a text's ids are not known yet
+    runner = _Runner(gen, prompt_ids=[1, 2, 3])
+    assert not turn.retry(_refused("KV_CACHE_FULL"), [runner], PipelineResult())  # type: ignore[list-item]
+    assert not turn.retry(_refused(), [_Runner(gen, honours=False)], PipelineResult())  # type: ignore[list-item]
+    emitted = PipelineResult()
+    emitted.steps.append(pb.StepResult())
+    assert not turn.retry(_refused(), [runner], emitted)  # type: ignore[list-item]
+    assert not gen.prefix_retry
+    gen.blames.failures.append(_refused())
+    assert turn.retry(BaseExceptionGroup("one", [_refused()]), [runner], PipelineResult())  # type: ignore[list-item]
+    # new sessions, probed with the ids the first hop echoed, the last try's blame forgotten
+    assert (gen.sid, gen.prefix_probe, gen.prefix_retry) == ("p-1~p", (1, 2, 3), True)
+    assert gen.blames.failures == []
+    assert route_limit([runner]) is None  # probed hops answer (none here): no limit  # type: ignore[list-item]
+    assert not turn.retry(_refused(), [runner], PipelineResult())  # type: ignore[list-item]  # once
+    ids_gen = _Gen()
+    PrefixTurn([4, 5], ids_gen)  # type: ignore[arg-type]
+    assert ids_gen.prefix_probe == (4, 5)
+    unknown = _Gen(prefix_retry=True)  # a retry without the prompt's ids uses no cache
+    assert route_limit([_Runner(unknown)]) == 0  # type: ignore[list-item]
