@@ -91,8 +91,8 @@ def add_parser(sub: Any) -> Options:
              "only the rest; each cached conversation costs the memory of one more session "
              "(docs/operations.md, \"Prefix cache\"); 0 turns it off (default: the "
              "per-session context, --ctx / --max-sessions, on a worker serving the whole "
-             "model; 0 on a layer range, where every hop of a chain must hold the same "
-             "prefixes)")
+             "model; 0 on a layer range, where a pipeline takes from the caches only the "
+             "prefix every hop of it holds)")
     opts.add("--lookahead", choices=("auto", "generate", "off"), default="auto",
              help="compute a session's next step ahead, in the engine's thread, while "
              "the last result is sent: for Generate and for clients that decode the "
