@@ -77,7 +77,8 @@ class Outcome:
 class Routes(Protocol):
     """Where one model's generations run: a fixed pipeline, or a pool's least-loaded route."""
 
-    def lease(self) -> AbstractAsyncContextManager[tuple[Pipeline, Sequence[str] | None]]: ...
+    def lease(self, prompt: str | Sequence[int] | None = None,
+              ) -> AbstractAsyncContextManager[tuple[Pipeline, Sequence[str] | None]]: ...
 
     @property
     def first(self) -> pb.GetCapabilitiesResponse | None: ...
@@ -97,7 +98,8 @@ class PipelineRoutes:
         self.pipeline = pipeline
 
     @asynccontextmanager
-    async def lease(self) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
+    async def lease(self, prompt: str | Sequence[int] | None = None,
+                    ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
         yield self.pipeline, None
 
     @property
@@ -119,15 +121,17 @@ class PipelineRoutes:
 
 
 class PoolRoutes:
-    """One model of a pool (``api --workers``): each generation on its least-loaded route."""
+    """One model of a pool (``api --workers``): each generation on the route that holds its
+    prompt's prefix, else the least-loaded one (``shard.pool.routing``)."""
 
     def __init__(self, pool: Pool, model: str) -> None:
         self.pool = pool
         self.model = model
 
     @asynccontextmanager
-    async def lease(self) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
-        async with self.pool.lease(self.model) as chosen:
+    async def lease(self, prompt: str | Sequence[int] | None = None,
+                    ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
+        async with self.pool.lease(self.model, prompt) as chosen:
             yield chosen.pipeline, chosen.route
 
     @property
@@ -294,7 +298,7 @@ class Backend:
                 scope.cancel()  # the generation's sessions are reset and released
 
         async def attempt() -> None:
-            async with self.routes.lease() as (pipeline, route):
+            async with self.routes.lease(request.prompt) as (pipeline, route):
                 context = min(h.caps.n_ctx_per_session for h in pipeline.hops if h.caps)
                 await pipeline.generate(
                     # no generation outlives the context: a larger limit is the context's
