@@ -83,7 +83,7 @@ def test_the_index_stays_within_its_bound_and_never_claims_what_it_was_not_sent(
     """Against a plain record of what each route was sent (and not forgotten since): the index
     holds at most ``bound`` pairs, every key maps back to a remembered pair, a match is never
     longer than the longest common prefix with a prompt the route was sent, and with nothing
-    evicted it is exactly that."""
+    evicted it is exactly that; a match said to end a prompt ends one sent there."""
     index = PrefixIndex(bound)
     sent: dict[tuple[str, ...], list[str]] = {}
     evicted = False
@@ -110,6 +110,11 @@ def test_the_index_stays_within_its_bound_and_never_claims_what_it_was_not_sent(
                 assert got.get(route, 0) <= common
                 if not evicted:
                     assert got.get(route, 0) == common
+                depth = got.get(route, 0)
+                if depth and index.ended(route, index.keys(probe)[depth - 1]):
+                    # a prompt sent there had exactly those blocks
+                    assert any(len(p) // BLOCK_CHARS == depth <= _common(probe, p) // BLOCK_CHARS
+                               for p in sent[route])
 
 
 def _common(a: str, b: str) -> int:
@@ -176,13 +181,28 @@ def test_a_new_conversation_goes_to_the_least_loaded_route() -> None:
     fakes.workers["w3"].sessions = 1
     assert fakes.pick(conversation(1, 3)) == ("w2",)
     fakes.workers["w2"].sessions = 3
-    # w1 holds a shared system prompt shorter than the threshold: it pins nothing (w1 would be
-    # taken, within the slack, if it did)
+    # w1 was sent another conversation that starts with the same system prompt, shorter than
+    # the threshold: it pins nothing (w1 would be taken, within the slack, if it did)
     short = "<|im_start|>system\n" + "the same system prompt for everyone " * 4
     assert len(short) < MIN_BLOCKS * BLOCK_CHARS
-    fakes.router.index.remember(("w1",), fakes.router.index.keys(short))  # type: ignore[union-attr]
-    assert fakes.pick(short + "<|im_end|>\na new question") == ("w3",)
+    index = fakes.router.index
+    assert index is not None
+    index.remember(("w1",), index.keys(short + "<|im_end|>\n" + conversation(9, 2)))
+    assert fakes.pick(short + "<|im_end|>\na new question" + "of a new chat " * 9) == ("w3",)
     assert fakes.router.picks[("m", "prefix")] == 0
+
+
+def test_a_short_first_turn_is_followed_by_its_next_turn() -> None:
+    """The next turn of a first turn shorter than the threshold goes on from the whole prompt
+    sent to its route: taken (a prompt that only shares its start is not, above)."""
+    fakes = Fakes({"w1": (0, 4), "w2": (0, 4)})
+    first = "<|im_start|>user\n" + "a short question " * 8  # two whole blocks
+    assert BLOCK_CHARS <= len(first) < MIN_BLOCKS * BLOCK_CHARS
+    route = fakes.pick(first)
+    for turn in range(3):  # by load alone, the turns would alternate
+        first += "<|im_start|>assistant\nan answer<|im_end|>\n" * (turn + 1)
+        assert fakes.pick(first) == route
+    assert fakes.router.picks[("m", "prefix")] == 3
 
 
 def test_an_overloaded_holder_is_passed_over_for_the_least_loaded() -> None:

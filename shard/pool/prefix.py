@@ -12,8 +12,9 @@ How: a prompt is cut into blocks (``BLOCK_CHARS`` characters of a text prompt, w
 sends after rendering the chat template, or ``BLOCK_TOKENS`` ids of a token prompt); block i's
 key is a hash of its content and block i-1's key, so one key stands for the whole prefix up to
 the block's end (the block hashing of vLLM's prefix cache). A route remembers the keys of every
-prompt leased to it; a route's match for a new prompt is how many of its leading keys the
-route remembers, in blocks. The bound is ``max_entries`` (route, key) pairs over all routes,
+prompt leased to it, and which keys ended one (``ended``: the prompt goes on from a whole
+prompt sent there, as a chat's next turn does, not from a prefix several prompts share); a
+route's match for a new prompt is how many of its leading keys the route remembers, in blocks. The bound is ``max_entries`` (route, key) pairs over all routes,
 least recently used first out; a prompt's keys are touched last block first, so a prefix
 outlives the tails that extend it, and a prompt longer than the bound keeps its first
 ``max_entries`` blocks.
@@ -68,15 +69,17 @@ class PrefixIndex:
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
         self.max_entries = max_entries
-        self._lru: OrderedDict[tuple[Route, int], None] = OrderedDict()  # oldest first
+        #: (route, key) -> whether a prompt sent there ended with that block; oldest first
+        self._lru: OrderedDict[tuple[Route, int], bool] = OrderedDict()
         self._pairs: dict[Route, int] = {}  # route -> its pairs in ``_lru``
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def keys(self, prompt: str | Sequence[int]) -> list[int]:
-        """``prompt``'s block keys, as ``matches`` and ``remember`` take them."""
-        return block_keys(prompt, self.max_entries)
+        """``prompt``'s block keys, as ``matches`` and ``remember`` take them (one more than
+        the bound at most: ``remember`` then knows the prompt went past it)."""
+        return block_keys(prompt, self.max_entries + 1)
 
     def matches(self, keys: Sequence[int]) -> dict[Route, int]:
         """Every route that remembers at least the first block: how many leading blocks.
@@ -102,10 +105,16 @@ class PrefixIndex:
             if entry in self._lru:
                 self._lru.move_to_end(entry)
             else:
-                self._lru[entry] = None
+                self._lru[entry] = False
                 self._pairs[route] = self._pairs.get(route, 0) + 1
+        if keys and len(keys) <= self.max_entries:  # (a prompt past the bound: its end is not kept)
+            self._lru[(route, keys[-1])] = True
         while len(self._lru) > self.max_entries:
             self._drop(self._lru.popitem(last=False)[0])
+
+    def ended(self, route: Route, key: int) -> bool:
+        """Whether a prompt sent to ``route`` ended with the block of ``key``."""
+        return self._lru.get((route, key), False)
 
     def forget(self, target: str) -> int:
         """Drop every route through ``target`` (it left, failed or serves something else now);

@@ -8,8 +8,9 @@ The rule (docs/operations.md, "A pool of workers"):
   busy (then the one with fewer hops): ``least_loaded``.
 * **Prefix first.** A ``PrefixIndex`` remembers the prompts leased to each route. Among the
   routes that remember at least ``min_blocks`` leading blocks of the prompt (4: 256 characters
-  of text or 64 tokens; a shared system prompt alone does not pin a conversation) and whose
-  workers all serve now, the one with the longest match is taken (the least loaded among
+  of text or 64 tokens; a short system prompt shared by many conversations alone does not pin
+  them), or that were sent the whole of a prompt this one goes on from (a short first turn's
+  next turn), and whose workers all serve now, the one with the longest match is taken (the least loaded among
   equals), unless it is overloaded next to the least-loaded route: its busiest hop runs more
   than ``slack`` (2) generations more than the least-loaded route's busiest hop, or one of its
   hops has no free session while the least-loaded route has one on every hop. A passed-over
@@ -141,7 +142,7 @@ class Router:
         best: tuple[tuple[int, float], Lease] | None = None
         held = False
         for route, blocks in self.index.matches(keys).items():
-            if blocks < self.min_blocks:
+            if blocks < self.min_blocks and not self.index.ended(route, keys[blocks - 1]):
                 continue
             lease = _lease_of(model, route, shapes, live)
             if lease is None:
