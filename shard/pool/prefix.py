@@ -14,10 +14,10 @@ key is a hash of its content and block i-1's key, so one key stands for the whol
 the block's end (the block hashing of vLLM's prefix cache). A route remembers the keys of every
 prompt leased to it, and which keys ended one (``ended``: the prompt goes on from a whole
 prompt sent there, as a chat's next turn does, not from a prefix several prompts share); a
-route's match for a new prompt is how many of its leading keys the route remembers, in blocks. The bound is ``max_entries`` (route, key) pairs over all routes,
-least recently used first out; a prompt's keys are touched last block first, so a prefix
-outlives the tails that extend it, and a prompt longer than the bound keeps its first
-``max_entries`` blocks.
+route's match for a new prompt is how many of its leading keys the route remembers, in
+blocks. The bound is ``max_entries`` (route, key) pairs over all routes, least recently used
+first out; a prompt's keys are touched last block first, so a prefix outlives the tails that
+extend it, and a prompt longer than the bound keeps its first ``max_entries`` blocks.
 
 Approximate by design, never a matter of correctness (the worker's cache compares exact ids; a
 wrong guess costs a prefill, nothing else): a text prefix is a token prefix of the same
@@ -107,7 +107,7 @@ class PrefixIndex:
             else:
                 self._lru[entry] = False
                 self._pairs[route] = self._pairs.get(route, 0) + 1
-        if keys and len(keys) <= self.max_entries:  # (a prompt past the bound: its end is not kept)
+        if keys and len(keys) <= self.max_entries:  # (past the bound: its end is not kept)
             self._lru[(route, keys[-1])] = True
         while len(self._lru) > self.max_entries:
             self._drop(self._lru.popitem(last=False)[0])

@@ -10,11 +10,12 @@ The rule (docs/operations.md, "A pool of workers"):
   routes that remember at least ``min_blocks`` leading blocks of the prompt (4: 256 characters
   of text or 64 tokens; a short system prompt shared by many conversations alone does not pin
   them), or that were sent the whole of a prompt this one goes on from (a short first turn's
-  next turn), and whose workers all serve now, the one with the longest match is taken (the least loaded among
-  equals), unless it is overloaded next to the least-loaded route: its busiest hop runs more
-  than ``slack`` (2) generations more than the least-loaded route's busiest hop, or one of its
-  hops has no free session while the least-loaded route has one on every hop. A passed-over
-  holder makes way for the next-longest holder, then for the least-loaded route.
+  next turn), and whose workers all serve now, the one with the longest match is taken (the
+  least loaded among equals), unless it is overloaded next to the least-loaded route: its
+  busiest hop runs more than ``slack`` (2) generations more than the least-loaded route's
+  busiest hop, or one of its hops has no free session while the least-loaded route has one on
+  every hop. A passed-over holder makes way for the next-longest holder, then for the
+  least-loaded route.
 * Every lease remembers its prompt on the route taken, so the next turn of a conversation
   nobody held finds the route it was sent to.
 
@@ -99,10 +100,10 @@ def least_loaded(model: str, shapes: Sequence[tuple[Shape, Pipeline]], live: Liv
 def _load(route: Route, live: Live) -> tuple[int, bool, float]:
     """(open generations on the route's busiest hop, whether a hop has no free session, the
     busiest hop's share of its sessions); the route's workers all serve now."""
-    members = [live(t) for t in route]
-    assert all(m is not None for m in members)
-    return (max(m.sessions for m in members), any(m.sessions >= m.capacity for m in members),  # type: ignore[union-attr]
-            max(m.sessions / m.capacity for m in members))  # type: ignore[union-attr]
+    members = [m for m in map(live, route) if m is not None]
+    assert len(members) == len(route)
+    return (max(m.sessions for m in members), any(m.sessions >= m.capacity for m in members),
+            max(m.sessions / m.capacity for m in members))
 
 
 class Router:
