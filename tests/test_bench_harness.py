@@ -551,9 +551,10 @@ def test_pool_spread_bench_puts_half_the_generations_on_each_route(tmp_path: Pat
 
 def test_chat_turns_bench_resends_the_conversation_and_reports_every_turn(tmp_path: Path) -> None:
     """A quick run of bench/api/chat_turns.py (the tiny model with a chat template, no
-    llama-server): both door variants ran every turn, each turn's prompt holds the previous
-    one's, the cached door reused the conversation so far and the cacheless one nothing, and
-    the summary has a median row per turn and the last-over-first ratio."""
+    llama-server): every variant ran every turn, each turn's prompt holds the previous one's,
+    the cached door and both pools (a 2-part pool; two replicas, whose door routes every turn
+    after the first by its prefix) reused the conversation so far and the cacheless door
+    nothing, and the summary has a median row per turn and the last-over-first ratio."""
     out = tmp_path / "chat_turns.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.api.chat_turns", "--quick", "--out", str(out),
@@ -561,7 +562,8 @@ def test_chat_turns_bench_resends_the_conversation_and_reports_every_turn(tmp_pa
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
-    assert record["config"]["variants"] == ["door", "door_nocache"]
+    variants = ["door", "door_nocache", "pool_parts", "pool_replicas"]
+    assert record["config"]["variants"] == variants
     (rounds,) = record["rounds"]
     for variant, rows in rounds.items():
         assert [r["turn"] for r in rows] == [1, 2, 3]
@@ -569,12 +571,15 @@ def test_chat_turns_bench_resends_the_conversation_and_reports_every_turn(tmp_pa
         assert all(b > a for a, b in zip(prompts, prompts[1:])), (variant, prompts)
         assert all(r["completion_tokens"] >= 1 and r["ttft_ms"] > 0 for r in rows)
     assert all(r["cached_tokens"] == 0 for r in rounds["door_nocache"])
-    door = rounds["door"]
-    assert all(0 < door[t]["cached_tokens"] < door[t]["prompt_tokens"] for t in (1, 2))
-    assert door[1]["cached_tokens"] >= door[0]["prompt_tokens"] - 1
+    for variant in ("door", "pool_parts", "pool_replicas"):
+        rows = rounds[variant]
+        assert all(0 < rows[t]["cached_tokens"] < rows[t]["prompt_tokens"] for t in (1, 2))
+        assert rows[1]["cached_tokens"] >= rows[0]["prompt_tokens"] - 1, variant
+    assert record["pool_picks"] == [{"pool_parts": {"load": 1, "prefix": 2},
+                                     "pool_replicas": {"load": 1, "prefix": 2}}]
     results = record["results"]
-    assert set(results["per_turn"]) == {"door", "door_nocache"}
+    assert set(results["per_turn"]) == set(variants)
     assert all(len(rows) == 3 for rows in results["per_turn"].values())
-    assert set(results["last_over_first_ttft"]) == {"door", "door_nocache"}
+    assert set(results["last_over_first_ttft"]) == set(variants)
     assert results["over_llama_server_ttft"] == {}
     assert record["environment"]["model"].endswith(".gguf")

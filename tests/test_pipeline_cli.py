@@ -8,7 +8,9 @@ runs it. The llama version of the same check is in ``test_pipeline_llama.py``.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -227,6 +229,53 @@ async def test_generate_waits_for_a_worker_that_is_still_loading(mode: str, load
     assert "NOT_READY" in err and "did not become ready within " in err, err
     assert "s (last status: NOT_READY (loading))" in err, err
     assert mode == "target" or f"hop 1 ({server.target})" in err
+
+
+@pytest.mark.parametrize("mode", ["target", "pipeline"])
+async def test_generate_waits_for_a_worker_that_is_not_listening_yet(mode: str) -> None:
+    """Nothing listens on the (last) worker's port when the command starts: it tries again
+    within --timeout, as the door does (it used to give up at once on the connection
+    refused), and once a worker listens there it generates as usual."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        late = f"127.0.0.1:{probe.getsockname()[1]}"
+    async with shards([LayerRange(0, 2)]) as (first,):
+        where = ["--target", late] if mode == "target" else ["--pipeline", f"{first.target},{late}"]
+        out, err = bytearray(), bytearray()
+
+        async def collect(stream: Any, into: bytearray) -> None:
+            async with stream:
+                while chunk := await stream.receive_some():
+                    into += chunk
+
+        proc = await trio.lowlevel.open_process(
+            [*CLI[:-1], "INFO", "generate", *where, "--timeout", str(TIMEOUT), "--json",
+             "--max-tokens", "5", PROMPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(collect, proc.stdout, out)
+                nursery.start_soon(collect, proc.stderr, err)
+                with trio.fail_after(TIMEOUT):  # refused, and it says it waits
+                    while b"waiting up to" not in err:
+                        assert proc.poll() is None, f"it gave up: {err.decode()}"
+                        await trio.sleep(0.02)
+                await trio.sleep(0.3)  # a few more refused tries
+                assert proc.poll() is None, err.decode()
+                port = int(late.rsplit(":", 1)[1])
+                async with shards([LayerRange(0, 4) if mode == "target" else LayerRange(2, 4)],
+                                  port=port) as (w,):
+                    with trio.fail_after(TIMEOUT):
+                        code = await proc.wait()
+                    await assert_all_free([first, w])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+    assert code == 0, err.decode()
+    assert f"cannot connect to {late}" in err.decode()  # what it waited out, logged once
+    assert len(json.loads(out)["tokens"]) == 5
 
 
 async def test_a_failed_generation_with_json_prints_what_it_received_and_the_error() -> None:

@@ -11,6 +11,15 @@ nothing cached) and alternating in a rotating order:
   context per session as llama-server's slots) behind ``trio-shard api``, the prefix cache at
   its default;
 * ``door_nocache``: the same with ``--prefix-cache-tokens 0``;
+* ``pool_parts``: a 2-part pool: ``serve --part 1/2`` and ``--part 2/2`` (each ``--threads``,
+  the same context, ``--prefix-cache-tokens`` one session's context on both, since a layer
+  range has none by default) behind ``trio-shard api --workers A,B``: one complete route of
+  two hops, each turn's cached prefix taken on both;
+* ``pool_replicas``: two whole-model workers (as ``door``'s) behind ``api --workers A,B``: two
+  routes, and the pool must send each turn back to the worker that cached the conversation
+  (prefix routing; by load alone the turns would alternate). The door's route picks during
+  the chat (``trio_shard_api_pool_picks_total``: by prefix, by load, balance) are recorded for
+  both pool variants;
 * ``llama_server``: llama.cpp's server (``--llama-server PATH``: ``-t T -c 8192 -np 4``, its
   default ``cache_prompt`` on), same GGUF.
 
@@ -22,14 +31,17 @@ first token per variant, and each door variant's over llama-server's per turn (m
 round's own ratio). Ratios come from one run on one machine (the environment is recorded).
 
     python -m bench.api.chat_turns [--model smollm2-135m-instruct|chat|FILE] [--rounds 3]
-        [--turns 8] [--tokens 130] [--threads 2] [--llama-server PATH] [--out FILE] [--quick]
+        [--turns 8] [--tokens 130] [--threads 2] [--llama-server PATH] [--variants V,...]
+        [--out FILE] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -57,7 +69,9 @@ USER_MESSAGES = (
 )
 CTX = 8192  # llama-server's -c, and the worker's --ctx: 2048 a session/slot with 4 of them
 SLOTS = 4
-VARIANTS = ("door", "door_nocache", "llama_server")
+VARIANTS = ("door", "door_nocache", "pool_parts", "pool_replicas", "llama_server")
+POOLS = ("pool_parts", "pool_replicas")
+_PICKS = re.compile(r'^trio_shard_api_pool_picks_total\{by="(\w+)",model="m"\} ([0-9.e+]+)$', re.M)
 
 
 def model_path(name: str) -> Path:
@@ -128,6 +142,20 @@ def started(variant: str, args: argparse.Namespace, logs: Path) -> Iterator[int]
                    "-c", str(CTX), "-np", str(SLOTS), "--host", "127.0.0.1", "--port", str(port)]
             stack.enter_context(http_server(cmd, port=port, ready_path="/health",
                                             log=logs / "chat_turns_llama_server.log"))
+        elif variant in POOLS:
+            cache = ["--model-name", "m", "--prefix-cache-tokens", str(CTX // SLOTS)]
+            parts = ([["--part", "1/2"], ["--part", "2/2"]] if variant == "pool_parts"
+                     else [[], []])
+            workers = [stack.enter_context(shard_server(
+                args.model, threads=args.threads, ctx=CTX, max_sessions=SLOTS,
+                extra=[*cache, *part], log=logs / f"chat_turns_{variant}_worker{i}.log"))
+                for i, part in enumerate(parts)]
+            for w in workers:
+                trio.run(wait_serving, w.target)
+            cmd = [sys.executable, "-m", "shard.cli", "api", "--workers",
+                   ",".join(w.target for w in workers), "--port", str(port)]
+            stack.enter_context(http_server(cmd, port=port, ready_path="/health",
+                                            log=logs / f"chat_turns_{variant}_api.log"))
         else:
             extra = ["--prefix-cache-tokens", "0"] if variant == "door_nocache" else []
             worker = stack.enter_context(shard_server(
@@ -140,6 +168,13 @@ def started(variant: str, args: argparse.Namespace, logs: Path) -> Iterator[int]
                                             log=logs / f"chat_turns_{variant}_api.log"))
         warm_up(port)
         yield port
+
+
+def pool_picks(port: int) -> dict[str, int]:
+    """The door's route picks so far by kind (a pool variant's ``/metrics``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        page = reply.read().decode()
+    return {by: int(float(n)) for by, n in _PICKS.findall(page)}
 
 
 def summarize(rounds: list[dict[str, list[dict[str, Any]]]], variants: list[str]) -> dict[str, Any]:
@@ -193,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     options.add_tokens(p, None, "max_tokens a turn (default 130)")
     options.add_threads(p, 2, "llama.cpp threads of the worker and of llama-server (default 2)")
     p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary: also run it")
+    p.add_argument("--variants", type=lambda t: t.split(","), default=None,
+                   help=f"which of {', '.join(VARIANTS)} to run (default: all; llama_server "
+                   "only with --llama-server)")
     options.add_quick(p, "3 turns of 16 tokens, 1 round, the chat preset (checks the harness)")
     options.add_out(p, options.RESULTS / "chat_turns.json")
     options.add_logs(p)
@@ -210,18 +248,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_server is not None and not args.llama_server.is_file():
         p.error(f"--llama-server {args.llama_server}: no such file")
     variants = [v for v in VARIANTS if v != "llama_server" or args.llama_server is not None]
+    if args.variants is not None:
+        unknown = set(args.variants) - set(variants)
+        if unknown:
+            p.error(f"--variants: unknown or unavailable {', '.join(sorted(unknown))}")
+        variants = [v for v in variants if v in args.variants]
     env = environment(args.model, args.threads,
                       argv=sys.argv if argv is None else ["bench.api.chat_turns", *argv])
     rounds: list[dict[str, list[dict[str, Any]]]] = []
+    picks: list[dict[str, dict[str, int]]] = []  # per round, per pool variant: the chat's picks
     for r in range(args.rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
         got: dict[str, list[dict[str, Any]]] = {}
+        picked: dict[str, dict[str, int]] = {}
         for v in order:
             with started(v, args, args.logs) as port:
+                before = pool_picks(port) if v in POOLS else {}
                 got[v] = chat(port, args.turns, args.tokens)
-            print(f"round {r} {v}: ttft ms " + " ".join(f"{x['ttft_ms']:.0f}" for x in got[v]),
-                  flush=True)
+                if v in POOLS:  # (the warm-up's pick left out)
+                    picked[v] = {by: n - before.get(by, 0) for by, n in pool_picks(port).items()}
+            print(f"round {r} {v}: ttft ms " + " ".join(f"{x['ttft_ms']:.0f}" for x in got[v])
+                  + (f"; route picks {picked[v]}" if v in picked else ""), flush=True)
         rounds.append(got)
+        picks.append(picked)
     summary = summarize(rounds, variants)
     print_table(summary, variants)
     record = {
@@ -232,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                    "llama_server": str(args.llama_server) if args.llama_server else None,
                    "variants": variants, "user_messages": list(USER_MESSAGES[:args.turns])},
         "rounds": rounds,
+        "pool_picks": picks,
         "results": summary,
     }
     save_record(args.out, record)

@@ -15,17 +15,17 @@ hop, as it does when the HTTP client disconnects and the request's task is cance
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import ssl
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 
 from shard.chat import ChatTemplate, ChatTemplateError
+from shard.client.waiting import connect_waiting
 from shard.pipeline import Pipeline, PipelineResult
 from shard.pool import Pool
 from shard.pool import model_id as pool_model_id
@@ -43,10 +43,6 @@ log = logging.getLogger(__name__)
 _LENGTH = frozenset({pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_CONTEXT_FULL})
 #: Seconds a health answer is reused (``Backend.not_serving``).
 HEALTH_TTL = 1.0
-#: Seconds between tries to reach workers that are not listening yet at start, doubled from
-#: the first to the last (``Backend.connect``).
-FIRST_RETRY = 0.05
-MAX_RETRY = 1.0
 
 
 @dataclass(frozen=True)
@@ -77,7 +73,8 @@ class Outcome:
 class Routes(Protocol):
     """Where one model's generations run: a fixed pipeline, or a pool's least-loaded route."""
 
-    def lease(self) -> AbstractAsyncContextManager[tuple[Pipeline, Sequence[str] | None]]: ...
+    def lease(self, prompt: str | Sequence[int] | None = None,
+              ) -> AbstractAsyncContextManager[tuple[Pipeline, Sequence[str] | None]]: ...
 
     @property
     def first(self) -> pb.GetCapabilitiesResponse | None: ...
@@ -97,7 +94,8 @@ class PipelineRoutes:
         self.pipeline = pipeline
 
     @asynccontextmanager
-    async def lease(self) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
+    async def lease(self, prompt: str | Sequence[int] | None = None,
+                    ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
         yield self.pipeline, None
 
     @property
@@ -119,15 +117,17 @@ class PipelineRoutes:
 
 
 class PoolRoutes:
-    """One model of a pool (``api --workers``): each generation on its least-loaded route."""
+    """One model of a pool (``api --workers``): each generation on the route that holds its
+    prompt's prefix, else the least-loaded one (``shard.pool.routing``)."""
 
     def __init__(self, pool: Pool, model: str) -> None:
         self.pool = pool
         self.model = model
 
     @asynccontextmanager
-    async def lease(self) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
-        async with self.pool.lease(self.model) as chosen:
+    async def lease(self, prompt: str | Sequence[int] | None = None,
+                    ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
+        async with self.pool.lease(self.model, prompt) as chosen:
             yield chosen.pipeline, chosen.route
 
     @property
@@ -214,26 +214,16 @@ class Backend:
         """Connect to every hop (``hops``: each a list of replica targets, first hop first),
         waiting within ``connect_timeout`` for workers still loading, and for workers not
         listening yet (a door started with its workers): a connection refused is tried again
-        until then, a worker that answers and refuses (another model, bad credentials) is not."""
-        async with AsyncExitStack() as stack:
-            deadline = trio.current_time() + (connect_timeout if connect_timeout is not None
-                                              else math.inf)
-            delay, waiting = FIRST_RETRY, False
-            while True:
-                try:
-                    pipeline = await stack.enter_async_context(Pipeline.connect(
-                        [list(h) for h in hops], timeout=connect_timeout, ssl_context=ssl_context,
-                        metadata=metadata, wait_for_ready=True, step_timeout=step_timeout,
-                        relay=relay))
-                    break
-                except ShardError as err:
-                    if not err.retryable or trio.current_time() + delay >= deadline:
-                        raise
-                    if not waiting:
-                        log.info("waiting up to %gs for the workers: %s", connect_timeout, err)
-                        waiting = True
-                    await trio.sleep(delay)
-                    delay = min(2 * delay, MAX_RETRY)
+        until then, a worker that answers and refuses (another model, bad credentials) is not
+        (``shard.client.waiting``)."""
+
+        def waiting(err: ShardError) -> None:
+            log.info("waiting up to %gs for the workers: %s", connect_timeout, err)
+
+        async with connect_waiting(lambda: Pipeline.connect(
+                [list(h) for h in hops], timeout=connect_timeout, ssl_context=ssl_context,
+                metadata=metadata, wait_for_ready=True, step_timeout=step_timeout, relay=relay),
+                connect_timeout, on_wait=waiting) as pipeline:
             yield cls(pipeline, model_id=model_id, chat_template=chat_template,
                       speculate=speculate, timeout=timeout)
 
@@ -294,7 +284,7 @@ class Backend:
                 scope.cancel()  # the generation's sessions are reset and released
 
         async def attempt() -> None:
-            async with self.routes.lease() as (pipeline, route):
+            async with self.routes.lease(request.prompt) as (pipeline, route):
                 context = min(h.caps.n_ctx_per_session for h in pipeline.hops if h.caps)
                 await pipeline.generate(
                     # no generation outlives the context: a larger limit is the context's

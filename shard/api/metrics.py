@@ -1,7 +1,7 @@
 """The front door's Prometheus metrics: requests by endpoint and status, time to first token,
 tokens per second and token counts, each model's wait queue (depth, waits, refusals past its
-bounds), and over a pool its workers by state and each model's complete routes, served at
-``GET /metrics``.
+bounds), and over a pool its workers by state, each model's complete routes and how its routes
+were picked (by prefix or by load), served at ``GET /metrics``.
 
 Each app has its own ``CollectorRegistry`` (not prometheus_client's global one), so several
 front doors in one process (tests) never share counters. Everything is updated on the Trio
@@ -69,6 +69,12 @@ class ApiMetrics:
                                   "state (up, down, connecting, refused)", ["state"], registry=r)
         self.pool_routes = Gauge(f"{PREFIX}_pool_routes", "complete routes (one replica per hop) "
                                  "a model of the pool has now", ["model"], registry=r)
+        self.pool_picks = Counter(
+            f"{PREFIX}_pool_picks", "generations given a route, by how it was picked: prefix "
+            "(the route holding the prompt's prefix), load (none held it: the least-loaded "
+            "route), balance (the holder was overloaded: the least-loaded route)",
+            ["model", "by"], registry=r)
+        self._picks_seen: dict[tuple[str, str], int] = {}
 
     def show_pool(self, pool: Pool) -> None:
         """Set the pool's gauges to what it holds now (called before each scrape)."""
@@ -77,6 +83,11 @@ class ApiMetrics:
         self.pool_routes.clear()
         for name, routes in pool.table.models.items():
             self.pool_routes.labels(name).set(routes.routes if name in pool.servable() else 0)
+        for (name, by), n in list(pool.router.picks.items()):
+            seen = self._picks_seen.get((name, by), 0)
+            if n > seen:
+                self.pool_picks.labels(name, by).inc(n - seen)
+                self._picks_seen[(name, by)] = n
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

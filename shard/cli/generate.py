@@ -8,7 +8,7 @@ from typing import Any
 
 from shard.cli.common import client_setup, fail
 from shard.cli.env import Options
-from shard.cli.generate_pipeline import run_many, run_pipeline
+from shard.cli.generate_pipeline import run_many, run_pipeline, waiting
 from shard.cli.generation import GenerateOutput, finish_generate, prompt_for, until_sigint
 from shard.cli.options import (
     add_pool_options,
@@ -28,8 +28,9 @@ def add_parser(sub: Any) -> Options:
         "generate", help="generate text from a running worker",
         description="Stream generated text from a worker serving a whole model, or with "
         "--pipeline from a chain of workers serving consecutive layer ranges of one model "
-        "(see docs/pipelines.md). Workers that are still loading are waited for, within "
-        "--timeout, like gRPC's wait-for-ready.",
+        "(see docs/pipelines.md). Workers that are not listening yet or still loading are "
+        "waited for, within --timeout, like gRPC's wait-for-ready (as `trio-shard api` "
+        "waits within --connect-timeout).",
     )
     opts = Options(parser)
     prompts = opts.exclusive(required=True)
@@ -66,7 +67,8 @@ def add_parser(sub: Any) -> Options:
     opts.add("--seed", type=non_negative_int, default=0, help="sampling seed (default: 0)")
     opts.add("--timeout", type=non_negative_float, default=60.0,
              help="deadline in seconds for the whole call, including the wait for "
-             "workers that are still loading (NOT_READY) to serve (default: 60)")
+             "workers that are not listening yet (connection refused: tried again) or "
+             "still loading (NOT_READY) to serve (default: 60)")
     opts.add("--json", action="store_true",
              help="print one JSON object with 'text', 'tokens' and 'finish_reason' "
              "instead of streaming (after Ctrl-C: what was received, with "
@@ -126,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     options = client_setup(args)
 
     from shard.client import ShardClient
+    from shard.client.waiting import connect_waiting
 
     out = GenerateOutput(as_json=args.json)
 
@@ -134,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
         import trio
 
         deadline = trio.current_time() + args.timeout
-        async with ShardClient.connect(args.target, timeout=args.timeout, **options) as client:  # type: ignore[arg-type]
+        async with connect_waiting(lambda: ShardClient.connect(
+                args.target, timeout=args.timeout, **options),  # type: ignore[arg-type]
+                args.timeout, on_wait=waiting(args.timeout)) as client:
 
             async def stream() -> None:
                 await client.wait_for_ready()  # a worker still loading: wait, like gRPC

@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from shard.cli.common import client_setup, fail, workers_source
 from shard.cli.generation import GenerateOutput, finish_generate, prompt_for, until_sigint
+
+log = logging.getLogger("shard.cli.generate")
+
+
+def waiting(timeout: float) -> Any:
+    """What ``connect_waiting`` calls once when it waits for a worker (``--log-level INFO``)."""
+    return lambda err: log.info("waiting up to %gs for the workers: %s", timeout, err)
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
@@ -87,15 +95,21 @@ async def open_route(args: argparse.Namespace, options: dict[str, object]) -> An
 
 
 def connect_pipeline(args: argparse.Namespace, options: dict[str, object]) -> Any:
-    """``Pipeline.connect`` with generate's options (an async context manager)."""
+    """``Pipeline.connect`` with generate's options (an async context manager), tried again
+    within ``--timeout`` while a worker is not listening yet, as the door does
+    (``shard.client.waiting``; a worker still loading is waited for by ``wait_for_ready``)."""
+    import trio
+
+    from shard.client.waiting import connect_waiting
     from shard.pipeline import Pipeline
 
-    return Pipeline.connect(
-        args.pipeline, timeout=args.timeout, hidden_dtype=args.hidden_dtype,
-        wait_for_ready=True, step_timeout=args.step_timeout,
+    deadline = trio.current_time() + args.timeout
+    return connect_waiting(lambda: Pipeline.connect(
+        args.pipeline, timeout=max(deadline - trio.current_time(), 0.0),
+        hidden_dtype=args.hidden_dtype, wait_for_ready=True, step_timeout=args.step_timeout,
         replay_bytes=int(args.replay_mib * 2**20), relay=args.relay,
         batch_groups=args.batch_groups, **options,  # type: ignore[arg-type]
-    )
+    ), args.timeout, on_wait=waiting(args.timeout))
 
 
 def read_prompts(path: str) -> list[str]:

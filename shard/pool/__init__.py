@@ -1,8 +1,11 @@
 """A pool of workers behind one endpoint: who is listed (``spec``), which complete routes their
-capabilities offer (``table``) and a live pool that probes them and leases a route to each
-generation (``pool``). docs/operations.md, "A pool of workers"."""
+capabilities offer (``table``), a live pool that probes them and leases a route to each
+generation (``pool``): the route that holds its prompt's prefix first (``routing``, ``prefix``).
+docs/operations.md, "A pool of workers"."""
 
-from .pool import Lease, Member, Pool
+from .pool import Member, Pool
+from .prefix import PrefixIndex
+from .routing import Lease, Router
 from .spec import PoolSpecError, WorkerSource, parse_workers
 from .table import ModelRoutes, Shape, Table, build_table, model_id
 
@@ -12,6 +15,8 @@ __all__ = [
     "ModelRoutes",
     "Pool",
     "PoolSpecError",
+    "PrefixIndex",
+    "Router",
     "Shape",
     "Table",
     "WorkerSource",

@@ -7,17 +7,20 @@ complete route shape of a model gets a ``Pipeline`` over the pool's own connecti
 (``Pipeline.of_known``), so every guarantee of the pipeline client (failover to the hop's
 other replicas, chain relay, speculation, deadlines, releases) holds for a pool's generations.
 
-``lease(model)`` picks the least-loaded complete route: per hop the replica with the fewest of
-the door's open generations for its ``max_sessions`` (ties taken in turn), and among shapes the
-one whose busiest hop is least busy (then the one with fewer hops). The generation runs on the
-returned pipeline with ``route=``; its count is held until the lease ends.
+``lease(model, prompt)`` picks a complete route (``shard.pool.routing``): the one that holds the
+prompt's prefix (the pool remembers what it sent where, ``shard.pool.prefix``) unless it is
+overloaded, else the least-loaded one: per hop the replica with the fewest of the door's open
+generations for its ``max_sessions`` (ties taken in turn), and among shapes the one whose
+busiest hop is least busy. The generation runs on the returned pipeline with ``route=``; its
+count is held until the lease ends.
 
 Membership is live: a worker added to the file (on ``reload``) or to the DNS name is probed and
 used from the next generation; one that stops answering or serving is out of new routes at the
 next probe (running generations fail over within their pipeline, as always); one that reports
 another model, range or name at the same address is read again and its old shape rebuilt, never
 mixed into it (sessions are also opened with the expected fingerprint and range, so a worker
-swapped under a running generation refuses it). Every change is logged.
+swapped under a running generation refuses it); the routes through a worker that leaves, fails
+or changes forget the prompts sent there. Every change is logged.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from shard.pipeline import Pipeline, PipelineError
 from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
+from .prefix import DEFAULT_ENTRIES
+from .routing import MIN_BLOCKS, SLACK, Lease, Router
 from .spec import PoolSpecError, WorkerSource
 from .table import Shape, ShapeHop, Table, build_table, model_id
 
@@ -82,15 +87,6 @@ class Member:
         return f"model {model_id(self.caps)} layers {r.start}:{r.end} of {self.caps.n_layers_total}"
 
 
-@dataclass(frozen=True)
-class Lease:
-    """One generation's route: its pipeline and the target each hop starts on."""
-
-    model: str
-    pipeline: Pipeline
-    route: tuple[str, ...]
-
-
 def _close_dead(member: Member) -> None:
     """Close the member's connections that broke (a replaced one is closed once it has)."""
     for pair in [p for p in member._held if not p[0].connected]:
@@ -113,8 +109,11 @@ class Pool:
         self, source: WorkerSource, nursery: trio.Nursery, *, probe_interval: float,
         connect_timeout: float, ssl_context: ssl.SSLContext | None,
         metadata: Sequence[tuple[str, str | bytes]], pipeline_options: dict[str, Any],
+        router: Router | None = None,
     ) -> None:
         self.source = source
+        #: Picks each generation's route, and counts its picks (``shard.pool.routing``).
+        self.router = router if router is not None else Router()
         self.members: dict[str, Member] = {}
         self.table = Table()
         #: Per model id: per shape's ranges, the pipeline over the shape's current replicas.
@@ -141,17 +140,21 @@ class Pool:
     async def open(
         cls, source: WorkerSource, *, probe_interval: float = 2.0, connect_timeout: float = 5.0,
         ssl_context: ssl.SSLContext | None = None,
-        metadata: Sequence[tuple[str, str | bytes]] = (), **pipeline_options: Any,
+        metadata: Sequence[tuple[str, str | bytes]] = (), prefix_entries: int = DEFAULT_ENTRIES,
+        prefix_min_blocks: int = MIN_BLOCKS, prefix_slack: int = SLACK, **pipeline_options: Any,
     ) -> AsyncIterator[Pool]:
         """Probe ``source``'s workers until the block ends (every connection closed then).
-        ``pipeline_options``: ``Pipeline.connect``'s keywords for every route (``relay``,
-        ``step_timeout``, ``timeout``, ``hidden_dtype``, ...)."""
+        ``prefix_entries`` (0: route by load only), ``prefix_min_blocks``, ``prefix_slack``:
+        the prefix routing's bound and rule (``shard.pool.routing``). ``pipeline_options``:
+        ``Pipeline.connect``'s keywords for every route (``relay``, ``step_timeout``,
+        ``timeout``, ``hidden_dtype``, ...)."""
         if not probe_interval > 0:
             raise ValueError("probe_interval must be > 0")
+        router = Router(entries=prefix_entries, min_blocks=prefix_min_blocks, slack=prefix_slack)
         async with trio.open_nursery() as nursery:
             pool = cls(source, nursery, probe_interval=probe_interval,
                        connect_timeout=connect_timeout, ssl_context=ssl_context,
-                       metadata=metadata, pipeline_options=pipeline_options)
+                       metadata=metadata, pipeline_options=pipeline_options, router=router)
             nursery.start_soon(pool._watch_source)
             try:
                 yield pool
@@ -211,6 +214,7 @@ class Pool:
         for target, member in list(self.members.items()):
             if target not in targets and not member.removed:
                 member.removed = True
+                self.router.forget(target)
                 member.poke.set()
                 log.info("pool: %s no longer listed: out of new routes%s", target,
                          f" ({member.sessions} generation(s) finish first)" if member.sessions else "")
@@ -243,6 +247,7 @@ class Pool:
                 closer.set()
             if self.members.get(member.target) is member:
                 del self.members[member.target]
+                self.router.forget(member.target)
             self._rebuild()
 
     async def _probe(self, member: Member) -> None:
@@ -267,6 +272,8 @@ class Pool:
         member.state, member.why = state, why
         changed = _identity(caps) != _identity(known)
         member.caps = caps
+        if changed or (before == "up" and state != "up"):
+            self.router.forget(member.target)  # what it cached is gone, or another model's
         if changed and known is not None and caps is not None:
             log.warning("pool: %s now serves %s (was %s): read again, out of its old routes",
                         member.target, member.describe(),
@@ -441,7 +448,12 @@ class Pool:
         return sum(min(sum(up.get(t, 0) for t in hop.targets) for hop in shape.hops)
                    for shape, _ in self._pipelines.get(model, {}).values()) or None
 
-    def _choose(self, model: str) -> Lease:
+    def _live(self, target: str) -> Member | None:
+        member = self.members.get(target)
+        return member if member is not None and member.state == "up" and not member.removed \
+            else None
+
+    def _choose(self, model: str, prompt: str | Sequence[int] | None) -> Lease:
         pipes = self._pipelines.get(model)
         if not pipes:
             known = self.table.models.get(model)
@@ -449,34 +461,14 @@ class Pool:
                 self._unusable.get(model, "no worker of it serves now")
             raise ShardError(ErrorCode.NOT_READY, f"model {model!r} has no complete route: {why}")
         self._turn += 1
-        best: tuple[tuple[float, int], Lease] | None = None
-        for shape, pipe in pipes.values():
-            route, busiest = [], 0.0
-            for hop in shape.hops:
-                live = [self.members[t] for t in hop.targets
-                        if t in self.members and self.members[t].state == "up"
-                        and not self.members[t].removed]
-                if not live:
-                    break
-                k = self._turn % len(live)
-                live = live[k:] + live[:k]  # ties in turn
-                pick = min(live, key=lambda m: (m.sessions / m.capacity, m.sessions))
-                route.append(pick.target)
-                busiest = max(busiest, (pick.sessions + 1) / pick.capacity)
-            else:
-                key = (busiest, len(shape.hops))
-                if best is None or key < best[0]:
-                    best = (key, Lease(model, pipe, tuple(route)))
-        if best is None:
-            raise ShardError(ErrorCode.NOT_READY, f"model {model!r}: no route has a serving "
-                             "replica of every hop now")
-        return best[1]
+        return self.router.choose(model, list(pipes.values()), self._live, self._turn, prompt)
 
     @asynccontextmanager
-    async def lease(self, model: str) -> AsyncIterator[Lease]:
-        """The least-loaded complete route of ``model`` for one generation (see the module
-        docstring); ShardError NOT_READY when it has none."""
-        chosen = self._choose(model)
+    async def lease(self, model: str,
+                    prompt: str | Sequence[int] | None = None) -> AsyncIterator[Lease]:
+        """A complete route of ``model`` for one generation of ``prompt`` (None: the
+        least-loaded route; see the module docstring); ShardError NOT_READY when it has none."""
+        chosen = self._choose(model, prompt)
         members = [self.members[t] for t in chosen.route]
         for m in members:
             m.sessions += 1
