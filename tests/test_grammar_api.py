@@ -1,7 +1,8 @@
 """Constrained decoding at the front door with the official openai client: ``response_format``
 (json_object, json_schema, through ``beta.chat.completions.parse`` with pydantic models) and
 llama-server's ``grammar``; a bad schema or grammar is a 400 naming its parameter. Fake
-workers, whole and as a 2-hop pipeline; then SmolLM2 (slow), whole and through a 2-part pool.
+workers, whole and as a 2-hop pipeline (the client stepping, or a chain relay); then SmolLM2
+(slow), whole and through a 2-part pool.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from shard.api import Backend, Catalog, build_app, serve_http
 from shard.models.plan import plan_parts
 from shard.models.real import ensure_real_model, packaged_name
 from shard.pool import Pool
-from test_api import HALVES, NAME, front_door, post
+from test_api import HALVES, NAME, SHAPES, front_door, post
 from test_pipeline import TIMEOUT
 from test_pool import Listed
 from test_pool_llama import CHAT, llama_fleet
@@ -66,9 +67,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape", ["whole", "pipeline"])
+@pytest.mark.parametrize("shape", list(SHAPES))
 async def test_parse_with_pydantic_models_and_json_object(shape: str) -> None:
-    async with front_door(HALVES if shape == "pipeline" else [None]) as door:
+    ranges, relay = SHAPES[shape]
+    async with front_door(ranges, relay=relay) as door:
         client = door.client
 
         def ask() -> list[object]:
@@ -129,8 +131,8 @@ async def test_a_bad_schema_or_grammar_is_a_400_naming_it(body: dict, param: str
         assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-#: json_schema answers SmolLM2 gives per shape (whole, 2-part pool): 25 each, 50 in all.
-ANSWERS_PER_SHAPE = 25
+#: json_schema answers SmolLM2 gives per shape (whole, 2-part pool), every one checked.
+ANSWERS_PER_SHAPE = 50
 
 
 @pytest.mark.slow
@@ -174,3 +176,18 @@ async def test_smollm2_answers_parse_and_validate(where: str) -> None:
     assert len(got) == ANSWERS_PER_SHAPE
     for model, parsed, finish in got:
         assert isinstance(parsed, model) and finish == "stop"
+
+
+async def test_a_last_worker_without_grammars_is_refused_not_ignored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that reports no grammar kinds (an older one, or one without the grammar
+    library) would answer unconstrained: the pipeline refuses before any step."""
+    from shard.engine import grammar
+
+    monkeypatch.setattr(grammar, "available", lambda: False)
+    async with front_door(HALVES) as door:
+        request = {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                   "response_format": {"type": "json_object"}}
+        status, _, answer = await in_thread(lambda: post(door.url + "/v1/chat/completions", request))
+        assert status == 400 and answer["error"]["param"] == "response_format", answer
+        assert "constrains decoding to none" in answer["error"]["message"]

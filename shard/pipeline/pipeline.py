@@ -70,7 +70,7 @@ from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from . import chain, stepping
-from .checks import check_chain, check_chunk, check_speculation, hop_targets
+from .checks import check_chain, check_chunk, check_grammar, check_speculation, hop_targets
 from .drafting import Drafter, PromptLookup
 from .errors import Blames, Hop, PipelineError
 from .groups import BatchGroups, default_groups
@@ -380,6 +380,8 @@ class Pipeline:
             hops = [h.starting_at(t) for h, t in zip(hops, route)]
         if speculate:
             check_speculation(self._replicas[-1], speculate)
+        if grammar_kind:
+            check_grammar(self._replicas[-1], grammar_kind)
         if timeout is _DEFAULT:
             timeout = self.timeout
         deadline = absolute_deadline(timeout)
