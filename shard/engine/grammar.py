@@ -185,12 +185,11 @@ class SessionGrammar:
         """``row`` with every token the grammar does not allow next at -inf (a copy); ``row``
         itself when the grammar allows nothing (a matcher in error: unconstrained)."""
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: row.shape[0]].astype(bool)
-        if allowed.shape[0] < row.shape[0]:
-            allowed = np.concatenate([allowed, np.zeros(row.shape[0] - allowed.shape[0], bool)])
+        # (ids past the grammar's vocabulary, if the row has more, come out as zeros: refused)
+        allowed = np.unpackbits(bits, bitorder="little", count=row.shape[0]).view(bool)
         if not allowed.any():
             return row
-        return np.where(allowed, row, np.float32(-np.inf)).astype(row.dtype, copy=False)
+        return np.where(allowed, row, row.dtype.type(-np.inf))
 
 
 def check_history(slot: Slot, plan: ComputePlan) -> None:
