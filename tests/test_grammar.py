@@ -231,3 +231,26 @@ async def test_a_later_shard_without_the_ids_cannot_follow_a_grammar() -> None:
         params = SamplingParams(grammar=GrammarSpec("json_object", start=3))
         with pytest.raises(InvalidInput, match="token ids"):
             await eng.prefill(PrefillRequest("s", hidden_states=rows, sampling=params))
+
+
+async def test_a_moved_session_continues_its_grammar(engine: ShardEngine) -> None:
+    """Hand-off: a session exported mid-answer and imported into another session goes on with
+    the tokens the first would have chosen (its matcher is rebuilt from the history)."""
+    assert engine.capabilities().kv_layout  # both engines move sessions
+    prompt = engine.tokenize(PROMPT)
+    params = schema_params(prompt)
+    out = await generate(engine, "ref", prompt, params, 40)
+    await engine.open_session("a")
+    r = await engine.prefill(PrefillRequest("a", tokens=prompt, sampling=params))
+    for t in out[:15]:
+        r = await engine.decode(DecodeRequest("a", token=t, sampling=params))
+    snapshot = await engine.export_session("a")
+    await engine.release("a")
+    await engine.open_session("b")
+    await engine.import_session("b", snapshot)
+    got = [out[15]]
+    while len(got) < len(out) - 15:
+        r = await engine.decode(DecodeRequest("b", token=got[-1], sampling=params))
+        got.append(r.logits.token_id)
+    assert got == out[15:]
+    await engine.release("b")
