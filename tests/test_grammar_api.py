@@ -23,7 +23,7 @@ from shard.api import Backend, Catalog, build_app, serve_http
 from shard.models.plan import plan_parts
 from shard.models.real import ensure_real_model, packaged_name
 from shard.pool import Pool
-from test_api import HALVES, NAME, SHAPES, front_door, post
+from test_api import HALVES, NAME, SHAPES, FrontDoor, front_door, post
 from test_pipeline import TIMEOUT
 from test_pool import Listed
 from test_pool_llama import CHAT, llama_fleet
@@ -67,27 +67,42 @@ CASES = [
 ]
 
 
+def ask_parsed(door: FrontDoor) -> list[object]:
+    """One answer per case (sampled, seeded) and a json_object answer (greedy)."""
+    client = door.client
+    got: list[object] = []
+    for seed, (model, question) in enumerate(CASES):
+        done = client.beta.chat.completions.parse(
+            model=NAME, messages=[{"role": "user", "content": question}],
+            response_format=model, temperature=1.0, seed=seed, max_tokens=400)
+        got.append(done.choices[0].message.parsed)
+    obj = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "JSON please"}],
+        response_format={"type": "json_object"}, temperature=0, max_tokens=400)
+    got.append(json.loads(obj.choices[0].message.content or ""))
+    return got
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 async def test_parse_with_pydantic_models_and_json_object(shape: str) -> None:
+    """Whole, and two hops (the client stepping, or a chain relay)."""
     ranges, relay = SHAPES[shape]
     async with front_door(ranges, relay=relay) as door:
-        client = door.client
+        got = await in_thread(partial(ask_parsed, door))
+    assert [type(g) for g in got] == [m for m, _ in CASES] + [dict]
 
-        def ask() -> list[object]:
-            got: list[object] = []
-            for seed, (model, question) in enumerate(CASES):
-                done = client.beta.chat.completions.parse(
-                    model=NAME, messages=[{"role": "user", "content": question}],
-                    response_format=model, temperature=1.0, seed=seed, max_tokens=400)
-                got.append(done.choices[0].message.parsed)
-            obj = client.chat.completions.create(
-                model=NAME, messages=[{"role": "user", "content": "JSON please"}],
-                response_format={"type": "json_object"}, temperature=0, max_tokens=400)
-            got.append(json.loads(obj.choices[0].message.content or ""))
-            return got
 
-        got = await in_thread(ask)
-        assert [type(g) for g in got] == [m for m, _ in CASES] + [dict]
+async def test_verified_drafts_give_the_answers_of_plain_decoding() -> None:
+    """Two hops verifying drafted tokens: every drafted position is masked as plain decoding
+    would mask it, so the answers are plain decoding's."""
+    async with front_door(HALVES) as door:
+        plain = await in_thread(partial(ask_parsed, door))
+        plain_steps = door.workers[-1].engine.metrics().steps_total
+    async with front_door(HALVES, speculate=3) as door:
+        drafted = await in_thread(partial(ask_parsed, door))
+        drafted_steps = door.workers[-1].engine.metrics().steps_total
+    assert drafted == plain
+    assert drafted_steps < plain_steps  # drafts were verified, and some kept
 
 
 async def test_grammar_on_completions_and_chat() -> None:
@@ -191,3 +206,32 @@ async def test_a_last_worker_without_grammars_is_refused_not_ignored(
         status, _, answer = await in_thread(lambda: post(door.url + "/v1/chat/completions", request))
         assert status == 400 and answer["error"]["param"] == "response_format", answer
         assert "constrains decoding to none" in answer["error"]["message"]
+
+
+async def test_the_wire_names_where_a_grammar_starts() -> None:
+    """``grammar_start`` 0 reads as the end of a Prefill's prompt, and on a Decode as the start
+    the session's last step used; with none to continue, and for a grammar that does not
+    compile, the step is INVALID_ARGUMENT (reason INVALID_GRAMMAR) and the session goes on."""
+    from rpc_harness import worker
+    from shard.client import ShardClient, sampling
+    from shard.engine.fake import BYTE_OFFSET, EOS_ID
+    from shard.rpc.errors import ErrorCode, ShardError
+
+    yes = sampling(grammar_kind="gbnf", grammar='root ::= "ok"')
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session() as s:
+            first = await s.prefill([1, 50, 60, 70])
+            with pytest.raises(ShardError) as caught:
+                await s.decode(first.logits.token_id, sampling=yes)  # no grammar to continue
+            assert (caught.value.code, caught.value.reason) == (ErrorCode.INVALID_ARGUMENT,
+                                                                "INVALID_GRAMMAR")
+            bad = sampling(grammar_kind="gbnf", grammar="root ::= nowhere")
+            with pytest.raises(ShardError) as caught:
+                await s.prefill([80], position=4, sampling=bad)
+            assert caught.value.reason == "INVALID_GRAMMAR" and "nowhere" in caught.value.message
+            step = await s.prefill([80], position=4, sampling=yes)  # the grammar starts at 5
+            tokens = [step.logits.token_id]
+            while not step.logits.is_eog:
+                step = await s.decode(tokens[-1], sampling=yes)  # start 0: the session's
+                tokens.append(step.logits.token_id)
+            assert tokens == [BYTE_OFFSET + ord("o"), BYTE_OFFSET + ord("k"), EOS_ID]
