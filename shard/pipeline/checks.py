@@ -109,4 +109,3 @@ def check_grammar(last: HopReplicas, kind: str) -> None:
             raise PipelineError(last.hop(replica), ShardError(
                 ErrorCode.INVALID_ARGUMENT, f"grammar {kind!r}: the last shard constrains "
                 f"decoding to {have}", reason="INVALID_GRAMMAR"))
-
