@@ -33,6 +33,13 @@ class InvalidInput(EngineError):
     code = "INVALID_INPUT"
 
 
+class InvalidGrammar(InvalidInput):
+    """A constrained decoding's grammar or schema is not one (``GrammarSpec``): the caller's
+    door names its grammar parameter."""
+
+    code = "INVALID_GRAMMAR"
+
+
 class ContextExceeded(InvalidInput):
     """The input would take a session past the per-session context (n_ctx_per_session): no
     budget or retry makes it fit (an HTTP front door answers ``context_length_exceeded``)."""
@@ -138,6 +145,7 @@ __all__ = [
     "EngineFailure",
     "IllegalTransition",
     "IncompatibleState",
+    "InvalidGrammar",
     "InvalidInput",
     "KvCacheFull",
     "NotReady",

@@ -187,7 +187,8 @@ def build_app(
         assert isinstance(body, CompletionRequest)
         prompt = checked_prompt(body.single_prompt, backend)
         job = Request(prompt=prompt, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
-                      top_logprobs=body.logprobs or 0, **sampling(body))
+                      top_logprobs=body.logprobs or 0, constraint=body.constraint(),
+                      **sampling(body))
         return body, backend, job, CompletionReply(backend.model_id, logprobs=body.logprobs,
                                           include_usage=include_usage(body))
 
@@ -199,7 +200,7 @@ def build_app(
         text = backend.render_chat([m.for_template() for m in body.messages])
         job = Request(prompt=text, max_tokens=body.token_limit,
                       top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
-                      prompt_param="messages", **sampling(body))
+                      prompt_param="messages", constraint=body.constraint(), **sampling(body))
         return body, backend, job, ChatReply(backend.model_id, logprobs=bool(body.logprobs),
                                     include_usage=include_usage(body))
 

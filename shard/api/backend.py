@@ -58,6 +58,9 @@ class Request:
     top_logprobs: int = 0
     parse_special: bool = True
     prompt_param: str = "prompt"  # the request field a too-long prompt is blamed on
+    #: Constrained decoding: (grammar kind, text, the request field a bad grammar is blamed
+    #: on); None: none.
+    constraint: tuple[str, str, str] | None = None
 
 
 @dataclass
@@ -268,6 +271,7 @@ class Backend:
         finish = pb.FINISH_REASON_UNSPECIFIED
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         got = PipelineResult()
+        kind, grammar, grammar_param = request.constraint or ("", "", "")
 
         async def on_token(step: pb.StepResult) -> None:
             nonlocal finish
@@ -293,6 +297,7 @@ class Backend:
                     top_logprobs=request.top_logprobs, timeout=self.timeout,
                     on_token=on_token, speculate=self.speculate,
                     parse_special=request.parse_special, route=route, result=got,
+                    grammar_kind=kind, grammar=grammar,
                 )
 
         with trio.CancelScope() as scope:
@@ -302,7 +307,8 @@ class Backend:
                 else:  # its turn among the model's requests; again after a full worker's refusal
                     await queue.run(attempt, started=lambda: bool(counts["completion"]))
             except ShardError as err:
-                raise from_shard_error(err, prompt_param=request.prompt_param) from None
+                raise from_shard_error(err, prompt_param=request.prompt_param,
+                                       grammar_param=grammar_param) from None
         if not text.stopped:
             delta = text.finish()
             if delta:

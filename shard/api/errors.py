@@ -27,6 +27,7 @@ RETRY_AFTER_SECONDS = 1
 #: and of input beyond a session's KV budget (with chain relay: a later hop's smaller context).
 CONTEXT_REASON = "CONTEXT_LENGTH_EXCEEDED"
 KV_FULL_REASON = "KV_CACHE_FULL"
+GRAMMAR_REASON = "INVALID_GRAMMAR"  # (shard.errors.InvalidGrammar)
 
 
 @dataclass
@@ -54,8 +55,13 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def from_shard_error(err: ShardError, *, prompt_param: str = "prompt") -> ApiError:
-    """The HTTP error for a worker's (or the pipeline's) error."""
+def from_shard_error(err: ShardError, *, prompt_param: str = "prompt",
+                     grammar_param: str = "grammar") -> ApiError:
+    """The HTTP error for a worker's (or the pipeline's) error; ``grammar_param``: the request
+    field a grammar the last worker could not compile is blamed on."""
+    if err.reason == GRAMMAR_REASON:
+        cause = err.cause if isinstance(err, PipelineError) else err
+        return ApiError(400, cause.message, param=grammar_param, code="invalid_grammar")
     error = _shaped(err, prompt_param)
     if isinstance(err, PipelineError):  # the hop by its place only: its address is for the log
         error.detail, error.message = error.message, f"hop {err.hop_index}: {err.cause.message}"

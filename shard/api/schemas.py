@@ -8,6 +8,7 @@ are built from the same models so that their shape is written down once.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -57,6 +58,12 @@ class GenerationRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    #: llama-server's parameter: a GBNF grammar every generated token keeps to.
+    grammar: str | None = None
+
+    def constraint(self) -> tuple[str, str, str] | None:
+        """(grammar kind, text, the parameter it came from) of a constrained generation."""
+        return ("gbnf", self.grammar, "grammar") if self.grammar else None
 
     @field_validator("stop")
     @classmethod
@@ -153,8 +160,17 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    #: Accepted; the schema is kept to either way (every token is masked to it).
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -180,7 +196,22 @@ class ChatCompletionRequest(GenerationRequest):
             return "tool_choice", "tool_choice is not supported"
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema" and (
+                fmt.json_schema is None or fmt.json_schema.schema_ is None):
+            return "response_format", "response_format json_schema needs json_schema.schema"
+        if self.grammar and fmt is not None and fmt.type != "text":
+            return "grammar", "give either grammar or a JSON response_format, not both"
         return super().unsupported()
+
+    def constraint(self) -> tuple[str, str, str] | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super().constraint()
+        if fmt.type == "json_object":
+            return "json_object", "", "response_format"
+        assert fmt.json_schema is not None and fmt.json_schema.schema_ is not None
+        return "json_schema", json.dumps(fmt.json_schema.schema_), "response_format"
 
     @property
     def token_limit(self) -> int | None:

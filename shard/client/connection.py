@@ -444,6 +444,8 @@ class ShardClient:
         timeout: float | None = _DEFAULT,
         top_logprobs: int = 0,
         parse_special: bool = False,
+        grammar_kind: str = "",
+        grammar: str = "",
     ) -> OneShot:
         """One-shot generation in a fresh session: iterate it for one ``StepResult`` per token.
 
@@ -454,11 +456,13 @@ class ShardClient:
         worker at once, use ``async with aclosing(client.generate(...)) as steps``; a plain
         ``break`` is safe too, but the stream then stays open (the worker parks once its
         credit is used up) until ``aclose()`` or until the client disconnects.
+        ``grammar_kind``/``grammar``: constrained decoding (``options.sampling``).
         """
         text = prompt if isinstance(prompt, str) else None
         g = generate_request(
             None if text is not None else prompt, text, max_tokens=max_tokens,
-            sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed),
+            sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              grammar_kind=grammar_kind, grammar=grammar),
             stop_tokens=stop_tokens, ignore_eos=ignore_eos, top_logprobs=top_logprobs,
             parse_special=parse_special,
         )

@@ -21,7 +21,11 @@ cache_expectation = convert.cache_expectation
 
 
 def sampling(
-    temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0, seed: int = 0
+    temperature: float = 0.0, *, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+    grammar_kind: str = "", grammar: str = "",
 ) -> pb.SamplingParams:
-    """Sampling parameters; ``temperature`` 0 is greedy."""
-    return pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    """Sampling parameters; ``temperature`` 0 is greedy. ``grammar_kind`` (``json_object``,
+    ``json_schema``, ``gbnf``, ``lark``) and ``grammar``: constrained decoding from the end of
+    the prompt on (``SamplingParams.grammar_start`` left 0: the worker's prompt end)."""
+    return pb.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                             grammar_kind=grammar_kind, grammar=grammar)

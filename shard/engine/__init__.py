@@ -17,6 +17,7 @@ from .errors import (
     EngineFailure,
     IllegalTransition,
     IncompatibleState,
+    InvalidGrammar,
     InvalidInput,
     KvCacheFull,
     NotReady,
@@ -31,6 +32,7 @@ from .errors import (
 from shard.layers import LayerRange
 
 from .types import (
+    GRAMMAR_KINDS,
     GREEDY,
     AuxState,
     AuxStateCapability,
@@ -41,6 +43,7 @@ from .types import (
     EngineHealth,
     EngineMetrics,
     EngineState,
+    GrammarSpec,
     LayerRangeSupport,
     LoadSpec,
     LogitsResult,

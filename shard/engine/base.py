@@ -29,6 +29,7 @@ before the operation's new positions (see docs/engine.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -46,6 +47,8 @@ from .errors import (
     NotReady,
     UnsupportedFeature,
 )
+from . import grammar
+from .grammar import GrammarBook
 from .hooks import EngineHooks
 from .operations import OperationRunner
 from .plans import ComputePlan, StreamRun
@@ -55,6 +58,7 @@ from .sessions import SessionTable, new_session_id
 from .slots import CancelFlag, CancelReason, Claimed, Slot
 from .status import EngineStatus
 from .types import (
+    GRAMMAR_KINDS,
     Capabilities,
     DecodeRequest,
     EngineHealth,
@@ -110,6 +114,7 @@ class ShardEngine(EngineHooks):
         self._readers_done = trio.Event()
         self._readers_done.set()
         self._compute_stops_itself = False  # (``EngineHooks``: an implementation sets it)
+        self._grammars: GrammarBook | None = None  # (last shards with the grammar library)
 
     @property
     def _state(self) -> EngineState:
@@ -152,6 +157,9 @@ class ShardEngine(EngineHooks):
             with trio.CancelScope(shield=True):
                 await self._impl_close()
             raise NotReady("engine was closed while loading")
+        if caps.is_last and grammar.available():
+            self._grammars = GrammarBook(self._impl_grammar_tokenizer)
+            caps = dataclasses.replace(caps, grammar_kinds=GRAMMAR_KINDS)
         self._caps = caps
         self._sessions.reset(caps.max_sessions, self._prefix.reset(caps))
         status.state, status.detail = EngineState.READY, ""
@@ -246,16 +254,20 @@ class ShardEngine(EngineHooks):
         event loop. ``aclose`` waits for it; the caller bounds the text's size first
         (``Capabilities.max_token_bytes``)."""
         check_tokenize(text, self._require_ready())
+        return tuple(await self._read_in_thread(self._impl_tokenize, text, add_bos, parse_special))
+
+    async def _read_in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``, which reads the loaded model (its vocabulary), in a worker thread;
+        ``aclose`` waits for it before it frees what it reads."""
         if self._readers == 0:
             self._readers_done = trio.Event()
         self._readers += 1
         try:
-            ids = await trio.to_thread.run_sync(self._impl_tokenize, text, add_bos, parse_special)
+            return await trio.to_thread.run_sync(fn, *args)
         finally:
             self._readers -= 1
             if self._readers == 0:
                 self._readers_done.set()
-        return tuple(ids)
 
     def token_piece(self, token_id: int) -> bytes:
         caps = self._require_ready()
@@ -386,9 +398,13 @@ class ShardEngine(EngineHooks):
     async def prefill(self, request: PrefillRequest) -> StepResult:
         """Write prompt tokens or hidden states at ``request.position`` (see PrefillRequest);
         a start the prefix cache holds is copied, not computed (``StepResult.cached_tokens``)."""
+        if getattr(request.sampling, "grammar", None) is not None:
+            await self._compile_grammar(request.sampling)
         caps = self._require_ready()
         slot = self._sessions.get(request.session_id)
         plan, reused = prefill_plan(request, slot, caps)
+        if request.sampling.grammar is not None and caps.is_last:
+            grammar.check_history(slot, plan)
         plan = self._prefix.plan(slot, plan, request.cache_limit)
         try:
             return await self._runner.step(slot, caps, plan, request.sampling,
@@ -398,9 +414,13 @@ class ShardEngine(EngineHooks):
 
     async def decode(self, request: DecodeRequest) -> StepResult:
         """Append one token or hidden-state row and compute one step."""
+        if getattr(request.sampling, "grammar", None) is not None:
+            await self._compile_grammar(request.sampling)
         caps = self._require_ready()
         slot = self._sessions.get(request.session_id)
         plan = decode_plan(request, slot, caps)
+        if request.sampling.grammar is not None and caps.is_last:
+            grammar.check_history(slot, plan)
         return await self._runner.step(slot, caps, plan, request.sampling,
                                        request.top_k_logprobs, 0, "decode_tokens_total")
 
@@ -415,9 +435,11 @@ class ShardEngine(EngineHooks):
         here (the engine stays READY). A cancellation (the caller's scope, ``cancel``,
         ``release``) or a failure rolls back only the step in flight: steps delivered stay.
         """
-        caps = self._require_ready()
         if not isinstance(request, StreamRequest):
             raise InvalidInput("stream takes a StreamRequest")
+        if getattr(request.sampling, "grammar", None) is not None:
+            await self._compile_grammar(request.sampling)
+        caps = self._require_ready()
         sid = request.session_id
         slot = self._sessions.get(sid)
         check_stream(request, slot, caps, deliver)
@@ -439,6 +461,23 @@ class ShardEngine(EngineHooks):
         return run.delivered
 
     # ---- internals -------------------------------------------------------------------------
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params.grammar`` (last shards; a later step finds it cached) in a worker
+        thread: a large schema takes longer than a step. InvalidInput when it does not compile;
+        UnsupportedFeature on a last shard without the grammar library."""
+        caps = self._require_ready()
+        spec = params.grammar
+        if not caps.is_last:
+            await trio.lowlevel.checkpoint()
+            return
+        book = self._grammars
+        if book is None:
+            raise UnsupportedFeature("constrained decoding (grammar) is not available here")
+        if book.cached(spec):
+            await trio.lowlevel.checkpoint()
+            return
+        await self._read_in_thread(book.compile, spec)
 
     def _require_ready(self) -> Capabilities:
         if self._status.state is EngineState.READY:
@@ -484,8 +523,12 @@ class ShardEngine(EngineHooks):
         token ``params`` chooses and the row's log-sum-exp, computed already by the
         implementation from this very row, which it found finite (``results.step_outputs``)."""
         n_new = plan.n_new
+        book = self._grammars
+        constrain = (book.constrain(slot, plan, params.grammar)
+                     if params.grammar is not None and book is not None else None)
         logits, per_position, boundary = step_outputs(
-            caps, plan, n_new, raw, params, top_k, chosen, self._impl_token_piece, self._impl_is_eog)
+            caps, plan, n_new, raw, params, top_k, chosen, self._impl_token_piece, self._impl_is_eog,
+            constrain)
         new_len = plan.keep + n_new
         counters = self._counters
         # Commit the new history.

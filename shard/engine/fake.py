@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import trio
 
-from . import sampling
+from . import grammar, sampling
 from .base import ComputePlan, ShardEngine, Slot, StreamRun
 from .batching import Piece, Step, TickPlanner
 from .errors import EngineError, EngineFailure, IncompatibleState, InvalidInput
@@ -442,6 +442,15 @@ class FakeEngine(ShardEngine):
 
     def _impl_is_eog(self, token_id: int) -> bool:
         return token_id == EOS_ID
+
+    def _impl_grammar_tokenizer(self) -> object:
+        pieces = [b"<unk>", b"<s>", b"</s>", *(bytes((b,)) for b in range(256))]
+        pieces += [b""] * (self.model.n_vocab - len(pieces))  # unused ids: never allowed
+
+        def encode(text: bytes) -> list[int]:
+            return [BYTE_OFFSET + b for b in text]
+
+        return grammar.tokenizer_from_pieces(pieces, [EOS_ID], [UNK_ID, BOS_ID, EOS_ID], encode)
 
     def _impl_kv_cells_used(self) -> int:
         return sum(len(cells) for cells in self._kv.values())

@@ -64,6 +64,11 @@ class EngineHooks(abc.ABC):
     @abc.abstractmethod
     def _impl_is_eog(self, token_id: int) -> bool: ...
 
+    def _impl_grammar_tokenizer(self) -> object:
+        """The grammar library's tokenizer over this engine's vocabulary
+        (``shard.engine.grammar``); runs once, in a worker thread, on first use."""
+        raise UnsupportedFeature("this engine has no vocabulary for a grammar")
+
     @abc.abstractmethod
     def _impl_kv_cells_used(self) -> int:
         """KV cells in use, read from the implementation's own state (used to prove no leaks)."""

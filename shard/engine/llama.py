@@ -69,6 +69,7 @@ base class then rolls each session back to its ``keep`` position.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -226,6 +227,19 @@ class LlamaCppEngine(ShardEngine):
         if vocab is None:
             raise EngineFailure("llama.cpp vocabulary is not loaded")
         return bool(held.llama_vocab_is_eog(vocab, token_id))
+
+    def _impl_grammar_tokenizer(self) -> object:
+        # llguidance's bridge reads every piece through llama.cpp (a second or so on a large
+        # vocabulary: the base class runs it once, in a worker thread) and tokenizes with it.
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        vocab, n_vocab = self._llama.vocab, self._llama.n_vocab
+        if vocab is None:
+            raise EngineFailure("llama.cpp vocabulary is not loaded")
+        eog = [t for t in range(n_vocab) if held.llama_vocab_is_eog(vocab, t)]
+        with warnings.catch_warnings():  # (the bridge calls a name llama-cpp-python deprecated)
+            warnings.filterwarnings("ignore", "llama_token_get_attr", DeprecationWarning)
+            return lltokenizer_from_vocab(vocab, n_vocab, eos_token=eog or None)
 
     def _impl_kv_cells_used(self) -> int:
         # Counted by the native thread at the end of every native operation (the context is

@@ -9,6 +9,7 @@ sampling garbage.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -29,12 +30,15 @@ def step_outputs(
     chosen: tuple[int, float] | None,
     piece: Callable[[int], bytes],
     is_eog: Callable[[int], bool],
+    constrain: Callable[[int, np.ndarray], np.ndarray] | None = None,
 ) -> tuple[LogitsResult | None, tuple[LogitsResult, ...], BoundaryResult | None]:
     """(last position's logits, every position's when ``plan.all_logits``, boundary) of
     ``plan``'s computed ``raw`` output for its ``n_new`` positions; the last shard's or the
     boundary's part is None.
     ``chosen`` (a one-row step): the token ``params`` chooses and the row's log-sum-exp,
-    computed already by the implementation from this very row, which it found finite."""
+    computed already by the implementation from this very row, which it found finite.
+    ``constrain(n_past, row)``: the row a grammar masked for a session of ``n_past`` (the
+    choice is then made, and the log-probabilities reported, over that row)."""
     if not caps.is_last:
         hidden = np.asarray(raw, dtype=np.float32)
         if hidden.shape != (n_new, caps.n_embd):
@@ -46,6 +50,13 @@ def step_outputs(
     if logits.shape[1] != caps.n_vocab or (
             (chosen is None or rows != 1) and not np.isfinite(logits).all()):
         raise EngineFailure("engine produced invalid logits")
+    if constrain is not None:
+        per_position = tuple(
+            logits_result(constrain(new_len - rows + 1 + i, row), params, top_k,
+                          new_len - rows + 1 + i, None, piece, is_eog)
+            for i, row in enumerate(logits)
+        )
+        return per_position[-1], (per_position if plan.all_logits else ()), None
     # Row i ends at position keep + i: sampled as a decode ending there would be (the
     # sampler's stream is keyed by the session length), so a verified draft gives the
     # very tokens plain decoding gives, sampled or greedy.
@@ -79,7 +90,8 @@ def logits_result(
         token, lse = chosen
     return LogitsResult(
         top=tuple(dataclasses.replace(t, piece=piece(t.token_id))
-                  for t in sampling.top_logprobs(logits, top_k, lse)) if top_k > 0 else (),
+                  for t in sampling.top_logprobs(logits, top_k, lse)
+                  if t.logprob != -math.inf) if top_k > 0 else (),  # (a grammar's masked ids)
         token_id=token,
         logprob=float(logits[token]) - lse,
         piece=piece(token),

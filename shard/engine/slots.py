@@ -100,6 +100,8 @@ class Slot:
     batch_group: int = 0
     # The running operation's implementation began changing the KV cells (see ``touch``).
     touched: bool = False
+    #: Constrained decoding: the session's matcher (``shard.engine.grammar.SessionGrammar``).
+    grammar: object | None = None
 
     def touch(self) -> None:
         """Called by an implementation right before it first changes the session's KV cells for

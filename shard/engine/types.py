@@ -16,7 +16,7 @@ import numpy as np
 
 from shard.layers import LayerRange
 
-from .errors import InvalidInput, UnsupportedFeature
+from .errors import InvalidGrammar, InvalidInput, UnsupportedFeature
 
 
 def _is_int(value: object) -> bool:
@@ -217,6 +217,9 @@ class Capabilities:
     #: off on this engine (docs/engine.md, "Prefix cache").
     prefix_cache_tokens: int = 0
     prefix_cache_detail: str = ""
+    #: The grammar kinds this engine constrains its choice to (``GrammarSpec.kind``; last
+    #: shards only, empty elsewhere or without the grammar library).
+    grammar_kinds: tuple[str, ...] = ()
 
     @property
     def is_first(self) -> bool:
@@ -254,6 +257,39 @@ class SessionSnapshot:
 # --- Requests -------------------------------------------------------------------------------
 
 
+#: The grammar kinds of constrained decoding (``GrammarSpec.kind``): any JSON object, a JSON
+#: schema, llama.cpp's GBNF, llguidance's Lark.
+GRAMMAR_KINDS = ("json_object", "json_schema", "gbnf", "lark")
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """Constrain a last shard's choice of tokens to a grammar (docs/engine.md, "Constrained
+    decoding"). ``text``: the schema (JSON) or grammar; ignored for ``json_object``.
+
+    ``start``: the session position of the first constrained token (the prompt's length). The
+    grammar's state is then a function of the session's tokens from ``start`` on, as the
+    sampler's stream is of the position: it follows a rewind, a resume, a replay or a hand-off
+    without any state of its own crossing a wire.
+    """
+
+    kind: str
+    text: str = ""
+    start: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidGrammar(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, "
+                               f"got {self.kind!r}")
+        if not isinstance(self.text, str) or len(self.text) > MAX_GRAMMAR_CHARS:
+            raise InvalidGrammar(f"grammar must be a text of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.kind != "json_object" and not self.text.strip():
+            raise InvalidGrammar(f"grammar of kind {self.kind!r} is empty")
+        if not _is_int(self.start) or not 1 <= self.start < 2**32:
+            raise InvalidGrammar("grammar start must be a position >= 1 (the prompt's length)")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a last shard chooses the next token.
@@ -266,6 +302,8 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0
     seed: int = 0
+    #: Constrained decoding (last shard): the choice is masked to what the grammar allows.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Types are checked too: a wrong type would otherwise surface only while sampling, as an
@@ -278,6 +316,8 @@ class SamplingParams:
             raise InvalidInput("top_p must be in (0, 1]")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
             raise InvalidInput("seed must be an integer that fits in an unsigned 64 bits")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidInput("grammar must be a GrammarSpec")
 
     @property
     def greedy(self) -> bool:

@@ -103,6 +103,7 @@ async def run(
         raise PipelineError(runner.hop, ShardError(ErrorCode.INTERNAL, "no logits after prefill"))
     step = last[0]
     result.prompt_tokens = step.n_past
+    runner.gen.prompt_held(step.n_past)
     result.cached_tokens = runner.cached_tokens
     result.traversals = 1  # the prompt's; then one trip along the chain per token
     assert runner.session is not None

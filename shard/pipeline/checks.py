@@ -12,7 +12,7 @@ from shard.v1 import shard_pb2 as pb
 from .errors import Hop, PipelineError
 from .replicas import HopReplicas
 
-__all__ = ["check_chain", "check_chunk", "check_speculation", "hop_targets"]
+__all__ = ["check_chain", "check_chunk", "check_grammar", "check_speculation", "hop_targets"]
 
 
 def _incompatible(hop: Hop, message: str) -> PipelineError:
@@ -97,3 +97,15 @@ def check_speculation(last: HopReplicas, k: int) -> None:
                    f"verifies at most {caps.max_logits_positions - 1} drafted tokens a step")
             raise PipelineError(last.hop(replica), ShardError(
                 ErrorCode.UNSUPPORTED_FEATURE, f"speculate={k}: the last shard {why}"))
+
+
+def check_grammar(last: HopReplicas, kind: str) -> None:
+    """The last shard (every replica of it) must constrain its choice to a ``kind`` grammar: a
+    worker that does not know the grammar fields would ignore them and answer unconstrained."""
+    for replica in last.replicas:
+        caps = replica.caps
+        if caps is not None and kind not in caps.grammar_kinds:
+            have = ", ".join(caps.grammar_kinds) or "none (an older worker, or no grammar library)"
+            raise PipelineError(last.hop(replica), ShardError(
+                ErrorCode.INVALID_ARGUMENT, f"grammar {kind!r}: the last shard constrains "
+                f"decoding to {have}", reason="INVALID_GRAMMAR"))

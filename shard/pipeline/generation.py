@@ -99,6 +99,12 @@ class Generation:
     #: The turn runs again after a later hop lacked the first hop's cached prefix.
     prefix_retry: bool = False
 
+    def prompt_held(self, n_past: int) -> None:
+        """The prompt's ``n_past`` positions are held: a grammar starts there, and every later
+        step says so (a replay's or a hand-off's prompt ends elsewhere)."""
+        if self.sampling.grammar_kind and not self.sampling.grammar_start:
+            self.sampling.grammar_start = n_past
+
     def cleanup_deadline(self) -> float:
         return min(trio.current_time() + RELEASE_TIMEOUT, self.deadline + CLEANUP_GRACE)
 

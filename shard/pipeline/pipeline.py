@@ -70,7 +70,7 @@ from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from . import chain, stepping
-from .checks import check_chain, check_chunk, check_speculation, hop_targets
+from .checks import check_chain, check_chunk, check_grammar, check_speculation, hop_targets
 from .drafting import Drafter, PromptLookup
 from .errors import Blames, Hop, PipelineError
 from .groups import BatchGroups, default_groups
@@ -332,6 +332,8 @@ class Pipeline:
         parse_special: bool = False,
         route: Sequence[str] | None = None,
         result: PipelineResult | None = None,
+        grammar_kind: str = "",
+        grammar: str = "",
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
@@ -359,6 +361,10 @@ class Pipeline:
 
         ``result``: the (empty) result to fill, so a caller that cancels the generation from
         ``on_token`` still reads what it got (``prompt_tokens``, ``cached_tokens``).
+
+        ``grammar_kind``/``grammar``: the last shard constrains every generated token to the
+        grammar (``shard.client.options.sampling``); it starts at the prompt's end, which every
+        step after the prompt names, so replays and hand-offs continue it.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -375,6 +381,8 @@ class Pipeline:
             hops = [h.starting_at(t) for h, t in zip(hops, route)]
         if speculate:
             check_speculation(self._replicas[-1], speculate)
+        if grammar_kind:
+            check_grammar(self._replicas[-1], grammar_kind)
         if timeout is _DEFAULT:
             timeout = self.timeout
         deadline = absolute_deadline(timeout)
@@ -386,7 +394,8 @@ class Pipeline:
                 gen = Generation(
                     sid=session_id if session_id is not None else f"p-{secrets.token_hex(8)}",
                     deadline=deadline,
-                    sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed),
+                    sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                      grammar_kind=grammar_kind, grammar=grammar),
                     top_logprobs=top_logprobs,
                     chunk_tokens=chunk_tokens,
                     hidden_dtype=self.hidden_dtype,

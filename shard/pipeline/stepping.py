@@ -59,6 +59,7 @@ async def run(
             await runner.open()
     step = await prefill(runners, prompt, blames)
     result.prompt_tokens = step.n_past
+    runners[0].gen.prompt_held(step.n_past)
     result.cached_tokens = runners[0].cached_tokens
     result.traversals = 1
     # Drafting reads the prompt's ids (a text's as the first shard echoed them; none from a

@@ -16,6 +16,7 @@ import numpy as np
 from shard.engine import (
     Capabilities,
     EngineMetrics,
+    GrammarSpec,
     InvalidInput,
     LayerRange,
     LogitsResult,
@@ -40,17 +41,26 @@ def invalid(message: str, session_id: str = "") -> ShardError:
 # ---- requests ------------------------------------------------------------------------------
 
 
-def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "") -> SamplingParams:
-    """Proto sampling parameters; ``top_p`` 0 reads as 1.0 (proto3 default = no filter)."""
+def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "",
+                        grammar_start: int = 0) -> SamplingParams:
+    """Proto sampling parameters; ``top_p`` 0 reads as 1.0 (proto3 default = no filter), a
+    ``grammar_start`` 0 as the given one (where the step's prompt ends)."""
+    if msg.grammar_kind and not (msg.grammar_start or grammar_start):
+        raise ShardError(ErrorCode.INVALID_ARGUMENT, "grammar_start is needed: the session has "
+                         "no grammar to continue", session_id=session_id, reason="INVALID_GRAMMAR")
     try:
         return SamplingParams(
             temperature=float(msg.temperature),
             top_k=int(msg.top_k),
             top_p=float(msg.top_p) if msg.top_p != 0.0 else 1.0,
             seed=int(msg.seed),
+            grammar=(GrammarSpec(msg.grammar_kind, msg.grammar,
+                                 int(msg.grammar_start or grammar_start))
+                     if msg.grammar_kind else None),
         )
     except InvalidInput as exc:
-        raise invalid(exc.message, session_id) from None
+        raise ShardError(ErrorCode.INVALID_ARGUMENT, exc.message, session_id=session_id,
+                         reason=exc.code if exc.code == "INVALID_GRAMMAR" else "") from None
 
 
 def wire_dtype(name: str, session_id: str = "") -> str:
@@ -248,6 +258,7 @@ def capabilities_to_proto(
         prefix_cache_tokens=caps.prefix_cache_tokens,
         prefix_cache_detail=caps.prefix_cache_detail,
         prefix_cache_limit=True,  # Prefill.cache_limit, OpenSession.prefix_probe
+        grammar_kinds=caps.grammar_kinds,
     )
 
 

@@ -76,6 +76,9 @@ class StepContext:
         self.positions = Positions()  # what the session holds (a routed one's: its ledger)
         # The client's last Decode sent the token the worker had sampled (look-ahead pays).
         self.follows = False
+        # Where the session's grammar starts (SamplingParams.grammar_start), once a step set
+        # it: a Decode that leaves it 0 continues that grammar.
+        self.grammar_start = 0
 
     def opened(self, sid: str, caps: Capabilities, version: tuple[int, int], wire_dtype: str,
                step_timeout: float | None, batch_group: int) -> None:
@@ -138,7 +141,6 @@ class StepContext:
         position = p.position.value if p.HasField("position") else end
         if position > end:
             raise convert.invalid(f"position {position} is beyond the session end {end}", sid)
-        sampling = convert.sampling_from_proto(p.sampling, sid)
         which = p.WhichOneof("input")
         tokens = hidden = None
         ids: tuple[int, ...] | None = None
@@ -163,6 +165,7 @@ class StepContext:
         limit = inputs.cache_limit(p)
         covered = self._covered(position, tokens if tokens is not None else ids, limit) \
             if p.chunk_tokens else 0
+        sampling = self._sampling(p.sampling, position + n)  # (a grammar starts after it)
         return inputs.PrefillInput(position, sampling, tokens, hidden, ids, n, lead,
                                    inputs.rows_per_message(caps, self.outbox.max_message_bytes),
                                    limit, covered)
@@ -188,7 +191,7 @@ class StepContext:
         """A Decode's checked input: (sampling, token or one hidden row, the id that row
         stands for if the client sent it)."""
         caps, sid = self.caps, self.session_id
-        sampling = convert.sampling_from_proto(d.sampling, sid)
+        sampling = self._sampling(d.sampling, self.grammar_start)
         which = d.WhichOneof("input")
         if which == "token":
             token, hidden = d.token, None
@@ -210,7 +213,6 @@ class StepContext:
         sid = self.session_id
         if g.max_tokens == 0:
             raise convert.invalid("Generate.max_tokens must be >= 1", sid)
-        sampling = convert.sampling_from_proto(g.sampling, sid)
         which = g.WhichOneof("prompt")
         prompt: tuple[int, ...] | None = None
         end = self.positions.end
@@ -223,7 +225,16 @@ class StepContext:
             self._check_room(end, len(prompt))
         elif self.positions.next_token is None:
             raise illegal("Generate without a prompt needs a previous step to continue from", sid)
-        return sampling, prompt
+        start = end + len(prompt) if prompt is not None else self.grammar_start
+        return self._sampling(g.sampling, start), prompt
+
+    def _sampling(self, msg: pb.SamplingParams, grammar_start: int) -> SamplingParams:
+        """A step's sampling; ``grammar_start``: where its grammar starts when the message
+        leaves it 0 (kept for the session's next steps)."""
+        sampling = convert.sampling_from_proto(msg, self.session_id, grammar_start)
+        if sampling.grammar is not None:
+            self.grammar_start = sampling.grammar.start
+        return sampling
 
     def rewind_position(self, r: pb.Rewind) -> int:
         """A Rewind's checked position."""
