@@ -79,8 +79,9 @@ class HopRunner:
     async def prefill_prompt(
         self, prompt: str | Sequence[int], emit: Callable[[HopOutput], Awaitable[None]]
     ) -> None:
-        """First hop: prefill the prompt in chunks, ``emit`` each chunk's output once (after a
-        failover the replacement computes the prompt again; what was emitted is not repeated)."""
+        """First hop: prefill the prompt in chunks (``Generation.chunk_tokens``; 0: in one
+        step), ``emit`` each chunk's output once (after a failover the replacement computes
+        the prompt again; what was emitted is not repeated)."""
         text = prompt if isinstance(prompt, str) else None
         tokens = None if isinstance(prompt, str) else list(prompt)
         if tokens is not None:
