@@ -105,8 +105,10 @@ __all__ = [
 #: Prompt positions per prefill step over several hops. Chunks let the hops overlap (hop k+1
 #: computes chunk i while hop k computes chunk i+1), which needs chunks small beside the prompt;
 #: but every chunk costs a message per hop and a native step of fewer rows, which llama.cpp
-#: computes at a lower rate per position the smaller it is.
-DEFAULT_CHUNK_TOKENS = 32
+#: computes at a lower rate per position the smaller it is. 128 was the best or tied over 2
+#: and 3 hops in bench/pipeline/prefill.py, beside 32 to 512 (docs/benchmarks.md, "Pipelined
+#: prefill").
+DEFAULT_CHUNK_TOKENS = 128
 #: Over one hop a prompt goes as one Prefill (``chunk_tokens`` 0): no hop waits for it, and the
 #: worker cuts it into ticks of ``--batch-tokens`` rows among the other sessions' steps anyway
 #: (a Cancel lands at the end of the running tick). With a ``step_timeout``, though, a step must
