@@ -174,3 +174,17 @@ async def test_a_cancel_lands_within_a_tick_of_a_one_step_prompt() -> None:
         async with ShardClient.connect(w.target, timeout=TIMEOUT) as client:
             m = await client.metrics()
         assert (m.engine["sessions_active"], m.engine["kv_cells_used"]) == (0, 0)
+
+
+def test_the_cli_leaves_the_chunk_to_the_pipeline_and_says_its_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from shard.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--pipeline", "a:1,b:2", "x"]).chunk_tokens is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"default: {DEFAULT_CHUNK_TOKENS} over several hops" in text
+    assert f"or {TIMED_ONE_HOP_CHUNK_TOKENS} a step with" in text

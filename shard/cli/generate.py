@@ -81,7 +81,7 @@ def add_parser(sub: Any) -> Options:
              "on hops whose worker offers it (default: float32)")
     opts.add("--chunk-tokens", type=positive_int,
              help="with --pipeline: prefill chunk size in tokens; shard k+1 computes "
-             "chunk i while shard k computes chunk i+1 (default: 32 over several hops; "
+             "chunk i while shard k computes chunk i+1 (default: 128 over several hops; "
              "over one hop the whole prompt in one step, or 512 a step with --step-timeout)")
     opts.add("--step-timeout", type=positive_float, metavar="SECONDS",
              help="with --pipeline: a worker that answers no step (a decode, a prefill "
