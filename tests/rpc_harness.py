@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from conftest import sigint_default
-from shard.engine import LayerRange, LoadSpec, ShardEngine
+from shard.engine import LayerRange, LoadSpec, PrefillRequest, ShardEngine, StepResult
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
 from shard.rpc.registry import Registry
 from shard.rpc.session import SessionCall, SessionLimits
@@ -82,6 +82,21 @@ def make_engine(
         model=MODEL,
         script=FakeScript(step_latency=latency, on_step=gate, fail_at_step=fail_at_step),
     )
+
+
+class PrefillLog(FakeEngine):
+    """A FakeEngine that records the positions of every prefill it is asked for, in order:
+    one entry per ``Prefill`` step a worker runs (a chunk, or the whole input)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefills: list[int] = []
+
+    async def prefill(self, request: PrefillRequest) -> StepResult:
+        rows = request.hidden_states
+        self.prefills.append(len(request.tokens) if request.tokens is not None
+                             else 0 if rows is None else int(rows.shape[0]))
+        return await super().prefill(request)
 
 
 def assert_no_leaks(engine: ShardEngine) -> None:

@@ -24,6 +24,7 @@ import openai
 import pytest
 import trio
 from rpc_harness import (
+    PrefillLog,
     Worker,
     no_engine_leaks,  # noqa: F401 - autouse: no sessions/KV cells leak
     worker,
@@ -35,7 +36,7 @@ from shard.chat import ChatTemplate
 from shard.client import ShardClient
 from shard.engine import LayerRange, LoadSpec
 from shard.engine.fake import FakeEngine, FakeModel, FakeScript, FakeStep
-from shard.pipeline import Pipeline
+from shard.pipeline import DEFAULT_CHUNK_TOKENS, Pipeline
 from shard.rpc.auth import TokenAuthenticator
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
@@ -75,12 +76,13 @@ async def front_door(
     ranges: Sequence[LayerRange | None] = (None,), *, model: FakeModel = MODEL,
     max_sessions: int = 4, script: FakeScript | None = None, keys: TokenAuthenticator | None = None,
     timeout: float | None = TIMEOUT, relay: str = "client", speculate: int = 0,
-    tls: HttpTls | None = None, prefix_cache_tokens: int = 0, **app_kw: Any,
+    tls: HttpTls | None = None, prefix_cache_tokens: int = 0,
+    engine_type: type[FakeEngine] = FakeEngine, **app_kw: Any,
 ) -> AsyncIterator[FrontDoor]:
     async with AsyncExitStack() as stack:
         workers = []
         for lr in ranges:
-            engine = FakeEngine(model=model, script=script or FakeScript())
+            engine = engine_type(model=model, script=script or FakeScript())
             spec = LoadSpec(n_ctx=max_sessions * 512, max_sessions=max_sessions, layer_range=lr,
                             prefix_cache_tokens=prefix_cache_tokens)
             relaying = None
@@ -193,6 +195,29 @@ async def test_openai_client_gets_the_workers_tokens(shape: str) -> None:
         assert "".join(c.choices[0].delta.content or "" for c in stream) == want_chat
         assert stream[-1].choices[0].finish_reason == "length"
         assert all(c.usage is None for c in stream)  # not asked for: no usage chunk
+        await assert_all_free(door.workers)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+async def test_a_prompt_is_one_prefill_on_one_hop_and_chunks_on_several(shape: str) -> None:
+    """A whole-model route prefills a chat prompt as one Prefill; a pipeline's first hop (and,
+    with client relay, every hop) computes it ``DEFAULT_CHUNK_TOKENS`` positions a step."""
+    ranges, relay = SHAPES[shape]
+    words = " ".join(f"word{i}" for i in range(DEFAULT_CHUNK_TOKENS // 4))  # > 1 chunk
+    async with front_door(ranges, relay=relay, engine_type=PrefillLog) as door:
+
+        def call() -> Any:
+            return list(door.client.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": words}], max_tokens=3,
+                stream=True, stream_options={"include_usage": True}))
+
+        n = (await in_thread(call))[-1].usage.prompt_tokens
+        chunks = [min(DEFAULT_CHUNK_TOKENS, n - i) for i in range(0, n, DEFAULT_CHUNK_TOKENS)]
+        prefills = [w.engine.prefills for w in door.workers]
+        if shape == "whole":
+            assert len(chunks) > 1 and prefills[0][0] == n
+        else:
+            assert prefills[0][:len(chunks)] == chunks
         await assert_all_free(door.workers)
 
 

@@ -583,3 +583,29 @@ def test_chat_turns_bench_resends_the_conversation_and_reports_every_turn(tmp_pa
     assert set(results["last_over_first_ttft"]) == set(variants)
     assert results["over_llama_server_ttft"] == {}
     assert record["environment"]["model"].endswith(".gguf")
+
+
+def test_cold_prefill_bench_times_every_layer_on_the_same_ids(tmp_path: Path) -> None:
+    """A quick run of bench/api/cold_prefill.py (the tiny model with a chat template, no
+    llama-server): every variant (the three flash-attention settings of the engine, the
+    worker, the door) computed the same number of prompt positions, and the summary has
+    each one's median and tokens/s, with no ratio to a llama-server that did not run."""
+    out = tmp_path / "cold_prefill.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.api.cold_prefill", "--quick", "--prompt", "64,96",
+         "--out", str(out), "--logs", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    variants = ["engine", "engine_fa_on", "engine_fa_off", "worker", "door"]
+    assert record["config"]["variants"] == variants
+    assert record["config"]["flash_attn"] == {"engine": None, "engine_fa_on": True,
+                                              "engine_fa_off": False}
+    (rounds,) = record["rounds"]
+    for n in (64, 96):
+        assert sorted(rounds[str(n)]) == sorted(variants)
+        assert all(r["prompt_n"] == n and r["s"] > 0 for r in rounds[str(n)].values())
+        per = record["results"][str(n)]
+        assert list(per) == variants
+        assert all(r["tokens_per_s"] > 0 and "over_llama_server" not in r for r in per.values())
+    assert record["environment"]["model"].endswith(".gguf")

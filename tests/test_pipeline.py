@@ -50,11 +50,13 @@ async def shards(
     on_step: Any = None,
     relay: bool = False,
     kv_layout_tags: dict[int, str | None] | None = None,
+    engine: type[FakeEngine] = FakeEngine,
     **serve_kwargs: Any,
 ) -> AsyncIterator[list[Worker]]:
     """One live FakeEngine worker per range (leak-checked when it stops); ``relay``: each one
     relays routes (its own ``ChainRelay``: loopback peers); ``kv_layout_tags[i]``: worker
-    ``i`` lays out KV states otherwise (``FakeScript.kv_layout_tag``)."""
+    ``i`` lays out KV states otherwise (``FakeScript.kv_layout_tag``); ``engine``: a
+    FakeEngine subclass to serve (one that records what it is asked)."""
     async with AsyncExitStack() as stack:
         workers = []
         for i, lr in enumerate(ranges):
@@ -65,7 +67,7 @@ async def shards(
                     on_step(i, step)
                 await gate(step)
 
-            engine = FakeEngine(
+            served = engine(
                 model=model,
                 script=FakeScript(
                     step_latency=latency, on_step=hook,
@@ -76,7 +78,7 @@ async def shards(
             spec = LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, layer_range=lr)
             workers.append(
                 await stack.enter_async_context(
-                    worker(engine=engine, gate=gate, load=spec,
+                    worker(engine=served, gate=gate, load=spec,
                            relay=ChainRelay() if relay else None, **serve_kwargs)
                 )
             )

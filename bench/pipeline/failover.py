@@ -50,7 +50,7 @@ import trio
 from bench.common import options
 from bench.common.environment import environment, load_average
 from bench.common.processes import ShardServer, shard_server, wait_serving
-from shard.pipeline import Pipeline
+from shard.pipeline import DEFAULT_CHUNK_TOKENS, Pipeline
 from shard.v1 import shard_pb2 as pb
 
 
@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--histories", default="16,64,256,1024", help="prompt lengths (positions)")
     options.add_rounds(p, 1, "trials per length (medians reported)")
     options.add_tokens(p, 8, "tokens per trial (>= 4)")
-    p.add_argument("--chunk", type=int, default=32, help="prefill (and replay) chunk_tokens")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_TOKENS,
+                   help=f"prefill (and replay) chunk_tokens (default {DEFAULT_CHUNK_TOKENS}, "
+                   "the pipeline's over several hops)")
     options.add_threads(p, 1, "llama.cpp threads per worker")
     p.add_argument("--relays", default="client",
                    help="relay modes to measure, comma-separated: client (default), chain")

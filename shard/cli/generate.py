@@ -81,9 +81,10 @@ def add_parser(sub: Any) -> Options:
     opts.add("--hidden-dtype", choices=["float32", "float16"], default="float32",
              help="with --pipeline: hidden states on the wire; float16 halves the bytes "
              "on hops whose worker offers it (default: float32)")
-    opts.add("--chunk-tokens", type=positive_int, default=32,
+    opts.add("--chunk-tokens", type=positive_int,
              help="with --pipeline: prefill chunk size in tokens; shard k+1 computes "
-             "chunk i while shard k computes chunk i+1 (default: 32)")
+             "chunk i while shard k computes chunk i+1 (default: 128 over several hops; "
+             "over one hop the whole prompt in one step, or 512 a step with --step-timeout)")
     opts.add("--step-timeout", type=positive_float, metavar="SECONDS",
              help="with --pipeline: a worker that answers no step (a decode, a prefill "
              "chunk) within this many seconds counts as hung and its hop fails over to a "

@@ -294,13 +294,14 @@ class ClientSession:
     ) -> StepStream:
         """Like ``prefill``, but the worker computes ``chunk_tokens`` positions at a time and
         sends each chunk's result as soon as it is done: iterate for one ``StepResult`` per
-        chunk (``start_position`` says where it went). ``echo_tokens`` with ``text``: the first
+        chunk (``start_position`` says where it went; ``chunk_tokens`` 0: one for the whole
+        input, a stream for a caller that takes either). ``echo_tokens`` with ``text``: the first
         result's ``input_tokens`` holds the ids the worker tokenized it into;
         ``parse_special``: special-token texts in ``text`` become special tokens (a worker
         reports ``parse_special`` in its capabilities when it honours this); ``cache_limit``
         as ``prefill``'s."""
-        if chunk_tokens < 1:
-            raise ValueError("chunk_tokens must be >= 1")
+        if chunk_tokens < 0:
+            raise ValueError("chunk_tokens must be >= 0")
         return StepStream(self, self._prefill_msg(
             tokens, text, hidden_states, position, sampling, top_logprobs, chunk_tokens,
             token_ids=token_ids, cache_limit=cache_limit, echo_tokens=echo_tokens,

@@ -77,6 +77,7 @@ class Generation:
     deadline: float
     sampling: pb.SamplingParams
     top_logprobs: int
+    #: Prompt positions per prefill step (0: the whole prompt in one, a route of one hop).
     chunk_tokens: int
     hidden_dtype: str
     step_timeout: float | None

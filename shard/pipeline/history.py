@@ -21,7 +21,8 @@ from .replay import RowLog, TokenLog
 
 __all__ = ["REPLAY_CHUNKS", "HopHistory"]
 
-#: A replay result covers this many prefill chunks (``chunk_tokens`` each) and may take as many
+#: A replay result covers this many prefill chunks (``chunk_tokens`` each; ``chunk_tokens`` 0,
+#: a one-hop prefill in one step: the whole replay in one) and may take as many
 #: ``step_timeout``s: small chunks cost a worker more per position (docs/pipelines.md).
 REPLAY_CHUNKS = 8
 #: ``timed(call, steps)``: ``call()`` within ``steps`` step timeouts (the runner's).

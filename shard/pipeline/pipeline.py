@@ -21,7 +21,9 @@ the bench, and a reference for routers. What it guarantees:
 * **Pipelined prefill.** The first shard computes the prompt ``chunk_tokens`` positions at a time
   and streams each chunk's boundary (``Prefill.chunk_tokens``); one Trio task per later hop
   forwards chunk ``i`` to its shard while the shard before it computes chunk ``i+1``. Hops are
-  connected by memory channels of capacity 1, so at most one chunk waits per hop.
+  connected by memory channels of capacity 1, so at most one chunk waits per hop. A route of
+  one hop (a whole-model worker) sends the prompt as one ``Prefill`` by default: nothing
+  overlaps there, and the worker's scheduler already cuts a long prompt into ticks.
 * **Decoding** sends each chosen token through the chain; the last shard samples (its
   ``Logits.token_id`` is the token), with the same stop rules as the worker's ``Generate``, so the
   result equals a whole-model worker's ``Generate`` token for token.
@@ -88,6 +90,7 @@ __all__ = [
     "CLEANUP_GRACE",
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_REPLAY_BYTES",
+    "TIMED_ONE_HOP_CHUNK_TOKENS",
     "HOP_DEADLINE_MARGIN",
     "RELAY_MODES",
     "RELEASE_TIMEOUT",
@@ -100,7 +103,20 @@ __all__ = [
     "hop_targets",
 ]
 
-DEFAULT_CHUNK_TOKENS = 32
+#: Prompt positions per prefill step over several hops. Chunks let the hops overlap (hop k+1
+#: computes chunk i while hop k computes chunk i+1), which needs chunks small beside the prompt;
+#: but every chunk costs a message per hop and a native step of fewer rows, which llama.cpp
+#: computes at a lower rate per position the smaller it is. 128 was the best or tied over 2
+#: and 3 hops in bench/pipeline/prefill.py, beside 32 to 512 (docs/benchmarks.md, "Pipelined
+#: prefill").
+DEFAULT_CHUNK_TOKENS = 128
+#: Over one hop a prompt goes as one Prefill (``chunk_tokens`` 0): no hop waits for it, and the
+#: worker cuts it into ticks of ``--batch-tokens`` rows among the other sessions' steps anyway
+#: (a Cancel lands at the end of the running tick). With a ``step_timeout``, though, a step must
+#: answer within it whatever the prompt's length, so one hop then takes this many positions a
+#: step: about one tick of a worker's default ``--batch``, a step long enough to cost nothing
+#: beside the whole prompt's, short enough for a step timeout to find a hung worker.
+TIMED_ONE_HOP_CHUNK_TOKENS = 512
 RELAY_MODES = ("client", "chain")
 _DEFAULT: Any = object()
 
@@ -311,6 +327,21 @@ class Pipeline:
 
     # ---- generation ----------------------------------------------------------------------
 
+    def prefill_chunk(self, chunk_tokens: int | None = None) -> int:
+        """The prompt positions one prefill step takes: ``chunk_tokens`` when given (0: the
+        whole prompt in one step, a route of one hop only: several need chunks that fit a
+        message), else ``DEFAULT_CHUNK_TOKENS`` over several hops and, over one hop, 0, or
+        ``TIMED_ONE_HOP_CHUNK_TOKENS`` with a ``step_timeout`` (which bounds every step)."""
+        one_hop = len(self._replicas) == 1
+        if chunk_tokens is None:
+            if not one_hop:
+                return DEFAULT_CHUNK_TOKENS
+            return 0 if self.step_timeout is None else TIMED_ONE_HOP_CHUNK_TOKENS
+        if chunk_tokens < 0 or (chunk_tokens == 0 and not one_hop):
+            raise ValueError("chunk_tokens must be >= 1 (0, the whole prompt in one step, "
+                             "only on a route of one hop)")
+        return chunk_tokens
+
     async def generate(
         self,
         prompt: str | Sequence[int],
@@ -323,7 +354,7 @@ class Pipeline:
         stop_tokens: Sequence[int] = (),
         ignore_eos: bool = False,
         top_logprobs: int = 0,
-        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        chunk_tokens: int | None = None,
         session_id: str | None = None,
         timeout: float | None = _DEFAULT,
         on_token: OnToken | None = None,
@@ -362,14 +393,15 @@ class Pipeline:
         ``result``: the (empty) result to fill, so a caller that cancels the generation from
         ``on_token`` still reads what it got (``prompt_tokens``, ``cached_tokens``).
 
+        ``chunk_tokens``: prompt positions the first shard computes per prefill step, each
+        step's result sent on at once; by default ``prefill_chunk()``'s choice (see there).
         ``grammar_kind``/``grammar``: the last shard constrains every generated token to the
         grammar (``shard.client.options.sampling``); it starts at the prompt's end, which every
         step after the prompt names, so replays and hand-offs continue it.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if chunk_tokens < 1:
-            raise ValueError("chunk_tokens must be >= 1")
+        chunk_tokens = self.prefill_chunk(chunk_tokens)
         if speculate < 0:
             raise ValueError("speculate must be >= 0")
         check_chunk(self._replicas, chunk_tokens, self.hidden_dtype)

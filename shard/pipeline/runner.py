@@ -94,10 +94,11 @@ class HopRunner:
         self, prompt: str | Sequence[int], emit: Callable[[HopOutput], Awaitable[None]],
         cache_limit: int | None = None,
     ) -> None:
-        """First hop: prefill the prompt in chunks, ``emit`` each chunk's output once (after a
-        failover the replacement computes the prompt again; what was emitted is not repeated).
-        ``cache_limit``: the most positions it may take from its prefix cache (what every later
-        hop holds, ``shard.pipeline.prefix``)."""
+        """First hop: prefill the prompt in chunks (``Generation.chunk_tokens``; 0: in one
+        step), ``emit`` each chunk's output once (after a failover the replacement computes
+        the prompt again; what was emitted is not repeated). ``cache_limit``: the most
+        positions it may take from its prefix cache (what every later hop holds,
+        ``shard.pipeline.prefix``)."""
         text = prompt if isinstance(prompt, str) else None
         tokens = None if isinstance(prompt, str) else list(prompt)
         if tokens is not None:
