@@ -50,7 +50,7 @@ from .hooks import EngineHooks
 from .operations import OperationRunner
 from .plans import ComputePlan, StreamRun
 from .prefix_reuse import PrefixReuse, commit_history
-from .results import step_outputs
+from .results import step_history, step_outputs
 from .sessions import SessionTable, new_session_id
 from .slots import CancelFlag, CancelReason, Claimed, Slot
 from .status import EngineStatus
@@ -477,8 +477,10 @@ class ShardEngine(EngineHooks):
         token ``params`` chooses and the row's log-sum-exp, computed already by the
         implementation from this very row, which it found finite (``results.step_outputs``)."""
         n_new = plan.n_new
+        history = step_history(slot, plan) if params.penalized and caps.is_last else None
         logits, per_position, boundary = step_outputs(
-            caps, plan, n_new, raw, params, top_k, chosen, self._impl_token_piece, self._impl_is_eog)
+            caps, plan, n_new, raw, params, top_k, chosen, self._impl_token_piece, self._impl_is_eog,
+            history)
         new_len = plan.keep + n_new
         counters = self._counters
         # Commit the new history.

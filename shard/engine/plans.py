@@ -102,7 +102,7 @@ class StreamRun:
     def _plan(self, token: int) -> ComputePlan:
         left = self._max - self.delivered - 1
         ahead = (LookaheadPlan(self._sampling, left, self._stops, self._eog, self._limit)
-                 if self._lookahead and left > 0 else None)
+                 if self._lookahead and left > 0 and not self._sampling.penalized else None)
         return ComputePlan(self._slot.n_past, (token,), None, math.inf, ahead)
 
     def step(self, raw: np.ndarray, chosen: tuple[SamplingParams, int, float] | None = None

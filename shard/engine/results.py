@@ -9,13 +9,14 @@ sampling garbage.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from . import sampling
 from .errors import EngineFailure
 from .plans import ComputePlan
+from .slots import Slot
 from .types import BoundaryResult, Capabilities, LogitsResult, SamplingParams
 
 
@@ -29,12 +30,14 @@ def step_outputs(
     chosen: tuple[int, float] | None,
     piece: Callable[[int], bytes],
     is_eog: Callable[[int], bool],
+    history: Sequence[int] | None = None,
 ) -> tuple[LogitsResult | None, tuple[LogitsResult, ...], BoundaryResult | None]:
     """(last position's logits, every position's when ``plan.all_logits``, boundary) of
     ``plan``'s computed ``raw`` output for its ``n_new`` positions; the last shard's or the
     boundary's part is None.
     ``chosen`` (a one-row step): the token ``params`` chooses and the row's log-sum-exp,
-    computed already by the implementation from this very row, which it found finite."""
+    computed already by the implementation from this very row, which it found finite.
+    ``history``: the session's ids through the step (``step_history``), for penalties."""
     if not caps.is_last:
         hidden = np.asarray(raw, dtype=np.float32)
         if hidden.shape != (n_new, caps.n_embd):
@@ -50,10 +53,10 @@ def step_outputs(
     # sampler's stream is keyed by the session length), so a verified draft gives the
     # very tokens plain decoding gives, sampled or greedy.
     if rows == 1:  # (every decode: no generator per step)
-        last = logits_result(logits[0], params, top_k, new_len, chosen, piece, is_eog)
+        last = logits_result(logits[0], params, top_k, new_len, chosen, piece, is_eog, history)
         return last, ((last,) if plan.all_logits else ()), None
     per_position = tuple(
-        logits_result(row, params, top_k, new_len - rows + 1 + i, None, piece, is_eog)
+        logits_result(row, params, top_k, new_len - rows + 1 + i, None, piece, is_eog, history)
         for i, row in enumerate(logits)
     )
     return per_position[-1], per_position, None
@@ -67,14 +70,16 @@ def logits_result(
     chosen: tuple[int, float] | None,
     piece: Callable[[int], bytes],
     is_eog: Callable[[int], bool],
+    history: Sequence[int] | None = None,
 ) -> LogitsResult:
     """The token chosen from one position's ``logits`` for a session of ``n_past``;
     ``chosen``: that token and the row's log-sum-exp, already computed. ``piece`` and
-    ``is_eog``: the engine's vocabulary hooks."""
+    ``is_eog``: the engine's vocabulary hooks; ``history``: the session's ids (penalties).
+    Log-probabilities are the model's (the logits before any bias or penalty)."""
     if chosen is None:
-        token = sampling.choose_token(logits, params, n_past)
-        # greedy chose the (first) maximum: the row's largest value is known
-        lse = sampling.logsumexp(logits, logits[token] if params.greedy else None)
+        token = sampling.choose_token(logits, params, n_past, history)
+        # plain greedy chose the (first) maximum: the row's largest value is known
+        lse = sampling.logsumexp(logits, logits[token] if params.plain_greedy else None)
     else:
         token, lse = chosen
     return LogitsResult(
@@ -85,3 +90,13 @@ def logits_result(
         piece=piece(token),
         is_eog=is_eog(token),
     )
+
+
+def step_history(slot: Slot, plan: ComputePlan) -> list[int] | None:
+    """The session's ids at positions ``[0, keep + n_new)`` once ``plan``'s step is committed
+    (as ``_make_result`` and ``commit_history`` commit it), or None where the session keeps
+    no history or the step brings no ids (hidden states without ``token_ids``)."""
+    new = plan.tokens if plan.tokens is not None else plan.token_ids
+    if new is None or slot.tokens is None:
+        return None
+    return [*slot.tokens[: plan.keep - len(plan.cached_ids)], *plan.cached_ids, *new]
