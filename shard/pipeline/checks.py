@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shard.client import check_sampling_support
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
@@ -12,7 +13,7 @@ from shard.v1 import shard_pb2 as pb
 from .errors import Hop, PipelineError
 from .replicas import HopReplicas
 
-__all__ = ["check_chain", "check_chunk", "check_speculation", "hop_targets"]
+__all__ = ["check_chain", "check_chunk", "check_sampling", "check_speculation", "hop_targets"]
 
 
 def _incompatible(hop: Hop, message: str) -> PipelineError:
@@ -97,3 +98,14 @@ def check_speculation(last: HopReplicas, k: int) -> None:
                    f"verifies at most {caps.max_logits_positions - 1} drafted tokens a step")
             raise PipelineError(last.hop(replica), ShardError(
                 ErrorCode.UNSUPPORTED_FEATURE, f"speculate={k}: the last shard {why}"))
+
+
+def check_sampling(last: HopReplicas, params: pb.SamplingParams) -> None:
+    """The last shard (every replica of it) honours ``params`` (min_p, penalties, logit_bias:
+    an older worker would ignore them)."""
+    for replica in last.replicas:
+        if replica.caps is not None:
+            try:
+                check_sampling_support(replica.caps, params)
+            except ShardError as exc:
+                raise PipelineError(last.hop(replica), exc) from None

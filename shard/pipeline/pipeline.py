@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import secrets
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -70,7 +70,7 @@ from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from . import chain, stepping
-from .checks import check_chain, check_chunk, check_speculation, hop_targets
+from .checks import check_chain, check_chunk, check_sampling, check_speculation, hop_targets
 from .drafting import Drafter, PromptLookup
 from .errors import Blames, Hop, PipelineError
 from .groups import BatchGroups, default_groups
@@ -331,6 +331,12 @@ class Pipeline:
         parse_special: bool = False,
         route: Sequence[str] | None = None,
         result: PipelineResult | None = None,
+        min_p: float = 0.0,
+        repeat_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        penalty_last_n: int = 64,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
@@ -358,6 +364,10 @@ class Pipeline:
 
         ``result``: the (empty) result to fill, so a caller that cancels the generation from
         ``on_token`` still reads what it got (``prompt_tokens``, ``cached_tokens``).
+
+        ``min_p``, the penalties and ``logit_bias`` (``shard.client.sampling``) need a last
+        shard that honours them (every replica reporting ``sampling_penalties``); each hop
+        is sent the token ids, so the last one penalizes the session's whole history.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -374,6 +384,11 @@ class Pipeline:
             hops = [h.starting_at(t) for h, t in zip(hops, route)]
         if speculate:
             check_speculation(self._replicas[-1], speculate)
+        params = sampling(temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                          repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
+                          logit_bias=logit_bias)
+        check_sampling(self._replicas[-1], params)
         if timeout is _DEFAULT:
             timeout = self.timeout
         deadline = absolute_deadline(timeout)
@@ -385,7 +400,7 @@ class Pipeline:
                 gen = Generation(
                     sid=session_id if session_id is not None else f"p-{secrets.token_hex(8)}",
                     deadline=deadline,
-                    sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed),
+                    sampling=params,
                     top_logprobs=top_logprobs,
                     chunk_tokens=chunk_tokens,
                     hidden_dtype=self.hidden_dtype,

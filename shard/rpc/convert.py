@@ -40,17 +40,34 @@ def invalid(message: str, session_id: str = "") -> ShardError:
 # ---- requests ------------------------------------------------------------------------------
 
 
+#: ``SamplingParams.penalty_last_n`` that an unset (0) ``penalty_last_n`` reads as.
+DEFAULT_PENALTY_LAST_N = SamplingParams().penalty_last_n
+
+
 def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "") -> SamplingParams:
-    """Proto sampling parameters; ``top_p`` 0 reads as 1.0 (proto3 default = no filter)."""
+    """Proto sampling parameters; ``top_p`` and ``repeat_penalty`` 0 read as 1.0 and
+    ``penalty_last_n`` 0 as its default (proto3 defaults = off)."""
     try:
         return SamplingParams(
             temperature=float(msg.temperature),
             top_k=int(msg.top_k),
             top_p=float(msg.top_p) if msg.top_p != 0.0 else 1.0,
             seed=int(msg.seed),
+            min_p=float(msg.min_p),
+            repeat_penalty=float(msg.repeat_penalty) if msg.repeat_penalty != 0.0 else 1.0,
+            presence_penalty=float(msg.presence_penalty),
+            frequency_penalty=float(msg.frequency_penalty),
+            penalty_last_n=int(msg.penalty_last_n) or DEFAULT_PENALTY_LAST_N,
+            logit_bias={int(k): float(v) for k, v in msg.logit_bias.items()},
         )
     except InvalidInput as exc:
         raise invalid(exc.message, session_id) from None
+
+
+def uses_sampling_extensions(msg: pb.SamplingParams) -> bool:
+    """``msg`` sets a field that only a worker with ``sampling_penalties`` honours."""
+    return bool(msg.min_p or (msg.repeat_penalty not in (0.0, 1.0)) or msg.presence_penalty
+                or msg.frequency_penalty or msg.logit_bias)
 
 
 def wire_dtype(name: str, session_id: str = "") -> str:
@@ -247,6 +264,7 @@ def capabilities_to_proto(
         parse_special=caps.is_first,
         prefix_cache_tokens=caps.prefix_cache_tokens,
         prefix_cache_detail=caps.prefix_cache_detail,
+        sampling_penalties=True,
     )
 
 
