@@ -18,9 +18,9 @@ import logging
 import math
 import secrets
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
@@ -62,6 +62,13 @@ class Request:
     top_logprobs: int = 0
     parse_special: bool = True
     prompt_param: str = "prompt"  # the request field a too-long prompt is blamed on
+    #: llama.cpp's samplers (``Pipeline.generate``): off by default.
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -303,6 +310,10 @@ class Backend:
                     top_logprobs=request.top_logprobs, timeout=self.timeout,
                     on_token=on_token, speculate=self.speculate,
                     parse_special=request.parse_special, route=route, result=got,
+                    top_k=request.top_k, min_p=request.min_p,
+                    repeat_penalty=request.repeat_penalty,
+                    presence_penalty=request.presence_penalty,
+                    frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias,
                 )
 
         with trio.CancelScope() as scope:
