@@ -1,6 +1,7 @@
 """min_p, penalties and logit_bias over the wire: a worker honours them, a pipeline's last hop
-penalizes the ids its hops carry (the tokens equal the whole-model worker's, plain, speculative
-and relayed), and a client never sends them to a worker that would ignore them."""
+penalizes the ids its hops carry (the tokens equal the whole-model worker's, plain, speculative,
+relayed and after a failover's replay), and a client never sends them to a worker that would
+ignore them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, Worker, worker
@@ -17,10 +19,13 @@ from shard.client import ShardClient, ShardError, check_sampling_support, sampli
 from shard.engine import LayerRange, LoadSpec
 from shard.engine.fake import FakeEngine
 from shard.pipeline import Pipeline, PipelineError
+from shard.pipeline.replay import ReplayBudget, RowLog
 from shard.relay import ChainRelay
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode
 from shard.v1 import shard_pb2 as pb
+from test_failover import LONG, N_TOKENS, assert_same, fleet, gate_of, run_with
+from test_pipeline import after_steps, whole_model_steps
 
 TIMEOUT = 30.0
 PROMPT = [1, *(3 + b for b in b"penalties, penalties")]
@@ -135,3 +140,33 @@ async def test_a_client_sends_them_only_to_a_worker_that_honours_them(
                 await pipe.generate(PROMPT, max_tokens=3, logit_bias={5: 1.0})
             assert perr.value.hop_index == 1
             assert perr.value.code is ErrorCode.UNSUPPORTED_FEATURE
+
+
+@pytest.mark.parametrize("relay", ["client", "chain"])
+@pytest.mark.parametrize("hop", [0, 2])
+async def test_a_failover_replays_the_ids_the_penalties_see(relay: str, hop: int) -> None:
+    """A hop's worker stops mid-decode: its replica replays the history (ids with the rows), so
+    the last hop's penalties go on over the same window and the tokens are the whole model's."""
+    async with fleet(relay) as (whole, hops, gates):
+        want = await whole_model_steps(whole.target, LONG, max_tokens=N_TOKENS, ignore_eos=True,
+                                       top_logprobs=5, sampling=sampling(**PENALIZED))
+        primary = hops[hop][0]
+        async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT,
+                                    relay=relay) as pipe:
+            got, seen = await run_with(
+                lambda: after_steps(gate_of(gates, hop, 0), len(LONG) + 1 + 15, primary.stop),
+                pipe, **PENALIZED)
+        assert_same(got, want, seen)
+        assert [f.hop for f in got.failovers] == [hop]
+
+
+def test_a_row_log_keeps_the_ids_of_its_rows_until_a_step_comes_without() -> None:
+    log = RowLog(ReplayBudget(2**20))
+    rows = np.zeros((3, 4), dtype=np.float32)
+    log.append(rows, "float32", [5, 6, 7])
+    log.append(rows[:1], "float32", [1, 2, 8])  # ids beyond the rows: the last ones are its
+    assert log.ids == [5, 6, 7, 8]
+    log.truncate(2)
+    assert log.ids == [5, 6] and log.positions == 2
+    log.append(rows[:1], "float32")
+    assert log.ids is None and log.positions == 3

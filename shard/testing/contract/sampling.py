@@ -134,6 +134,21 @@ class Sampling:
                 await prefill(engine, "force", tokens, sampling=SamplingParams(
                     logit_bias={t: -math.inf for t in range(n_vocab)}))
 
+    async def test_a_moved_session_goes_on_with_the_same_penalized_tokens(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """A hand-off (export, import on another engine) carries the ids the penalties see."""
+        async with engine_factory.open() as a, engine_factory.open() as b:
+            tokens = prompt_tokens(a, 9, salt=7)
+            await a.open_session("s")
+            out = await generate(a, "s", tokens, 4, sampling=PENALIZED)
+            snap = await a.export_session("s")
+            await b.open_session("copy")
+            await b.import_session("copy", snap)
+            here = await _continue(a, "s", await decode(a, "s", out[-1], sampling=PENALIZED), 5)
+            there = await _continue(b, "copy", await decode(b, "copy", out[-1], sampling=PENALIZED), 5)
+            assert here == there
+
     @pytest.mark.parametrize("lookahead", [True, False], ids=["ahead", "plain"])
     async def test_streams_with_penalties_or_bias_give_the_tokens_of_single_steps(
         self, engine_factory: EngineFactory, lookahead: bool
