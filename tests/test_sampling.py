@@ -1,6 +1,10 @@
-"""A tick's rows chosen at once (``sampling.greedy_rows``) give what row by row gives."""
+"""A tick's rows chosen at once (``sampling.greedy_rows``) give what row by row gives; the
+sampling cost bench runs."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
@@ -44,3 +48,15 @@ def test_a_tick_of_one_row_and_ties_take_the_first_maximum() -> None:
     tokens, lses, finite = sampling.greedy_rows(block)
     assert tokens == [1] and finite == [True]
     assert lses[0] == sampling.logsumexp(block[0], block[0][1])
+
+
+def test_the_sampling_cost_bench_times_every_kind(tmp_path: Path) -> None:
+    """A ``--quick`` run of bench/engine/sampling_cost.py: every kind is timed and recorded with
+    the environment (the numbers are the bench's, never asserted here)."""
+    from bench.engine.sampling_cost import KINDS, main
+
+    out = tmp_path / "cost.json"
+    main(["--quick", "--vocab", "3000", "--history", "100", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert set(record["results"]) == set(KINDS) and record["environment"]["command"]
+    assert all(r["us_per_token"] > 0 for r in record["results"].values())
