@@ -46,7 +46,7 @@ def cases(draw: st.DrawFn) -> tuple[np.ndarray, SamplingParams, list[int]]:
 def test_bias_and_penalties_give_llama_cpps_logits_bit_for_bit(
         case: tuple[np.ndarray, SamplingParams, list[int]]) -> None:
     logits, params, history = case
-    ours = sampling.adjusted_logits(logits, params, len(history), history)
+    ours = sampling.adjusted_logits(logits, params, history)
     theirs = llama_samplers.biased_penalized(logits, params, history)
     assert ours.dtype == np.float32
     np.testing.assert_array_equal(ours, theirs)
@@ -65,7 +65,7 @@ def test_greedy_chooses_llama_cpps_token(case: tuple[np.ndarray, SamplingParams,
 @given(cases())
 def test_min_p_keeps_llama_cpps_candidates(case: tuple[np.ndarray, SamplingParams, list[int]]) -> None:
     logits, params, history = case
-    adjusted = sampling.adjusted_logits(logits, params, len(history), history)
+    adjusted = sampling.adjusted_logits(logits, params, history)
     order, probs = sampling.candidates(adjusted, params)
     kept = set(order[probs > 0].tolist())
     theirs = llama_samplers.kept_by_min_p(logits, params, history)
@@ -77,7 +77,7 @@ def _fields(params: SamplingParams) -> dict[str, object]:
     return {name: getattr(params, name) for name in params.__dataclass_fields__}
 
 
-def test_the_window_is_the_last_penalty_last_n_ids_before_the_position() -> None:
+def test_the_window_is_the_last_penalty_last_n_ids_of_the_history() -> None:
     logits = np.array([5.0, 4.0, 3.0], dtype=np.float32)
     history = [0, 0, 1, 2]
     only_last_two = SamplingParams(presence_penalty=10.0, penalty_last_n=2)
@@ -85,7 +85,10 @@ def test_the_window_is_the_last_penalty_last_n_ids_before_the_position() -> None
     assert sampling.choose_token(logits, only_last_two, 4, history) == 0
     whole = SamplingParams(presence_penalty=10.0, penalty_last_n=-1)
     assert sampling.choose_token(logits, whole, 4, history) == 0  # all penalized alike
-    assert sampling.choose_token(logits, whole, 2, history) == 1  # only [0, 0] before position 2
+    assert sampling.choose_token(logits, whole, 2, history[:2]) == 1  # only [0, 0]
+    assert sampling.lookahead_window(history, only_last_two) == (1, 2)
+    assert sampling.lookahead_window(history, whole) == (0, 0, 1, 2)
+    assert sampling.lookahead_window(history, SamplingParams(min_p=0.5)) is None
     off = SamplingParams(presence_penalty=10.0, penalty_last_n=0)
     assert not off.penalized and sampling.choose_token(logits, off, 4, history) == 0
 

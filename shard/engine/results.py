@@ -37,7 +37,8 @@ def step_outputs(
     boundary's part is None.
     ``chosen`` (a one-row step): the token ``params`` chooses and the row's log-sum-exp,
     computed already by the implementation from this very row, which it found finite.
-    ``history``: the session's ids through the step (``step_history``), for penalties."""
+    ``history``: the session's ids through the step (``step_history``), for penalties:
+    the row ending at position ``p`` sees those before ``p + 1``."""
     if not caps.is_last:
         hidden = np.asarray(raw, dtype=np.float32)
         if hidden.shape != (n_new, caps.n_embd):
@@ -56,7 +57,8 @@ def step_outputs(
         last = logits_result(logits[0], params, top_k, new_len, chosen, piece, is_eog, history)
         return last, ((last,) if plan.all_logits else ()), None
     per_position = tuple(
-        logits_result(row, params, top_k, new_len - rows + 1 + i, None, piece, is_eog, history)
+        logits_result(row, params, top_k, new_len - rows + 1 + i, None, piece, is_eog,
+                      None if history is None else history[: new_len - rows + 1 + i])
         for i, row in enumerate(logits)
     )
     return per_position[-1], per_position, None
@@ -74,7 +76,8 @@ def logits_result(
 ) -> LogitsResult:
     """The token chosen from one position's ``logits`` for a session of ``n_past``;
     ``chosen``: that token and the row's log-sum-exp, already computed. ``piece`` and
-    ``is_eog``: the engine's vocabulary hooks; ``history``: the session's ids (penalties).
+    ``is_eog``: the engine's vocabulary hooks; ``history``: the session's ids before the
+    chosen position (penalties).
     Log-probabilities are the model's (the logits before any bias or penalty)."""
     if chosen is None:
         token = sampling.choose_token(logits, params, n_past, history)

@@ -87,14 +87,18 @@ def candidate_order(x: np.ndarray, top_k: int) -> np.ndarray:
     return np.lexsort((np.arange(n), -x))
 
 
-def penalty_window(history: Sequence[int], position: int, last_n: int) -> Sequence[int]:
-    """The ids the penalties see when choosing the token of ``position``: the last ``last_n``
-    of the session's ids at positions ``[0, position)`` (-1: all of them)."""
-    start = 0 if last_n < 0 else max(0, position - last_n)
-    return history[start:position]
+def penalty_window(history: Sequence[int], last_n: int) -> Sequence[int]:
+    """The ids the penalties see: the last ``last_n`` of ``history`` (-1: all of it)."""
+    return history if last_n < 0 else history[max(0, len(history) - last_n):]
 
 
-def adjusted_logits(logits: np.ndarray, params: SamplingParams, position: int,
+def lookahead_window(ids: Sequence[int], params: SamplingParams) -> tuple[int, ...] | None:
+    """What a step computed ahead needs of ``ids`` (the session's ids through the step that
+    chooses): their penalty window, or None when ``params`` has no penalties."""
+    return tuple(penalty_window(ids, params.penalty_last_n)) if params.penalized else None
+
+
+def adjusted_logits(logits: np.ndarray, params: SamplingParams,
                     history: Sequence[int] | None) -> np.ndarray:
     """A float32 copy of ``logits`` with ``params.logit_bias`` added, then llama.cpp's
     penalties over the window of ``history`` (``penalty_window``): a token seen ``count``
@@ -108,7 +112,7 @@ def adjusted_logits(logits: np.ndarray, params: SamplingParams, position: int,
     if params.penalized:
         if history is None:
             raise ValueError("penalties need the session's token ids")
-        window = penalty_window(history, position, params.penalty_last_n)
+        window = penalty_window(history, params.penalty_last_n)
         if len(window):
             ids, counts = np.unique(np.asarray(window, dtype=np.intp), return_counts=True)
             v = x[ids]
@@ -123,12 +127,13 @@ def adjusted_logits(logits: np.ndarray, params: SamplingParams, position: int,
 def choose_token(logits: np.ndarray, params: SamplingParams, position: int,
                  history: Sequence[int] | None = None) -> int:
     """Pick the token of ``position``. Greedy takes the first maximum, as llama.cpp's greedy
-    sampler does. ``history``: the session's ids at positions ``[0, position)`` (needed with
-    penalties; the engine refuses a penalized step whose history it does not hold)."""
+    sampler does. ``history``: the session's ids before ``position`` (its last
+    ``penalty_last_n`` at least; needed with penalties: the engine refuses a penalized step
+    whose history it does not hold)."""
     if params.plain_greedy:
         return int(np.argmax(logits))
     if params.logit_bias or params.penalized:
-        logits = adjusted_logits(logits, params, position, history)
+        logits = adjusted_logits(logits, params, history)
     if params.greedy:
         return int(np.argmax(logits))
     order, probs = candidates(logits, params)

@@ -11,13 +11,14 @@ only fail while building the result would wrongly turn the engine FAILED.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
 from .errors import ContextExceeded, IllegalTransition, IncompatibleState, InvalidInput, KvCacheFull
 from .lookahead import LookaheadPlan
 from .plans import ComputePlan
+from .sampling import lookahead_window
 from .slots import Slot
 from .types import (
     Capabilities,
@@ -95,18 +96,22 @@ def check_length(slot: Slot, caps: Capabilities, new_len: int) -> None:
 
 
 def lookahead_plan(
-    hint: Lookahead | None, sampling: SamplingParams, slot: Slot, caps: Capabilities
+    hint: Lookahead | None, sampling: SamplingParams, slot: Slot, caps: Capabilities,
+    position: int, tokens: Sequence[int],
 ) -> LookaheadPlan | None:
-    """The hint as an implementation uses it; None where no step could follow (a step of
-    a shard that does not sample, no steps left)."""
+    """The hint as an implementation uses it, for a step of ``tokens`` at ``position``; None
+    where no step could follow (a step of a shard that does not sample, no steps left, a
+    penalized session that keeps no ids)."""
     if hint is None:
         return None
     if not isinstance(hint, Lookahead):
         raise InvalidInput("lookahead must be a Lookahead", session_id=slot.session_id)
-    if hint.steps == 0 or not caps.is_last or sampling.penalized:
-        return None  # (penalized: the token depends on ids only the event loop holds)
+    if hint.steps == 0 or not caps.is_last or (sampling.penalized and slot.tokens is None):
+        return None
     limit = min(caps.n_ctx_per_session, slot.kv_budget)
-    return LookaheadPlan(sampling, hint.steps, hint.stop_tokens, hint.stop_at_eog, limit)
+    history = (lookahead_window([*slot.tokens[:position], *tokens], sampling)
+               if sampling.penalized and slot.tokens is not None else None)
+    return LookaheadPlan(sampling, hint.steps, hint.stop_tokens, hint.stop_at_eog, limit, history)
 
 
 def check_session_id(session_id: str) -> None:
@@ -172,7 +177,8 @@ def prefill_plan(request: PrefillRequest, slot: Slot, caps: Capabilities) -> tup
                 reused += 1
         plan = ComputePlan(
             request.position + reused, request.tokens[reused:], None, deadline,
-            None if all_logits else lookahead_plan(request.lookahead, request.sampling, slot, caps),
+            None if all_logits else lookahead_plan(request.lookahead, request.sampling, slot,
+                                                   caps, request.position, request.tokens),
             all_logits=all_logits,
         )
     else:
@@ -211,7 +217,8 @@ def decode_plan(request: DecodeRequest, slot: Slot, caps: Capabilities) -> Compu
             raise InvalidInput("token_id goes with a hidden state only", session_id=sid)
         plan = ComputePlan(
             slot.n_past, (int(request.token),), None, deadline,
-            lookahead_plan(request.lookahead, request.sampling, slot, caps),
+            lookahead_plan(request.lookahead, request.sampling, slot, caps, slot.n_past,
+                           (int(request.token),)),
         )
     else:
         if caps.is_first:
