@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shard.engine import sampling
+from shard.engine.plans import ComputePlan
+from shard.engine.results import step_history
+from shard.engine.slots import Slot
 from shard.engine.types import SamplingParams
 
 GREEDY = SamplingParams()
@@ -60,3 +63,30 @@ def test_the_sampling_cost_bench_times_every_kind(tmp_path: Path) -> None:
     record = json.loads(out.read_text())
     assert set(record["results"]) == set(KINDS) and record["environment"]["command"]
     assert all(r["us_per_token"] > 0 for r in record["results"].values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_steps_history_is_the_tail_its_rows_penalty_windows_reach(data: st.DataObject) -> None:
+    """``results.step_history``: the committed ids (held, copied from the prefix cache, new)
+    from as far back as the first chosen row's window reaches; each row's slice of it ends
+    where that row's ids end."""
+    held = data.draw(st.lists(st.integers(0, 50), max_size=30))
+    keep = data.draw(st.integers(0, len(held)))
+    n_cached = data.draw(st.integers(0, keep))
+    cached = tuple(data.draw(st.lists(st.integers(0, 50), min_size=n_cached, max_size=n_cached)))
+    new = tuple(data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=8)))
+    all_logits = data.draw(st.booleans())
+    last_n = data.draw(st.sampled_from([-1, 1, 2, 5, 64]))
+    slot = Slot("s", 0, 100, tokens=list(held))
+    plan = ComputePlan(keep, new, None, all_logits=all_logits, cached_ids=cached)
+    full = [*held[: keep - len(cached)], *cached, *new]
+    got = step_history(slot, plan, last_n)
+    assert got is not None and full[len(full) - len(got):] == got
+    rows = len(new) if all_logits else 1
+    for i in range(rows):  # as results.step_outputs slices it for row i
+        n_past = keep + len(new) - rows + 1 + i
+        mine = got[: len(got) - (rows - 1 - i)]
+        want = full[:n_past]
+        assert sampling.penalty_window(mine, last_n) == sampling.penalty_window(want, last_n)
+    assert step_history(Slot("s", 0, 100, tokens=None), plan, last_n) is None

@@ -477,7 +477,8 @@ class ShardEngine(EngineHooks):
         token ``params`` chooses and the row's log-sum-exp, computed already by the
         implementation from this very row, which it found finite (``results.step_outputs``)."""
         n_new = plan.n_new
-        history = step_history(slot, plan) if params.penalized and caps.is_last else None
+        history = (step_history(slot, plan, params.penalty_last_n)
+                   if params.penalized and caps.is_last else None)
         logits, per_position, boundary = step_outputs(
             caps, plan, n_new, raw, params, top_k, chosen, self._impl_token_piece, self._impl_is_eog,
             history)

@@ -37,8 +37,8 @@ def step_outputs(
     boundary's part is None.
     ``chosen`` (a one-row step): the token ``params`` chooses and the row's log-sum-exp,
     computed already by the implementation from this very row, which it found finite.
-    ``history``: the session's ids through the step (``step_history``), for penalties:
-    the row ending at position ``p`` sees those before ``p + 1``."""
+    ``history``: the session's ids through the step (``step_history``: its last ones), for
+    penalties: the row ending at position ``p`` sees those before ``p + 1``."""
     if not caps.is_last:
         hidden = np.asarray(raw, dtype=np.float32)
         if hidden.shape != (n_new, caps.n_embd):
@@ -58,7 +58,7 @@ def step_outputs(
         return last, ((last,) if plan.all_logits else ()), None
     per_position = tuple(
         logits_result(row, params, top_k, new_len - rows + 1 + i, None, piece, is_eog,
-                      None if history is None else history[: new_len - rows + 1 + i])
+                      None if history is None else history[: len(history) - (rows - 1 - i)])
         for i, row in enumerate(logits)
     )
     return per_position[-1], per_position, None
@@ -95,11 +95,17 @@ def logits_result(
     )
 
 
-def step_history(slot: Slot, plan: ComputePlan) -> list[int] | None:
-    """The session's ids at positions ``[0, keep + n_new)`` once ``plan``'s step is committed
-    (as ``_make_result`` and ``commit_history`` commit it), or None where the session keeps
-    no history or the step brings no ids (hidden states without ``token_ids``)."""
+def step_history(slot: Slot, plan: ComputePlan, last_n: int) -> list[int] | None:
+    """The session's ids once ``plan``'s step is committed (as ``_make_result`` and
+    ``commit_history`` commit them), up to position ``keep + n_new`` and from as far back as
+    the penalty window (``last_n``; -1: all) of the step's first chosen token reaches; None where
+    the session keeps no history or the step brings no ids (hidden states without
+    ``token_ids``)."""
     new = plan.tokens if plan.tokens is not None else plan.token_ids
     if new is None or slot.tokens is None:
         return None
-    return [*slot.tokens[: plan.keep - len(plan.cached_ids)], *plan.cached_ids, *new]
+    first_row_end = plan.keep + (1 if plan.all_logits else plan.n_new)  # (its n_past)
+    start = 0 if last_n < 0 else max(0, first_row_end - last_n)
+    cut = plan.keep - len(plan.cached_ids)
+    ids = [*slot.tokens[min(start, cut):cut], *plan.cached_ids, *new]
+    return ids[max(0, start - cut):]

@@ -27,6 +27,7 @@ from .harness import (
     prefill,
     prompt_tokens,
 )
+from .prefix_cache import cached_engine
 
 #: Sampled with every penalty, over the whole session.
 PENALIZED = SamplingParams(temperature=1.0, seed=5, repeat_penalty=1.3, presence_penalty=0.5,
@@ -34,7 +35,8 @@ PENALIZED = SamplingParams(temperature=1.0, seed=5, repeat_penalty=1.3, presence
 
 
 class Sampling:
-    """Greedy and seeded sampling are deterministic."""
+    """Greedy and seeded sampling are deterministic; penalties see the session's ids wherever
+    they came from (a rewind, a replay, a hand-off, the prefix cache, a later hop's token_ids)."""
 
     async def test_greedy_is_deterministic(self, engine_factory: EngineFactory) -> None:
         runs: list[list[int]] = []
@@ -148,6 +150,20 @@ class Sampling:
             here = await _continue(a, "s", await decode(a, "s", out[-1], sampling=PENALIZED), 5)
             there = await _continue(b, "copy", await decode(b, "copy", out[-1], sampling=PENALIZED), 5)
             assert here == there
+
+    async def test_a_prefix_copied_from_the_cache_is_penalized_as_computed(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """A prefill whose start the prefix cache serves sees the copied ids in its window."""
+        async with cached_engine(engine_factory) as engine:
+            tokens = prompt_tokens(engine, 9, salt=8)
+            await engine.open_session("a")
+            out = await generate(engine, "a", tokens, 6, sampling=PENALIZED)
+            await engine.release("a")  # (its history stays cached)
+            await engine.open_session("b")
+            r = await prefill(engine, "b", (*tokens, *out[:4]), sampling=PENALIZED)
+            assert r.cached_tokens > 0
+            assert _token(r) == out[4]
 
     @pytest.mark.parametrize("lookahead", [True, False], ids=["ahead", "plain"])
     async def test_streams_with_penalties_or_bias_give_the_tokens_of_single_steps(
