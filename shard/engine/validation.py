@@ -109,8 +109,11 @@ def lookahead_plan(
     if hint.steps == 0 or not caps.is_last or (sampling.penalized and slot.tokens is None):
         return None
     limit = min(caps.n_ctx_per_session, slot.kv_budget)
-    history = (lookahead_window([*slot.tokens[:position], *tokens], sampling)
-               if sampling.penalized and slot.tokens is not None else None)
+    history = None
+    if sampling.penalized and slot.tokens is not None:
+        n = sampling.penalty_last_n
+        held = slot.tokens[max(0, position - n) if n > 0 else 0:position]
+        history = lookahead_window([*held, *tokens], sampling)
     return LookaheadPlan(sampling, hint.steps, hint.stop_tokens, hint.stop_at_eog, limit, history)
 
 
