@@ -414,8 +414,8 @@ async def test_every_refusal_is_a_structured_error_and_the_door_stays_healthy() 
         base = {"model": NAME, "prompt": "hello", "max_tokens": 2}
         cases: list[tuple[str, dict[str, Any] | None, bytes | None, int, str | None, str]] = [
             (url, {**base, "n": 2}, None, 400, "n", "unsupported_parameter"),
-            (url, {**base, "presence_penalty": 0.5}, None, 400, "presence_penalty", "unsupported_parameter"),
-            (url, {**base, "logit_bias": {"5": 1}}, None, 400, "logit_bias", "unsupported_parameter"),
+            (url, {**base, "presence_penalty": 2.5}, None, 400, "presence_penalty", "invalid_parameter"),
+            (url, {**base, "logit_bias": {"5": 101}}, None, 400, "logit_bias", "invalid_parameter"),
             (url, {**base, "echo": True}, None, 400, "echo", "unsupported_parameter"),
             (url, {**base, "best_of": 3}, None, 400, "best_of", "unsupported_parameter"),
             (url, {**base, "frobnicate": 1}, None, 400, "frobnicate", "invalid_parameter"),

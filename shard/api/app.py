@@ -156,11 +156,19 @@ def build_app(
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
         return body, backend if backend is not None else catalog.get(body.model)
 
-    def sampling(body: GenerationRequest) -> dict[str, Any]:
+    def sampling(body: GenerationRequest, backend: Backend) -> dict[str, Any]:
+        bias = body.token_biases
+        if bias and max(bias) >= backend.first.n_vocab:
+            raise ApiError(400, f"logit_bias: token id {max(bias)} is not in "
+                           f"[0, {backend.first.n_vocab})", param="logit_bias",
+                           code="invalid_parameter")
         return {"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p,
                 "seed": None if body.seed is None else body.seed % 2**64,
-                "stops": body.stops}
+                "stops": body.stops, "top_k": body.top_k or 0, "min_p": body.min_p or 0.0,
+                "repeat_penalty": 1.0 if body.repeat_penalty is None else body.repeat_penalty,
+                "presence_penalty": body.presence_penalty or 0.0,
+                "frequency_penalty": body.frequency_penalty or 0.0, "logit_bias": bias}
 
     def encodable(text: str, param: str) -> None:
         try:
@@ -188,7 +196,7 @@ def build_app(
         prompt = checked_prompt(body.single_prompt, backend)
         job = Request(prompt=prompt, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
                       top_logprobs=body.logprobs or 0, constraint=body.constraint(),
-                      **sampling(body))
+                      **sampling(body, backend))
         return body, backend, job, CompletionReply(backend.model_id, logprobs=body.logprobs,
                                           include_usage=include_usage(body))
 
@@ -200,7 +208,8 @@ def build_app(
         text = backend.render_chat([m.for_template() for m in body.messages])
         job = Request(prompt=text, max_tokens=body.token_limit,
                       top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
-                      prompt_param="messages", constraint=body.constraint(), **sampling(body))
+                      prompt_param="messages", constraint=body.constraint(),
+                      **sampling(body, backend))
         return body, backend, job, ChatReply(backend.model_id, logprobs=bool(body.logprobs),
                                     include_usage=include_usage(body))
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import secrets
 import ssl
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
@@ -61,6 +61,13 @@ class Request:
     #: Constrained decoding: (grammar kind, text, the request field a bad grammar is blamed
     #: on); None: none.
     constraint: tuple[str, str, str] | None = None
+    #: llama.cpp's samplers (``Pipeline.generate``): off by default.
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -298,6 +305,10 @@ class Backend:
                     on_token=on_token, speculate=self.speculate,
                     parse_special=request.parse_special, route=route, result=got,
                     grammar_kind=kind, grammar=grammar,
+                    top_k=request.top_k, min_p=request.min_p,
+                    repeat_penalty=request.repeat_penalty,
+                    presence_penalty=request.presence_penalty,
+                    frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias,
                 )
 
         with trio.CancelScope() as scope:

@@ -2,7 +2,7 @@
 
 Requests are strict (``extra="forbid"``): a parameter the front door does not know is refused
 with a 400 naming it, never silently ignored, and so is a known one the engine cannot honour
-(``unsupported``: ``n`` other than 1, penalties, ``logit_bias``, tools, ``echo``, ...). Responses
+(``unsupported``: ``n`` other than 1, tools, ``echo``, ...). Responses
 are built from the same models so that their shape is written down once.
 """
 
@@ -55,8 +55,10 @@ class GenerationRequest(_Strict):
     #: Any 64-bit value; a negative one is taken modulo 2**64 (some clients send -1).
     seed: int | None = Field(None, ge=-(2**63), lt=_U64)
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    #: Token id (a decimal string, as OpenAI's) -> bias in [-100, 100]; ids are checked
+    #: against the vocabulary by the door (``shard.api.app``).
     logit_bias: dict[str, float] | None = None
     #: llama-server's parameter: a GBNF grammar every generated token keeps to.
     grammar: str | None = None
@@ -64,6 +66,24 @@ class GenerationRequest(_Strict):
     def constraint(self) -> tuple[str, str, str] | None:
         """(grammar kind, text, the parameter it came from) of a constrained generation."""
         return ("gbnf", self.grammar, "grammar") if self.grammar else None
+    # llama-server's extensions (llama.cpp's samplers, as the workers apply them).
+    top_k: int | None = Field(None, ge=0, lt=2**31)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, ge=1e-6, le=1e6)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdecimal() or not key.isascii():
+                raise ValueError(f"{key!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100]")
+        return value
+
+    @property
+    def token_biases(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
@@ -87,11 +107,6 @@ class GenerationRequest(_Strict):
         """(param, why) for a parameter given that the engine cannot honour, None if none."""
         if self.n not in (None, 1):
             return "n", "only n=1 is supported (one choice per request)"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                return name, f"{name} is not supported (the engine applies no penalties)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options needs stream: true"
         return None

@@ -54,7 +54,7 @@ from shard.rpc.errors import ErrorCode, ShardError
 
 from .connection import ShardClient
 from .handoff import move_session
-from .options import TOKEN_CREDIT, cache_expectation, sampling
+from .options import TOKEN_CREDIT, cache_expectation, check_sampling_support, sampling
 from .session import ClientSession, StateStream, StepStream
 from .text import OneShot, TextChunk, TextStream
 
@@ -70,6 +70,7 @@ __all__ = [
     "TextChunk",
     "TextStream",
     "cache_expectation",
+    "check_sampling_support",
     "move_session",
     "sampling",
 ]

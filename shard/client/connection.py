@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import secrets
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, TypeVar
@@ -21,13 +21,14 @@ import trio
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from shard.rpc import convert
 from shard.rpc.errors import ErrorCode, GrpcStatus, ShardError, unwrap_single_exception
 from shard.rpc.transport import ClientConnection
 from shard.rpc.versions import CURRENT_VERSION
 from shard.v1 import shard_pb2 as pb
 
 from .options import DEFAULT as _DEFAULT
-from .options import TOKEN_CREDIT, sampling
+from .options import TOKEN_CREDIT, check_sampling_support, sampling
 from .requests import generate_request
 from .session import ClientSession
 from .text import OneShot, TextStream
@@ -446,6 +447,12 @@ class ShardClient:
         parse_special: bool = False,
         grammar_kind: str = "",
         grammar: str = "",
+        min_p: float = 0.0,
+        repeat_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        penalty_last_n: int = 64,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> OneShot:
         """One-shot generation in a fresh session: iterate it for one ``StepResult`` per token.
 
@@ -457,16 +464,32 @@ class ShardClient:
         ``break`` is safe too, but the stream then stays open (the worker parks once its
         credit is used up) until ``aclose()`` or until the client disconnects.
         ``grammar_kind``/``grammar``: constrained decoding (``options.sampling``).
+
+        ``min_p``, the penalties and ``logit_bias`` (``options.sampling``) are sent only to a
+        worker that honours them (``sampling_penalties``): asked of another, the first step
+        fails with UNSUPPORTED_FEATURE before a session opens.
         """
         text = prompt if isinstance(prompt, str) else None
+        params = sampling(
+            temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+            repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
+            logit_bias=logit_bias, grammar_kind=grammar_kind, grammar=grammar)
         g = generate_request(
-            None if text is not None else prompt, text, max_tokens=max_tokens,
-            sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              grammar_kind=grammar_kind, grammar=grammar),
+            None if text is not None else prompt, text, max_tokens=max_tokens, sampling=params,
             stop_tokens=stop_tokens, ignore_eos=ignore_eos, top_logprobs=top_logprobs,
             parse_special=parse_special,
         )
-        return OneShot(partial(self.open_session, credit=TOKEN_CREDIT, timeout=timeout), g)
+        opener = partial(self.open_session, credit=TOKEN_CREDIT, timeout=timeout)
+        if convert.uses_sampling_extensions(params):
+            opener = partial(self._open_for_sampling, params, timeout)
+        return OneShot(opener, g)
+
+    async def _open_for_sampling(self, params: pb.SamplingParams, timeout: float | None
+                                 ) -> ClientSession:
+        """A ``generate`` session, once the worker says it honours ``params``."""
+        check_sampling_support(await self.capabilities(timeout=timeout), params)
+        return await self.open_session(credit=TOKEN_CREDIT, timeout=timeout)
 
     def generate_text(
         self,
@@ -481,15 +504,17 @@ class ShardClient:
         ignore_eos: bool = False,
         timeout: float | None = _DEFAULT,
         parse_special: bool = False,
+        **penalties: Any,
     ) -> TextStream:
         """Like ``generate`` but yields a ``TextChunk`` per token, with its text decoded.
 
         Tokens carry raw bytes that may split a UTF-8 character, so pieces go through one
         incremental decoder (invalid bytes become U+FFFD): ``chunk.text`` is empty while a
         character is incomplete, and joining every ``chunk.text`` gives the whole text.
+        ``penalties``: ``min_p``, the penalties and ``logit_bias``, as ``generate`` takes them.
         """
         return TextStream(self.generate(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop_tokens=stop_tokens, ignore_eos=ignore_eos, timeout=timeout,
-            parse_special=parse_special,
+            parse_special=parse_special, **penalties,
         ))

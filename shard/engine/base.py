@@ -53,7 +53,7 @@ from .hooks import EngineHooks
 from .operations import OperationRunner
 from .plans import ComputePlan, StreamRun
 from .prefix_reuse import PrefixReuse, commit_history
-from .results import step_outputs
+from .results import step_history, step_outputs
 from .sessions import SessionTable, new_session_id
 from .slots import CancelFlag, CancelReason, Claimed, Slot
 from .status import EngineStatus
@@ -526,9 +526,11 @@ class ShardEngine(EngineHooks):
         book = self._grammars
         constrain = (book.constrain(slot, plan, params.grammar)
                      if params.grammar is not None and book is not None else None)
+        history = (step_history(slot, plan, params.penalty_last_n)
+                   if params.penalized and caps.is_last else None)
         logits, per_position, boundary = step_outputs(
             caps, plan, n_new, raw, params, top_k, chosen, self._impl_token_piece, self._impl_is_eog,
-            constrain)
+            constrain, history)
         new_len = plan.keep + n_new
         counters = self._counters
         # Commit the new history.

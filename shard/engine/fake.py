@@ -365,12 +365,12 @@ class FakeEngine(ShardEngine):
         self._choose_beside(tick)
 
     def _choose_beside(self, tick: list[tuple[Job, Piece]]) -> None:
-        """The token and log-sum-exp of every greedy stream step this tick finished, for all
+        """The token and log-sum-exp of every plain greedy stream step this tick finished, for all
         its rows at once, kept beside each row as the llama engine's native thread keeps them
         (``Claimed``): each result is then built without a pass over the vocabulary per row
         (``ShardEngine._make_result``). A row that is not finite gets none and is refused there."""
         jobs = [job for job, _ in tick if isinstance(job, _FakeJob) and job.finished
-                and job.error is None and job.sampling is not None and job.sampling.greedy
+                and job.error is None and job.sampling is not None and job.sampling.plain_greedy
                 and isinstance(job.result, np.ndarray) and job.result.ndim == 1]
         if not jobs:
             return

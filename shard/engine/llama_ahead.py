@@ -214,9 +214,9 @@ class AheadSteps:
         again (``ShardEngine._make_result``)."""
         if not np.isfinite(logits).all():
             return None
-        token = sampling.choose_token(logits, plan.sampling, n_past)
+        token = sampling.choose_token(logits, plan.sampling, n_past, plan.history)
         if rec is not None:
-            greedy_max = logits[token] if plan.sampling.greedy else None
+            greedy_max = logits[token] if plan.sampling.plain_greedy else None
             rec.chosen = (plan.sampling, token, sampling.logsumexp(logits, greedy_max))
         if n_past + 1 > plan.limit or token in plan.stop_tokens:
             return None

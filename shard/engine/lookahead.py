@@ -38,6 +38,10 @@ class LookaheadPlan:
     stop_tokens: frozenset[int]
     stop_at_eog: bool
     limit: int  # most positions the session may hold
+    #: With penalties: the penalty window of the session's ids through the step's last token
+    #: (``sampling.lookahead_window``), taken on the event loop, which the thread's choice
+    #: sees; None without penalties.
+    history: tuple[int, ...] | None = None
 
 
 @dataclass(eq=False)

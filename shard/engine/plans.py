@@ -15,6 +15,7 @@ import numpy as np
 
 from .errors import EngineError, EngineFailure
 from .lookahead import LookaheadPlan
+from .sampling import lookahead_window
 from .slots import Slot, known_choice
 from .types import Capabilities, SamplingParams, StepResult, StreamRequest
 
@@ -101,8 +102,16 @@ class StreamRun:
 
     def _plan(self, token: int) -> ComputePlan:
         left = self._max - self.delivered - 1
-        ahead = (LookaheadPlan(self._sampling, left, self._stops, self._eog, self._limit)
-                 if self._lookahead and left > 0 else None)
+        tokens, params = self._slot.tokens, self._sampling
+        if not (self._lookahead and left > 0) or (params.penalized and tokens is None):
+            ahead = None
+        else:
+            history = None
+            if params.penalized and tokens is not None:  # (the window through ``token``)
+                history = lookahead_window([*tokens[-params.penalty_last_n:], token]
+                                           if params.penalty_last_n > 0 else [*tokens, token],
+                                           params)
+            ahead = LookaheadPlan(params, left, self._stops, self._eog, self._limit, history)
         return ComputePlan(self._slot.n_past, (token,), None, math.inf, ahead)
 
     def step(self, raw: np.ndarray, chosen: tuple[SamplingParams, int, float] | None = None

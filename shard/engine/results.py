@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from . import sampling
 from .errors import EngineFailure
 from .plans import ComputePlan
+from .slots import Slot
 from .types import BoundaryResult, Capabilities, LogitsResult, SamplingParams
 
 
@@ -31,6 +32,7 @@ def step_outputs(
     piece: Callable[[int], bytes],
     is_eog: Callable[[int], bool],
     constrain: Callable[[int, np.ndarray], np.ndarray] | None = None,
+    history: Sequence[int] | None = None,
 ) -> tuple[LogitsResult | None, tuple[LogitsResult, ...], BoundaryResult | None]:
     """(last position's logits, every position's when ``plan.all_logits``, boundary) of
     ``plan``'s computed ``raw`` output for its ``n_new`` positions; the last shard's or the
@@ -38,7 +40,9 @@ def step_outputs(
     ``chosen`` (a one-row step): the token ``params`` chooses and the row's log-sum-exp,
     computed already by the implementation from this very row, which it found finite.
     ``constrain(n_past, row)``: the row a grammar masked for a session of ``n_past`` (the
-    choice is then made, and the log-probabilities reported, over that row)."""
+    choice is then made, and the log-probabilities reported, over that row).
+    ``history``: the session's ids through the step (``step_history``: its last ones), for
+    penalties: the row ending at position ``p`` sees those before ``p + 1``."""
     if not caps.is_last:
         hidden = np.asarray(raw, dtype=np.float32)
         if hidden.shape != (n_new, caps.n_embd):
@@ -53,7 +57,7 @@ def step_outputs(
     if constrain is not None:
         per_position = tuple(
             logits_result(constrain(new_len - rows + 1 + i, row), params, top_k,
-                          new_len - rows + 1 + i, None, piece, is_eog)
+                          new_len - rows + 1 + i, None, piece, is_eog, _window(history, rows, i))
             for i, row in enumerate(logits)
         )
         return per_position[-1], (per_position if plan.all_logits else ()), None
@@ -61,13 +65,19 @@ def step_outputs(
     # sampler's stream is keyed by the session length), so a verified draft gives the
     # very tokens plain decoding gives, sampled or greedy.
     if rows == 1:  # (every decode: no generator per step)
-        last = logits_result(logits[0], params, top_k, new_len, chosen, piece, is_eog)
+        last = logits_result(logits[0], params, top_k, new_len, chosen, piece, is_eog, history)
         return last, ((last,) if plan.all_logits else ()), None
     per_position = tuple(
-        logits_result(row, params, top_k, new_len - rows + 1 + i, None, piece, is_eog)
+        logits_result(row, params, top_k, new_len - rows + 1 + i, None, piece, is_eog,
+                      _window(history, rows, i))
         for i, row in enumerate(logits)
     )
     return per_position[-1], per_position, None
+
+
+def _window(history: Sequence[int] | None, rows: int, i: int) -> Sequence[int] | None:
+    """The ids row ``i`` of ``rows`` sees: the step's history without the later rows' ids."""
+    return None if history is None else history[: len(history) - (rows - 1 - i)]
 
 
 def logits_result(
@@ -78,14 +88,17 @@ def logits_result(
     chosen: tuple[int, float] | None,
     piece: Callable[[int], bytes],
     is_eog: Callable[[int], bool],
+    history: Sequence[int] | None = None,
 ) -> LogitsResult:
     """The token chosen from one position's ``logits`` for a session of ``n_past``;
     ``chosen``: that token and the row's log-sum-exp, already computed. ``piece`` and
-    ``is_eog``: the engine's vocabulary hooks."""
+    ``is_eog``: the engine's vocabulary hooks; ``history``: the session's ids before the
+    chosen position (penalties).
+    Log-probabilities are the model's (the logits before any bias or penalty)."""
     if chosen is None:
-        token = sampling.choose_token(logits, params, n_past)
-        # greedy chose the (first) maximum: the row's largest value is known
-        lse = sampling.logsumexp(logits, logits[token] if params.greedy else None)
+        token = sampling.choose_token(logits, params, n_past, history)
+        # plain greedy chose the (first) maximum: the row's largest value is known
+        lse = sampling.logsumexp(logits, logits[token] if params.plain_greedy else None)
     else:
         token, lse = chosen
     return LogitsResult(
@@ -97,3 +110,19 @@ def logits_result(
         piece=piece(token),
         is_eog=is_eog(token),
     )
+
+
+def step_history(slot: Slot, plan: ComputePlan, last_n: int) -> list[int] | None:
+    """The session's ids once ``plan``'s step is committed (as ``_make_result`` and
+    ``commit_history`` commit them), up to position ``keep + n_new`` and from as far back as
+    the penalty window (``last_n``; -1: all) of the step's first chosen token reaches; None where
+    the session keeps no history or the step brings no ids (hidden states without
+    ``token_ids``)."""
+    new = plan.tokens if plan.tokens is not None else plan.token_ids
+    if new is None or slot.tokens is None:
+        return None
+    first_row_end = plan.keep + (1 if plan.all_logits else plan.n_new)  # (its n_past)
+    start = 0 if last_n < 0 else max(0, first_row_end - last_n)
+    cut = plan.keep - len(plan.cached_ids)
+    ids = [*slot.tokens[min(start, cut):cut], *plan.cached_ids, *new]
+    return ids[max(0, start - cut):]

@@ -2,13 +2,21 @@
 
 Sampling lives above the engine implementations so the fake and the llama engine choose tokens
 identically. The random stream is keyed by ``(seed, position)``: the chosen token is a pure
-function of the logits, the parameters and where the token will be placed, so replaying a
-session with the same seed reproduces it, and no sampler state needs to survive a resume.
+function of the logits, the parameters, where the token will be placed and (with penalties)
+the session's last token ids, so replaying a session with the same seed reproduces it, and no
+sampler state needs to survive a resume, a rewind or a hand-off: the engine keeps the ids.
+
+The steps follow llama-server's default chain over the samplers implemented here, each with
+llama.cpp's definition in float32 (``src/llama-sampler.cpp``), so the same logits and history
+give the token llama.cpp's chain gives: logit_bias, penalties, top_k, top_p, min_p,
+temperature, then the draw (greedy: the first maximum of the biased, penalized logits). Only
+top_p differs from llama.cpp: it keeps its nucleus of the temperature-scaled probabilities.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -79,10 +87,65 @@ def candidate_order(x: np.ndarray, top_k: int) -> np.ndarray:
     return np.lexsort((np.arange(n), -x))
 
 
-def choose_token(logits: np.ndarray, params: SamplingParams, position: int) -> int:
-    """Pick the next token. Greedy takes the first maximum, as llama.cpp's greedy sampler does."""
+def penalty_window(history: Sequence[int], last_n: int) -> Sequence[int]:
+    """The ids the penalties see: the last ``last_n`` of ``history`` (-1: all of it)."""
+    return history if last_n < 0 else history[max(0, len(history) - last_n):]
+
+
+def lookahead_window(ids: Sequence[int], params: SamplingParams) -> tuple[int, ...] | None:
+    """What a step computed ahead needs of ``ids`` (the session's ids through the step that
+    chooses): their penalty window, or None when ``params`` has no penalties."""
+    return tuple(penalty_window(ids, params.penalty_last_n)) if params.penalized else None
+
+
+def adjusted_logits(logits: np.ndarray, params: SamplingParams,
+                    history: Sequence[int] | None) -> np.ndarray:
+    """A float32 copy of ``logits`` with ``params.logit_bias`` added, then llama.cpp's
+    penalties over the window of ``history`` (``penalty_window``): a token seen ``count``
+    times has its logit divided by ``repeat_penalty`` (multiplied, when <= 0), then
+    ``count * frequency_penalty + presence_penalty`` subtracted, all in float32 as
+    ``llama_sampler_penalties_apply`` does."""
+    x = np.array(logits, dtype=np.float32)
+    if params.logit_bias:
+        ids = np.fromiter((t for t, _ in params.logit_bias), dtype=np.intp)
+        x[ids] += np.fromiter((b for _, b in params.logit_bias), dtype=np.float32)
+    if params.penalized:
+        if history is None:
+            raise ValueError("penalties need the session's token ids")
+        window = penalty_window(history, params.penalty_last_n)
+        if len(window):
+            ids, counts = np.unique(np.asarray(window, dtype=np.intp), return_counts=True)
+            v = x[ids]
+            rp = np.float32(params.repeat_penalty)
+            v = np.where(v <= 0, v * rp, v / rp)
+            v -= (counts.astype(np.float32) * np.float32(params.frequency_penalty)
+                  + np.float32(params.presence_penalty))
+            x[ids] = v
+    return x
+
+
+def choose_token(logits: np.ndarray, params: SamplingParams, position: int,
+                 history: Sequence[int] | None = None) -> int:
+    """Pick the token of ``position``. Greedy takes the first maximum, as llama.cpp's greedy
+    sampler does. ``history``: the session's ids before ``position`` (its last
+    ``penalty_last_n`` at least; needed with penalties: the engine refuses a penalized step
+    whose history it does not hold)."""
+    if params.plain_greedy:
+        return int(np.argmax(logits))
+    if params.logit_bias or params.penalized:
+        logits = adjusted_logits(logits, params, history)
     if params.greedy:
         return int(np.argmax(logits))
+    order, probs = candidates(logits, params)
+    rng = np.random.Generator(np.random.PCG64([params.seed, position]))
+    idx = int(np.searchsorted(np.cumsum(probs), rng.random(), side="right"))
+    return int(order[min(idx, order.shape[0] - 1)])
+
+
+def candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The ids a sampled choice draws from (likeliest first, ties by lower id) and their
+    probabilities: ``logits`` (biased and penalized already) through top_k, temperature,
+    top_p and min_p."""
     x = np.asarray(logits, dtype=np.float64)
     order = candidate_order(x, params.top_k)  # descending logit, then ascending id
     # Shift before scaling: a tiny temperature then sends the others to -inf (probability 0)
@@ -94,6 +157,11 @@ def choose_token(logits: np.ndarray, params: SamplingParams, position: int) -> i
         cum = np.cumsum(probs)
         keep = int(np.searchsorted(cum, params.top_p, side="left")) + 1
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-    rng = np.random.Generator(np.random.PCG64([params.seed, position]))
-    idx = int(np.searchsorted(np.cumsum(probs), rng.random(), side="right"))
-    return int(order[min(idx, order.shape[0] - 1)])
+    if params.min_p > 0.0:
+        # llama.cpp: keep p_i >= min_p * p_max of the untempered logits, i.e.
+        # logit_i >= max + logf(min_p) in float32; the order is descending, so a prefix.
+        x32 = np.asarray(logits, dtype=np.float32)[order]
+        floor = x32[0] + np.log(np.float32(params.min_p))
+        keep = max(1, int(np.count_nonzero(x32 >= floor)))
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return order, probs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -295,13 +296,27 @@ class SamplingParams:
     """How a last shard chooses the next token.
 
     ``temperature`` 0 means greedy (argmax). Sampling is a pure function of the logits, these
-    parameters and the session position, so the same seed reproduces the same tokens.
+    parameters, the session position and (with penalties) the session's last ``penalty_last_n``
+    token ids, so the same seed reproduces the same tokens.
+
+    The rest follow llama.cpp's samplers (docs/engine.md, "Determinism and sampling"):
+    ``min_p`` (0: off) keeps the tokens whose probability is at least ``min_p`` times the
+    likeliest's; ``repeat_penalty`` (1: off), ``presence_penalty`` and ``frequency_penalty``
+    (0: off) act on the tokens among the session's last ``penalty_last_n`` ids (prompt and
+    generated; -1: the whole session, 0: no penalties); ``logit_bias`` adds to a token's logit
+    (``-inf`` forbids it), given as a mapping or pairs of token id and bias, kept as sorted pairs.
     """
 
     temperature: float = 0.0
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # llama.cpp's default; -1: the whole session, 0: no penalties
+    logit_bias: tuple[tuple[int, float], ...] = ()
     #: Constrained decoding (last shard): the choice is masked to what the grammar allows.
     grammar: GrammarSpec | None = None
 
@@ -316,12 +331,61 @@ class SamplingParams:
             raise InvalidInput("top_p must be in (0, 1]")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
             raise InvalidInput("seed must be an integer that fits in an unsigned 64 bits")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidInput("min_p must be in [0, 1]")
+        # (Bounded so that the float32 arithmetic of the samplers stays finite.)
+        if not _is_real(self.repeat_penalty) or not _PENALTY_MIN <= self.repeat_penalty <= _LIMIT:
+            raise InvalidInput(f"repeat_penalty must be in [{_PENALTY_MIN:g}, {_LIMIT:g}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -_LIMIT <= value <= _LIMIT:
+                raise InvalidInput(f"{name} must be in [{-_LIMIT:g}, {_LIMIT:g}]")
+        if not _is_int(self.penalty_last_n) or not -1 <= self.penalty_last_n < 2**31:
+            raise InvalidInput("penalty_last_n must be an integer >= -1")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise InvalidInput("grammar must be a GrammarSpec")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty applies: the token depends on the session's token ids too."""
+        return self.penalty_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the logits as they are (no bias, no penalty): the first maximum."""
+        return self.temperature == 0.0 and not self.logit_bias and not self.penalized
+
+
+_LIMIT = 1e6  # the largest penalty or bias
+_PENALTY_MIN = 1e-6  # the smallest repeat_penalty
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs; each id once, each bias finite or -inf
+    (the token is never chosen). Ids are checked against the vocabulary by the engine."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [(k, v) for k, v in items]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise InvalidInput("logit_bias must map token ids to biases") from None
+    out: dict[int, float] = {}
+    for token, value in pairs:
+        if not _is_int(token) or token < 0:
+            raise InvalidInput(f"logit_bias: token id {token!r} must be an integer >= 0")
+        if not _is_real(value) or not (value == -math.inf or -_LIMIT <= value <= _LIMIT):
+            raise InvalidInput(f"logit_bias: the bias of token {token} must be in "
+                               f"[{-_LIMIT:g}, {_LIMIT:g}] or -inf")
+        if int(token) in out:
+            raise InvalidInput(f"logit_bias: token {token} appears twice")
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 GREEDY = SamplingParams()

@@ -11,13 +11,14 @@ only fail while building the result would wrongly turn the engine FAILED.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
 from .errors import ContextExceeded, IllegalTransition, IncompatibleState, InvalidInput, KvCacheFull
 from .lookahead import LookaheadPlan
 from .plans import ComputePlan
+from .sampling import lookahead_window
 from .slots import Slot
 from .types import (
     Capabilities,
@@ -41,7 +42,7 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_sampling(params: SamplingParams, top_k: int, sid: str) -> None:
+def check_sampling(params: SamplingParams, top_k: int, sid: str, caps: Capabilities) -> None:
     """How a step chooses its token and how many alternatives it reports."""
     if not is_int(top_k) or not 0 <= top_k <= MAX_TOP_K_LOGPROBS:
         raise InvalidInput(f"top_k_logprobs must be in [0, {MAX_TOP_K_LOGPROBS}]", session_id=sid)
@@ -49,6 +50,23 @@ def check_sampling(params: SamplingParams, top_k: int, sid: str) -> None:
     # result, which would wrongly turn the engine FAILED.
     if not isinstance(params, SamplingParams):
         raise InvalidInput("sampling must be a SamplingParams", session_id=sid)
+    if params.logit_bias:
+        if params.logit_bias[-1][0] >= caps.n_vocab:  # (sorted by id)
+            raise InvalidInput(f"logit_bias: token id {params.logit_bias[-1][0]} is not below "
+                               f"the vocabulary size {caps.n_vocab}", session_id=sid)
+        if sum(1 for _, b in params.logit_bias if b == -math.inf) == caps.n_vocab:
+            raise InvalidInput("logit_bias forbids every token", session_id=sid)
+
+
+def check_history(plan: ComputePlan, params: SamplingParams, slot: Slot, caps: Capabilities
+                  ) -> None:
+    """A last shard's penalized step needs the session's ids: every step of it (a later hop:
+    ``token_ids`` with the hidden states) must have brought them."""
+    if caps.is_last and params.penalized and (
+            slot.tokens is None or (plan.tokens is None and plan.token_ids is None)):
+        raise InvalidInput(
+            "penalties (repeat_penalty, presence_penalty, frequency_penalty) need the session's "
+            "token ids: send token_ids with every hidden-state step", session_id=slot.session_id)
 
 
 def step_deadline(timeout: float | None, sid: str) -> float:
@@ -78,18 +96,25 @@ def check_length(slot: Slot, caps: Capabilities, new_len: int) -> None:
 
 
 def lookahead_plan(
-    hint: Lookahead | None, sampling: SamplingParams, slot: Slot, caps: Capabilities
+    hint: Lookahead | None, sampling: SamplingParams, slot: Slot, caps: Capabilities,
+    position: int, tokens: Sequence[int],
 ) -> LookaheadPlan | None:
-    """The hint as an implementation uses it; None where no step could follow (a step of
-    a shard that does not sample, no steps left)."""
+    """The hint as an implementation uses it, for a step of ``tokens`` at ``position``; None
+    where no step could follow (a step of a shard that does not sample, no steps left, a
+    penalized session that keeps no ids)."""
     if hint is None:
         return None
     if not isinstance(hint, Lookahead):
         raise InvalidInput("lookahead must be a Lookahead", session_id=slot.session_id)
-    if hint.steps == 0 or not caps.is_last:
+    if hint.steps == 0 or not caps.is_last or (sampling.penalized and slot.tokens is None):
         return None
     limit = min(caps.n_ctx_per_session, slot.kv_budget)
-    return LookaheadPlan(sampling, hint.steps, hint.stop_tokens, hint.stop_at_eog, limit)
+    history = None
+    if sampling.penalized and slot.tokens is not None:
+        n = sampling.penalty_last_n
+        held = slot.tokens[max(0, position - n) if n > 0 else 0:position]
+        history = lookahead_window([*held, *tokens], sampling)
+    return LookaheadPlan(sampling, hint.steps, hint.stop_tokens, hint.stop_at_eog, limit, history)
 
 
 def check_session_id(session_id: str) -> None:
@@ -125,7 +150,7 @@ def prefill_plan(request: PrefillRequest, slot: Slot, caps: Capabilities) -> tup
     a prefill recomputes at least one position)."""
     sid = request.session_id
     check_reserved_hooks(request.mtp, request.aux_state, caps)
-    check_sampling(request.sampling, request.top_k_logprobs, sid)
+    check_sampling(request.sampling, request.top_k_logprobs, sid, caps)
     deadline = step_deadline(request.step_timeout, sid)
     has_tokens, has_hidden = request.tokens is not None, request.hidden_states is not None
     if has_tokens == has_hidden:
@@ -158,7 +183,8 @@ def prefill_plan(request: PrefillRequest, slot: Slot, caps: Capabilities) -> tup
                 reused += 1
         plan = ComputePlan(
             request.position + reused, request.tokens[reused:], None, deadline,
-            None if all_logits else lookahead_plan(request.lookahead, request.sampling, slot, caps),
+            None if all_logits else lookahead_plan(request.lookahead, request.sampling, slot,
+                                                   caps, request.position, request.tokens),
             all_logits=all_logits,
         )
     else:
@@ -174,6 +200,7 @@ def prefill_plan(request: PrefillRequest, slot: Slot, caps: Capabilities) -> tup
             ids = tuple(int(t) for t in ids)
         plan = ComputePlan(request.position, None, request.hidden_states, deadline,
                            all_logits=all_logits, token_ids=ids)
+    check_history(plan, request.sampling, slot, caps)
     check_length(slot, caps, request.position + request.n_tokens)
     return plan, reused
 
@@ -182,7 +209,7 @@ def decode_plan(request: DecodeRequest, slot: Slot, caps: Capabilities) -> Compu
     """The plan of a decode: one token or hidden-state row appended to the session."""
     sid = request.session_id
     check_reserved_hooks(request.mtp, request.aux_state, caps)
-    check_sampling(request.sampling, request.top_k_logprobs, sid)
+    check_sampling(request.sampling, request.top_k_logprobs, sid, caps)
     deadline = step_deadline(request.step_timeout, sid)
     if (request.token is None) == (request.hidden_state is None):
         raise InvalidInput("decode needs exactly one of token or hidden_state", session_id=sid)
@@ -196,7 +223,8 @@ def decode_plan(request: DecodeRequest, slot: Slot, caps: Capabilities) -> Compu
             raise InvalidInput("token_id goes with a hidden state only", session_id=sid)
         plan = ComputePlan(
             slot.n_past, (int(request.token),), None, deadline,
-            lookahead_plan(request.lookahead, request.sampling, slot, caps),
+            lookahead_plan(request.lookahead, request.sampling, slot, caps, slot.n_past,
+                           (int(request.token),)),
         )
     else:
         if caps.is_first:
@@ -207,13 +235,14 @@ def decode_plan(request: DecodeRequest, slot: Slot, caps: Capabilities) -> Compu
             validate_tokens((request.token_id,), caps.n_vocab)
             ids = (int(request.token_id),)
         plan = ComputePlan(slot.n_past, None, request.hidden_state, deadline, token_ids=ids)
+    check_history(plan, request.sampling, slot, caps)
     check_length(slot, caps, slot.n_past + 1)
     return plan
 
 
 def check_stream(request: StreamRequest, slot: Slot, caps: Capabilities, deliver: object) -> None:
     sid = request.session_id
-    check_sampling(request.sampling, request.top_k_logprobs, sid)
+    check_sampling(request.sampling, request.top_k_logprobs, sid, caps)
     if not (caps.is_first and caps.is_last):
         raise InvalidInput("a stream needs a shard that takes tokens and samples (the whole "
                            "model): decode step by step", session_id=sid)

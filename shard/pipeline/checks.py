@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shard.client import check_sampling_support
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
@@ -12,7 +13,8 @@ from shard.v1 import shard_pb2 as pb
 from .errors import Hop, PipelineError
 from .replicas import HopReplicas
 
-__all__ = ["check_chain", "check_chunk", "check_grammar", "check_speculation", "hop_targets"]
+__all__ = ["check_chain", "check_chunk", "check_grammar", "check_sampling", "check_speculation",
+           "hop_targets"]
 
 
 def _incompatible(hop: Hop, message: str) -> PipelineError:
@@ -109,3 +111,14 @@ def check_grammar(last: HopReplicas, kind: str) -> None:
             raise PipelineError(last.hop(replica), ShardError(
                 ErrorCode.INVALID_ARGUMENT, f"grammar {kind!r}: the last shard constrains "
                 f"decoding to {have}", reason="INVALID_GRAMMAR"))
+
+
+def check_sampling(last: HopReplicas, params: pb.SamplingParams) -> None:
+    """The last shard (every replica of it) honours ``params`` (min_p, penalties, logit_bias:
+    an older worker would ignore them)."""
+    for replica in last.replicas:
+        if replica.caps is not None:
+            try:
+                check_sampling_support(replica.caps, params)
+            except ShardError as exc:
+                raise PipelineError(last.hop(replica), exc) from None

@@ -47,8 +47,8 @@ class HopHistory:
         reference: pb.GetCapabilitiesResponse | None, timed: Timed,
     ) -> None:
         """Bring a new session to what the failed one held: the first hop's prompt and tokens,
-        or a later hop's logged rows (in requests that fit one message, results per chunk;
-        ``reference``: the hop's capabilities)."""
+        or a later hop's logged rows with their ids when known (in requests that fit one
+        message, results per chunk; ``reference``: the hop's capabilities)."""
         if self.held == 0:
             return
         chunk, steps = chunk_tokens * REPLAY_CHUNKS, REPLAY_CHUNKS
@@ -77,11 +77,13 @@ class HopHistory:
             itemsize = convert.WIRE_DTYPES[session.hidden_dtype].itemsize
             limit = min(x for x in (reference.max_message_bytes, 16 * 2**20) if x)
             per_message = max(1, (limit - 1024) // (reference.n_embd * itemsize))
-            position = 0
+            position, ids = 0, self.rows.ids
             for part in self.rows.slices(per_message):
+                end = position + part.shape[0]
                 last = await drain(session.prefill_chunks(
-                    hidden_states=part, position=position, chunk_tokens=chunk))
-                position += part.shape[0]
+                    hidden_states=part, position=position, chunk_tokens=chunk,
+                    token_ids=None if ids is None else ids[position:end]))
+                position = end
         if last is None or last.n_past != self.held:
             got = "nothing" if last is None else f"{last.n_past} positions"
             raise ShardError(ErrorCode.INTERNAL, f"the replay left {got}, not {self.held}")

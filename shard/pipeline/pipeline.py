@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import secrets
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -72,7 +72,8 @@ from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from . import chain, stepping
-from .checks import check_chain, check_chunk, check_grammar, check_speculation, hop_targets
+from .checks import (check_chain, check_chunk, check_grammar, check_sampling, check_speculation,
+                     hop_targets)
 from .drafting import Drafter, PromptLookup
 from .errors import Blames, Hop, PipelineError
 from .groups import BatchGroups, default_groups
@@ -365,6 +366,12 @@ class Pipeline:
         result: PipelineResult | None = None,
         grammar_kind: str = "",
         grammar: str = "",
+        min_p: float = 0.0,
+        repeat_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        penalty_last_n: int = 64,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
@@ -398,6 +405,9 @@ class Pipeline:
         ``grammar_kind``/``grammar``: the last shard constrains every generated token to the
         grammar (``shard.client.options.sampling``); it starts at the prompt's end, which every
         step after the prompt names, so replays and hand-offs continue it.
+        ``min_p``, the penalties and ``logit_bias`` (``shard.client.sampling``) need a last
+        shard that honours them (every replica reporting ``sampling_penalties``); each hop
+        is sent the token ids, so the last one penalizes the session's whole history.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -413,6 +423,11 @@ class Pipeline:
             hops = [h.starting_at(t) for h, t in zip(hops, route)]
         if speculate:
             check_speculation(self._replicas[-1], speculate)
+        params = sampling(temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                          repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, penalty_last_n=penalty_last_n,
+                          logit_bias=logit_bias, grammar_kind=grammar_kind, grammar=grammar)
+        check_sampling(self._replicas[-1], params)
         if grammar_kind:
             check_grammar(self._replicas[-1], grammar_kind)
         if timeout is _DEFAULT:
@@ -426,8 +441,7 @@ class Pipeline:
                 gen = Generation(
                     sid=session_id if session_id is not None else f"p-{secrets.token_hex(8)}",
                     deadline=deadline,
-                    sampling=sampling(temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                      grammar_kind=grammar_kind, grammar=grammar),
+                    sampling=params,
                     top_logprobs=top_logprobs,
                     chunk_tokens=chunk_tokens,
                     hidden_dtype=self.hidden_dtype,

@@ -111,22 +111,29 @@ class TokenLog:
 
 
 class RowLog:
-    """A later hop's input: the boundary rows it was sent, position 0 first."""
+    """A later hop's input: the boundary rows it was sent, position 0 first, and the token ids
+    they stand for (``ids``; None once a step came without them), which a replay sends again so
+    that the replica's session knows its ids as the failed one did (penalties, prefix cache)."""
 
     def __init__(self, budget: ReplayBudget) -> None:
         self._budget = budget
         self._chunks: list[np.ndarray] = []
         self.positions = 0
         self.dropped = False
+        self.ids: list[int] | None = []
         budget.register(self)
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self._chunks)
 
-    def append(self, rows: np.ndarray, dtype: str) -> None:
+    def append(self, rows: np.ndarray, dtype: str, ids: Sequence[int] | None = None) -> None:
         """Keep a copy of ``rows`` ([n, n_embd] float32) as the hop received them: in its
-        session's wire ``dtype``."""
+        session's wire ``dtype``; ``ids``: the token ids of those rows (its last ``n``)."""
+        if ids is None or self.ids is None:
+            self.ids = None
+        else:
+            self.ids.extend(ids[len(ids) - rows.shape[0]:])
         self.positions += rows.shape[0]
         if self.dropped:
             return
@@ -140,6 +147,8 @@ class RowLog:
         if positions > self.positions:
             raise ValueError(f"cannot keep {positions} of {self.positions} logged rows")
         self.positions = positions
+        if self.ids is not None:
+            del self.ids[positions:]
         if self.dropped:
             return
         kept, total = [], 0
@@ -163,6 +172,7 @@ class RowLog:
         """``positions`` arrived without rows (the hop before took them from its prefix
         cache): the log cannot replay the hop any more, but still counts positions."""
         self.positions += positions
+        self.ids = None
         self.drop()
 
     def slices(self, max_rows: int) -> Iterator[np.ndarray]:

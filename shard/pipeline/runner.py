@@ -145,7 +145,7 @@ class HopRunner:
         self.cached_tokens += out.step.cached_tokens
         if lead and self.rows is not None:
             self.rows.gap(lead)
-        self._log_rows(rows)
+        self._log_rows(rows, ids)
         return out
 
     def _lead(self, rows: np.ndarray, ids: Sequence[int] | None) -> int:
@@ -186,7 +186,7 @@ class HopRunner:
             self.rows.truncate(position)
             if lead:
                 self.rows.gap(lead)
-            self.rows.append(rows, self.session.hidden_dtype)  # type: ignore[arg-type]
+            self.rows.append(rows, self.session.hidden_dtype, ids)  # type: ignore[arg-type]
         return out
 
     async def decode(
@@ -202,7 +202,7 @@ class HopRunner:
         if token is not None:
             self.tokens.append(token)
         elif row is not None:
-            self._log_rows(row)
+            self._log_rows(row, None if token_id is None else (token_id,))
         return out
 
     async def generate(
@@ -280,6 +280,6 @@ class HopRunner:
         )
         return HopOutput(step, step.n_past - rows.shape[0], rows)
 
-    def _log_rows(self, rows: np.ndarray) -> None:
+    def _log_rows(self, rows: np.ndarray, ids: Sequence[int] | None) -> None:
         if self.rows is not None and self.session is not None:
-            self.rows.append(rows, self.session.hidden_dtype)
+            self.rows.append(rows, self.session.hidden_dtype, ids)

@@ -41,10 +41,15 @@ def invalid(message: str, session_id: str = "") -> ShardError:
 # ---- requests ------------------------------------------------------------------------------
 
 
+#: ``SamplingParams.penalty_last_n`` that an unset (0) ``penalty_last_n`` reads as.
+DEFAULT_PENALTY_LAST_N = SamplingParams().penalty_last_n
+
+
 def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "",
                         grammar_start: int = 0) -> SamplingParams:
-    """Proto sampling parameters; ``top_p`` 0 reads as 1.0 (proto3 default = no filter), a
-    ``grammar_start`` 0 as the given one (where the step's prompt ends)."""
+    """Proto sampling parameters; ``top_p`` and ``repeat_penalty`` 0 read as 1.0,
+    ``penalty_last_n`` 0 as its default (proto3 defaults = off), a ``grammar_start`` 0 as the
+    given one (where the step's prompt ends)."""
     if msg.grammar_kind and not (msg.grammar_start or grammar_start):
         raise ShardError(ErrorCode.INVALID_ARGUMENT, "grammar_start is needed: the session has "
                          "no grammar to continue", session_id=session_id, reason="INVALID_GRAMMAR")
@@ -54,6 +59,12 @@ def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "",
             top_k=int(msg.top_k),
             top_p=float(msg.top_p) if msg.top_p != 0.0 else 1.0,
             seed=int(msg.seed),
+            min_p=float(msg.min_p),
+            repeat_penalty=float(msg.repeat_penalty) if msg.repeat_penalty != 0.0 else 1.0,
+            presence_penalty=float(msg.presence_penalty),
+            frequency_penalty=float(msg.frequency_penalty),
+            penalty_last_n=int(msg.penalty_last_n) or DEFAULT_PENALTY_LAST_N,
+            logit_bias={int(k): float(v) for k, v in msg.logit_bias.items()},
             grammar=(GrammarSpec(msg.grammar_kind, msg.grammar,
                                  int(msg.grammar_start or grammar_start))
                      if msg.grammar_kind else None),
@@ -61,6 +72,12 @@ def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "",
     except InvalidInput as exc:
         raise ShardError(ErrorCode.INVALID_ARGUMENT, exc.message, session_id=session_id,
                          reason=exc.code if exc.code == "INVALID_GRAMMAR" else "") from None
+
+
+def uses_sampling_extensions(msg: pb.SamplingParams) -> bool:
+    """``msg`` sets a field that only a worker with ``sampling_penalties`` honours."""
+    return bool(msg.min_p or (msg.repeat_penalty not in (0.0, 1.0)) or msg.presence_penalty
+                or msg.frequency_penalty or msg.logit_bias)
 
 
 def wire_dtype(name: str, session_id: str = "") -> str:
@@ -257,6 +274,7 @@ def capabilities_to_proto(
         parse_special=caps.is_first,
         prefix_cache_tokens=caps.prefix_cache_tokens,
         prefix_cache_detail=caps.prefix_cache_detail,
+        sampling_penalties=True,
         prefix_cache_limit=True,  # Prefill.cache_limit, OpenSession.prefix_probe
         grammar_kinds=caps.grammar_kinds,
     )

@@ -30,7 +30,9 @@ from .errors import ErrorCode, ShardError
 #: The prefix cache's fields (``StepResult``/``Usage.cached_tokens``, ``Prefill.token_ids``,
 #: ``Decode.token_id``, ``prefix_cache_tokens``/``_detail``) need no minor: a worker without
 #: them sends zeros and ignores the ids, and ids beyond the rows (the one use an older worker
-#: would misread) go only to a worker that reports ``prefix_cache_tokens``.
+#: would misread) go only to a worker that reports ``prefix_cache_tokens``. Neither do
+#: ``SamplingParams`` fields 5-10 (min_p, penalties, logit_bias): clients send them only to a
+#: worker that reports ``sampling_penalties``.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 
