@@ -615,6 +615,71 @@ async def test_a_client_that_stops_reading_loses_its_generation_not_the_workers(
         await assert_all_free(door.workers)
 
 
+class BurstBackend:
+    """A generation that has every delta ready at once (a door behind its workers)."""
+
+    def __init__(self, texts: Sequence[str], fail: bool = False) -> None:
+        self.texts = texts
+        self.fail = fail
+
+    async def generate(self, request: Any, out: Any, *, queue: Any = None) -> Any:
+        from shard.api.backend import Outcome
+        from shard.api.errors import ApiError
+        from shard.api.text import Delta
+
+        for text in self.texts:
+            await out.send(Delta(text))
+        if self.fail:
+            raise ApiError(503, "the worker failed", type="server_error", code="worker_failed")
+        return Outcome("length", 2, len(self.texts))
+
+
+async def _burst_bodies(backend: BurstBackend) -> tuple[Any, list[bytes]]:
+    """Stream ``backend``'s generation to a client whose first write is slow: the bodies."""
+    from shard.api.backend import Request
+    from shard.api.metrics import ApiMetrics
+    from shard.api.replies import CompletionReply
+    from shard.api.streaming import GenerationResponse
+
+    response = GenerationResponse(
+        backend, Request(prompt="p", max_tokens=len(backend.texts)),  # type: ignore[arg-type]
+        CompletionReply(NAME, logprobs=None), stream=True, endpoint="completions",
+        metrics=ApiMetrics(), started=trio.current_time())
+    bodies: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            bodies.append(message["body"])
+            if len(bodies) == 1:
+                await trio.sleep(0.05)  # the generation runs ahead meanwhile
+
+    async def receive() -> Any:
+        await trio.sleep_forever()
+
+    with trio.fail_after(10):
+        await response({"type": "http"}, receive, send)
+    return response, bodies
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
+async def test_deltas_waiting_when_the_door_writes_go_out_in_one_write(fail: bool) -> None:
+    """Every event already buffered goes out in one write (fewer socket writes for a door
+    behind its generations); the client reads the same events in the same order, and the end
+    (usage, an error event, ``[DONE]``) rides the last write."""
+    texts = [f"t{i} " for i in range(6)]
+    response, bodies = await _burst_bodies(BurstBackend(texts, fail=fail))
+    events = [e for b in bodies for e in b.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    data = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    got = [d["choices"][0]["text"] for d in data if d.get("choices")]
+    assert "".join(got) == "".join(texts)
+    assert len(bodies) <= 2 < len(texts)  # one write for all that waited behind the first
+    if fail:
+        assert data[-1]["error"]["code"] == "worker_failed" and response.status == 503
+    else:
+        assert response.status == 200 and response._outcome.completion_tokens == len(texts)
+
+
 async def test_a_silent_stream_sends_keep_alive_comments_that_clients_ignore() -> None:
     """Steps slower than the keep-alive: comments go out before the first text and between
     texts (a proxy sees a live connection), and the openai client's text is unchanged."""
