@@ -10,11 +10,11 @@ each round, so drift of a shared machine hits both alike):
 * ``llama_server``: llama.cpp's server (``--llama-server PATH``: ``-t T -np N -c`` the same
   total, so each slot holds the same context as a worker session), same GGUF.
 
-Equal lengths: llama-server takes ``ignore_eos``, the door does not; both are sent a
-``logit_bias`` that forbids the model's end-of-generation tokens (``--eog``, default: the
-worker's ``eos_token_id``) when the door accepts
-``logit_bias``, and nothing otherwise (greedy decoding of one model and one prompt then ends
-alike on both; each stream's ``completion_tokens`` is recorded, and rates count real tokens).
+Equal lengths: llama-server takes ``ignore_eos``, the door does not. Both are sent the same
+``logit_bias`` forbidding the model's end-of-generation tokens (``--eog``, default: the
+worker's ``eos_token_id``) when the door accepts ``logit_bias``, and neither gets anything
+otherwise: greedy decoding of one model and one prompt then ends alike on both. Each stream's
+``completion_tokens`` is recorded, and rates count the tokens generated.
 
 Per level and variant (medians over rounds): aggregate tokens/s (every stream's completion
 tokens over the time from the first request to the last stream's end), time to first token
@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             for c, rows in traces.items() if rows}
     print_table(summary, variants, levels)
     for c, stages in summary.get("door_stages_ms_p50", {}).items():
-        print(f"door stages N={c} (ms p50): " + ", ".join(f"{k} {x:.2f}" for k, x in stages.items()))
+        print(f"door stages N={c} (ms p50): "
+              + ", ".join(f"{k} {x:.2f}" for k, x in stages.items()))
     record = {
         "bench": "concurrent_chats",
         "environment": env,

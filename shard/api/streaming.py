@@ -219,7 +219,8 @@ class GenerationResponse:
             return None
 
     async def _respond(
-        self, events: trio.MemoryReceiveChannel[Event | None], scope: Scope, receive: Receive, send: Send
+        self, events: trio.MemoryReceiveChannel[Event | None], scope: Scope, receive: Receive,
+        send: Send,
     ) -> None:
         if not self.stream:
             await self._respond_whole(events, scope, receive, send)
