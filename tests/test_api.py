@@ -640,6 +640,138 @@ async def test_a_client_that_stops_reading_loses_its_generation_not_the_workers(
         await assert_all_free(door.workers)
 
 
+class BurstBackend:
+    """A generation that has every delta ready at once (a door behind its workers), or one
+    every ``gap`` seconds."""
+
+    def __init__(self, texts: Sequence[str], fail: bool = False, gap: float = 0.0) -> None:
+        self.texts = texts
+        self.fail = fail
+        self.gap = gap
+
+    async def generate(self, request: Any, out: Any, *, queue: Any = None) -> Any:
+        from shard.api.backend import Outcome
+        from shard.api.errors import ApiError
+        from shard.api.text import Delta
+
+        for text in self.texts:
+            if self.gap:
+                await trio.sleep(self.gap)
+            await out.send(Delta(text))
+        if self.fail:
+            raise ApiError(503, "the worker failed", type="server_error", code="worker_failed")
+        return Outcome("length", 2, len(self.texts))
+
+
+def _burst_response(backend: BurstBackend, limits: Limits = Limits()) -> Any:
+    from shard.api.backend import Request
+    from shard.api.metrics import ApiMetrics
+    from shard.api.replies import CompletionReply
+    from shard.api.streaming import GenerationResponse
+
+    return GenerationResponse(
+        backend, Request(prompt="p", max_tokens=len(backend.texts)),  # type: ignore[arg-type]
+        CompletionReply(NAME, logprobs=None), stream=True, endpoint="completions",
+        metrics=ApiMetrics(), started=trio.current_time(), limits=limits)
+
+
+async def _burst_bodies(backend: BurstBackend) -> tuple[Any, list[bytes]]:
+    """Stream ``backend``'s generation to a client whose first write is slow: the bodies."""
+    response = _burst_response(backend)
+    bodies: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            bodies.append(message["body"])
+            if len(bodies) == 1:
+                await trio.sleep(0.05)  # the generation runs ahead meanwhile
+
+    async def receive() -> Any:
+        await trio.sleep_forever()
+
+    with trio.fail_after(10):
+        await response({"type": "http"}, receive, send)
+    return response, bodies
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["finished", "failed"])
+async def test_deltas_waiting_when_the_door_writes_go_out_in_one_write(fail: bool) -> None:
+    """Every event already buffered goes out in one write (fewer socket writes for a door
+    behind its generations); the client reads the same events in the same order, and the end
+    (usage, an error event, ``[DONE]``) rides the last write."""
+    texts = [f"t{i} " for i in range(6)]
+    response, bodies = await _burst_bodies(BurstBackend(texts, fail=fail))
+    events = [e for b in bodies for e in b.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    data = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    got = [d["choices"][0]["text"] for d in data if d.get("choices")]
+    assert "".join(got) == "".join(texts)
+    assert len(bodies) <= 2 < len(texts)  # one write for all that waited behind the first
+    if fail:
+        assert data[-1]["error"]["code"] == "worker_failed" and response.status == 503
+    else:
+        assert response.status == 200 and response._outcome.completion_tokens == len(texts)
+
+
+async def test_keep_alive_comments_fill_each_silence_of_a_stream_and_only_those(
+        autojump_clock: trio.abc.Clock) -> None:
+    """Virtual time: a token every 2.5 keep-alive periods gets two comments before it, tokens
+    that come faster get none, and the text is unchanged."""
+    texts = ["a", "b", "c", "d"]
+
+    class Uneven(BurstBackend):  # slow, slow, then two fast tokens
+        async def generate(self, request: Any, out: Any, *, queue: Any = None) -> Any:
+            from shard.api.backend import Outcome
+            from shard.api.text import Delta
+
+            for text, gap in zip(self.texts, (2.5, 2.5, 0.5, 0.5)):
+                await trio.sleep(gap)
+                await out.send(Delta(text))
+            return Outcome("length", 2, len(self.texts))
+
+    response = _burst_response(Uneven(texts), Limits(keepalive=1.0))
+    bodies: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            bodies.append(message["body"])
+
+    async def receive() -> Any:
+        await trio.sleep_forever()
+
+    await response({"type": "http"}, receive, send)
+    events = [e for b in bodies for e in b.split(b"\n\n") if e]
+    kinds = ["ping" if e == b": keep-alive" else "data" for e in events]
+    assert kinds[:6] == ["ping", "ping", "data", "ping", "ping", "data"]
+    assert "ping" not in kinds[6:] and events[-1] == b"data: [DONE]"
+    got = [json.loads(e[6:])["choices"][0]["text"] for e in events
+           if e.startswith(b"data: {") and json.loads(e[6:]).get("choices")]
+    assert "".join(got) == "abcd" and response.status == 200
+
+
+async def test_a_write_that_waits_send_timeout_ends_the_stream_and_earlier_ones_do_not(
+        autojump_clock: trio.abc.Clock) -> None:
+    """Virtual time: writes that each wait just under ``send_timeout`` pass; the first that
+    waits it whole cancels the generation (499) that long after it began."""
+    response = _burst_response(BurstBackend([f"t{i}" for i in range(50)], gap=1.0),
+                               Limits(send_timeout=10.0, keepalive=None))
+    began: list[float] = []
+
+    async def send(message: Any) -> None:
+        began.append(trio.current_time())
+        if len(began) <= 3:
+            await trio.sleep(9.5)  # slow, within the bound
+        elif len(began) == 4:
+            await trio.sleep_forever()  # the client stopped reading
+
+    async def receive() -> Any:
+        await trio.sleep_forever()
+
+    await response({"type": "http"}, receive, send)
+    assert response.status == 499 and len(began) == 4
+    assert trio.current_time() - began[-1] == pytest.approx(10.0, abs=0.01)
+
+
 async def test_a_silent_stream_sends_keep_alive_comments_that_clients_ignore() -> None:
     """Steps slower than the keep-alive: comments go out before the first text and between
     texts (a proxy sees a live connection), and the openai client's text is unchanged."""

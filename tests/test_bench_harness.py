@@ -609,3 +609,32 @@ def test_cold_prefill_bench_times_every_layer_on_the_same_ids(tmp_path: Path) ->
         assert list(per) == variants
         assert all(r["tokens_per_s"] > 0 and "over_llama_server" not in r for r in per.values())
     assert record["environment"]["model"].endswith(".gguf")
+
+
+def test_concurrent_chats_bench_measures_every_level_and_traces_the_doors_stages(
+        tmp_path: Path) -> None:
+    """A quick run of bench/api/concurrent_chats.py (the tiny chat model, door only, traced):
+    every level ran as many chats as it names, each counted its tokens and the door's and the
+    worker's CPU per token, and the door's stages to the first token come in their order."""
+    out = tmp_path / "concurrent_chats.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.api.concurrent_chats", "--quick", "--trace", "--out",
+         str(out), "--logs", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["config"]["variants"] == ["door"] and record["config"]["levels"] == [1, 4]
+    (rnd,) = record["rounds"]
+    for level, row in rnd["door"].items():
+        assert level in ("1", "4")
+        assert int(level) <= row["tokens"] <= int(level) * 16
+        assert row["tok_s"] > 0 and row["ttft_ms_p50"] <= row["ttft_ms_p90"]
+        assert row["cpu_ms_per_tok"] == pytest.approx(
+            row["cpu_ms_per_tok_door"] + row["cpu_ms_per_tok_worker"])
+    stages = record["results"]["door_stages_ms_p50"]
+    assert set(stages) == {"1", "4"}
+    for s in stages.values():
+        order = ["generate", "pipeline", "open_sent", "opened", "prefill_sent", "first_step",
+                 "token", "delta", "written"]
+        assert [s[k] for k in order] == sorted(s[k] for k in order), s
+        assert s["render"] > 0

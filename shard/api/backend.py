@@ -290,7 +290,10 @@ class Backend:
                 Alternative(t.piece, t.logprob) for t in lg.top)))
             finish = step.finish_reason
             if delta:
-                await out.send(delta)
+                try:  # room in the channel: no second checkpoint for this token
+                    out.send_nowait(delta)
+                except trio.WouldBlock:  # a slow client: wait for room (back-pressure)
+                    await out.send(delta)
             if text.stopped:
                 scope.cancel()  # the generation's sessions are reset and released
 

@@ -6,6 +6,9 @@ generation, the reader of its deltas and the watch for the client's disconnect a
 of one nursery that this response owns, so a disconnect cancels the generation (every hop's
 session is reset and released by the pipeline client) and nothing outlives the request. The
 deltas pass through a bounded channel: a client that reads slowly slows its own generation.
+Every event waiting in that channel when the response writes goes out in one write (one ASGI
+send, one socket write): a door that falls behind on a busy machine catches up in fewer,
+larger writes instead of paying a write's fixed cost per token.
 
 Errors: before the first text, a refusal is an HTTP error with its status (429, 503, 400, ...);
 a streamed generation that fails later ends with an ``error`` event (OpenAI's SDKs raise it),
@@ -92,6 +95,9 @@ class GenerationResponse:
         #: response's tasks) as soon as it has them.
         self._outcome: Outcome | None = None
         self._complete = False
+        #: When the write in progress began / the wait for the next event began (None: none).
+        self._writing_since: float | None = None
+        self._waiting_since: float | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -106,26 +112,64 @@ class GenerationResponse:
     async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics.in_flight.inc()
         try:
-            events_in, events = trio.open_memory_channel[Event](DELTA_BUFFER)
+            events_in, events = trio.open_memory_channel[Event | None](DELTA_BUFFER)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
+                nursery.start_soon(self._watch_writes, nursery.cancel_scope)
+                if self.stream and self.keepalive is not None:
+                    nursery.start_soon(self._keep_alive, events_in.clone())
                 nursery.start_soon(self._generate, events_in)
 
                 async def bounded_send(message: MutableMapping[str, Any]) -> None:
-                    with trio.move_on_after(self.send_timeout) as waited:
+                    self._writing_since = trio.current_time()  # (``_watch_writes``)
+                    try:
                         await send(message)
-                    if waited.cancelled_caught:
-                        _log("client not reading, generation cancelled", endpoint=self.endpoint,
-                             id=self.reply.id, waited_s=self.send_timeout)
-                        self.status = 499
-                        nursery.cancel_scope.cancel()
-                        await trio.lowlevel.checkpoint()
+                    finally:
+                        self._writing_since = None
 
                 await self._respond(events, scope, receive, bounded_send)
                 nursery.cancel_scope.cancel()
         finally:
             self.metrics.in_flight.dec()
             self._account(self._outcome)
+
+    # The two clocks of a response are sleeping tasks rather than a timeout around every
+    # write and every wait for a token: a cancel scope costs more than the rest of a token's
+    # bookkeeping in this module, and it would be paid per token of every stream.
+
+    async def _watch_writes(self, scope: trio.CancelScope) -> None:
+        """A write that waits ``send_timeout`` seconds (the client's socket is full: it stopped
+        reading) cancels the response; the generation's sessions are released."""
+        while True:
+            began = self._writing_since
+            if began is None:  # no write now: look again a period later at most
+                await trio.sleep(self.send_timeout)
+                continue
+            await trio.sleep_until(began + self.send_timeout)
+            if self._writing_since == began:  # the same write, still waiting
+                _log("client not reading, generation cancelled", endpoint=self.endpoint,
+                     id=self.reply.id, waited_s=self.send_timeout)
+                self.status = 499
+                scope.cancel()
+                return
+
+    async def _keep_alive(self, pulse: trio.MemorySendChannel[Event | None]) -> None:
+        """While the response has waited ``keepalive`` seconds for an event, a None (a
+        comment to send) into its channel, again every ``keepalive`` seconds of waiting."""
+        assert self.keepalive is not None
+        async with pulse:
+            while True:
+                since = self._waiting_since
+                if since is None:  # the response is busy: look again a period later at most
+                    await trio.sleep(self.keepalive)
+                elif trio.current_time() < since + self.keepalive:
+                    await trio.sleep_until(since + self.keepalive)
+                else:
+                    self._waiting_since = trio.current_time()  # the next one a period later
+                    try:
+                        pulse.send_nowait(None)
+                    except trio.WouldBlock:  # events wait to be read: no silence to fill
+                        pass
 
     async def _watch_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:
         while True:
@@ -139,7 +183,7 @@ class GenerationResponse:
                 scope.cancel()
                 return
 
-    async def _generate(self, out: trio.MemorySendChannel[Event]) -> None:
+    async def _generate(self, out: trio.MemorySendChannel[Event | None]) -> None:
         async with out:
             try:
                 outcome: Event = await self.backend.generate(
@@ -152,59 +196,81 @@ class GenerationResponse:
                                    code="internal_error")
             await out.send(outcome)
 
-    async def _next(self, events: trio.MemoryReceiveChannel[Event]) -> Event:
-        event = await events.receive()
+    async def _next(self, events: trio.MemoryReceiveChannel[Event | None]) -> Event | None:
+        """The next event; None: ``keepalive`` seconds passed without one (a stream only)."""
+        self._waiting_since = trio.current_time()
+        try:
+            event = await events.receive()
+        finally:
+            self._waiting_since = None
         if isinstance(event, Delta) and self._first_at is None:
             self._first_at = trio.current_time()
             self.metrics.time_to_first_token.labels(self.endpoint).observe(
                 self._first_at - self.started)
         return event
 
-    async def _next_or_silence(self, events: trio.MemoryReceiveChannel[Event]) -> Event | None:
-        """The next event, or None after ``keepalive`` seconds without one (a stream only)."""
-        if self.keepalive is None:
-            return await self._next(events)
-        with trio.move_on_after(self.keepalive):
-            return await self._next(events)  # a cancelled receive loses no event
-        return None
+    def _buffered(self, events: trio.MemoryReceiveChannel[Event | None]) -> Event | None:
+        """The next event if the generation already sent it, None otherwise (no wait; a
+        keep-alive waiting there is dropped, since events are flowing; a channel closed without
+        its end means the response is being cancelled, which the next checkpoint raises)."""
+        try:
+            return events.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return None
 
     async def _respond(
-        self, events: trio.MemoryReceiveChannel[Event], scope: Scope, receive: Receive, send: Send
+        self, events: trio.MemoryReceiveChannel[Event | None], scope: Scope, receive: Receive,
+        send: Send,
     ) -> None:
         if not self.stream:
             await self._respond_whole(events, scope, receive, send)
             return
-        event = await self._next_or_silence(events)
+        event = await self._next(events)
         if isinstance(event, ApiError):  # nothing sent yet: a plain HTTP error
             await self._error(event, scope, receive, send)
             return
         self.status = 200
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        parts: list[bytes] = []
         while event is None or isinstance(event, Delta):
-            chunk = _KEEPALIVE if event is None else self.reply.chunk(event)
-            if chunk is not None:
-                body = chunk if isinstance(chunk, bytes) else _event(chunk)
-                await send({"type": "http.response.body", "body": body, "more_body": True})
-            event = await self._next_or_silence(events)
+            if event is None:
+                parts.append(_KEEPALIVE)
+            # Every delta already buffered goes out in this write: a door behind its
+            # generations (many streams on few cores) pays one send for several tokens.
+            while isinstance(event, Delta):
+                chunk = self.reply.chunk(event)
+                if chunk is not None:
+                    parts.append(chunk if isinstance(chunk, bytes) else _event(chunk))
+                event = self._buffered(events)
+            if event is not None:
+                break  # the end is buffered too: it goes out with these
+            if parts:
+                await send({"type": "http.response.body", "body": b"".join(parts),
+                            "more_body": True})
+                parts.clear()
+            event = await self._next(events)
         if isinstance(event, ApiError):
             self.status = event.status
             _log("generation failed mid-stream", endpoint=self.endpoint, id=self.reply.id,
                  status=event.status, code=event.code, message=event.detail or event.message)
-            tail = _event(event.body())
+            parts.append(_event(event.body()))
         else:
-            tail = b"".join(_event(c) for c in self.reply.final_chunks(event))
+            parts.extend(_event(c) for c in self.reply.final_chunks(event))
             self._outcome = event
         self._complete = True
-        await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+        parts.append(b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"".join(parts)})
 
     async def _respond_whole(
-        self, events: trio.MemoryReceiveChannel[Event], scope: Scope, receive: Receive, send: Send
+        self, events: trio.MemoryReceiveChannel[Event | None], scope: Scope, receive: Receive,
+        send: Send,
     ) -> None:
         event = await self._next(events)
         deltas: list[Delta] = []
         while isinstance(event, Delta):
             deltas.append(event)
             event = await self._next(events)
+        assert event is not None  # (no keep-alive comments in a whole body)
         if isinstance(event, ApiError):
             await self._error(event, scope, receive, send)
             return
