@@ -36,7 +36,7 @@ from .errors import RETRY_AFTER_SECONDS, ApiError, from_shard_error
 from .queue import WaitQueue
 from .text import Alternative, Delta, TextAssembler, TokenOut
 
-__all__ = ["Backend", "Catalog", "Outcome", "PipelineRoutes", "PoolRoutes", "Request", "Routes"]
+__all__ = ["Backend", "Catalog", "DeltaSink", "Outcome", "PipelineRoutes", "PoolRoutes", "Request", "Routes"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,19 @@ class Outcome:
     #: Prompt positions the workers took from their prefix cache (OpenAI's
     #: ``usage.prompt_tokens_details.cached_tokens``).
     cached_tokens: int = 0
+
+    @classmethod
+    def total(cls, outcomes: Sequence[Outcome]) -> Outcome:
+        """Several generations' tokens added up (usage of a request of several prompts); the
+        first one's finish reason."""
+        return cls(outcomes[0].finish_reason, sum(o.prompt_tokens for o in outcomes),
+                   sum(o.completion_tokens for o in outcomes), sum(o.cached_tokens for o in outcomes))
+
+
+class DeltaSink(Protocol):
+    """Where a generation's text goes: a memory channel, or one that tags it with its choice."""
+
+    async def send(self, delta: Delta, /) -> None: ...
 
 
 class Routes(Protocol):
@@ -268,7 +281,7 @@ class Backend:
             self._health = (trio.current_time(), failing)
         return self._health[1]
 
-    async def generate(self, request: Request, out: trio.MemorySendChannel[Delta], *,
+    async def generate(self, request: Request, out: DeltaSink, *,
                        queue: WaitQueue | None = None) -> Outcome:
         """Run one generation, sending each ``Delta`` to ``out``; raises ``ApiError``.
         ``queue``: the model's wait for a free session (None: a full worker's refusal is
@@ -341,6 +354,12 @@ class Catalog:
         if self.pool is None:
             return list(self._backends)
         return sorted(self.pool.servable())
+
+    def only(self) -> str | None:
+        """The one model served now, None when there are several or none: a request that
+        names no model gets it (as llama-server's and Ollama's)."""
+        ids = self.ids()
+        return ids[0] if len(ids) == 1 else None
 
     def find(self, model: str) -> Backend | None:
         """The backend of ``model``, None when it is not served now."""

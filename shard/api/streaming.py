@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import trio
@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Event = Delta | Outcome | ApiError
+Piece = tuple[int, Delta]  # a choice's index and its next text
+Event = Piece | list[Outcome] | ApiError
 
 #: Deltas buffered between the generation and a slow client.
 DELTA_BUFFER = 8
@@ -64,17 +65,29 @@ def _event(body: object) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+class _Tagged:
+    """A ``DeltaSink`` for choice ``index``: its deltas go to the shared events channel."""
+
+    def __init__(self, out: trio.MemorySendChannel[Event], index: int) -> None:
+        self.out = out
+        self.index = index
+
+    async def send(self, delta: Delta, /) -> None:
+        await self.out.send((self.index, delta))
+
+
 class GenerationResponse:
-    """``await response(scope, receive, send)``: see the module docstring."""
+    """``await response(scope, receive, send)``: see the module docstring. ``requests``: one
+    generation per choice (several prompts: each its own, run at once)."""
 
     def __init__(
-        self, backend: Backend, request: Request, reply: Reply, *, stream: bool,
+        self, backend: Backend, requests: Sequence[Request], reply: Reply, *, stream: bool,
         endpoint: str, metrics: ApiMetrics, started: float, principal: str | None = None,
         user: str | None = None, limits: Limits = DEFAULT_LIMITS, slots: KeySlots | None = None,
         queue: WaitQueue | None = None,
     ) -> None:
         self.backend = backend
-        self.request = request
+        self.requests = list(requests)
         self.reply = reply
         self.stream = stream
         self.endpoint = endpoint
@@ -140,21 +153,33 @@ class GenerationResponse:
                 return
 
     async def _generate(self, out: trio.MemorySendChannel[Event]) -> None:
-        async with out:
+        """Every choice's generation at once; the first to fail cancels the others and is the
+        answer."""
+        outcomes: list[Outcome | None] = [None] * len(self.requests)
+        failed: list[ApiError] = []
+
+        async def one(index: int, request: Request, scope: trio.CancelScope) -> None:
             try:
-                outcome: Event = await self.backend.generate(
-                    self.request, out, queue=self.queue)  # type: ignore[arg-type]
+                outcomes[index] = await self.backend.generate(
+                    request, _Tagged(out, index), queue=self.queue)
             except ApiError as err:
-                outcome = err
+                failed.append(err)
+                scope.cancel()
             except Exception:
                 log.exception("generation failed", extra={"fields": {"id": self.reply.id}})
-                outcome = ApiError(500, "internal error in the front door", type="server_error",
-                                   code="internal_error")
-            await out.send(outcome)
+                failed.append(ApiError(500, "internal error in the front door",
+                                       type="server_error", code="internal_error"))
+                scope.cancel()
+
+        async with out:
+            async with trio.open_nursery() as nursery:
+                for index, request in enumerate(self.requests):
+                    nursery.start_soon(one, index, request, nursery.cancel_scope)
+            await out.send(failed[0] if failed else [o for o in outcomes if o is not None])
 
     async def _next(self, events: trio.MemoryReceiveChannel[Event]) -> Event:
         event = await events.receive()
-        if isinstance(event, Delta) and self._first_at is None:
+        if isinstance(event, tuple) and self._first_at is None:
             self._first_at = trio.current_time()
             self.metrics.time_to_first_token.labels(self.endpoint).observe(
                 self._first_at - self.started)
@@ -180,8 +205,11 @@ class GenerationResponse:
             return
         self.status = 200
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        while event is None or isinstance(event, Delta):
-            chunk = _KEEPALIVE if event is None else self.reply.chunk(event)
+        opening = b"".join(_event(c) for c in self.reply.opening_chunks())
+        if opening:
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
+        while event is None or isinstance(event, tuple):
+            chunk = _KEEPALIVE if event is None else self.reply.chunk(event[1], event[0])
             if chunk is not None:
                 body = chunk if isinstance(chunk, bytes) else _event(chunk)
                 await send({"type": "http.response.body", "body": body, "more_body": True})
@@ -193,7 +221,7 @@ class GenerationResponse:
             tail = _event(event.body())
         else:
             tail = b"".join(_event(c) for c in self.reply.final_chunks(event))
-            self._outcome = event
+            self._outcome = Outcome.total(event)
         self._complete = True
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
 
@@ -201,14 +229,14 @@ class GenerationResponse:
         self, events: trio.MemoryReceiveChannel[Event], scope: Scope, receive: Receive, send: Send
     ) -> None:
         event = await self._next(events)
-        deltas: list[Delta] = []
-        while isinstance(event, Delta):
-            deltas.append(event)
+        deltas: list[list[Delta]] = [[] for _ in self.requests]
+        while isinstance(event, tuple):
+            deltas[event[0]].append(event[1])
             event = await self._next(events)
         if isinstance(event, ApiError):
             await self._error(event, scope, receive, send)
             return
-        self.status, self._outcome, self._complete = 200, event, True
+        self.status, self._outcome, self._complete = 200, Outcome.total(event), True
         body = json.dumps(self.reply.body(deltas, event), ensure_ascii=False).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

@@ -72,6 +72,10 @@ def add_parser(sub: Any) -> Options:
     opts.add("--insecure", action="store_true",
              help="allow serving on a non-loopback --host without --api-key-file or "
              "--http-tls-client-ca (TLS alone does not say who may generate)")
+    opts.add("--cors-origin", action="extend", type=cors_origins, default=[], metavar="ORIGIN",
+             help="let web pages of this origin (scheme://host[:port], or * for any) call the "
+             "API from a browser: preflights answered, responses readable; repeatable or a "
+             "comma list (default: none, cross-origin pages cannot read the answers)")
     opts.add("--timeout", type=positive_float, default=600.0,
              help="deadline in seconds of one generation (default: 600)")
     opts.add("--connect-timeout", type=positive_float, default=60.0,
@@ -170,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.model_name, chat_template=template, relay=args.relay,
             speculate=args.speculate, step_timeout=args.step_timeout, timeout=args.timeout,
             connect_timeout=args.connect_timeout, limits=limits, grace=args.grace,
-            workers=workers, probe_interval=args.probe_interval, **options,
+            workers=workers, probe_interval=args.probe_interval, cors_origins=args.cors_origin,
+            **options,
         ))
     except ChatTemplateError as exc:
         return fail(str(exc), 2)
@@ -179,6 +184,16 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return fail(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}")
     return 0
+
+
+def cors_origins(text: str) -> list[str]:
+    """``--cors-origin``'s text -> its origins (argparse's usage error for a bad one)."""
+    from shard.api.cors import parse_origins
+
+    try:
+        return parse_origins(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def http_tls(args: argparse.Namespace) -> HttpTls | None:

@@ -1,0 +1,284 @@
+"""The rest of the door's surface that clients and UIs touch, as llama-server and OpenAI's API
+offer it: a request without ``model``, ``system_fingerprint``, the chat stream's opening role
+chunk, CORS for the operator's origins, several prompts in one completions request, ``echo``,
+the context length in ``/v1/models`` and a clear refusal of ``/v1/embeddings``.
+
+Through the official ``openai`` client where it can say it, plain HTTP otherwise (a request
+without ``model``, preflights). Workers are FakeEngine workers (tests/test_api.py's door).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
+from test_api import HALVES, MESSAGES, NAME, direct_text, front_door, in_thread, post, rendered
+from test_pipeline import TIMEOUT, assert_all_free
+
+from shard.api import Limits
+from shard.api.cors import parse_origins
+from shard.api.replies import system_fingerprint
+from shard.cli import build_parser
+from shard.engine.fake import FakeScript
+
+ORIGIN = "http://ui.example:3000"
+
+
+def request(url: str, method: str, path: str, *, body: Any = None,
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One request with http.client (any method): (status, lower-case headers, body)."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=TIMEOUT)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        sent = {"content-type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers={**sent, **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    """The JSON events of a server-sent event stream (``[DONE]`` and comments left out)."""
+    return [json.loads(line[6:]) for line in raw.decode().splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+# ---- model, fingerprint, the opening chunk -----------------------------------------------
+
+
+async def test_a_request_without_model_gets_the_one_served_and_an_unknown_one_is_404() -> None:
+    async with front_door() as door:
+        want, _ = await direct_text(door, "hello", max_tokens=4, temperature=0.0)
+        url = door.url + "/v1/completions"
+        status, _, got = await in_thread(lambda: post(url, {"prompt": "hello", "max_tokens": 4,
+                                                            "temperature": 0}))
+        assert status == 200 and got["model"] == NAME and got["choices"][0]["text"] == want
+        status, _, got = await in_thread(lambda: post(
+            door.url + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}))
+        assert status == 200 and got["model"] == NAME
+        status, _, got = await in_thread(lambda: post(url, {"model": "gpt-4", "prompt": "hi"}))
+        assert status == 404 and got["error"]["code"] == "model_not_found"
+
+
+async def test_every_reply_and_chunk_carries_the_system_fingerprint() -> None:
+    async with front_door() as door:
+        want = system_fingerprint(door.backend.first.model_fingerprint)
+
+        def calls() -> list[Any]:
+            c = door.client
+            return [c.completions.create(model=NAME, prompt="hi", max_tokens=3),
+                    c.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=3),
+                    *c.completions.create(model=NAME, prompt="hi", max_tokens=3, stream=True,
+                                          stream_options={"include_usage": True}),
+                    *c.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=3,
+                                               stream=True, stream_options={"include_usage": True})]
+
+        replies = await in_thread(calls)
+    assert re.fullmatch(r"fp_[0-9a-f]{12}", want)
+    assert len(replies) > 6 and {r.system_fingerprint for r in replies} == {want}
+    # another model (or another version of the door) is another fingerprint
+    assert system_fingerprint(door.backend.first.model_fingerprint + "0") != want
+
+
+async def test_a_chat_stream_opens_with_the_role_alone() -> None:
+    async with front_door() as door:
+        want, _ = await direct_text(door, rendered(), max_tokens=6, temperature=0.0)
+        body = {"model": NAME, "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+                "stream": True}
+        status, _, raw = await in_thread(lambda: request(door.url, "POST", "/v1/chat/completions",
+                                                         body=body))
+        chunks = await in_thread(lambda: list(door.client.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=6, temperature=0, stream=True)))
+    assert status == 200
+    first, *rest = events(raw)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in e["choices"][0]["delta"] for e in rest)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in rest) == want
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+
+
+# ---- CORS --------------------------------------------------------------------------------
+
+
+async def test_cors_answers_preflights_for_the_listed_origins_only() -> None:
+    async with front_door(cors_origins=[ORIGIN]) as door:
+        preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        status, headers, raw = await in_thread(lambda: request(
+            door.url, "OPTIONS", "/v1/chat/completions", headers=preflight))
+        assert status == 204 and raw == b""
+        assert headers["access-control-allow-origin"] == ORIGIN
+        assert "POST" in headers["access-control-allow-methods"]
+        assert "authorization" in headers["access-control-allow-headers"]
+        status, headers, raw = await in_thread(lambda: request(
+            door.url, "OPTIONS", "/v1/chat/completions",
+            headers={**preflight, "Origin": "http://evil.example"}))
+        assert status == 403 and "access-control-allow-origin" not in headers
+        assert json.loads(raw)["error"]["code"] == "origin_not_allowed"
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+        for stream in (False, True):
+            status, headers, raw = await in_thread(lambda s=stream: request(
+                door.url, "POST", "/v1/completions", body={**body, "stream": s},
+                headers={"Origin": ORIGIN}))
+            assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+            assert "retry-after" in headers["access-control-expose-headers"].lower()
+        status, headers, _ = await in_thread(lambda: request(
+            door.url, "GET", "/v1/models", headers={"Origin": "http://evil.example"}))
+        assert status == 200 and "access-control-allow-origin" not in headers
+        status, headers, _ = await in_thread(lambda: request(
+            door.url, "POST", "/v1/completions", body={**body, "model": "nope"},
+            headers={"Origin": ORIGIN}))  # refusals are readable too
+        assert status == 404 and headers["access-control-allow-origin"] == ORIGIN
+
+
+async def test_without_cors_origins_no_preflight_is_answered() -> None:
+    async with front_door() as door:
+        status, headers, _ = await in_thread(lambda: request(
+            door.url, "OPTIONS", "/v1/completions",
+            headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}))
+        assert status == 405 and "access-control-allow-origin" not in headers
+        status, headers, _ = await in_thread(lambda: request(
+            door.url, "GET", "/v1/models", headers={"Origin": ORIGIN}))
+        assert status == 200 and "access-control-allow-origin" not in headers
+
+
+def test_cors_origin_option_repeats_takes_lists_and_its_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    args: argparse.Namespace = build_parser().parse_args(
+        ["api", "--cors-origin", "http://a:1,https://b", "--cors-origin", "*"])
+    assert args.cors_origin == ["http://a:1", "https://b", "*"]
+    assert build_parser().parse_args(["api"]).cors_origin == []
+    monkeypatch.setenv("TRIO_SHARD_API_CORS_ORIGIN", "http://env:8080/")
+    assert build_parser().parse_args(["api"]).cors_origin == ["http://env:8080"]
+    assert build_parser().parse_args(["api", "--cors-origin", "http://x"]).cors_origin == ["http://x"]
+    for bad in ("ui.example", "http://a/path", "ftp://a", ","):
+        with pytest.raises(ValueError):
+            parse_origins(bad)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["api", "--cors-origin", "http://a/b"])
+
+
+# ---- several prompts, echo ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["whole", "pipeline"])
+async def test_several_prompts_get_one_choice_each_with_usage_summed(shape: str) -> None:
+    ranges = [None] if shape == "whole" else HALVES
+    prompts = ["hello world", "something else", "x"]
+    async with front_door(ranges) as door:
+        wants = [(await direct_text(door, p, max_tokens=5, seed=3, temperature=0.8))[0]
+                 for p in prompts]
+        id_wants = [(await direct_text(door, p, max_tokens=3, temperature=0.0))[0]
+                    for p in ([5, 6, 7], [9])]
+
+        def calls() -> tuple[Any, list[Any], Any]:
+            c = door.client
+            whole = c.completions.create(model=NAME, prompt=prompts, max_tokens=5, seed=3,
+                                         temperature=0.8)
+            chunks = list(c.completions.create(
+                model=NAME, prompt=prompts, max_tokens=5, seed=3, temperature=0.8, stream=True,
+                stream_options={"include_usage": True}))
+            ids = c.completions.create(model=NAME, prompt=[[5, 6, 7], [9]], max_tokens=3,
+                                       temperature=0, logprobs=0)
+            return whole, chunks, ids
+
+        whole, chunks, ids = await in_thread(calls)
+        await assert_all_free(door.workers)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == wants
+    assert whole.usage.prompt_tokens == sum(len(p) + 1 for p in prompts)  # bytes + BOS each
+    assert whole.usage.completion_tokens == 15
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == wants
+    finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks
+                if c.choices and c.choices[0].finish_reason}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    assert [len(c.logprobs.tokens) for c in ids.choices] == [3, 3]
+    assert ids.usage.prompt_tokens == 3 + 1 and ids.usage.completion_tokens == 6
+    assert [c.index for c in ids.choices] == [0, 1]
+    assert [c.text for c in ids.choices] == id_wants
+
+
+async def test_several_prompts_run_at_once_and_queue_past_the_sessions() -> None:
+    """Two prompts' texts interleave in the stream (each its own generation, at once); with
+    one session, three prompts still all complete, waiting in the model's queue."""
+    slow = FakeScript(step_latency=0.01)
+    async with front_door(script=slow) as door:
+        chunks = await in_thread(lambda: list(door.client.completions.create(
+            model=NAME, prompt=["hello", "world"], max_tokens=12, temperature=0, stream=True)))
+    order = [c.choices[0].index for c in chunks if c.choices and c.choices[0].text]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # 1 starts before 0 ends
+    async with front_door(max_sessions=1, limits=Limits(queue_length=4)) as door:
+        got = await in_thread(lambda: door.client.completions.create(
+            model=NAME, prompt=["a", "b", "c"], max_tokens=3, temperature=0))
+        assert [c.index for c in got.choices] == [0, 1, 2]
+        assert got.usage.completion_tokens == 9
+        await assert_all_free(door.workers)
+
+
+async def test_one_failing_prompt_fails_the_request_and_frees_the_others() -> None:
+    async with front_door(script=FakeScript(step_latency=0.005)) as door:
+        body = {"model": NAME, "prompt": ["hello", "x" * 3000], "max_tokens": 50}
+        status, _, got = await in_thread(lambda: post(door.url + "/v1/completions", body))
+        assert status == 400 and got["error"]["code"] == "context_length_exceeded"
+        await assert_all_free(door.workers)
+
+
+async def test_echo_prefixes_the_prompt_text() -> None:
+    async with front_door() as door:
+        want, _ = await direct_text(door, "hello", max_tokens=4, temperature=0.0)
+
+        def calls() -> tuple[Any, list[Any]]:
+            c = door.client
+            return (c.completions.create(model=NAME, prompt=["hello", "hello"], max_tokens=4,
+                                         temperature=0, echo=True),
+                    list(c.completions.create(model=NAME, prompt="hello", max_tokens=4,
+                                              temperature=0, echo=True, stream=True)))
+
+        whole, chunks = await in_thread(calls)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await in_thread(lambda: door.client.completions.create(
+                model=NAME, prompt="hello", max_tokens=4, echo=True, logprobs=1))
+    assert [c.text for c in whole.choices] == ["hello" + want] * 2
+    assert chunks[0].choices[0].text == "hello"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "hello" + want
+    assert refused.value.body["param"] == "echo"  # type: ignore[index]
+    assert "log-probs" in refused.value.body["message"]  # type: ignore[index]
+
+
+# ---- models, embeddings ------------------------------------------------------------------
+
+
+async def test_models_show_the_context_length() -> None:
+    async with front_door(max_sessions=2) as door:
+        listed, one = await in_thread(lambda: (door.client.models.list().data,
+                                               door.client.models.retrieve(NAME)))
+        context = door.backend.context
+    assert context == 512  # n_ctx 2 * 512 over 2 sessions
+    assert [m.model_extra["context_length"] for m in listed] == [context]
+    assert one.model_extra["context_length"] == context
+
+
+async def test_embeddings_are_refused_with_a_clear_reason() -> None:
+    async with front_door() as door:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await in_thread(lambda: door.client.embeddings.create(model=NAME, input="hello"))
+        with pytest.raises(openai.NotFoundError):
+            await in_thread(lambda: door.client.embeddings.create(model="nope", input="hello"))
+        status, _, got = await in_thread(lambda: post(door.url + "/v1/embeddings",
+                                                      {"input": ["a"], "frob": 1}))
+        assert status == 400 and got["error"]["param"] == "frob"
+    assert refused.value.body["param"] == "model"  # type: ignore[index]
+    assert "no pooling type" in refused.value.body["message"]  # type: ignore[index]
