@@ -4,7 +4,8 @@ Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (whole bodies, or server-sent events with ``stream: true``),
 ``GET /health`` (200 only while a replica of every hop serves; over a pool, while every model
 its workers report has a complete route) and ``GET /metrics``
-(Prometheus). ``/v1`` routes need ``Authorization: Bearer KEY`` when the app has keys; health
+(Prometheus); ``POST /v1/embeddings`` answers why it is not served. With ``cors_origins`` the
+web pages of those origins may call it (``shard.api.cors``). ``/v1`` routes need ``Authorization: Bearer KEY`` when the app has keys; health
 and metrics do not (probes and scrapers; they show counts, never text).
 
 Request bodies are read up to ``Limits.max_body_bytes`` (413 past it), must be a JSON object (400
