@@ -282,3 +282,54 @@ async def test_embeddings_are_refused_with_a_clear_reason() -> None:
         assert status == 400 and got["error"]["param"] == "frob"
     assert refused.value.body["param"] == "model"  # type: ignore[index]
     assert "no pooling type" in refused.value.body["message"]  # type: ignore[index]
+
+
+# ---- the Responses API -------------------------------------------------------------------
+
+
+async def test_responses_text_in_text_out_whole_and_streamed() -> None:
+    conversation = [{"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hello there"}]
+    async with front_door() as door:
+        want, _ = await direct_text(door, rendered(conversation), max_tokens=6, temperature=0.0)
+        short, _ = await direct_text(door, rendered(conversation), max_tokens=2, temperature=0.0)
+
+        def calls() -> tuple[Any, list[Any], Any]:
+            c = door.client
+            whole = c.responses.create(model=NAME, instructions="be brief", input="hello there",
+                                       max_output_tokens=6, temperature=0)
+            events_ = list(c.responses.create(
+                model=NAME, input=[{"role": "developer", "content": "be brief"},
+                                   {"role": "user", "content": [
+                                       {"type": "input_text", "text": "hello there"}]}],
+                max_output_tokens=2, temperature=0, stream=True))
+            with_tools = None
+            try:
+                c.responses.create(model=NAME, input="hi", tools=[
+                    {"type": "function", "name": "f", "parameters": {}}])
+            except openai.BadRequestError as err:
+                with_tools = err.body
+            return whole, events_, with_tools
+
+        whole, streamed, with_tools = await in_thread(calls)
+        status, _, raw = await in_thread(lambda: request(
+            door.url, "POST", "/v1/responses",
+            body={"input": "hello there", "instructions": "be brief", "stream": True,
+                  "max_output_tokens": 6, "temperature": 0}))
+        await assert_all_free(door.workers)
+    assert whole.output_text == want and whole.status == "incomplete"
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 6 and whole.usage.input_tokens > 0
+    kinds = [e.type for e in streamed]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == short
+    assert streamed[-1].response.output_text == short
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
+    assert with_tools is not None and with_tools["param"] == "tools"
+    lines = raw.decode().splitlines()
+    named = [line[7:] for line in lines if line.startswith("event: ")]
+    assert status == 200 and named[0] == "response.created" and named[-1] == "response.incomplete"
+    assert [e["type"] for e in events(raw)] == named

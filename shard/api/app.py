@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP front door as a Starlette app (served by hypercorn on Trio).
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
-``POST /v1/chat/completions`` (whole bodies, or server-sent events with ``stream: true``),
+``POST /v1/chat/completions`` and ``POST /v1/responses`` (whole bodies, or server-sent events
+with ``stream: true``),
 ``GET /health`` (200 only while a replica of every hop serves; over a pool, while every model
 its workers report has a complete route) and ``GET /metrics``
 (Prometheus); ``POST /v1/embeddings`` answers why it is not served. With ``cors_origins`` the
@@ -41,6 +42,7 @@ from .limits import DEFAULT_LIMITS, KeySlots, Limits
 from .metrics import ApiMetrics
 from .queue import Queues
 from .replies import ChatReply, CompletionReply, Reply, system_fingerprint
+from .responses import ResponsesReply, ResponsesRequest
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -134,7 +136,7 @@ def build_app(
         short messages would hold it for a good part of a second, stalling every stream on the
         event loop."""
         limit = backend.context
-        for param in ("messages", "prompt"):
+        for param in ("messages", "prompt", "input"):
             items = raw.get(param)
             if param == "prompt" and isinstance(items, list) and items and isinstance(items[0], list):
                 items = max(items, key=lambda p: len(p) if isinstance(p, list) else 0)  # [[ids]]
@@ -142,7 +144,8 @@ def build_app(
                 raise ApiError(400, f"{param} holds {len(items)} items, more than the {limit} "
                                "positions of a session", param=param, code="context_length_exceeded")
 
-    def decode(data: bytes, model: type[GenerationRequest] | type[EmbeddingRequest],
+    def decode(data: bytes,
+               model: type[GenerationRequest] | type[EmbeddingRequest] | type[ResponsesRequest],
                ) -> tuple[Any, Backend]:
         try:
             raw = json.loads(data, parse_constant=_no_constant)
@@ -220,9 +223,21 @@ def build_app(
             backend.model_id, logprobs=bool(body.logprobs), include_usage=include_usage(body),
             fingerprint=system_fingerprint(backend.first.model_fingerprint))
 
+    def responses_job(data: bytes) -> tuple[ResponsesRequest, Backend, list[Request], Reply]:
+        body, backend = decode(data, ResponsesRequest)
+        messages = body.messages()
+        for i, m in enumerate(messages):
+            encodable(m["content"], f"input.{i}")
+        text = backend.render_chat(messages)
+        job = Request(prompt=text, max_tokens=body.max_output_tokens, prompt_param="input",
+                      temperature=1.0 if body.temperature is None else body.temperature,
+                      top_p=1.0 if body.top_p is None else body.top_p)
+        return body, backend, [job], ResponsesReply(backend.model_id, body)
+
     async def generation(
         request: HttpRequest, endpoint: str,
-        prepare: Callable[[bytes], tuple[GenerationRequest, Backend, list[Request], Reply]],
+        prepare: Callable[[bytes], tuple[GenerationRequest | ResponsesRequest, Backend,
+                                         list[Request], Reply]],
     ) -> GenerationResponse:
         """Check the body and build the job; a large body in a worker thread (see
         ``OFF_LOOP_BYTES``)."""
@@ -245,6 +260,9 @@ def build_app(
 
     async def chat_completions(request: HttpRequest) -> GenerationResponse:
         return await generation(request, "chat_completions", chat_job)
+
+    async def responses(request: HttpRequest) -> GenerationResponse:
+        return await generation(request, "responses", responses_job)
 
     async def embeddings(request: HttpRequest) -> Response:
         """No model served here declares a pooling type (the workers report none and serve
@@ -306,6 +324,7 @@ def build_app(
         Route("/v1/models/{model:path}", counted("models", model), methods=["GET"]),
         Route("/v1/completions", counted("completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", counted("chat_completions", chat_completions), methods=["POST"]),
+        Route("/v1/responses", counted("responses", responses), methods=["POST"]),
         Route("/v1/embeddings", counted("embeddings", embeddings), methods=["POST"]),
         Route("/health", counted("health", health), methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),

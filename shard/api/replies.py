@@ -45,6 +45,8 @@ class Reply:
     in the stream. Deltas come with their choice's index (several prompts: several choices)."""
 
     prefix = ""
+    #: Each stream event also named in an ``event:`` line (its ``type``), as the Responses API.
+    sse_event_names = False
 
     def __init__(self, model: str, *, fingerprint: str | None = None,
                  include_usage: bool = False) -> None:

@@ -61,8 +61,12 @@ def _log(what: str, /, **fields: object) -> None:
     log.info("%s %s", what, kv(fields), extra={"fields": fields})
 
 
-def _event(body: object) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def _event(body: dict[str, Any], named: bool = False) -> bytes:
+    """One server-sent event; ``named``: with an ``event:`` line, its ``type`` (``error``)."""
+    data = b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    if not named:
+        return data
+    return f"event: {body.get('type', 'error')}\n".encode() + data
 
 
 class _Tagged:
@@ -205,22 +209,23 @@ class GenerationResponse:
             return
         self.status = 200
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        opening = b"".join(_event(c) for c in self.reply.opening_chunks())
+        named = self.reply.sse_event_names
+        opening = b"".join(_event(c, named) for c in self.reply.opening_chunks())
         if opening:
             await send({"type": "http.response.body", "body": opening, "more_body": True})
         while event is None or isinstance(event, tuple):
             chunk = _KEEPALIVE if event is None else self.reply.chunk(event[1], event[0])
             if chunk is not None:
-                body = chunk if isinstance(chunk, bytes) else _event(chunk)
+                body = chunk if isinstance(chunk, bytes) else _event(chunk, named)
                 await send({"type": "http.response.body", "body": body, "more_body": True})
             event = await self._next_or_silence(events)
         if isinstance(event, ApiError):
             self.status = event.status
             _log("generation failed mid-stream", endpoint=self.endpoint, id=self.reply.id,
                  status=event.status, code=event.code, message=event.detail or event.message)
-            tail = _event(event.body())
+            tail = _event(event.body(), named)
         else:
-            tail = b"".join(_event(c) for c in self.reply.final_chunks(event))
+            tail = b"".join(_event(c, named) for c in self.reply.final_chunks(event))
             self._outcome = Outcome.total(event)
         self._complete = True
         await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
