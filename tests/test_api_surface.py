@@ -13,19 +13,23 @@ import argparse
 import http.client
 import json
 import re
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
 import openai
 import pytest
+import trio
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from test_api import HALVES, MESSAGES, NAME, direct_text, front_door, in_thread, post, rendered
 from test_pipeline import TIMEOUT, assert_all_free
+from test_pool import A, B, Listed, fleet, pool_of
 
-from shard.api import Limits
+from shard.api import Catalog, Limits, build_app, serve_http
 from shard.api.cors import parse_origins
 from shard.api.replies import system_fingerprint
 from shard.cli import build_parser
+from shard.engine import LayerRange
 from shard.engine.fake import FakeScript
 
 ORIGIN = "http://ui.example:3000"
@@ -67,6 +71,24 @@ async def test_a_request_without_model_gets_the_one_served_and_an_unknown_one_is
         assert status == 200 and got["model"] == NAME
         status, _, got = await in_thread(lambda: post(url, {"model": "gpt-4", "prompt": "hi"}))
         assert status == 404 and got["error"]["code"] == "model_not_found"
+
+
+async def test_over_a_pool_of_two_models_a_request_must_name_one() -> None:
+    layout = {"w1": (A, LayerRange(0, 4), "a"), "w2": (B, LayerRange(0, 4), "b")}
+    async with fleet(layout) as f, pool_of(Listed(f.targets("w1", "w2"))) as pool, \
+            trio.open_nursery() as nursery:
+        shutdown = trio.Event()
+        app = build_app(Catalog(pool=pool, timeout=TIMEOUT))
+        url = (await nursery.start(partial(serve_http, app, host="127.0.0.1", port=0,
+                                           shutdown=shutdown, grace=1.0)))[0]
+        body = {"prompt": "hi", "max_tokens": 2}
+        status, _, got = await in_thread(lambda: post(url + "/v1/completions", body))
+        assert status == 400 and got["error"]["param"] == "model"
+        assert "'a', 'b'" in got["error"]["message"]
+        status, _, got = await in_thread(lambda: post(url + "/v1/completions",
+                                                      {**body, "model": "b"}))
+        assert status == 200 and got["model"] == "b"
+        shutdown.set()
 
 
 async def test_every_reply_and_chunk_carries_the_system_fingerprint() -> None:
