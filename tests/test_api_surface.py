@@ -69,6 +69,8 @@ async def test_a_request_without_model_gets_the_one_served_and_an_unknown_one_is
         status, _, got = await in_thread(lambda: post(
             door.url + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}))
         assert status == 200 and got["model"] == NAME
+        status, _, got = await in_thread(lambda: post(url, {"model": None, "prompt": "hi"}))
+        assert status == 200 and got["model"] == NAME
         status, _, got = await in_thread(lambda: post(url, {"model": "gpt-4", "prompt": "hi"}))
         assert status == 404 and got["error"]["code"] == "model_not_found"
 

@@ -153,7 +153,9 @@ def build_app(
             raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(raw, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-        named = raw.get("model", catalog.only())
+        named = raw.get("model")
+        if named is None:  # absent or null: the one model served, if one
+            named = catalog.only()
         backend = catalog.find(named) if isinstance(named, str) else None
         if backend is not None:
             beyond_context(raw, backend)

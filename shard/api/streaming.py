@@ -6,6 +6,8 @@ generation, the reader of its deltas and the watch for the client's disconnect a
 of one nursery that this response owns, so a disconnect cancels the generation (every hop's
 session is reset and released by the pipeline client) and nothing outlives the request. The
 deltas pass through a bounded channel: a client that reads slowly slows its own generation.
+Several prompts (one completions request) are several generations in that task's own nursery,
+at once, their deltas tagged with their choice's index; the first to fail cancels the others.
 
 Errors: before the first text, a refusal is an HTTP error with its status (429, 503, 400, ...);
 a streamed generation that fails later ends with an ``error`` event (OpenAI's SDKs raise it),
