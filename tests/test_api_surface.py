@@ -29,8 +29,10 @@ from shard.api import Catalog, Limits, build_app, serve_http
 from shard.api.cors import parse_origins
 from shard.api.replies import system_fingerprint
 from shard.cli import build_parser
+from shard.client import ShardClient
 from shard.engine import LayerRange
 from shard.engine.fake import FakeScript
+from shard.rpc.errors import ErrorCode, ShardError
 
 ORIGIN = "http://ui.example:3000"
 
@@ -90,6 +92,9 @@ async def test_over_a_pool_of_two_models_a_request_must_name_one() -> None:
         status, _, got = await in_thread(lambda: post(url + "/v1/completions",
                                                       {**body, "model": "b"}))
         assert status == 200 and got["model"] == "b"
+        status, _, got = await in_thread(lambda: post(url + "/tokenize",
+                                                      {"content": "hi", "model": "a"}))
+        assert status == 200 and got == {"tokens": [3 + ord("h"), 3 + ord("i")]}
         shutdown.set()
 
 
@@ -357,3 +362,58 @@ async def test_responses_text_in_text_out_whole_and_streamed() -> None:
     named = [line[7:] for line in lines if line.startswith("event: ")]
     assert status == 200 and named[0] == "response.created" and named[-1] == "response.incomplete"
     assert [e["type"] for e in events(raw)] == named
+
+
+# ---- /tokenize and /detokenize (the worker's Tokenize RPC) --------------------------------
+
+
+async def test_the_tokenize_rpc_answers_a_first_shard_and_bounds_its_input() -> None:
+    async with front_door(HALVES) as door:
+        first, last = door.workers
+        async with ShardClient.connect(first.target, timeout=TIMEOUT) as client:
+            ids = (await client.tokenize("hi", add_bos=True)).tokens
+            pieces = await client.tokenize(tokens=list(ids))
+            with_pieces = await client.tokenize("hi", add_bos=False, with_pieces=True)
+            with pytest.raises(ShardError) as too_many:
+                await client.tokenize(tokens=[5] * 513)
+            with pytest.raises(ShardError) as outside:
+                await client.tokenize(tokens=[10**6])
+        async with ShardClient.connect(last.target, timeout=TIMEOUT) as client:
+            with pytest.raises(ShardError) as not_first:
+                await client.tokenize("hi")
+    assert list(ids) == [1, 3 + ord("h"), 3 + ord("i")]  # the fake vocabulary: BOS, bytes + 3
+    assert b"".join(pieces.pieces[1:]) == b"hi" and list(pieces.tokens) == list(ids)
+    assert list(with_pieces.pieces) == [b"h", b"i"]
+    assert too_many.value.code is ErrorCode.INVALID_ARGUMENT
+    assert outside.value.code is ErrorCode.INVALID_ARGUMENT
+    assert not_first.value.code is not ErrorCode.INVALID_ARGUMENT and "first" in str(not_first.value)
+
+
+async def test_tokenize_and_detokenize_in_llama_servers_shapes() -> None:
+    async with front_door(HALVES) as door:
+        url = door.url
+
+        def calls() -> list[tuple[int, dict[str, str], Any]]:
+            return [post(url + "/tokenize", {"content": "héllo"}),
+                    post(url + "/tokenize", {"content": "hé", "add_special": True,
+                                             "with_pieces": True}),
+                    post(url + "/detokenize", {"tokens": [3 + b for b in "héllo".encode()]}),
+                    post(url + "/detokenize", {"tokens": []}),
+                    post(url + "/detokenize", {"tokens": [10**6]}),
+                    post(url + "/tokenize", {"content": "x" * 3000}),
+                    post(url + "/tokenize", {"content": "hi", "text": "hi"}),
+                    post(url + "/tokenize", {"content": "hi", "model": "nope"})]
+
+        got = await in_thread(calls)
+    plain, pieces, back, empty, outside, long, unknown, model = got
+    assert plain[0] == 200 and plain[2] == {"tokens": [3 + b for b in "héllo".encode()]}
+    e_acute = list("é".encode())
+    assert pieces[2] == {"tokens": [{"id": 1, "piece": pieces[2]["tokens"][0]["piece"]},
+                                    {"id": 3 + ord("h"), "piece": "h"},
+                                    {"id": 3 + e_acute[0], "piece": [e_acute[0]]},
+                                    {"id": 3 + e_acute[1], "piece": [e_acute[1]]}]}
+    assert back[2] == {"content": "héllo"} and empty[2] == {"content": ""}
+    assert outside[0] == 400 and outside[2]["error"]["param"] == "tokens"
+    assert long[0] == 400 and long[2]["error"]["param"] == "content"
+    assert unknown[0] == 400 and unknown[2]["error"]["param"] == "text"
+    assert model[0] == 404

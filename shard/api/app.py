@@ -5,7 +5,8 @@ Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
 with ``stream: true``),
 ``GET /health`` (200 only while a replica of every hop serves; over a pool, while every model
 its workers report has a complete route) and ``GET /metrics``
-(Prometheus); ``POST /v1/embeddings`` answers why it is not served. With ``cors_origins`` the
+(Prometheus); ``POST /tokenize`` and ``/detokenize`` (llama-server's, ``shard.api.tokens``);
+``POST /v1/embeddings`` answers why it is not served. With ``cors_origins`` the
 web pages of those origins may call it (``shard.api.cors``). ``/v1`` routes need ``Authorization: Bearer KEY`` when the app has keys; health
 and metrics do not (probes and scrapers; they show counts, never text).
 
@@ -52,6 +53,7 @@ from .schemas import (
     ModelList,
 )
 from .streaming import GenerationResponse
+from .tokens import DetokenizeRequest, TokenizeRequest, detokenized, tokenized
 
 __all__ = ["build_app"]
 
@@ -136,7 +138,7 @@ def build_app(
         short messages would hold it for a good part of a second, stalling every stream on the
         event loop."""
         limit = backend.context
-        for param in ("messages", "prompt", "input"):
+        for param in ("messages", "prompt", "input", "tokens"):
             items = raw.get(param)
             if param == "prompt" and isinstance(items, list) and items and isinstance(items[0], list):
                 items = max(items, key=lambda p: len(p) if isinstance(p, list) else 0)  # [[ids]]
@@ -144,9 +146,7 @@ def build_app(
                 raise ApiError(400, f"{param} holds {len(items)} items, more than the {limit} "
                                "positions of a session", param=param, code="context_length_exceeded")
 
-    def decode(data: bytes,
-               model: type[GenerationRequest] | type[EmbeddingRequest] | type[ResponsesRequest],
-               ) -> tuple[Any, Backend]:
+    def decode(data: bytes, model: type[Any]) -> tuple[Any, Backend]:
         try:
             raw = json.loads(data, parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
@@ -266,17 +266,36 @@ def build_app(
     async def responses(request: HttpRequest) -> GenerationResponse:
         return await generation(request, "responses", responses_job)
 
-    async def embeddings(request: HttpRequest) -> Response:
-        """No model served here declares a pooling type (the workers report none and serve
-        text generation): a clear 400 for the model asked for, a 404 for an unknown one."""
+    async def decoded(request: HttpRequest, model: type[Any]) -> tuple[Any, Backend]:
+        """A body that starts no generation, read and checked as a generation's is."""
         principal(request)
         with bodies.hold() as holding:
             data = await read(request, holding)
             if len(data) < OFF_LOOP_BYTES:
-                _, backend = decode(data, EmbeddingRequest)
-            else:  # as a generation's body (``generation``)
-                await count_values(data, value_limit(catalog.max_context()))
-                _, backend = await trio.to_thread.run_sync(decode, data, EmbeddingRequest)
+                return decode(data, model)
+            await count_values(data, value_limit(catalog.max_context()))  # see ``generation``
+            return await trio.to_thread.run_sync(decode, data, model)
+
+    async def tokenize(request: HttpRequest) -> Response:
+        body, backend = await decoded(request, TokenizeRequest)
+        encodable(body.content, "content")
+        reply = await backend.tokenize(body.content, add_bos=body.add_special,
+                                       parse_special=body.parse_special,
+                                       with_pieces=body.with_pieces)
+        return JSONResponse(tokenized(reply, body.with_pieces))
+
+    async def detokenize(request: HttpRequest) -> Response:
+        body, backend = await decoded(request, DetokenizeRequest)
+        if not all(0 <= t < backend.first.n_vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {backend.first.n_vocab})",
+                           param="tokens", code="invalid_parameter")
+        reply = await backend.tokenize(tokens=body.tokens, param="tokens")
+        return JSONResponse(detokenized(reply))
+
+    async def embeddings(request: HttpRequest) -> Response:
+        """No model served here declares a pooling type (the workers report none and serve
+        text generation): a clear 400 for the model asked for, a 404 for an unknown one."""
+        _, backend = await decoded(request, EmbeddingRequest)
         raise ApiError(400, f"the model {backend.model_id!r} has no pooling type: it generates "
                        "text and does not compute embeddings", param="model",
                        code="unsupported_parameter")
@@ -327,6 +346,8 @@ def build_app(
         Route("/v1/completions", counted("completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", counted("chat_completions", chat_completions), methods=["POST"]),
         Route("/v1/responses", counted("responses", responses), methods=["POST"]),
+        Route("/tokenize", counted("tokenize", tokenize), methods=["POST"]),
+        Route("/detokenize", counted("detokenize", detokenize), methods=["POST"]),
         Route("/v1/embeddings", counted("embeddings", embeddings), methods=["POST"]),
         Route("/health", counted("health", health), methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),

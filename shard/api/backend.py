@@ -29,7 +29,7 @@ from shard.chat import ChatTemplate, ChatTemplateError
 from shard.pipeline import Pipeline, PipelineResult
 from shard.pool import Pool
 from shard.pool import model_id as pool_model_id
-from shard.rpc.errors import ShardError
+from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
 from .errors import RETRY_AFTER_SECONDS, ApiError, from_shard_error
@@ -268,6 +268,29 @@ class Backend:
             return self.chat.render(messages)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages", code="chat_template_error") from None
+
+    async def tokenize(self, text: str | None = None, *, tokens: Sequence[int] | None = None,
+                       add_bos: bool = False, parse_special: bool = True,
+                       with_pieces: bool = False, param: str = "content") -> pb.TokenizeResponse:
+        """The first worker's ids for ``text`` or bytes of ``tokens`` (``Tokenize``, the worker
+        serving the first hop now); raises ``ApiError``."""
+        try:
+            async with self.routes.lease() as (pipeline, _):
+                serving = pipeline.hops[0].target
+                (client,) = [r.client for r in pipeline.replicas[0] if r.target == serving]
+                assert client is not None
+                with trio.fail_after(self.timeout if self.timeout is not None else math.inf):
+                    return await client.tokenize(text, tokens=tokens, add_bos=add_bos,
+                                                 parse_special=parse_special,
+                                                 with_pieces=with_pieces)
+        except trio.TooSlowError:
+            raise ApiError(504, "the first worker did not tokenize in time", type="timeout_error",
+                           code="timeout") from None
+        except ShardError as err:
+            error = from_shard_error(err, prompt_param=param)
+            if err.code == ErrorCode.INVALID_ARGUMENT:  # too long, or an id outside the vocabulary
+                error.param = param
+            raise error from None
 
     async def not_serving(self) -> list[str]:
         """Why the front door cannot serve now: one line per hop none of whose replicas serves

@@ -34,7 +34,8 @@ def add_parser(sub: Any) -> Options:
     parser = sub.add_parser(
         "api", help="serve an OpenAI-compatible HTTP API over a worker or a pipeline",
         description="Serve GET /v1/models, POST /v1/completions, POST /v1/chat/completions and "
-        "POST /v1/responses (streaming as server-sent events), GET /health and GET /metrics over one worker "
+        "POST /v1/responses (streaming as server-sent events), POST /tokenize and /detokenize, "
+        "GET /health and GET /metrics over one worker "
         "serving a whole model (--target) or a chain of workers (--pipeline), on hypercorn "
         "(docs/api.md). Chat renders the model's own chat template, which the first worker "
         "reports. Every option can also come from TRIO_SHARD_API_<OPTION>.",
