@@ -417,3 +417,25 @@ async def test_tokenize_and_detokenize_in_llama_servers_shapes() -> None:
     assert long[0] == 400 and long[2]["error"]["param"] == "content"
     assert unknown[0] == 400 and unknown[2]["error"]["param"] == "text"
     assert model[0] == 404
+
+
+async def test_tokenize_on_the_llama_engine_parses_special_texts_and_round_trips() -> None:
+    """The chat test model's ChatML markers: one control token each when parsed, plain text
+    otherwise; ids back to bytes give the text again (control tokens have none)."""
+    from rpc_harness import worker
+
+    from shard.engine import LoadSpec
+    from shard.engine.llama import LlamaCppEngine
+    from shard.models import ensure_model
+
+    spec = LoadSpec(model_path=ensure_model("chat"), n_ctx=512, max_sessions=1, n_threads=1)
+    text = "<|im_start|>user hi there<|im_end|>"
+    async with worker(engine=LlamaCppEngine(), load=spec) as w, \
+            ShardClient.connect(w.target, timeout=TIMEOUT) as client:
+        parsed = await client.tokenize(text, add_bos=False, parse_special=True, with_pieces=True)
+        plain = await client.tokenize(text, add_bos=False, parse_special=False)
+        back = await client.tokenize(tokens=list(plain.tokens))
+    assert len(parsed.tokens) < len(plain.tokens)
+    # a control token has no bytes (as in generated text): only the message's words remain
+    assert b"".join(parsed.pieces).decode().strip() == "user hi there"
+    assert b"".join(back.pieces).decode().removeprefix(" ") == text  # the tokenizer's space
