@@ -416,7 +416,8 @@ async def test_every_refusal_is_a_structured_error_and_the_door_stays_healthy() 
             (url, {**base, "n": 2}, None, 400, "n", "unsupported_parameter"),
             (url, {**base, "presence_penalty": 2.5}, None, 400, "presence_penalty", "invalid_parameter"),
             (url, {**base, "logit_bias": {"5": 101}}, None, 400, "logit_bias", "invalid_parameter"),
-            (url, {**base, "echo": True}, None, 400, "echo", "unsupported_parameter"),
+            (url, {**base, "echo": True, "logprobs": 1}, None, 400, "echo", "unsupported_parameter"),
+            (url, {**base, "echo": True, "prompt": [5, 6]}, None, 400, "echo", "unsupported_parameter"),
             (url, {**base, "best_of": 3}, None, 400, "best_of", "unsupported_parameter"),
             (url, {**base, "frobnicate": 1}, None, 400, "frobnicate", "invalid_parameter"),
             (url, {**base, "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop", "invalid_parameter"),
@@ -424,7 +425,8 @@ async def test_every_refusal_is_a_structured_error_and_the_door_stays_healthy() 
             (url, {**base, "temperature": -1}, None, 400, "temperature", "invalid_parameter"),
             (url, {**base, "max_tokens": 0}, None, 400, "max_tokens", "invalid_parameter"),
             (url, {**base, "logprobs": 21}, None, 400, "logprobs", "invalid_parameter"),
-            (url, {**base, "prompt": ["a", "b"]}, None, 400, "prompt", "unsupported_parameter"),
+            (url, {**base, "prompt": ["a"] * 17}, None, 400, "prompt", "unsupported_parameter"),
+            (url, {**base, "prompt": ["a", ""]}, None, 400, "prompt", "invalid_parameter"),
             (url, {**base, "prompt": ""}, None, 400, "prompt", "invalid_parameter"),
             (url, {**base, "model": "gpt-4"}, None, 404, "model", "model_not_found"),
             (url, {**base, "prompt": "x" * 3000}, None, 400, "prompt", "context_length_exceeded"),
@@ -621,7 +623,7 @@ async def test_a_client_that_stops_reading_loses_its_generation_not_the_workers(
 
     async with front_door(HALVES, script=FakeScript(step_latency=0.005)) as door:
         response = GenerationResponse(
-            door.backend, Request(prompt="hello", max_tokens=400, temperature=0.0),
+            door.backend, [Request(prompt="hello", max_tokens=400, temperature=0.0)],
             CompletionReply(NAME, logprobs=None), stream=True, endpoint="completions",
             metrics=ApiMetrics(), started=trio.current_time(), limits=Limits(send_timeout=0.3))
         sent: list[dict[str, Any]] = []
@@ -670,7 +672,7 @@ def _burst_response(backend: BurstBackend, limits: Limits = Limits()) -> Any:
     from shard.api.streaming import GenerationResponse
 
     return GenerationResponse(
-        backend, Request(prompt="p", max_tokens=len(backend.texts)),  # type: ignore[arg-type]
+        backend, [Request(prompt="p", max_tokens=len(backend.texts))],  # type: ignore[arg-type]
         CompletionReply(NAME, logprobs=None), stream=True, endpoint="completions",
         metrics=ApiMetrics(), started=trio.current_time(), limits=limits)
 

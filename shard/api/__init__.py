@@ -3,7 +3,10 @@
 ``shard.api.app`` (routes, Starlette), ``limits`` (what a request and a key may take),
 ``schemas`` (Pydantic bodies), ``backend`` (the pipeline client and one generation), ``text``
 (UTF-8 and stop sequences), ``replies`` (each endpoint's body and stream chunks),
-``streaming`` (a generation as an ASGI response), ``queue`` (each model's wait for a free
+``responses`` (the Responses API over the chat path), ``tokens`` (``/tokenize``,
+``/detokenize``),
+``streaming`` (a generation as an ASGI response), ``cors`` (the origins whose web pages may
+call it), ``queue`` (each model's wait for a free
 session), ``errors`` (OpenAI's error shape),
 ``metrics`` (Prometheus) and ``server`` (hypercorn on Trio). docs/api.md.
 """
@@ -74,6 +77,7 @@ async def run_api(
     connect_timeout: float | None = 60.0, limits: Limits = DEFAULT_LIMITS, grace: float = 10.0,
     ssl_context: ssl.SSLContext | None = None, metadata: Sequence[tuple[str, str]] = (),
     workers: WorkerSource | None = None, probe_interval: float = 2.0,
+    cors_origins: Sequence[str] = (),
 ) -> None:
     """Connect to the workers (``hops``, or the pool ``workers`` lists), then serve until
     SIGTERM/SIGINT (running requests get ``grace`` seconds; a second signal stops at once).
@@ -84,7 +88,8 @@ async def run_api(
         step_timeout=step_timeout, connect_timeout=connect_timeout, probe_interval=probe_interval,
     ) as catalog:
         app = build_app(catalog, keys=keys, limits=limits,
-                        loopback_hosts_only=keys is None and is_loopback(host))
+                        loopback_hosts_only=keys is None and is_loopback(host),
+                        cors_origins=cors_origins)
         # What start-up made (libraries, the app, the chat template) lives as long as the
         # process: out of the collector's sight, a full collection does not walk it. Each such
         # walk would stall every stream on the event loop for tens of milliseconds.

@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP front door as a Starlette app (served by hypercorn on Trio).
 
 Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/completions``,
-``POST /v1/chat/completions`` (whole bodies, or server-sent events with ``stream: true``),
+``POST /v1/chat/completions`` and ``POST /v1/responses`` (whole bodies, or server-sent events
+with ``stream: true``),
 ``GET /health`` (200 only while a replica of every hop serves; over a pool, while every model
 its workers report has a complete route) and ``GET /metrics``
-(Prometheus). ``/v1`` routes need ``Authorization: Bearer KEY`` when the app has keys; health
+(Prometheus); ``POST /tokenize`` and ``/detokenize`` (llama-server's, ``shard.api.tokens``);
+``POST /v1/embeddings`` answers why it is not served. With ``cors_origins`` the
+web pages of those origins may call it (``shard.api.cors``). ``/v1`` routes need ``Authorization: Bearer KEY`` when the app has keys; health
 and metrics do not (probes and scrapers; they show counts, never text).
 
 Request bodies are read up to ``Limits.max_body_bytes`` (413 past it), must be a JSON object (400
@@ -18,13 +21,14 @@ import ipaddress
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
 import trio
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -33,19 +37,23 @@ from shard.rpc.auth import TokenAuthenticator
 
 from .backend import Backend, Catalog, Request
 from .bodies import BodyBudget, Holding, count_values, value_limit
+from .cors import CorsMiddleware
 from .errors import ApiError
 from .limits import DEFAULT_LIMITS, KeySlots, Limits
 from .metrics import ApiMetrics
 from .queue import Queues
-from .replies import ChatReply, CompletionReply, Reply
+from .replies import ChatReply, CompletionReply, Reply, system_fingerprint
+from .responses import ResponsesReply, ResponsesRequest
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     GenerationRequest,
     Model,
     ModelList,
 )
 from .streaming import GenerationResponse
+from .tokens import DetokenizeRequest, TokenizeRequest, detokenized, tokenized
 
 __all__ = ["build_app"]
 
@@ -63,12 +71,14 @@ DEFAULT_COMPLETION_TOKENS = 16
 def build_app(
     backend: Backend | Catalog, *, keys: TokenAuthenticator | None = None, limits: Limits = DEFAULT_LIMITS,
     metrics: ApiMetrics | None = None, loopback_hosts_only: bool = False,
+    cors_origins: Sequence[str] = (),
 ) -> Starlette:
     """The front door over ``backend`` (one model, or a ``Catalog`` of them); ``keys``: the
     accepted API keys (None: no key needed), ``limits``: what a request and a key may take.
     ``loopback_hosts_only``: refuse requests whose ``Host`` is not a loopback name (a door on
     loopback without keys: a web page that rebinds its own name to 127.0.0.1 would otherwise
-    be same-origin with it and read its answers)."""
+    be same-origin with it and read its answers). ``cors_origins``: the web origins whose pages
+    may call it (``shard.api.cors``; empty: none, ``*``: any)."""
     metrics = metrics if metrics is not None else ApiMetrics()
     catalog = backend if isinstance(backend, Catalog) else Catalog(backend)
     created = int(time.time())
@@ -78,7 +88,9 @@ def build_app(
     bodies = BodyBudget(limits.max_total_body_bytes)
 
     def model_card(model_id: str) -> Model:
-        return Model(id=model_id, created=created)
+        backend = catalog.find(model_id)
+        return Model(id=model_id, created=created,
+                     context_length=backend.context if backend is not None else None)
 
     def principal(request: HttpRequest) -> str | None:
         if loopback_hosts_only and not _loopback_host(request.headers.get("host", "")):
@@ -97,7 +109,8 @@ def build_app(
         media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media != "application/json":
             # Also what keeps a web page's form posts out: a browser sends application/json to
-            # another origin only after a CORS preflight, which this server never answers.
+            # another origin only after a CORS preflight, which this server answers only for
+            # the origins the operator lists (``cors_origins``).
             raise ApiError(415, f"the body must be application/json, not {media or 'untyped'}",
                            code="unsupported_media_type")
         size = request.headers.get("content-length")
@@ -125,15 +138,15 @@ def build_app(
         short messages would hold it for a good part of a second, stalling every stream on the
         event loop."""
         limit = backend.context
-        for param in ("messages", "prompt"):
+        for param in ("messages", "prompt", "input", "tokens"):
             items = raw.get(param)
             if param == "prompt" and isinstance(items, list) and items and isinstance(items[0], list):
-                items = items[0]  # [[ids]]: one prompt of token ids
+                items = max(items, key=lambda p: len(p) if isinstance(p, list) else 0)  # [[ids]]
             if isinstance(items, list) and len(items) > limit:
                 raise ApiError(400, f"{param} holds {len(items)} items, more than the {limit} "
                                "positions of a session", param=param, code="context_length_exceeded")
 
-    def decode(data: bytes, model: type[GenerationRequest]) -> tuple[GenerationRequest, Backend]:
+    def decode(data: bytes, model: type[Any]) -> tuple[Any, Backend]:
         try:
             raw = json.loads(data, parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
@@ -141,6 +154,8 @@ def build_app(
         if not isinstance(raw, dict):
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
         named = raw.get("model")
+        if named is None:  # absent or null: the one model served, if one
+            named = catalog.only()
         backend = catalog.find(named) if isinstance(named, str) else None
         if backend is not None:
             beyond_context(raw, backend)
@@ -154,7 +169,11 @@ def build_app(
         refused = body.unsupported()
         if refused is not None:
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
-        return body, backend if backend is not None else catalog.get(body.model)
+        if backend is None and body.model is None:
+            served = ", ".join(repr(m) for m in catalog.ids()) or "none now"
+            raise ApiError(400, f"model: required, this server serves {served}", param="model",
+                           code="invalid_parameter")
+        return body, backend if backend is not None else catalog.get(body.model)  # type: ignore[arg-type]
 
     def sampling(body: GenerationRequest, backend: Backend) -> dict[str, Any]:
         bias = body.token_biases
@@ -190,17 +209,19 @@ def build_app(
     def include_usage(body: GenerationRequest) -> bool:
         return body.stream_options is not None and body.stream_options.include_usage
 
-    def completion_job(data: bytes) -> tuple[GenerationRequest, Backend, Request, Reply]:
+    def completion_job(data: bytes) -> tuple[GenerationRequest, Backend, list[Request], Reply]:
         body, backend = decode(data, CompletionRequest)
         assert isinstance(body, CompletionRequest)
-        prompt = checked_prompt(body.single_prompt, backend)
-        job = Request(prompt=prompt, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
-                      top_logprobs=body.logprobs or 0, constraint=body.constraint(),
-                      **sampling(body, backend))
-        return body, backend, job, CompletionReply(backend.model_id, logprobs=body.logprobs,
-                                          include_usage=include_usage(body))
+        prompts = [checked_prompt(p, backend) for p in body.prompts]
+        jobs = [Request(prompt=p, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
+                        top_logprobs=body.logprobs or 0, constraint=body.constraint(),
+                        **sampling(body, backend)) for p in prompts]
+        echo = [p for p in prompts if isinstance(p, str)] if body.echo else []
+        return body, backend, jobs, CompletionReply(
+            backend.model_id, logprobs=body.logprobs, include_usage=include_usage(body),
+            fingerprint=system_fingerprint(backend.first.model_fingerprint), echo=echo)
 
-    def chat_job(data: bytes) -> tuple[GenerationRequest, Backend, Request, Reply]:
+    def chat_job(data: bytes) -> tuple[GenerationRequest, Backend, list[Request], Reply]:
         body, backend = decode(data, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
         for i, m in enumerate(body.messages):
@@ -210,12 +231,25 @@ def build_app(
                       top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
                       prompt_param="messages", constraint=body.constraint(),
                       **sampling(body, backend))
-        return body, backend, job, ChatReply(backend.model_id, logprobs=bool(body.logprobs),
-                                    include_usage=include_usage(body))
+        return body, backend, [job], ChatReply(
+            backend.model_id, logprobs=bool(body.logprobs), include_usage=include_usage(body),
+            fingerprint=system_fingerprint(backend.first.model_fingerprint))
+
+    def responses_job(data: bytes) -> tuple[ResponsesRequest, Backend, list[Request], Reply]:
+        body, backend = decode(data, ResponsesRequest)
+        messages = body.messages()
+        for i, m in enumerate(messages):
+            encodable(m["content"], f"input.{i}")
+        text = backend.render_chat(messages)
+        job = Request(prompt=text, max_tokens=body.max_output_tokens, prompt_param="input",
+                      temperature=1.0 if body.temperature is None else body.temperature,
+                      top_p=1.0 if body.top_p is None else body.top_p)
+        return body, backend, [job], ResponsesReply(backend.model_id, body)
 
     async def generation(
         request: HttpRequest, endpoint: str,
-        prepare: Callable[[bytes], tuple[GenerationRequest, Backend, Request, Reply]],
+        prepare: Callable[[bytes], tuple[GenerationRequest | ResponsesRequest, Backend,
+                                         list[Request], Reply]],
     ) -> GenerationResponse:
         """Check the body and build the job; a large body in a worker thread (see
         ``OFF_LOOP_BYTES``)."""
@@ -224,12 +258,12 @@ def build_app(
         with bodies.hold() as holding:
             data = await read(request, holding)
             if len(data) < OFF_LOOP_BYTES:
-                body, backend, job, reply = prepare(data)
+                body, backend, jobs, reply = prepare(data)
             else:  # counted first, a chunk at a time: decoding 100,000s of values holds the GIL
                 await count_values(data, value_limit(catalog.max_context()))
-                body, backend, job, reply = await trio.to_thread.run_sync(prepare, data)
+                body, backend, jobs, reply = await trio.to_thread.run_sync(prepare, data)
         queue = queues.of(backend.model_id, backend.routes.capacity)
-        return GenerationResponse(backend, job, reply, stream=bool(body.stream), endpoint=endpoint,
+        return GenerationResponse(backend, jobs, reply, stream=bool(body.stream), endpoint=endpoint,
                                   metrics=metrics, started=started, principal=who, user=body.user,
                                   limits=limits, slots=slots, queue=queue)
 
@@ -238,6 +272,43 @@ def build_app(
 
     async def chat_completions(request: HttpRequest) -> GenerationResponse:
         return await generation(request, "chat_completions", chat_job)
+
+    async def responses(request: HttpRequest) -> GenerationResponse:
+        return await generation(request, "responses", responses_job)
+
+    async def decoded(request: HttpRequest, model: type[Any]) -> tuple[Any, Backend]:
+        """A body that starts no generation, read and checked as a generation's is."""
+        principal(request)
+        with bodies.hold() as holding:
+            data = await read(request, holding)
+            if len(data) < OFF_LOOP_BYTES:
+                return decode(data, model)
+            await count_values(data, value_limit(catalog.max_context()))  # see ``generation``
+            return await trio.to_thread.run_sync(decode, data, model)
+
+    async def tokenize(request: HttpRequest) -> Response:
+        body, backend = await decoded(request, TokenizeRequest)
+        encodable(body.content, "content")
+        reply = await backend.tokenize(body.content, add_bos=body.add_special,
+                                       parse_special=body.parse_special,
+                                       with_pieces=body.with_pieces)
+        return JSONResponse(tokenized(reply, body.with_pieces))
+
+    async def detokenize(request: HttpRequest) -> Response:
+        body, backend = await decoded(request, DetokenizeRequest)
+        if not all(0 <= t < backend.first.n_vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {backend.first.n_vocab})",
+                           param="tokens", code="invalid_parameter")
+        reply = await backend.tokenize(tokens=body.tokens, param="tokens")
+        return JSONResponse(detokenized(reply))
+
+    async def embeddings(request: HttpRequest) -> Response:
+        """No model served here declares a pooling type (the workers report none and serve
+        text generation): a clear 400 for the model asked for, a 404 for an unknown one."""
+        _, backend = await decoded(request, EmbeddingRequest)
+        raise ApiError(400, f"the model {backend.model_id!r} has no pooling type: it generates "
+                       "text and does not compute embeddings", param="model",
+                       code="unsupported_parameter")
 
     async def models(request: HttpRequest) -> Response:
         principal(request)
@@ -284,10 +355,15 @@ def build_app(
         Route("/v1/models/{model:path}", counted("models", model), methods=["GET"]),
         Route("/v1/completions", counted("completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", counted("chat_completions", chat_completions), methods=["POST"]),
+        Route("/v1/responses", counted("responses", responses), methods=["POST"]),
+        Route("/tokenize", counted("tokenize", tokenize), methods=["POST"]),
+        Route("/detokenize", counted("detokenize", detokenize), methods=["POST"]),
+        Route("/v1/embeddings", counted("embeddings", embeddings), methods=["POST"]),
         Route("/health", counted("health", health), methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={
+    middleware = [Middleware(CorsMiddleware, origins=cors_origins)] if cors_origins else []
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
         404: _not_found, 405: _not_allowed,
     })
     app.state.metrics = metrics

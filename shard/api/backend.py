@@ -29,14 +29,14 @@ from shard.client.waiting import connect_waiting
 from shard.pipeline import Pipeline, PipelineResult
 from shard.pool import Pool
 from shard.pool import model_id as pool_model_id
-from shard.rpc.errors import ShardError
+from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
 from .errors import RETRY_AFTER_SECONDS, ApiError, from_shard_error
 from .queue import WaitQueue
 from .text import Alternative, Delta, TextAssembler, TokenOut
 
-__all__ = ["Backend", "Catalog", "Outcome", "PipelineRoutes", "PoolRoutes", "Request", "Routes"]
+__all__ = ["Backend", "Catalog", "DeltaSink", "Outcome", "PipelineRoutes", "PoolRoutes", "Request", "Routes"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,22 @@ class Outcome:
     #: Prompt positions the workers took from their prefix cache (OpenAI's
     #: ``usage.prompt_tokens_details.cached_tokens``).
     cached_tokens: int = 0
+
+    @classmethod
+    def total(cls, outcomes: Sequence[Outcome]) -> Outcome:
+        """Several generations' tokens added up (usage of a request of several prompts); the
+        first one's finish reason."""
+        return cls(outcomes[0].finish_reason, sum(o.prompt_tokens for o in outcomes),
+                   sum(o.completion_tokens for o in outcomes), sum(o.cached_tokens for o in outcomes))
+
+
+class DeltaSink(Protocol):
+    """Where a generation's text goes: a memory channel, or one that tags it with its choice."""
+
+    async def send(self, delta: Delta, /) -> None: ...
+
+    def send_nowait(self, delta: Delta, /) -> None:
+        """Without waiting; ``trio.WouldBlock`` when there is no room."""
 
 
 class Routes(Protocol):
@@ -256,6 +272,29 @@ class Backend:
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages", code="chat_template_error") from None
 
+    async def tokenize(self, text: str | None = None, *, tokens: Sequence[int] | None = None,
+                       add_bos: bool = False, parse_special: bool = True,
+                       with_pieces: bool = False, param: str = "content") -> pb.TokenizeResponse:
+        """The first worker's ids for ``text`` or bytes of ``tokens`` (``Tokenize``, the worker
+        serving the first hop now); raises ``ApiError``."""
+        try:
+            async with self.routes.lease() as (pipeline, _):
+                serving = pipeline.hops[0].target
+                (client,) = [r.client for r in pipeline.replicas[0] if r.target == serving]
+                assert client is not None
+                with trio.fail_after(self.timeout if self.timeout is not None else math.inf):
+                    return await client.tokenize(text, tokens=tokens, add_bos=add_bos,
+                                                 parse_special=parse_special,
+                                                 with_pieces=with_pieces)
+        except trio.TooSlowError:
+            raise ApiError(504, "the first worker did not tokenize in time", type="timeout_error",
+                           code="timeout") from None
+        except ShardError as err:
+            error = from_shard_error(err, prompt_param=param)
+            if err.code == ErrorCode.INVALID_ARGUMENT:  # too long, or an id outside the vocabulary
+                error.param = param
+            raise error from None
+
     async def not_serving(self) -> list[str]:
         """Why the front door cannot serve now: one line per hop none of whose replicas serves
         (logged). The answer is kept for ``HEALTH_TTL`` seconds, so probes cannot multiply into
@@ -268,7 +307,7 @@ class Backend:
             self._health = (trio.current_time(), failing)
         return self._health[1]
 
-    async def generate(self, request: Request, out: trio.MemorySendChannel[Delta], *,
+    async def generate(self, request: Request, out: DeltaSink, *,
                        queue: WaitQueue | None = None) -> Outcome:
         """Run one generation, sending each ``Delta`` to ``out``; raises ``ApiError``.
         ``queue``: the model's wait for a free session (None: a full worker's refusal is
@@ -351,6 +390,12 @@ class Catalog:
         if self.pool is None:
             return list(self._backends)
         return sorted(self.pool.servable())
+
+    def only(self) -> str | None:
+        """The one model served now, None when there are several or none: a request that
+        names no model gets it (as llama-server's and Ollama's)."""
+        ids = self.ids()
+        return ids[0] if len(ids) == 1 else None
 
     def find(self, model: str) -> Backend | None:
         """The backend of ``model``, None when it is not served now."""

@@ -3,57 +3,82 @@
 ``CompletionReply`` (``/v1/completions``, legacy log-probs: tokens, token_logprobs,
 top_logprobs, text_offset) and ``ChatReply`` (``/v1/chat/completions``: an assistant message,
 log-probs as ``content`` entries with bytes) take the same ``Delta`` stream and ``Outcome``, so
-the generation code does not know which endpoint it serves.
+the generation code does not know which endpoint it serves. A chat stream opens with the role
+alone (as OpenAI's); a completion with several prompts has one choice per prompt (``index``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from shard import __version__
+
 from . import schemas as s
 from .backend import Outcome
 from .text import Delta
 
-__all__ = ["ChatReply", "CompletionReply", "Reply"]
+__all__ = ["ChatReply", "CompletionReply", "Reply", "system_fingerprint"]
 
 
-def _usage(outcome: Outcome) -> s.Usage:
-    return s.Usage(prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
-                   total_tokens=outcome.prompt_tokens + outcome.completion_tokens,
-                   prompt_tokens_details=s.PromptTokensDetails(cached_tokens=outcome.cached_tokens))
+def system_fingerprint(model_fingerprint: str) -> str:
+    """OpenAI's ``system_fingerprint``: what served a reply, so a client sees when the same
+    seed may give other tokens. ``fp_`` and 12 hex digits of SHA-256 over this package's version
+    and the model's fingerprint (its GGUF's): a new model or a new door changes it."""
+    digest = hashlib.sha256(f"trio-shard {__version__} {model_fingerprint}".encode()).hexdigest()
+    return f"fp_{digest[:12]}"
+
+
+def _usage(outcomes: Sequence[Outcome]) -> s.Usage:
+    """Every choice's tokens added up (several prompts: one generation each)."""
+    total = Outcome.total(outcomes)
+    return s.Usage(prompt_tokens=total.prompt_tokens, completion_tokens=total.completion_tokens,
+                   total_tokens=total.prompt_tokens + total.completion_tokens,
+                   prompt_tokens_details=s.PromptTokensDetails(cached_tokens=total.cached_tokens))
 
 
 class Reply:
-    """What both endpoints share: the id, the creation time, the model, usage in the stream."""
+    """What both endpoints share: the id, the creation time, the model, the fingerprint, usage
+    in the stream. Deltas come with their choice's index (several prompts: several choices)."""
 
     prefix = ""
+    #: Each stream event also named in an ``event:`` line (its ``type``), as the Responses API.
+    sse_event_names = False
 
-    def __init__(self, model: str, *, include_usage: bool = False) -> None:
+    def __init__(self, model: str, *, fingerprint: str | None = None,
+                 include_usage: bool = False) -> None:
         self.id = f"{self.prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.model = model
+        self.fingerprint = fingerprint
         self.include_usage = include_usage
-        self._started = False
 
-    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """What a stream sends before any generated text."""
+        return []
+
+    def chunk(self, delta: Delta, index: int = 0) -> dict[str, Any] | None:
         raise NotImplementedError
 
-    def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
+    def final_chunks(self, outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def body(self, deltas: Sequence[Delta], outcome: Outcome) -> dict[str, Any]:
+    def body(self, deltas: Sequence[Sequence[Delta]], outcomes: Sequence[Outcome]) -> dict[str, Any]:
+        """The whole reply: ``deltas[i]`` and ``outcomes[i]`` are choice ``i``'s."""
         raise NotImplementedError
 
 
 class CompletionReply(Reply):
     prefix = "cmpl"
 
-    def __init__(self, model: str, *, logprobs: int | None, include_usage: bool = False) -> None:
-        super().__init__(model, include_usage=include_usage)
+    def __init__(self, model: str, *, logprobs: int | None, fingerprint: str | None = None,
+                 include_usage: bool = False, echo: Sequence[str] = ()) -> None:
+        super().__init__(model, fingerprint=fingerprint, include_usage=include_usage)
         self.logprobs = logprobs
+        self.echo = echo  # each choice's prompt text, sent before its completion (``echo``)
 
     def _logprobs(self, deltas: Sequence[Delta]) -> s.CompletionLogprobs | None:
         if self.logprobs is None:
@@ -66,38 +91,44 @@ class CompletionReply(Reply):
             text_offset=offsets,
         )
 
-    def _completion(self, text: str, logprobs: s.CompletionLogprobs | None, finish: str | None,
-                    usage: s.Usage | None) -> dict[str, Any]:
-        choice = s.CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)  # type: ignore[arg-type]
-        return s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
-                            usage=usage).model_dump()
+    def _completion(self, choices: list[s.CompletionChoice], usage: s.Usage | None) -> dict[str, Any]:
+        return s.Completion(id=self.id, created=self.created, model=self.model, choices=choices,
+                            usage=usage, system_fingerprint=self.fingerprint).model_dump()
 
-    def _streamed(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _streamed(self, index: int, text: str, logprobs: s.CompletionLogprobs | None,
+                  finish: str | None) -> dict[str, Any]:
+        body = self._completion([s.CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                    finish_reason=finish)], None)  # type: ignore[arg-type]
         if not self.include_usage:
             del body["usage"]  # a stream's chunks carry it (null) only when asked to
         return body
 
-    def chunk(self, delta: Delta) -> dict[str, Any] | None:
-        return self._streamed(self._completion(delta.text, self._logprobs([delta]), None, None))
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return [self._streamed(i, text, None, None) for i, text in enumerate(self.echo)]
 
-    def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
-        chunks = [self._streamed(self._completion("", None, outcome.finish_reason, None))]
+    def chunk(self, delta: Delta, index: int = 0) -> dict[str, Any] | None:
+        return self._streamed(index, delta.text, self._logprobs([delta]), None)
+
+    def final_chunks(self, outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
+        chunks = [self._streamed(i, "", None, o.finish_reason) for i, o in enumerate(outcomes)]
         if self.include_usage:
-            last = s.Completion(id=self.id, created=self.created, model=self.model, choices=[],
-                                usage=_usage(outcome))
-            chunks.append(last.model_dump())
+            chunks.append(self._completion([], _usage(outcomes)))
         return chunks
 
-    def body(self, deltas: Sequence[Delta], outcome: Outcome) -> dict[str, Any]:
-        text = "".join(d.text for d in deltas)
-        return self._completion(text, self._logprobs(deltas), outcome.finish_reason, _usage(outcome))
+    def body(self, deltas: Sequence[Sequence[Delta]], outcomes: Sequence[Outcome]) -> dict[str, Any]:
+        choices = [s.CompletionChoice(
+            index=i, text=(self.echo[i] if self.echo else "") + "".join(d.text for d in ds),
+            logprobs=self._logprobs(ds), finish_reason=o.finish_reason,  # type: ignore[arg-type]
+        ) for i, (ds, o) in enumerate(zip(deltas, outcomes, strict=True))]
+        return self._completion(choices, _usage(outcomes))
 
 
 class ChatReply(Reply):
     prefix = "chatcmpl"
 
-    def __init__(self, model: str, *, logprobs: bool, include_usage: bool = False) -> None:
-        super().__init__(model, include_usage=include_usage)
+    def __init__(self, model: str, *, logprobs: bool, fingerprint: str | None = None,
+                 include_usage: bool = False) -> None:
+        super().__init__(model, fingerprint=fingerprint, include_usage=include_usage)
         self.logprobs = logprobs
 
     def _logprobs(self, deltas: Sequence[Delta]) -> s.ChatLogprobs | None:
@@ -113,33 +144,36 @@ class ChatReply(Reply):
                finish: str | None) -> dict[str, Any]:
         choice = s.ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)  # type: ignore[arg-type]
         chunk = s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                      choices=[choice])
+                                      choices=[choice], system_fingerprint=self.fingerprint)
         body = chunk.model_dump()
         body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
         if not self.include_usage:
             del body["usage"]
         return body
 
-    def chunk(self, delta: Delta) -> dict[str, Any] | None:
-        role = None if self._started else "assistant"
-        self._started = True
-        return self._chunk(s.ChatDelta(role=role, content=delta.text), self._logprobs([delta]), None)
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """The role alone, with empty content, as OpenAI's first chunk."""
+        return [self._chunk(s.ChatDelta(role="assistant", content=""), None, None)]
 
-    def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
-        chunks = []
-        if not self._started:  # no text at all: the role still opens the message
-            chunks.append(self.chunk(Delta()))
-        chunks.append(self._chunk(s.ChatDelta(), None, outcome.finish_reason))
+    def chunk(self, delta: Delta, index: int = 0) -> dict[str, Any] | None:
+        return self._chunk(s.ChatDelta(content=delta.text), self._logprobs([delta]), None)
+
+    def final_chunks(self, outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
+        (outcome,) = outcomes
+        chunks = [self._chunk(s.ChatDelta(), None, outcome.finish_reason)]
         if self.include_usage:
             last = s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                         choices=[], usage=_usage(outcome))
+                                         choices=[], usage=_usage(outcomes),
+                                         system_fingerprint=self.fingerprint)
             chunks.append(last.model_dump())
-        return [c for c in chunks if c is not None]
+        return chunks
 
-    def body(self, deltas: Sequence[Delta], outcome: Outcome) -> dict[str, Any]:
+    def body(self, deltas: Sequence[Sequence[Delta]], outcomes: Sequence[Outcome]) -> dict[str, Any]:
+        ((ds,), (outcome,)) = deltas, outcomes
         choice = s.ChatChoice(
-            message=s.AssistantMessage(content="".join(d.text for d in deltas)),
-            logprobs=self._logprobs(deltas), finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
+            message=s.AssistantMessage(content="".join(d.text for d in ds)),
+            logprobs=self._logprobs(ds), finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
         )
         return s.ChatCompletion(id=self.id, created=self.created, model=self.model,
-                                choices=[choice], usage=_usage(outcome)).model_dump()
+                                choices=[choice], usage=_usage(outcomes),
+                                system_fingerprint=self.fingerprint).model_dump()

@@ -2,7 +2,7 @@
 
 Requests are strict (``extra="forbid"``): a parameter the front door does not know is refused
 with a 400 naming it, never silently ignored, and so is a known one the engine cannot honour
-(``unsupported``: ``n`` other than 1, tools, ``echo``, ...). Responses
+(``unsupported``: ``n`` other than 1, tools, ``echo`` with ``logprobs``, ...). Responses
 are built from the same models so that their shape is written down once.
 """
 
@@ -14,12 +14,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
+    "MAX_PROMPTS",
     "MAX_STOPS",
     "MAX_STOP_CHARS",
     "MAX_TOP_LOGPROBS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "EmbeddingRequest",
     "GenerationRequest",
 ]
 
@@ -31,6 +33,9 @@ MAX_TOP_LOGPROBS = 20
 #: output itself and one more character) held all of it back, the others being checked against
 #: ever more text. Bounded, a token's look costs at most about a millisecond.
 MAX_STOP_CHARS = 1024
+#: Prompts in one completions request: each is a generation of its own, run at once, so a
+#: request of many would take every session and fill the queue by itself.
+MAX_PROMPTS = 16
 _U64 = 2**64
 
 
@@ -45,7 +50,7 @@ class StreamOptions(_Strict):
 class GenerationRequest(_Strict):
     """What both endpoints take."""
 
-    model: str
+    model: str | None = None  # None: the one model served (as llama-server and Ollama)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = 1
@@ -123,24 +128,26 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.echo and self.logprobs is not None:
+            return "echo", ("echo with logprobs is not supported (the prompt's log-probs are "
+                            "not carried back from the last worker)")
+        if self.echo and any(not isinstance(p, str) for p in self.prompts):
+            return "echo", "echo needs text prompts (the door does not detokenize token ids)"
         if self.best_of not in (None, 1):
             return "best_of", "only best_of=1 is supported"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
-        p = self.prompt
-        if isinstance(p, list) and len(p) > 1 and not isinstance(p[0], int):
-            return "prompt", "one prompt per request (a list of prompts is not supported)"
+        if len(self.prompts) > MAX_PROMPTS:
+            return "prompt", f"at most {MAX_PROMPTS} prompts per request"
         return super().unsupported()
 
     @property
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text, or token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt (text, or token ids): one choice each."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
 
 class TextPart(_Strict):
@@ -233,6 +240,20 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``: checked so that its answer names the model (none computes
+    embeddings here: docs/api.md)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        return None
+
+
 # ---- responses ---------------------------------------------------------------------------------
 
 
@@ -284,6 +305,8 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    #: The model and the door that served it (``shard.api.replies.system_fingerprint``).
+    system_fingerprint: str | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -305,6 +328,8 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    #: The model and the door that served it (``shard.api.replies.system_fingerprint``).
+    system_fingerprint: str | None = None
 
 
 class ChatDelta(BaseModel):
@@ -326,6 +351,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    #: The model and the door that served it (``shard.api.replies.system_fingerprint``).
+    system_fingerprint: str | None = None
 
 
 class Model(BaseModel):
@@ -333,6 +360,8 @@ class Model(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "trio-shard"
+    #: Positions one request may use (a session's context); OpenRouter's and LM Studio's name.
+    context_length: int | None = None
 
 
 class ModelList(BaseModel):

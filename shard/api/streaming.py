@@ -9,6 +9,8 @@ deltas pass through a bounded channel: a client that reads slowly slows its own 
 Every event waiting in that channel when the response writes goes out in one write (one ASGI
 send, one socket write): a door that falls behind on a busy machine catches up in fewer,
 larger writes instead of paying a write's fixed cost per token.
+Several prompts (one completions request) are several generations in that task's own nursery,
+at once, their deltas tagged with their choice's index; the first to fail cancels the others.
 
 Errors: before the first text, a refusal is an HTTP error with its status (429, 503, 400, ...);
 a streamed generation that fails later ends with an ``error`` event (OpenAI's SDKs raise it),
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import trio
@@ -47,7 +49,8 @@ log = logging.getLogger(__name__)
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-Event = Delta | Outcome | ApiError
+Piece = tuple[int, Delta]  # a choice's index and its next text
+Event = Piece | list[Outcome] | ApiError
 
 #: Deltas buffered between the generation and a slow client.
 DELTA_BUFFER = 8
@@ -63,21 +66,40 @@ def _log(what: str, /, **fields: object) -> None:
     log.info("%s %s", what, kv(fields), extra={"fields": fields})
 
 
-def _event(body: object) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def _event(body: dict[str, Any], named: bool = False) -> bytes:
+    """One server-sent event; ``named``: with an ``event:`` line, its ``type`` (``error``)."""
+    data = b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    if not named:
+        return data
+    return f"event: {body.get('type', 'error')}\n".encode() + data
+
+
+class _Tagged:
+    """A ``DeltaSink`` for choice ``index``: its deltas go to the shared events channel."""
+
+    def __init__(self, out: trio.MemorySendChannel[Event | None], index: int) -> None:
+        self.out = out
+        self.index = index
+
+    async def send(self, delta: Delta, /) -> None:
+        await self.out.send((self.index, delta))
+
+    def send_nowait(self, delta: Delta, /) -> None:
+        self.out.send_nowait((self.index, delta))
 
 
 class GenerationResponse:
-    """``await response(scope, receive, send)``: see the module docstring."""
+    """``await response(scope, receive, send)``: see the module docstring. ``requests``: one
+    generation per choice (several prompts: each its own, run at once)."""
 
     def __init__(
-        self, backend: Backend, request: Request, reply: Reply, *, stream: bool,
+        self, backend: Backend, requests: Sequence[Request], reply: Reply, *, stream: bool,
         endpoint: str, metrics: ApiMetrics, started: float, principal: str | None = None,
         user: str | None = None, limits: Limits = DEFAULT_LIMITS, slots: KeySlots | None = None,
         queue: WaitQueue | None = None,
     ) -> None:
         self.backend = backend
-        self.request = request
+        self.requests = list(requests)
         self.reply = reply
         self.stream = stream
         self.endpoint = endpoint
@@ -184,17 +206,29 @@ class GenerationResponse:
                 return
 
     async def _generate(self, out: trio.MemorySendChannel[Event | None]) -> None:
-        async with out:
+        """Every choice's generation at once; the first to fail cancels the others and is the
+        answer."""
+        outcomes: list[Outcome | None] = [None] * len(self.requests)
+        failed: list[ApiError] = []
+
+        async def one(index: int, request: Request, scope: trio.CancelScope) -> None:
             try:
-                outcome: Event = await self.backend.generate(
-                    self.request, out, queue=self.queue)  # type: ignore[arg-type]
+                outcomes[index] = await self.backend.generate(
+                    request, _Tagged(out, index), queue=self.queue)
             except ApiError as err:
-                outcome = err
+                failed.append(err)
+                scope.cancel()
             except Exception:
                 log.exception("generation failed", extra={"fields": {"id": self.reply.id}})
-                outcome = ApiError(500, "internal error in the front door", type="server_error",
-                                   code="internal_error")
-            await out.send(outcome)
+                failed.append(ApiError(500, "internal error in the front door",
+                                       type="server_error", code="internal_error"))
+                scope.cancel()
+
+        async with out:
+            async with trio.open_nursery() as nursery:
+                for index, request in enumerate(self.requests):
+                    nursery.start_soon(one, index, request, nursery.cancel_scope)
+            await out.send(failed[0] if failed else [o for o in outcomes if o is not None])
 
     async def _next(self, events: trio.MemoryReceiveChannel[Event | None]) -> Event | None:
         """The next event; None: ``keepalive`` seconds passed without one (a stream only)."""
@@ -203,7 +237,7 @@ class GenerationResponse:
             event = await events.receive()
         finally:
             self._waiting_since = None
-        if isinstance(event, Delta) and self._first_at is None:
+        if isinstance(event, tuple) and self._first_at is None:
             self._first_at = trio.current_time()
             self.metrics.time_to_first_token.labels(self.endpoint).observe(
                 self._first_at - self.started)
@@ -231,16 +265,17 @@ class GenerationResponse:
             return
         self.status = 200
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        parts: list[bytes] = []
-        while event is None or isinstance(event, Delta):
+        named = self.reply.sse_event_names
+        parts: list[bytes] = [_event(c, named) for c in self.reply.opening_chunks()]
+        while event is None or isinstance(event, tuple):
             if event is None:
                 parts.append(_KEEPALIVE)
             # Every delta already buffered goes out in this write: a door behind its
             # generations (many streams on few cores) pays one send for several tokens.
-            while isinstance(event, Delta):
-                chunk = self.reply.chunk(event)
+            while isinstance(event, tuple):
+                chunk = self.reply.chunk(event[1], event[0])
                 if chunk is not None:
-                    parts.append(chunk if isinstance(chunk, bytes) else _event(chunk))
+                    parts.append(chunk if isinstance(chunk, bytes) else _event(chunk, named))
                 event = self._buffered(events)
             if event is not None:
                 break  # the end is buffered too: it goes out with these
@@ -253,10 +288,10 @@ class GenerationResponse:
             self.status = event.status
             _log("generation failed mid-stream", endpoint=self.endpoint, id=self.reply.id,
                  status=event.status, code=event.code, message=event.detail or event.message)
-            parts.append(_event(event.body()))
+            parts.append(_event(event.body(), named))
         else:
-            parts.extend(_event(c) for c in self.reply.final_chunks(event))
-            self._outcome = event
+            parts.extend(_event(c, named) for c in self.reply.final_chunks(event))
+            self._outcome = Outcome.total(event)
         self._complete = True
         parts.append(b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"".join(parts)})
@@ -266,15 +301,15 @@ class GenerationResponse:
         send: Send,
     ) -> None:
         event = await self._next(events)
-        deltas: list[Delta] = []
-        while isinstance(event, Delta):
-            deltas.append(event)
+        deltas: list[list[Delta]] = [[] for _ in self.requests]
+        while isinstance(event, tuple):
+            deltas[event[0]].append(event[1])
             event = await self._next(events)
         assert event is not None  # (no keep-alive comments in a whole body)
         if isinstance(event, ApiError):
             await self._error(event, scope, receive, send)
             return
-        self.status, self._outcome, self._complete = 200, event, True
+        self.status, self._outcome, self._complete = 200, Outcome.total(event), True
         body = json.dumps(self.reply.body(deltas, event), ensure_ascii=False).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})

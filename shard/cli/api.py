@@ -33,8 +33,9 @@ def add_parser(sub: Any) -> Options:
     """The ``api`` command's options."""
     parser = sub.add_parser(
         "api", help="serve an OpenAI-compatible HTTP API over a worker or a pipeline",
-        description="Serve GET /v1/models, POST /v1/completions and POST /v1/chat/completions "
-        "(streaming as server-sent events), GET /health and GET /metrics over one worker "
+        description="Serve GET /v1/models, POST /v1/completions, POST /v1/chat/completions and "
+        "POST /v1/responses (streaming as server-sent events), POST /tokenize and /detokenize, "
+        "GET /health and GET /metrics over one worker "
         "serving a whole model (--target) or a chain of workers (--pipeline), on hypercorn "
         "(docs/api.md). Chat renders the model's own chat template, which the first worker "
         "reports. Every option can also come from TRIO_SHARD_API_<OPTION>.",
@@ -72,6 +73,10 @@ def add_parser(sub: Any) -> Options:
     opts.add("--insecure", action="store_true",
              help="allow serving on a non-loopback --host without --api-key-file or "
              "--http-tls-client-ca (TLS alone does not say who may generate)")
+    opts.add("--cors-origin", action="extend", type=cors_origins, default=[], metavar="ORIGIN",
+             help="let web pages of this origin (scheme://host[:port], or * for any) call the "
+             "API from a browser: preflights answered, responses readable; repeatable or a "
+             "comma list (default: none, cross-origin pages cannot read the answers)")
     opts.add("--timeout", type=positive_float, default=600.0,
              help="deadline in seconds of one generation (default: 600)")
     opts.add("--connect-timeout", type=positive_float, default=60.0,
@@ -170,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
             model_name=args.model_name, chat_template=template, relay=args.relay,
             speculate=args.speculate, step_timeout=args.step_timeout, timeout=args.timeout,
             connect_timeout=args.connect_timeout, limits=limits, grace=args.grace,
-            workers=workers, probe_interval=args.probe_interval, **options,
+            workers=workers, probe_interval=args.probe_interval, cors_origins=args.cors_origin,
+            **options,
         ))
     except ChatTemplateError as exc:
         return fail(str(exc), 2)
@@ -179,6 +185,16 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return fail(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}")
     return 0
+
+
+def cors_origins(text: str) -> list[str]:
+    """``--cors-origin``'s text -> its origins (argparse's usage error for a bad one)."""
+    from shard.api.cors import parse_origins
+
+    try:
+        return parse_origins(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def http_tls(args: argparse.Namespace) -> HttpTls | None:

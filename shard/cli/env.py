@@ -56,6 +56,8 @@ class EnvOption:
         """``value`` as this option's variable would hold it (shell-quoted)."""
         if self.flag:
             return "1" if value == self.const else "0"
+        if isinstance(value, list | tuple):  # an ``extend`` option's list, as its variable holds it
+            return shlex.quote(",".join(map(str, value)))
         return "" if value is None else shlex.quote(str(value))
 
     def source(self, value: object) -> str:
@@ -82,6 +84,18 @@ class _Flag(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: object, option_string: str | None = None) -> None:
         setattr(namespace, self.dest, self.const)
+
+
+class _Extend(argparse.Action):
+    """A repeatable option whose ``type`` gives a list each time (``--cors-origin A,B
+    --cors-origin C``): the lists add up, and the command line's replace the variable's."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        items = getattr(namespace, self.dest, None)
+        if items is None or items is self.default or isinstance(items, str):
+            items = []
+        setattr(namespace, self.dest, [*items, *values])
 
 
 def _flag_value(text: str, *, const: object, default: object) -> object:
@@ -136,7 +150,8 @@ class Options:
 
     def add(self, *flags: str, **kwargs: Any) -> None:
         """``add_argument(*flags, **kwargs)``, the option's variable named in its help and its
-        text, when set, the default (a single value or a flag; anything else is a TypeError)."""
+        text, when set, the default (a single value, a flag or an ``extend`` list from its type;
+        anything else is a TypeError)."""
         longs = [f for f in flags if f.startswith("--")]
         if self.prefix is None or not longs:
             self.container.add_argument(*flags, **kwargs)
@@ -151,7 +166,9 @@ class Options:
                 dest=dest, variable=variable, option=longs[0], default=default, flag=True, const=const,
                 convert=lambda text: _flag_value(text, const=const, default=default))
             kwargs.update(action=_Flag, const=const, default=default)
-        elif action == "store" and kwargs.get("nargs") is None:
+        elif action in ("store", "extend") and kwargs.get("nargs") is None:
+            if action == "extend":  # a list from its type, each time given (``_Extend``)
+                kwargs["action"] = _Extend
             type_, choices = kwargs.get("type"), kwargs.get("choices")
             option = EnvOption(
                 dest=dest, variable=variable, option=longs[0], default=kwargs.get("default"),

@@ -288,6 +288,20 @@ class ShardClient:
             "GetMetrics", pb.GetMetricsRequest(version=self.version), pb.GetMetricsResponse, timeout
         )
 
+    async def tokenize(
+        self, text: str | None = None, *, tokens: Sequence[int] | None = None,
+        add_bos: bool = True, parse_special: bool = False, with_pieces: bool = False,
+        timeout: float | None = _DEFAULT,
+    ) -> pb.TokenizeResponse:
+        """A first shard's token ids for ``text``, or the bytes of ``tokens`` (pieces)."""
+        request = pb.TokenizeRequest(version=self.version, add_bos=add_bos,
+                                     parse_special=parse_special, with_pieces=with_pieces)
+        if tokens is not None:
+            request.tokens.ids.extend(tokens)
+        else:
+            request.text = text or ""
+        return await self._unary("Tokenize", request, pb.TokenizeResponse, timeout)
+
     async def cancel(self, session_id: str, *, timeout: float | None = _DEFAULT) -> pb.CancelResponse:
         """Stop the session's running step (out-of-band; the session stays open)."""
         return await self._unary(

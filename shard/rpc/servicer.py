@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import trio
 
-from shard.engine import EngineError, EngineState, ShardEngine
+from shard.engine import EngineError, EngineState, IllegalTransition, InvalidInput, ShardEngine
 from shard.v1 import shard_pb2 as pb
 from shard.v1.shard_grpc import ShardServicer as _ShardServicerBase
 
@@ -27,6 +27,7 @@ from .errors import ERROR_TRAILER, ErrorCode, ShardError, internal_error
 from .metrics import WorkerMetrics
 from .registry import Registry
 from .session import SessionCall, SessionLimits, StreamEnd, return_refused
+from .session.inputs import text_floor
 from .transport import CallContext, EndReason, StatusError, TransportLimits, current_call
 from .versions import check_version
 
@@ -144,6 +145,9 @@ class ShardServicer(_ShardServicerBase):
     async def Return(self, input_message: pb.ReturnRequest) -> pb.ReturnResponse:
         return await self._unary(input_message, self._return)
 
+    async def Tokenize(self, input_message: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        return await self._unary(input_message, self._tokenize)
+
     async def _unary(self, request: Req, handler: Callable[[Req], Awaitable[Resp]]) -> Resp:
         ctx = current_call()
         self.registry.count(f"rpc_{ctx.method.rsplit('/', 1)[-1]}_total")
@@ -246,6 +250,27 @@ class ShardServicer(_ShardServicerBase):
         # used: a step went on with it; late: the chain's answer had come first
         self.registry.count("direct_returns_used_total" if accepted else "direct_returns_late_total")
         return pb.ReturnResponse(accepted=accepted)
+
+    async def _tokenize(self, req: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """A text's ids (a tokenizer thread, as a Prefill's text), or ids' bytes; at most a
+        session's positions either way, so no caller makes the worker hold more."""
+        caps = self.engine.capabilities()
+        if not caps.is_first:
+            raise IllegalTransition("only a first shard tokenizes")
+        limit = caps.n_ctx_per_session
+        if req.WhichOneof("input") == "tokens":
+            ids: tuple[int, ...] = tuple(req.tokens.ids)
+        elif text_floor(caps, req.text) > limit:
+            raise InvalidInput(f"the text takes more than the {limit} positions of a session")
+        else:
+            ids = await self.engine.tokenize_async(req.text, add_bos=req.add_bos,
+                                                   parse_special=req.parse_special)
+        if len(ids) > limit:
+            raise InvalidInput(f"{len(ids)} tokens, more than the {limit} positions of a session")
+        await trio.lowlevel.checkpoint()
+        pieces = ([self.engine.token_piece(t) for t in ids]
+                  if req.with_pieces or req.WhichOneof("input") == "tokens" else [])
+        return pb.TokenizeResponse(tokens=ids, pieces=pieces)
 
     async def _metrics(self, _: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
         await trio.lowlevel.checkpoint()

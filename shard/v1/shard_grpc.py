@@ -24,6 +24,9 @@ class ShardServicer(purerpc.Servicer):
     async def Return(self, input_message):
         raise NotImplementedError()
 
+    async def Tokenize(self, input_message):
+        raise NotImplementedError()
+
     @property
     def service(self) -> purerpc.Service:
         service_obj = purerpc.Service(
@@ -92,6 +95,15 @@ class ShardServicer(purerpc.Servicer):
                 shard_dot_v1_dot_shard__pb2.ReturnResponse,
             )
         )
+        service_obj.add_method(
+            "Tokenize",
+            self.Tokenize,
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                shard_dot_v1_dot_shard__pb2.TokenizeRequest,
+                shard_dot_v1_dot_shard__pb2.TokenizeResponse,
+            )
+        )
         return service_obj
 
 
@@ -155,5 +167,13 @@ class ShardStub:
                 purerpc.Cardinality.UNARY_UNARY,
                 shard_dot_v1_dot_shard__pb2.ReturnRequest,
                 shard_dot_v1_dot_shard__pb2.ReturnResponse,
+            )
+        )
+        self.Tokenize = self._client.get_method_stub(
+            "Tokenize",
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                shard_dot_v1_dot_shard__pb2.TokenizeRequest,
+                shard_dot_v1_dot_shard__pb2.TokenizeResponse,
             )
         )
