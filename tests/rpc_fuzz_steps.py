@@ -35,7 +35,8 @@ class StepRules(FuzzWorld):
             return
         self.loop.run(self._step, slot, "decode", [])
 
-    async def _step(self, slot: SlotModel, kind: str, tokens: list[int]) -> None:
+    async def _step(self, slot: SlotModel, kind: str, tokens: list[int]) -> pb.StepResult | None:
+        """One prefill or decode; its result, or None when it failed (checked here)."""
         assert slot.session is not None
         fed = tokens if kind == "prefill" else [slot.choice]
         try:
@@ -45,18 +46,20 @@ class StepRules(FuzzWorld):
                 step = await slot.session.decode(slot.choice)
         except ShardError as err:
             if await self._ended(slot, err, kind):
-                return
+                return None
             self._step_error(kind, slot, err, overflow=len(slot.tokens) + len(fed) > self.capacity)
-            return
+            return None
         await self._absorb(slot, step, fed)  # type: ignore[arg-type]
         slot.exact = True
         usage = slot.session.usage
         assert usage.n_past == len(slot.tokens), (slot.sid, usage, len(slot.tokens))
         if kind == "prefill":
-            assert usage.prompt_tokens + usage.reused_tokens == len(tokens), usage
+            assert usage.prompt_tokens + usage.reused_tokens + usage.cached_tokens == len(tokens), usage
+            assert usage.cached_tokens == step.cached_tokens, (usage, step)
         else:
             assert usage.generated_tokens == 1, usage
         FuzzWorld.stats[kind] += 1
+        return step
 
     @staticmethod
     def _step_error(kind: str, slot: SlotModel, err: ShardError, *, overflow: bool = False) -> None:
