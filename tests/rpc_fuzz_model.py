@@ -85,8 +85,9 @@ class FuzzWorld(RuleBasedStateMachine):
 
     check_reference = True
 
-    #: The worker's prefix cache budget: two entries at most, and two long histories overflow it.
-    cache_tokens = 300
+    #: The worker's prefix cache budget: two entries at most (a session holds 256), and two
+    #: histories of more than half a session overflow it.
+    cache_tokens = 260
 
     stats: collections.Counter[str] = collections.Counter()
 

@@ -25,7 +25,7 @@ TAIL = st.lists(st.integers(3, 258), min_size=1, max_size=6)
 class PrefixRules(StreamRules, StepRules):
     """Rules that resend released conversations and fork them."""
 
-    @rule(sid=st.sampled_from(SLOTS), pick=st.integers(0, 7), tail=TAIL, grow=st.integers(0, 120))
+    @rule(sid=st.sampled_from(SLOTS), pick=st.integers(0, 7), tail=TAIL, grow=st.integers(0, 200))
     def next_turn(self, sid: str, pick: int, tail: list[int], grow: int) -> None:
         """The slot's conversation ends (released), and a fresh session sends a released
         history (its own, just released, for ``pick`` 0) plus ``tail`` and ``grow`` more

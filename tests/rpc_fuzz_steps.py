@@ -191,7 +191,8 @@ class StepRules(FuzzWorld):
             if await self._ended(slot, run.error, "generate"):
                 return
             before = len(slot.tokens) - (len(run.prompt or ()) + len(run.steps) - 1 if run.steps else 0)
-            overflow = run.prompt is not None and before + len(run.prompt) > self.capacity
+            # (without a prompt, the step feeds the last result's token: one position)
+            overflow = before + (len(run.prompt) if run.prompt is not None else 1) > self.capacity
             self._step_error("generate", slot, run.error, overflow=overflow)
         else:
             assert run.steps and run.steps[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
