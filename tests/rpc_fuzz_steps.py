@@ -221,9 +221,10 @@ class StepRules(FuzzWorld):
 
     @rule(sid=st.sampled_from(SLOTS), max_tokens=st.integers(2, 12))
     def cancel_right_after_dispatch(self, sid: str, max_tokens: int) -> None:
-        """A Cancel lands after the worker dispatched the step, before its task ran."""
+        """A Cancel lands after the worker dispatched the step, before its task ran (not on a
+        full session: the step is refused before it could be cancelled)."""
         slot = self._pick(sid, "open")
-        if slot is None:
+        if slot is None or len(slot.tokens) >= self.capacity:
             return
         run = StepRun("dispatch-race", max_tokens, None if slot.choice is not None else [5])
         self.loop.run(self._race, slot, run)
