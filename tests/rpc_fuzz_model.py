@@ -1,8 +1,13 @@
 """The RPC fuzzer's model of what the client believes (``SlotModel``, ``StepRun``) and the base
 of its state machine, ``FuzzWorld``: one worker and two session slots per example, set up and torn
 down, and the bookkeeping every rule shares (picking a slot, absorbing results, ending streams,
-waiting for the worker to settle). The rules are in rpc_fuzz_steps.py and rpc_fuzz_streams.py;
-tests/test_rpc_fuzz.py composes them.
+waiting for the worker to settle). The rules are in rpc_fuzz_steps.py, rpc_fuzz_streams.py and
+rpc_fuzz_prefix.py; tests/test_rpc_fuzz.py composes them.
+
+The worker runs with a prefix cache of ``cache_tokens`` (small, so entries are evicted under
+pressure); the reference engine runs without one, so every result a cached prefill gives is
+checked against the same history computed from scratch. The model records every history the
+worker released (``released``), the bound of what any prefill may take from the cache.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -19,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine
 from rpc_fuzz_harness import FAKE, RPC_TIMEOUT, EngineKind, Latency, LoopThread, trio_cache_thread
 from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation
 from shard.engine import PrefillRequest, ShardEngine
+from shard.engine.prefix_cache import reserved_entries
 from shard.rpc.server import serve
 from shard.rpc.session import SessionCall, SessionLimits
 from shard.v1 import shard_pb2 as pb
@@ -79,6 +85,10 @@ class FuzzWorld(RuleBasedStateMachine):
 
     check_reference = True
 
+    #: The worker's prefix cache budget: two entries at most (a session holds 256), and two
+    #: histories of more than half a session overflow it.
+    cache_tokens = 260
+
     stats: collections.Counter[str] = collections.Counter()
 
     def __init__(self) -> None:
@@ -97,6 +107,14 @@ class FuzzWorld(RuleBasedStateMachine):
         self.auto_opens = 0
         spec = self.engine_kind.spec()
         self.capacity = spec.n_ctx // spec.max_sessions  # positions a session may hold
+        self.max_sessions = spec.max_sessions
+        self.cache_entries = reserved_entries(self.cache_tokens, self.capacity)
+        #: Every history the worker released, and whether it is exactly what the engine held
+        #: (False: the engine may have held more after it, results the client never got).
+        self.released: list[tuple[tuple[int, ...], bool]] = []
+        #: The last release, when the cache surely kept it (exact, and no step in flight that
+        #: could pin an entry): a prefill of a fresh session takes at least its shared prefix.
+        self.last_release: tuple[int, ...] | None = None
         self.loop.run(self._start)
         FuzzWorld.stats["examples"] += 1
 
@@ -116,7 +134,8 @@ class FuzzWorld(RuleBasedStateMachine):
         assert self.engine is not None
         try:
             async with self.engine:
-                await self.engine.load(self.engine_kind.spec())
+                spec = replace(self.engine_kind.spec(), prefix_cache_tokens=self.cache_tokens)
+                await self.engine.load(spec)
                 with self.server_scope:
                     await serve(
                         self.engine,
@@ -128,6 +147,10 @@ class FuzzWorld(RuleBasedStateMachine):
                     self.problems.append(
                         f"leak after stop: {self.engine.sessions()}, {m.kv_cells_used} KV cells"
                     )
+                FuzzWorld.stats["cache:evicted"] += m.prefix_cache_evictions_total
+                if m.prefix_cache_tokens > self.cache_tokens:
+                    self.problems.append(f"the cache holds {m.prefix_cache_tokens} tokens after stop")
+                self.problems.extend(self.sequence_id_problems())
         finally:
             self.server_done.set()
 
@@ -203,6 +226,39 @@ class FuzzWorld(RuleBasedStateMachine):
         assert self.engine is not None
         return {info.session_id for info in self.engine.sessions()}
 
+    def sequence_id_problems(self) -> list[str]:
+        """Every sequence id is free, a session's or a cache entry's, exactly one of them (none
+        leaks, none is held twice): checked while no release is under way."""
+        engine = self.engine
+        assert engine is not None
+        free = list(engine._sessions._free)  # noqa: SLF001
+        held = [s.seq_id for s in engine._slots.values()]  # noqa: SLF001
+        cached = engine._prefix.cache.keys()  # noqa: SLF001
+        want = list(range(self.max_sessions + self.cache_entries))
+        got = sorted([*free, *held, *cached])
+        if got != want:
+            return [f"sequence ids: free {sorted(free)}, sessions {held}, cache {cached}"]
+        return []
+
+    def _released(self, tokens: list[int], exact: bool) -> None:
+        """The worker released a session holding ``tokens`` (and more unless ``exact``)."""
+        if not tokens:
+            return
+        self.released.append((tuple(tokens), exact))
+        quiet = all(s.run is None for s in self.slots.values())
+        self.last_release = tuple(tokens) if exact and quiet else None
+
+    def cache_bound(self, history: list[int]) -> int:
+        """The most leading positions of ``history`` any prefill may hold from the cache: the
+        longest prefix it shares with a released history (all of it, when the engine may have
+        held more than the client knows of that one), less one position."""
+        best = 0
+        for kept, exact in self.released:
+            m = min(len(kept), len(history))
+            shared = next((i for i in range(m) if kept[i] != history[i]), m)
+            best = max(best, len(history) if shared == len(kept) and not exact else shared)
+        return min(best, len(history) - 1)
+
     def _call(self, sid: str) -> SessionCall | None:
         return self.server.registry.live(sid)
 
@@ -228,6 +284,14 @@ class FuzzWorld(RuleBasedStateMachine):
         """A result the client received: extend the history, check it as if run alone."""
         slot.tokens = [*slot.tokens, *fed]
         assert step.n_past == len(slot.tokens), (slot.sid, step.n_past, len(slot.tokens))
+        if step.cached_tokens:
+            start = len(slot.tokens) - len(fed) + step.reused_tokens
+            bound = self.cache_bound(slot.tokens)
+            assert start + step.cached_tokens <= bound, (
+                f"{slot.sid}: {step.cached_tokens} cached tokens from position {start}, but only"
+                f" {bound} positions of its history were ever released"
+            )
+            FuzzWorld.stats["cache:hit"] += 1
         want = await self._expected_choice(slot.tokens)
         assert want is None or step.logits.token_id == want, (
             f"{slot.sid}: a result differs from the same session run alone"
@@ -253,6 +317,7 @@ class FuzzWorld(RuleBasedStateMachine):
     async def _end_stream(self, slot: SlotModel, expect: str, *, ambiguous: bool = False) -> None:
         """The slot's stream is over. ``ambiguous``: the call deadline raced the end, so the
         worker may have released or retained it: read which (the invariant checks it)."""
+        exact = slot.exact and slot.run is None  # a step's results not absorbed: the engine holds more
         if slot.run is not None:
             await slot.run.done.wait()
             slot.run = None
@@ -267,6 +332,7 @@ class FuzzWorld(RuleBasedStateMachine):
             slot.exact = False
         slot.state = expect
         if expect == "none":
+            self._released(slot.tokens, exact and slot.exact)
             slot.tokens, slot.choice, slot.exact = [], None, True
 
     async def _settle(self) -> None:
@@ -318,6 +384,7 @@ class FuzzWorld(RuleBasedStateMachine):
             assert (outcome, held) == (R.OUTCOME_HIT, len(slot.tokens)), slot.session.cache
         elif slot.state == "retained":
             assert outcome == R.OUTCOME_MISMATCH, slot.session.cache
+            self._released(slot.tokens, slot.exact)  # the mismatched session was released
             slot.tokens, slot.exact = [], True
         else:
             assert outcome == R.OUTCOME_NEW, slot.session.cache

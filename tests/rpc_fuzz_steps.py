@@ -35,7 +35,8 @@ class StepRules(FuzzWorld):
             return
         self.loop.run(self._step, slot, "decode", [])
 
-    async def _step(self, slot: SlotModel, kind: str, tokens: list[int]) -> None:
+    async def _step(self, slot: SlotModel, kind: str, tokens: list[int]) -> pb.StepResult | None:
+        """One prefill or decode; its result, or None when it failed (checked here)."""
         assert slot.session is not None
         fed = tokens if kind == "prefill" else [slot.choice]
         try:
@@ -45,18 +46,20 @@ class StepRules(FuzzWorld):
                 step = await slot.session.decode(slot.choice)
         except ShardError as err:
             if await self._ended(slot, err, kind):
-                return
+                return None
             self._step_error(kind, slot, err, overflow=len(slot.tokens) + len(fed) > self.capacity)
-            return
+            return None
         await self._absorb(slot, step, fed)  # type: ignore[arg-type]
         slot.exact = True
         usage = slot.session.usage
         assert usage.n_past == len(slot.tokens), (slot.sid, usage, len(slot.tokens))
         if kind == "prefill":
-            assert usage.prompt_tokens + usage.reused_tokens == len(tokens), usage
+            assert usage.prompt_tokens + usage.reused_tokens + usage.cached_tokens == len(tokens), usage
+            assert usage.cached_tokens == step.cached_tokens, (usage, step)
         else:
             assert usage.generated_tokens == 1, usage
         FuzzWorld.stats[kind] += 1
+        return step
 
     @staticmethod
     def _step_error(kind: str, slot: SlotModel, err: ShardError, *, overflow: bool = False) -> None:
@@ -188,7 +191,8 @@ class StepRules(FuzzWorld):
             if await self._ended(slot, run.error, "generate"):
                 return
             before = len(slot.tokens) - (len(run.prompt or ()) + len(run.steps) - 1 if run.steps else 0)
-            overflow = run.prompt is not None and before + len(run.prompt) > self.capacity
+            # (without a prompt, the step feeds the last result's token: one position)
+            overflow = before + (len(run.prompt) if run.prompt is not None else 1) > self.capacity
             self._step_error("generate", slot, run.error, overflow=overflow)
         else:
             assert run.steps and run.steps[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
@@ -217,9 +221,10 @@ class StepRules(FuzzWorld):
 
     @rule(sid=st.sampled_from(SLOTS), max_tokens=st.integers(2, 12))
     def cancel_right_after_dispatch(self, sid: str, max_tokens: int) -> None:
-        """A Cancel lands after the worker dispatched the step, before its task ran."""
+        """A Cancel lands after the worker dispatched the step, before its task ran (not on a
+        full session: the step is refused before it could be cancelled)."""
         slot = self._pick(sid, "open")
-        if slot is None:
+        if slot is None or len(slot.tokens) >= self.capacity:
             return
         run = StepRun("dispatch-race", max_tokens, None if slot.choice is not None else [5])
         self.loop.run(self._race, slot, run)

@@ -5,14 +5,18 @@ Rules interleave, on two session slots: opens (with a call deadline, a step time
 return), appending prefills (whole or in chunks), rewrites that reuse a held prefix (a prefill
 at an earlier position whose head repeats what is held), decodes, generates, rewinds, a
 Generate cancelled mid-way (the Cancel RPC), refusals injected at any hop's next step, resets,
-closes and waits; every hop's steps take a random time.
+closes and waits; every hop's steps take a random time. Every hop has the same small prefix
+cache, and a chat's next turn (the conversation closed, then a released history plus a tail
+sent on a fresh routed session) takes its start from every hop's cache.
 
 Checked after every request: each result is the last shard's answer for exactly the history the
 client sent up to its position (the whole model computed alone gives the same token and
 log-probability), and the client learns where the chain stands (``Usage.n_past``); after every
 rule: every hop holds exactly the client's history, no more and no less (its engine's
 positions; the first hop's token ids), holds no other session, and its KV cells are those
-positions; a stream that ended left nothing on any hop. At the end of each example nothing leaks.
+positions; a stream that ended left nothing on any hop; no step takes from the cache more than
+a released history shares with its history, and every hop's cache stays within its budget. At
+the end of each example nothing leaks.
 
 A planted bug (rows forwarded at the request's position instead of where the engine's computed
 rows begin, after a reused prefix) must be found in 5 of 5 runs. Run longer with
@@ -51,6 +55,7 @@ from rpc_fuzz_harness import FAILURES, LoopThread, trio_cache_thread as _trio_ca
 
 MODEL = FakeModel(n_layers_total=4, n_embd=8, seed=13)
 SPEC = LoadSpec(n_ctx=1024, max_sessions=4)  # 256 positions per session
+CACHE_TOKENS = 300  # every hop's prefix cache: two entries at most
 SLOTS = ("a", "b")
 RPC_TIMEOUT = 20.0
 SETTLE = 5.0
@@ -121,6 +126,8 @@ class ChainFuzz(RuleBasedStateMachine):
         self.slots = {sid: Slot(sid) for sid in SLOTS}
         self.problems: list[str] = []
         self.trail: list[str] = []  # what this example did (in an invariant's failure message)
+        #: Every history the chain released, and whether the hops may have held more after it.
+        self.released: list[tuple[tuple[int, ...], bool]] = []
         self.loop.run(self._start)
         ChainFuzz.stats["examples"] += 1
 
@@ -141,7 +148,8 @@ class ChainFuzz(RuleBasedStateMachine):
         self.stopped.append(stopped)
         try:
             async with engine:
-                await engine.load(LoadSpec(n_ctx=SPEC.n_ctx, max_sessions=SPEC.max_sessions, layer_range=lr))
+                await engine.load(LoadSpec(n_ctx=SPEC.n_ctx, max_sessions=SPEC.max_sessions, layer_range=lr,
+                                           prefix_cache_tokens=CACHE_TOKENS))
                 with scope:
                     await serve(engine, relay=ChainRelay(), task_status=task_status)
                 m = engine.metrics()
@@ -213,6 +221,24 @@ class ChainFuzz(RuleBasedStateMachine):
         token, logprob = await self._expected(intended[:n])
         assert (step.logits.token_id, step.logits.logprob) == (token, logprob), (
             f"{slot.sid}: a result differs from the whole model's for the same {n} positions")
+        if step.cached_tokens:
+            held = n - step.tokens_processed  # the positions held before the step computed
+            bound = self._cache_bound(intended[:n])
+            assert held <= bound, (
+                f"{slot.sid}: {step.cached_tokens} cached tokens up to {held}, but only {bound}"
+                " positions of its history were ever released")
+            ChainFuzz.stats["cache:hit"] += 1
+
+    def _cache_bound(self, history: list[int]) -> int:
+        """The most leading positions of ``history`` a step may hold from the cache: the longest
+        prefix it shares with a released history (all of it when the hops may have held more
+        than that one), less one position."""
+        best = 0
+        for kept, exact in self.released:
+            m = min(len(kept), len(history))
+            shared = next((i for i in range(m) if kept[i] != history[i]), m)
+            best = max(best, len(history) if shared == len(kept) and not exact else shared)
+        return min(best, len(history) - 1)
 
     async def _request(
         self, slot: Slot, how: str, intended: list[int], run: Any, *, feeds_back: bool = False,
@@ -244,6 +270,7 @@ class ChainFuzz(RuleBasedStateMachine):
         if err is not None and session._dead is not None:  # noqa: SLF001 - the stream ended
             assert err.code is ErrorCode.DEADLINE_EXCEEDED and slot.near_deadline(), (
                 f"{how}: undocumented end of the stream: {err!r}")
+            self.released.append((tuple(intended), False))  # the hops held part of it, or more
             await self._ended(slot)
             ChainFuzz.stats[f"{how}:deadline"] += 1
             return
@@ -270,6 +297,8 @@ class ChainFuzz(RuleBasedStateMachine):
     async def _ended(self, slot: Slot) -> None:
         """The slot's stream is over: every hop frees its session (routed: never retained)."""
         self.trail.append(f"{slot.sid} ended @{trio.current_time():.3f}")
+        if slot.tokens:
+            self.released.append((tuple(slot.tokens), True))
         if slot.session is not None:
             slot.session.abort()
         slot.session, slot.open, slot.tokens, slot.choice = None, False, [], None
@@ -492,6 +521,25 @@ class ChainFuzz(RuleBasedStateMachine):
             assert err.code is ErrorCode.DEADLINE_EXCEEDED and slot.near_deadline(), err
         await self._ended(slot)
 
+    @rule(sid=st.sampled_from(SLOTS), pick=st.integers(0, 5),
+          tail=st.lists(st.integers(3, 258), min_size=1, max_size=6), grow=st.integers(0, 80),
+          chunk=st.sampled_from([0, 0, 4]))
+    def next_turn(self, sid: str, pick: int, tail: list[int], grow: int, chunk: int) -> None:
+        """A chat's next turn: the conversation ends (released on every hop), and a fresh
+        routed session sends a released history (its own for ``pick`` 0) plus a tail."""
+        slot = self.slots[sid]
+        tail = [*tail, *(3 + (i * 13 + grow) % 250 for i in range(grow))]
+        self.loop.run(self._next_turn, slot, pick, tail, chunk)
+
+    async def _next_turn(self, slot: Slot, pick: int, tail: list[int], chunk: int) -> None:
+        if slot.open:
+            await self._close(slot)
+        await self._open(slot, None, None, False)
+        if not slot.open:
+            return
+        history = list(self.released[-1 - pick % len(self.released)][0]) if self.released else []
+        await self._prefill(slot, 0, [*history[: 240 - len(tail)], *tail], chunk, "next_turn")
+
     @rule(ms=st.sampled_from([1, 5, 20]))
     def wait(self, ms: int) -> None:
         self.loop.run(trio.sleep, ms / 1000)
@@ -529,6 +577,7 @@ class ChainFuzz(RuleBasedStateMachine):
                     assert list(info.tokens or ()) == slot.tokens, f"hop 0 holds other tokens of {slot.sid}"
                 total += info.n_past
             m = engine.metrics()
+            assert m.prefix_cache_tokens <= CACHE_TOKENS, f"hop {k}: {m.prefix_cache_tokens} cached tokens"
             if m.operations_running == 0:
                 assert m.kv_cells_used == total, f"hop {k}: {m.kv_cells_used} KV cells for {total} positions"
 
@@ -576,6 +625,7 @@ def test_routed_sessions_hold_the_clients_history_on_every_hop(
     for what in ("rewrite", "decode", "generate", "rewind"):  # the fuzzer exercised them
         assert any(k.startswith(what) for k in ChainFuzz.stats), what
     assert any(k.endswith(":INVALID_ARGUMENT") for k in ChainFuzz.stats)  # refusals fired
+    assert ChainFuzz.stats["cache:hit"] > 0  # next turns took their start from the caches
 
 
 def _forward_at_the_requests_position(result: Any) -> int:

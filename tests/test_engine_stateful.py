@@ -7,8 +7,10 @@ operation, either the exact resulting session state or the exact error type, fol
 precedence documented in docs/engine.md. Greedy results are also remembered per token history:
 the same history must always choose the same token, whatever reuse, rollback or cancellation
 led to it. Each engine also runs with a prefix cache: then a prefill may copy the start of its
-prompt from a released history (``cached_tokens``), the same histories must still choose the same
-tokens, and the cache stays within its budget.
+prompt from a released history (``cached_tokens``, never more than a released history shares
+with it), the same histories must still choose the same tokens, rewinds into a prefix several
+sessions took from one entry leave the others' cells alone, and the cache stays within its
+budget of two entries (releases evict under pressure).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class EngineLoop:
         self.greedy_seen: dict[tuple[int, ...], tuple[int, float]] = {}
         self.cached = factory.name.endswith("-cached")
         self.released: list[tuple[int, ...]] = []  # histories of released sessions, latest last
+        #: Every history a release may have left in the cache (the engine lives across examples).
+        self.ever_released: set[tuple[int, ...]] = set()
         self._ready = threading.Event()
         self._stop: trio.Event | None = None
         self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
@@ -159,6 +163,12 @@ positions = st.sampled_from(["append", "zero", "inner", "beyond"])
 budgets = st.sampled_from([None, None, 6, 20, PER_SESSION, 0, PER_SESSION + 1])
 
 
+def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    m = min(len(a), len(b))
+    return next((i for i in range(m) if a[i] != b[i]), m)
+
+
 class SessionLifecycle(RuleBasedStateMachine):
     loop: EngineLoop  # set on the per-engine subclass
     opened = OPENED
@@ -221,6 +231,12 @@ class SessionLifecycle(RuleBasedStateMachine):
         assert (result.n_past, result.reused_tokens) == (ref.n_past, reused)
         assert result.tokens_processed + result.cached_tokens == len(tokens) - reused
         assert self.loop.cached or result.cached_tokens == 0
+        if result.cached_tokens:  # copied from a released history that shares that much
+            history, start = ref.tokens, position + reused
+            shared = max((_shared(h, history) for h in self.loop.ever_released), default=0)
+            assert start + result.cached_tokens <= min(shared, len(history) - 1), (
+                f"{result.cached_tokens} cached tokens from {start}: released histories share {shared}"
+            )
         self.check_greedy(ref.tokens, result)
 
     def check_greedy(self, history: tuple[int, ...], result: StepResult) -> None:
@@ -357,6 +373,7 @@ class SessionLifecycle(RuleBasedStateMachine):
         assert ref is not None
         if via == "release":
             assert released is True
+            self.loop.ever_released.add(ref.tokens)  # (or the start it rolled back to)
             del self.refs[name]
             return
         reused = 0
@@ -402,6 +419,7 @@ class SessionLifecycle(RuleBasedStateMachine):
         ref = self.refs.pop(name, None)
         if ref is not None and ref.tokens:
             self.loop.released = [*self.loop.released[-3:], ref.tokens]
+            self.loop.ever_released.add(ref.tokens)
 
     @rule(name=session_names)
     def cancel_idle(self, name: str) -> None:
@@ -448,6 +466,7 @@ class SessionLifecycle(RuleBasedStateMachine):
     def teardown(self) -> None:
         for name in list(self.refs):
             assert self.loop.run(self.engine.release, name) is True
+            self.loop.ever_released.add(self.refs[name].tokens)
         m = self.loop.run_sync(self.engine.metrics)
         assert (m.sessions_active, m.kv_cells_used) == (0, 0)
 
@@ -478,3 +497,4 @@ def test_session_lifecycle_state_machine(engine_loop: EngineLoop) -> None:
     if engine_loop.cached:
         m = engine_loop.run_sync(engine_loop.engine.metrics)  # type: ignore[union-attr]
         assert m.prefix_cache_hits_total > 0 and m.prefix_cache_stored_total > 0
+        assert m.prefix_cache_evictions_total > 0  # two entries: releases evict under pressure

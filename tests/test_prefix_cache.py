@@ -5,6 +5,7 @@ no key lost or held twice, a pinned entry never evicted)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -225,3 +226,69 @@ async def test_a_thousand_conversations_leave_the_cache_within_its_budget() -> N
         assert m.prefix_cache_stored_total == 1000
         assert m.prefix_cache_evictions_total + m.prefix_cache_entries == 1000
         assert engine._impl_kv_cells_used() == m.prefix_cache_tokens  # nothing else held
+
+
+def _rss_bytes() -> int:
+    """This process's resident set (Linux ``/proc/self/statm``: pages)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+async def test_a_thousand_conversations_on_llama_keep_the_budget_memory_and_live_cells() -> None:
+    """The same on llama.cpp (the tiny model), with conversations that extend earlier ones (so
+    entries are hit, replaced and evicted) while one live session stays open: the cache stays
+    within its budget, no session cell is left, the process's memory stays flat after a
+    warm-up, and the live session never loses a cell under the pressure (it holds its tokens,
+    and a step from it gives what it gave before the conversations)."""
+    from shard.engine import DecodeRequest, LoadSpec, PrefillRequest
+    from shard.engine.llama import LlamaCppEngine
+    from shard.models import ensure_model
+
+    budget, n = 300, 1000
+    live = (1, *range(40, 70))
+    async with LlamaCppEngine() as engine:
+        caps = await engine.load(LoadSpec(model_path=ensure_model("tiny"), n_ctx=1024, max_sessions=4,
+                                          n_threads=1, prefix_cache_tokens=budget))
+        assert reserved_entries(budget, caps.n_ctx_per_session) == 2
+        await engine.open_session("live")
+        await engine.prefill(PrefillRequest("live", tokens=live, top_k_logprobs=0))
+
+        async def live_step() -> tuple[int, float]:
+            """A step from the live session's history, then its cells back as they were."""
+            result = await engine.decode(DecodeRequest("live", token=5))
+            await engine.truncate("live", len(live))
+            assert engine.session_info("live").tokens == live
+            assert result.logits is not None
+            return result.logits.token_id, result.logits.logprob
+
+        before = await live_step()
+        rss: dict[int, int] = {}
+        previous: tuple[int, ...] = ()
+        for i in range(n):
+            await engine.open_session("c")
+            extends = bool(i % 3 and previous)
+            if extends:  # the next turn of the previous conversation, released just before
+                prompt = (*previous, 3 + i % 250, 3 + (i * 7) % 250)
+            else:  # a new conversation
+                prompt = (1, 3 + i % 250, 3 + (i // 250) % 250, *range(10, 10 + i % 17))
+            result = await engine.prefill(PrefillRequest("c", tokens=prompt, top_k_logprobs=0))
+            assert result.cached_tokens < len(prompt)
+            if extends:
+                assert result.cached_tokens >= len(previous), (i, result.cached_tokens)
+            await engine.release("c")
+            previous = prompt if len(prompt) < 120 else ()
+            m = engine.metrics()
+            assert m.prefix_cache_tokens <= budget and m.prefix_cache_entries <= 2
+            assert m.kv_cells_used == len(live)  # the live session's cells only
+            if i in (n // 2, n - 1):
+                rss[i] = _rss_bytes()
+                after = await live_step()
+                assert after[0] == before[0] and math.isclose(after[1], before[1], abs_tol=1e-4)
+        m = engine.metrics()
+        assert m.prefix_cache_hits_total > n // 2 and m.prefix_cache_evictions_total > 0
+        assert m.prefix_cache_evictions_total + m.prefix_cache_entries <= m.prefix_cache_stored_total
+        growth = rss[n - 1] - rss[n // 2]
+        assert growth < 20 * 2**20, f"the process grew {growth / 2**20:.1f} MiB over the second half"

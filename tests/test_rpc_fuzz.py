@@ -3,8 +3,8 @@
 
 The rules submit their coroutines to a Trio loop in a background thread (tests/rpc_fuzz_harness.py
 says why); the model and the state machine's base are in tests/rpc_fuzz_model.py, the rules in
-tests/rpc_fuzz_steps.py and tests/rpc_fuzz_streams.py. This file composes them, checks the
-invariant and holds the tests.
+tests/rpc_fuzz_steps.py, tests/rpc_fuzz_streams.py and tests/rpc_fuzz_prefix.py. This file
+composes them, checks the invariant and holds the tests.
 
 Each example starts a worker (fake engine with random per-step latencies; a smaller run uses
 the llama engine and the tiny model) and two session slots, each on its own connection. Rules
@@ -13,13 +13,18 @@ decode, generate (awaited, or left running in the background), credit (tiny wind
 grants at random points), the out-of-band Cancel RPC, a Cancel that lands right after a step
 is dispatched (the race of issue 8 item 3), Release, close (retain or not), half-close,
 RST_STREAM (client cancel), an abrupt TCP close, call deadlines and step timeouts firing at
-random points, and plain waits.
+random points, and plain waits. The worker has a small prefix cache: conversations are resent
+with a tail on fresh sessions, several live sessions fork one released prefix, rewinds cut into
+it, and releases evict entries under pressure.
 
 Checked after every rule: every call ended with a documented status for its cause; the
 engine's sessions and KV cells match the model of what is live or retained (and the engine's
 own KV bookkeeping matches its sessions); the worker runs exactly one stream task per live
-slot; every result equals what the same history gives when computed alone on a fresh engine.
-At the end of each example: nothing leaks (sessions, KV cells, tasks, threads).
+slot; every result equals what the same history gives when computed alone on a fresh engine
+without a cache; no prefill takes from the cache more than a released history shares with it,
+and a fresh session takes at least what it shares with the last release; the cache stays within
+its budget; every sequence id is free, a session's or a cache entry's, exactly once. At the
+end of each example: nothing leaks (sessions, KV cells, sequence ids, tasks, threads).
 
 Planted-bug tests show each invariant catches its bug. Run longer with
 ``--hypothesis-profile=long`` (``SHARD_FUZZ_SECONDS``, default 600, bounds the run).
@@ -40,15 +45,15 @@ from hypothesis.stateful import initialize, invariant, run_state_machine_as_test
 from conftest import LONG_EXAMPLES
 from rpc_fuzz_harness import FAILURES, FAKE, FAKE_BATCHED, FAKE_SPEC, LLAMA, MODEL, EngineKind
 from rpc_fuzz_model import SLOTS
-from rpc_fuzz_steps import StepRules
-from rpc_fuzz_streams import StreamRules
+from rpc_fuzz_prefix import PrefixRules
 from shard.engine.base import Slot as EngineSlot
 from shard.engine.fake import FakeEngine, FakeScript
+from shard.engine.prefix_cache import PrefixCache
 from shard.rpc.session import SessionCall
 from shard.rpc.session.context import StepContext
 
 
-class RpcFuzz(StreamRules, StepRules):
+class RpcFuzz(PrefixRules):
     """The state machine: every rule, and the invariant checked after each; subclasses pick the
     engine and may plant bugs (see the tests)."""
 
@@ -93,6 +98,12 @@ class RpcFuzz(StreamRules, StepRules):
             if slot.exact and slot.state == "open":
                 assert info.n_past == n, f"{sid}: the engine holds {info.n_past} positions, not {n}"
         metrics = engine.metrics()
+        assert metrics.prefix_cache_tokens <= self.cache_tokens, (
+            f"the cache holds {metrics.prefix_cache_tokens} tokens, over its budget of {self.cache_tokens}"
+        )
+        assert metrics.prefix_cache_entries <= self.cache_entries, metrics
+        problems = self.sequence_id_problems()
+        assert not problems, problems
         kv = metrics.kv_cells_used
         if metrics.operations_running == 0:  # a running step may hold cells it has not committed
             if isinstance(engine, FakeEngine):
@@ -137,6 +148,8 @@ def _fuzz(machine: type[RpcFuzz], examples: int, steps: int, capsys: pytest.Capt
         counts = dict(sorted(RpcFuzz.stats.items()))
         print(f"\nrpc fuzz [{machine.engine_kind.name}] {time.monotonic() - started:.1f}s: {counts}")
     assert RpcFuzz.stats["examples"] >= (1 if LONG else examples)
+    assert RpcFuzz.stats["cache:hit"] > 0, "no prefill took anything from the prefix cache"
+    assert RpcFuzz.stats["cache:evicted"] > 0, "the prefix cache never evicted an entry"
 
 
 class FakeFuzz(RpcFuzz):
@@ -145,6 +158,14 @@ class FakeFuzz(RpcFuzz):
 
 class BatchedFakeFuzz(RpcFuzz):
     engine_kind = FAKE_BATCHED
+
+
+class OneEntryFuzz(FakeFuzz):
+    """A cache of one short entry: a longer history is not kept, so a cache that ignores its
+    budget shows at the first one (with two entries it takes two long histories released one
+    after the other, which the short runs may not see)."""
+
+    cache_tokens = 64
 
 
 class LlamaFuzz(RpcFuzz):
@@ -171,13 +192,17 @@ def test_rpc_state_machine_llama_engine(capsys: pytest.CaptureFixture[str]) -> N
 
 
 class NeverFreesKv(FakeEngine):
-    """A fake whose release forgets the session but never frees its KV cells."""
+    """A fake whose release forgets the session but never frees its KV cells, nor those of a
+    cache entry it lets go (with the cache, a release mostly hands its cells to an entry)."""
 
     async def _impl_truncate(self, slot: EngineSlot, keep: int) -> None:
         if keep == 0 and slot.session_id not in self._slots:
             await trio.lowlevel.checkpoint()
             return
         await super()._impl_truncate(slot, keep)
+
+    async def _impl_forget_cells(self, seq_ids: list[int]) -> None:
+        await trio.lowlevel.checkpoint()
 
 
 class LeakyFuzz(RpcFuzz):
@@ -218,6 +243,22 @@ def _finds(machine: type[RpcFuzz], *matches: str, examples: int = 60) -> None:
 
 def test_fuzzer_finds_a_kv_leak() -> None:
     _finds(LeakyFuzz, "KV cells")
+
+
+def test_fuzzer_finds_a_cache_over_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache that keeps every history whatever its token budget (its entry count still
+    bounded by the sequence ids it has)."""
+    insert = PrefixCache.insert
+
+    def unbounded(self: PrefixCache, key: int, ids: list[int]) -> tuple[list[int], int]:
+        budget, self.budget = self.budget, 10**9
+        try:
+            return insert(self, key, ids)
+        finally:
+            self.budget = budget
+
+    monkeypatch.setattr(PrefixCache, "insert", unbounded)
+    _finds(OneEntryFuzz, "over its budget", "tokens after stop")
 
 
 def test_fuzzer_finds_a_handler_that_ignores_cancel(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,8 @@ Ownership: a session id is *claimed* by exactly one ``SessionCall`` while its st
 the stream ends without a release (CloseSession{retain}, half-close, lost connection), the
 call hands the engine session to the registry as *retained* until ``resume_ttl`` expires; the
 reaper task frees it then. ``Release`` frees a session at once, streaming or retained.
+Every way a retained session ends is the engine's ``release``, so with a prefix cache its
+history becomes a cache entry (one mechanism: docs/protocol.md, "Resume and TTL").
 
 Resource handling: ``run()`` is started in the server's nursery and owns a nursery of its own
 in which every ``SessionCall`` and the reaper run (no task lives outside it). When ``run()`` is

@@ -121,7 +121,9 @@ class Lifecycle:
                 self.ctx.kv_capacity = retained.kv_capacity
                 self._registry.count("sessions_resumed_total")
                 return R(outcome=outcome, tokens_held=held, reason=reason)
-            # Mismatch: the held cache is of no use to this client. Clear it, start empty.
+            # Mismatch: the held cache is of no use to this client. Release it (with a prefix
+            # cache its history becomes an entry, which serves what the client's replay shares
+            # with it) and start empty.
             await self._engine.release(sid)
             self._owns_engine_session = False
             await self._open_fresh(sid, kv_budget)
@@ -160,7 +162,8 @@ class Lifecycle:
                                                        batch_group=self.ctx.batch_group)
                 break
             except TooManySessions as exc:
-                # Retained sessions are a best-effort cache: evict the oldest before refusing.
+                # Retained sessions are a best-effort cache: evict the oldest before refusing
+                # (released: with a prefix cache, its history stays as an entry).
                 if not await self._registry.evict_one():
                     raise ShardError.from_engine(exc) from None
             except EngineError as exc:
