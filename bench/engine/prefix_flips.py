@@ -172,12 +172,15 @@ class Engines:
 
 
 @asynccontextmanager
-async def engines(model: str, threads: int) -> AsyncIterator[Engines]:
+async def engines(model: str, threads: int, sessions: int = 1) -> AsyncIterator[Engines]:
+    """``sessions`` sessions on the cached engine, one more on the cacheless one (at least two),
+    ``N_CTX`` cells each."""
     path = resolve_model(model)
     async with LlamaCppEngine() as cached, LlamaCppEngine() as plain:
-        await cached.load(LoadSpec(model_path=path, n_ctx=N_CTX, max_sessions=1, n_threads=threads,
-                                   prefix_cache_tokens=N_CTX))
-        await plain.load(LoadSpec(model_path=path, n_ctx=2 * N_CTX, max_sessions=2,
+        await cached.load(LoadSpec(model_path=path, n_ctx=sessions * N_CTX, max_sessions=sessions,
+                                   n_threads=threads, prefix_cache_tokens=N_CTX))
+        n = max(2, sessions + 1)
+        await plain.load(LoadSpec(model_path=path, n_ctx=n * N_CTX, max_sessions=n,
                                   n_threads=threads))
         yield Engines(cached, plain, chat_template(cached, model))
 
