@@ -8,8 +8,8 @@ logits): a session that holds the earlier history the cache copied, cut where th
 departs from it, then the rest in one step. Against it the cached run's top-k log-probabilities
 must be bit-identical at every position, so a near-tie cannot flip and no prompt needs choosing
 for its margin. How often a cacheless run in *other* steps differs (near-ties flipping) is what
-``bench/engine/prefix_flips.py`` measures; the conversation test checks here only that such
-differences stay at near-ties, as float noise does and a wrong cell would not.
+``bench/engine/prefix_flips.py`` measures: a property of llama.cpp's kernels on the machine, not
+of the cache, so no test asserts it.
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ from shard.testing.contract.prefix_cache import history_of
 from test_prefix_rpc import chat_in_one_session, chat_on_pipeline, chat_on_worker, held_after
 
 REAL = ["smollm2-135m-instruct", "gemma3-270m"]
-#: A difference between the cached run and a cacheless one in other steps is float noise: it
-#: can flip a near-tie only. A cell copied wrong would change tokens the model is sure of.
-NOISE_MARGIN = 1.0
 N_TOKENS = 12
 
 
@@ -59,10 +56,6 @@ async def test_every_turn_of_a_conversation_equals_a_cacheless_engine_in_the_sam
     assert all(t.cached_tokens > t.prompt_tokens // 2 for t in later)  # the cache served them
     for t in turns:
         assert t.same_chunks.identical and t.same_chunks.first_diff is None, t
-        v = t.other_chunks  # other steps: a flip only where both runs saw a near-tie
-        if v.first_diff is not None:
-            assert v.margin is not None and v.ref_margin is not None
-            assert max(v.margin, v.ref_margin) < NOISE_MARGIN, t
 
 
 async def greedy(engine: LlamaCppEngine, sid: str, step: StepResult, n: int
