@@ -190,7 +190,7 @@ async def test_each_architecture_takes_the_conversation_from_the_cache(arch: str
     two, three = (next(c for c in MODELS[arch].chains if len(c) == n) for n in (3, 4))
     async with arch_workers(arch, [None], 0) as (plain,):
         want = await chat_in_one_session(plain.target)
-    assert len({t for turn in want for t in turn}) > 3, want  # not one token repeated
+    assert len({t for turn in want for t in turn}) > 1, want  # not one token repeated
     cached = [0, held_after(0), held_after(1)]
     async with arch_workers(arch, [None], 256) as (whole,):
         caps = whole.engine.capabilities()
