@@ -173,8 +173,9 @@ class Turn:
 
 @dataclass
 class Engines:
-    """The cached engine (one session and one cache entry: a conversation never hits another's
-    history, so the same-chunks reference knows which cells it copied) and a cacheless one."""
+    """The cached engine (a budget of one session's cells, so one entry: a conversation never
+    hits another's history, and the same-chunks reference knows which cells it copied) and a
+    cacheless one."""
 
     cached: LlamaCppEngine
     plain: LlamaCppEngine
@@ -242,6 +243,7 @@ async def converse(e: Engines, index: int, system: str | None, users: Sequence[s
                 await e.cached.release("cached")
                 await e.plain.release("other")
             out.append(turn)
+            assert got.logits is not None
             held = prompt + turn.tokens[:-1]  # the last token was never fed back
             said = turn.tokens[:-1] if got.logits.is_eog else turn.tokens  # without its EOT
             text = b"".join(e.cached.token_piece(t) for t in said).decode("utf-8", "replace")
@@ -279,6 +281,7 @@ async def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "conversations": len(chats),
         "turns": len(turns),
+        "later_turns": len(later),  # a first turn computes the same steps in every run
         "positions": len(margins),
         "median_margin": round(statistics.median(margins), 4),
         "positions_with_margin_below": {str(x): sum(m < x for m in margins) for x in MARGINS},
