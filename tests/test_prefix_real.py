@@ -14,8 +14,10 @@ of the cache, so no test asserts it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 
 import pytest
 import trio
@@ -207,3 +209,34 @@ async def test_each_architecture_takes_the_conversation_from_the_cache(arch: str
                 for h in hops:
                     hits = h.engine.metrics().prefix_cache_hit_tokens_total
                     assert hits == held_after(0) + held_after(1), (cuts, relay)
+
+
+# ---- the bench that measures the flips ------------------------------------------------------
+
+
+def test_the_conversations_are_varied_and_the_same_for_one_seed() -> None:
+    chats = conversations(seed=3, n=40, turns=3)
+    assert chats == conversations(seed=3, n=40, turns=3) != conversations(seed=4, n=40, turns=3)
+    assert all(len(users) == 3 for _, users in chats)
+    assert len({users[0] for _, users in chats}) > 30  # openers differ in topic and template
+    assert len({system for system, _ in chats}) > 2
+
+
+@pytest.mark.slow
+def test_the_flips_bench_reports_both_references(tmp_path: Path) -> None:
+    from bench.engine.prefix_flips import main
+
+    out = tmp_path / "flips.json"
+    main(["--quick", "--models", "smollm2-135m-instruct", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["environment"]["threads"] == 1
+    (r,) = record["results"].values()
+    assert (r["conversations"], r["turns"], r["later_turns"]) == (3, 6, 3)
+    below = list(r["positions_with_margin_below"].values())
+    assert below == sorted(below) and below[-1] <= r["positions"]
+    assert r["mean_cached_tokens_later_turns"] > 0
+    same, other = r["same_chunks"], r["other_chunks"]
+    assert (same["turns_differing"], same["turns_bit_identical"], same["max_logprob_drift"]) == (0, 6, 0)
+    assert other["turns_bit_identical"] >= 3  # the first turns: the same steps in both
+    for flip in other["flips"]:
+        assert flip["turn"] > 0 and 0 <= flip["position"] < 16
