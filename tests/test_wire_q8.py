@@ -231,3 +231,47 @@ async def test_q8_pipeline_of_the_tiny_llama_model_keeps_the_whole_models_tokens
         for g, w in zip(got.steps[:same], want[:same]):
             assert abs(g.logits.logprob - w.logits.logprob) < 0.03
         await assert_all_free([whole, *chain])
+
+
+# ---- replay after a failover -----------------------------------------------------------------
+
+
+@given(chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), max_rows=st.integers(1, 20),
+       truncate=st.integers(0, 72))
+def test_a_q8_row_log_keeps_the_bytes_sent(chunks: list[int], max_rows: int, truncate: int) -> None:
+    """The log keeps q8_0 rows encoded (34 bytes per 32 values); what it gives back encodes to
+    exactly the bytes each row was sent as, also after a rewind."""
+    from shard.pipeline.replay import ReplayBudget, RowLog
+
+    rng = np.random.default_rng(len(chunks))
+    parts = [(rng.standard_normal((n, 40)) * 10).astype(np.float32) for n in chunks]
+    rows = RowLog(ReplayBudget(None))
+    for part in parts:
+        rows.append(part, "q8_0")
+    sent = b"".join(Q8.encode(p) for p in parts)
+    assert rows.positions == sum(chunks) and rows.nbytes == len(sent) == sum(chunks) * 68
+    slices = list(rows.slices(max_rows))
+    assert all(1 <= s.shape[0] <= max_rows and s.dtype == np.float32 for s in slices)
+    assert Q8.encode(np.concatenate(slices)) == sent
+    keep = min(truncate, rows.positions)
+    rows.truncate(keep)
+    if keep:
+        assert Q8.encode(np.concatenate(list(rows.slices(max_rows)))) == sent[:keep * 68]
+    assert rows.nbytes == keep * 68
+
+
+async def test_q8_hops_replay_exactly_what_was_sent() -> None:
+    """q8_0 is lossy, but a replacement worker is replayed the very bytes the failed one was
+    sent: a run with a failover gives the log-probabilities of one without."""
+    from test_failover import LONG, assert_same, fleet, gate_of, generate, run_with
+    from test_pipeline import after_steps
+
+    async with fleet() as (_, hops, gates):
+        targets = [[w.target for w in ws] for ws in hops]
+        async with Pipeline.connect(targets, timeout=TIMEOUT, hidden_dtype="q8_0") as pipe:
+            calm, _ = await generate(pipe)
+            gate = gate_of(gates, 2, 0)
+            at = gate.steps + len(LONG) + 1 + 10  # mid-decode of the second run
+            got, seen = await run_with(lambda: after_steps(gate, at, hops[2][0].stop), pipe)
+        assert [f.hop for f in got.failovers] == [2]
+        assert_same(got, calm.steps, seen)
