@@ -256,11 +256,16 @@ async def _run_calls(calls: list[tuple[str, list[Message]]]) -> list[dict[str, A
 # ---- comparison -----------------------------------------------------------------------------
 
 
+#: Repeated fields a newer worker may extend at the end (see ``_close``).
+APPENDABLE = ("supported_versions", "hidden_wire_dtypes")
+
+
 def _close(actual: Any, expected: Any, where: str) -> None:
     """Structural equality; floats (logprobs) within 1e-4 so BLAS rounding cannot break it.
 
     What a newer minor adds is allowed: fields the recording lacks (a client of the recorded
-    version ignores unknown fields) and newer entries at the end of ``supported_versions``.
+    version ignores unknown fields) and newer entries at the end of ``APPENDABLE`` lists
+    (``supported_versions``; ``hidden_wire_dtypes``: a client asks only for a dtype it knows).
     Everything recorded must come back equal.
     """
     if isinstance(expected, float) or isinstance(actual, float):
@@ -269,7 +274,7 @@ def _close(actual: Any, expected: Any, where: str) -> None:
         assert isinstance(actual, dict) and actual.keys() >= expected.keys(), f"{where}: {actual} != {expected}"
         for key in expected:
             got = actual[key]
-            if key == "supported_versions":
+            if key in APPENDABLE:
                 got = got[: len(expected[key])]
             _close(got, expected[key], f"{where}.{key}")
     elif isinstance(expected, list):

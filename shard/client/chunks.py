@@ -16,7 +16,7 @@ class ResultChunks(list[pb.StepResult]):
     A list, so the session's per-result test ``step.more_chunks or chunks`` is a list's truth
     test. What it holds is bounded: every chunk well-formed (rows of the first chunk's width in
     the session's dtype), at most the session's KV capacity in rows (so at most
-    kv_capacity x n_embd x itemsize bytes) and ``max_result_bytes`` in bytes."""
+    kv_capacity x row bytes) and ``max_result_bytes`` in bytes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -34,8 +34,7 @@ class ResultChunks(list[pb.StepResult]):
         first = self[0].hidden_states if self else t
         width = first.shape[1] if len(first.shape) == 2 else 0
         rows = t.shape[0] if len(t.shape) == 2 and t.shape[1] == width else 0
-        itemsize = convert.WIRE_DTYPES[dtype].itemsize
-        if rows < 1 or width < 1 or len(t.data) != rows * width * itemsize:
+        if rows < 1 or width < 1 or len(t.data) != rows * convert.WIRE_DTYPES[dtype].row_bytes(width):
             self.drop()
             raise ShardError(
                 ErrorCode.INVALID_ARGUMENT,

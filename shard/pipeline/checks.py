@@ -76,10 +76,11 @@ def check_chunk(hops: Sequence[HopReplicas], chunk_tokens: int, hidden_dtype: st
     for prev, hop in zip(hops, hops[1:]):
         both = known(prev) + known(hop)
         limit = min((c.max_message_bytes for c in both if c.max_message_bytes), default=0)
-        itemsize = max(convert.WIRE_DTYPES[convert.offered_dtype(c, hidden_dtype)].itemsize
-                       for c in known(hop))
         assert hop.reference is not None
-        size = chunk_tokens * hop.reference.n_embd * itemsize
+        n_embd = hop.reference.n_embd
+        size = chunk_tokens * max(
+            convert.WIRE_DTYPES[convert.offered_dtype(c, hidden_dtype)].row_bytes(n_embd)
+            for c in known(hop))
         if limit and size + 1024 > limit:
             raise PipelineError(hop.hop(), ShardError(
                 ErrorCode.INVALID_ARGUMENT,

@@ -74,9 +74,9 @@ class HopHistory:
                     [*prompt, *self.tokens.tokens], chunk_tokens=chunk))
         else:
             assert self.rows is not None and reference is not None
-            itemsize = convert.WIRE_DTYPES[session.hidden_dtype].itemsize
+            row = convert.WIRE_DTYPES[session.hidden_dtype].row_bytes(reference.n_embd)
             limit = min(x for x in (reference.max_message_bytes, 16 * 2**20) if x)
-            per_message = max(1, (limit - 1024) // (reference.n_embd * itemsize))
+            per_message = max(1, (limit - 1024) // row)
             position, ids = 0, self.rows.ids
             for part in self.rows.slices(per_message):
                 end = position + part.shape[0]

@@ -9,9 +9,10 @@ Instead the client keeps each hop's input as it sent it, and replays one hop onl
 
 * the first hop's input is the prompt (text or token ids) and the token ids fed after it
   (``TokenLog``: 4 bytes a position);
-* a later hop's input is the boundary hidden states it received (``RowLog``: ``n_embd x
-  itemsize`` bytes a position, in the hop's wire dtype, so a replay sends exactly what the
-  failed worker was sent), kept only for hops that have an alternative.
+* a later hop's input is the boundary hidden states it received (``RowLog``: a row's bytes in
+  the hop's wire dtype a position, kept encoded, so a replay sends exactly what the failed
+  worker was sent: re-encoding a decoded row gives the same bytes, see
+  ``shard.rpc.hidden_codec``), kept only for hops that have an alternative.
 
 ``ReplayBudget`` bounds the rows of one generation (all hops together). Past it every row log
 is dropped at once (and a warning logged): the memory is freed, the first hop can still fail
@@ -24,6 +25,8 @@ import logging
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+from shard.rpc.hidden_codec import CODECS
 
 __all__ = ["DEFAULT_REPLAY_BYTES", "ReplayBudget", "RowLog", "TokenLog"]
 
@@ -117,7 +120,9 @@ class RowLog:
 
     def __init__(self, budget: ReplayBudget) -> None:
         self._budget = budget
-        self._chunks: list[np.ndarray] = []
+        self._chunks: list[np.ndarray] = []  # uint8 [rows, row bytes]: the rows as encoded
+        self._dtype = ""  # the wire dtype and width of the rows kept
+        self._n_embd = 0
         self.positions = 0
         self.dropped = False
         self.ids: list[int] | None = []
@@ -137,7 +142,9 @@ class RowLog:
         self.positions += rows.shape[0]
         if self.dropped:
             return
-        kept = np.array(rows, dtype=np.dtype(dtype).newbyteorder("<"), copy=True)
+        codec = CODECS[dtype]
+        self._dtype, self._n_embd = dtype, rows.shape[1]
+        kept = np.frombuffer(codec.encode(rows), dtype=np.uint8).reshape(rows.shape[0], -1)
         if self._budget.take(kept.nbytes, self.positions):
             self._chunks.append(kept)
 
@@ -177,7 +184,7 @@ class RowLog:
 
     def slices(self, max_rows: int) -> Iterator[np.ndarray]:
         """Every row so far, in order, as float32 arrays of at most ``max_rows`` rows (exact:
-        float16 widens without loss); one slice is copied at a time."""
+        the wire dtype's decoding); one slice is copied at a time."""
         if self.dropped:
             raise RuntimeError("the replay log was dropped")
         pending: list[np.ndarray] = []
@@ -190,7 +197,11 @@ class RowLog:
                 size += part.shape[0]
                 start += part.shape[0]
                 if size == max_rows:
-                    yield np.concatenate(pending).astype(np.float32)
+                    yield self._decode(pending)
                     pending, size = [], 0
         if pending:
-            yield np.concatenate(pending).astype(np.float32)
+            yield self._decode(pending)
+
+    def _decode(self, parts: list[np.ndarray]) -> np.ndarray:
+        data = np.concatenate(parts)
+        return CODECS[self._dtype].decode(data.tobytes(), data.shape[0], self._n_embd)

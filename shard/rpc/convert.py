@@ -26,12 +26,14 @@ from shard.engine import (
 from shard.v1 import shard_pb2 as pb
 
 from .errors import ErrorCode, ShardError
+from .hidden_codec import CODECS, HiddenCodec
 from .versions import supported_proto
 
 HIDDEN_DTYPE = "float32"  # what the engine computes in, and the default on the wire
-#: Hidden-state dtypes a worker accepts and sends (little-endian). float16 halves the bytes per
-#: token; the engine never sees it: conversion happens here, at the RPC edge.
-WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+#: Hidden-state dtypes a worker accepts and sends (float16 halves the bytes per token, q8_0
+#: takes about a quarter; layouts in ``hidden_codec``); the engine never sees them: conversion
+#: happens here, at the RPC edge.
+WIRE_DTYPES: dict[str, HiddenCodec] = CODECS
 
 
 def invalid(message: str, session_id: str = "") -> ShardError:
@@ -119,41 +121,34 @@ def tensor_to_array(
         raise invalid(f"hidden states must have shape [n>0, {n_embd}], got {list(shape)}", session_id)
     if rows is not None and shape[0] != rows:
         raise invalid(f"expected {rows} hidden-state row(s), got {shape[0]}", session_id)
-    wire = WIRE_DTYPES[dtype]
-    expected = shape[0] * shape[1] * wire.itemsize
+    codec = WIRE_DTYPES[dtype]
+    expected = shape[0] * codec.row_bytes(shape[1])
     if len(msg.data) != expected:
         raise invalid(
             f"hidden-state data holds {len(msg.data)} bytes, shape {list(shape)} in {dtype} "
             f"needs {expected}",
             session_id,
         )
-    arr = np.frombuffer(msg.data, dtype=wire).astype(np.float32).reshape(shape)
+    arr = codec.decode(msg.data, shape[0], shape[1])
     if not np.isfinite(arr).all():
         raise invalid("hidden states contain NaN or infinite values", session_id)
     return arr
 
 
 def array_to_tensor(arr: np.ndarray, dtype: str = HIDDEN_DTYPE) -> pb.Tensor:
-    """Encode hidden states for the wire in ``dtype``.
+    """Encode hidden states for the wire in ``dtype`` (``hidden_codec``).
 
-    Finite float32 values beyond float16's range (about 65504) would arrive as infinities and be
-    refused by the receiver; they are refused here instead (INVALID_ARGUMENT, reason
-    ``FLOAT16_OVERFLOW``: use float32 for this model). Non-finite input is sent as it is: the
-    receiver decides (tests rely on being able to send it).
+    Finite float32 values the dtype cannot carry (beyond float16's range, about 65504; for
+    q8_0 a block whose float16 scale would overflow) would arrive as infinities and be refused
+    by the receiver; they are refused here instead (INVALID_ARGUMENT, reason
+    ``FLOAT16_OVERFLOW``: use float32 for this model). Non-finite input is sent as
+    non-finite values: the receiver decides (tests rely on being able to send it).
     """
-    wire = WIRE_DTYPES.get(dtype)
-    if wire is None:
+    codec = WIRE_DTYPES.get(dtype)
+    if codec is None:
         raise invalid(f"unknown hidden-state wire dtype {dtype!r}")
     src = np.asarray(arr, dtype=np.float32)
-    with np.errstate(over="ignore"):  # overflow is detected below, with a clear error
-        a = np.ascontiguousarray(src, dtype=wire)
-    if dtype != HIDDEN_DTYPE and not np.array_equal(np.isfinite(a), np.isfinite(src)):
-        raise ShardError(
-            ErrorCode.INVALID_ARGUMENT,
-            f"hidden states exceed the {dtype} range; use float32 on the wire",
-            reason="FLOAT16_OVERFLOW",
-        )
-    return pb.Tensor(data=a.tobytes(), shape=list(a.shape), dtype=dtype)
+    return pb.Tensor(data=codec.encode(src), shape=list(src.shape), dtype=dtype)
 
 
 def prefix_sha256(tokens: Iterable[int]) -> bytes:

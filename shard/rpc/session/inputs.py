@@ -12,11 +12,11 @@ from shard.engine import Capabilities, ContextExceeded, KvCacheFull, PrefillRequ
 from shard.v1 import shard_pb2 as pb
 
 from .. import convert
+from ..hidden_codec import max_row_bytes
 from ..errors import ErrorCode, ShardError
 from .limits import MAX_SESSION_ID_BYTES
 from .outbox import CHUNK_OVERHEAD
 
-FLOAT32_BYTES = 4  # the widest wire dtype: a row never takes more than 4 * n_embd bytes
 #: A text longer than this many times ``max_token_bytes`` per position of room is refused
 #: before tokenization (slack for tokenizers that normalise text away, e.g. runs of spaces).
 TEXT_SLACK = 4
@@ -185,14 +185,14 @@ def rows_per_message(caps: Capabilities, max_message_bytes: int) -> int | None:
     """The most boundary rows one message carries (None on a last shard: it sends logits)."""
     if caps.is_last:
         return None
-    return max(1, (max_message_bytes - CHUNK_OVERHEAD) // (FLOAT32_BYTES * caps.n_embd))
+    return max(1, (max_message_bytes - CHUNK_OVERHEAD) // max_row_bytes(caps.n_embd))
 
 
 def check_row_fits(caps: Capabilities, max_message_bytes: int, sid: str) -> None:
     """Refuse, before any compute, a boundary result that no chunking could send."""
     if caps.is_last:
         return
-    if FLOAT32_BYTES * caps.n_embd + CHUNK_OVERHEAD > max_message_bytes:
+    if max_row_bytes(caps.n_embd) + CHUNK_OVERHEAD > max_message_bytes:
         raise ShardError(
             ErrorCode.RESOURCE_EXHAUSTED,
             f"one hidden-state row ({caps.n_embd} values) does not fit in max_message_bytes="
