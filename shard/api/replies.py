@@ -16,6 +16,7 @@ from typing import Any
 from . import schemas as s
 from .backend import Outcome
 from .text import Delta
+from .tool_parsers import CallArgs, CallStart, Event, Text, parse, parser_for
 
 __all__ = ["ChatReply", "CompletionReply", "Reply"]
 
@@ -94,11 +95,17 @@ class CompletionReply(Reply):
 
 
 class ChatReply(Reply):
+    """``tool_format``: the call format the answer is parsed in (``shard.api.tool_parsers``);
+    None: the answer is text."""
+
     prefix = "chatcmpl"
 
-    def __init__(self, model: str, *, logprobs: bool, include_usage: bool = False) -> None:
+    def __init__(self, model: str, *, logprobs: bool, include_usage: bool = False,
+                 tool_format: str | None = None) -> None:
         super().__init__(model, include_usage=include_usage)
         self.logprobs = logprobs
+        self.tool_format = tool_format
+        self._parser = parser_for(tool_format) if tool_format else None
 
     def _logprobs(self, deltas: Sequence[Delta]) -> s.ChatLogprobs | None:
         if not self.logprobs:
@@ -120,16 +127,48 @@ class ChatReply(Reply):
             del body["usage"]
         return body
 
+    def _events_chunk(self, events: Sequence[Event], delta: Delta) -> dict[str, Any] | None:
+        """A chunk of parsed text and call pieces (None: nothing to send yet)."""
+        content = "".join(e.text for e in events if isinstance(e, Text))
+        calls: dict[int, dict[str, Any]] = {}
+        for e in events:
+            if isinstance(e, CallStart):
+                calls[e.index] = {"index": e.index, "id": e.id, "type": "function",
+                                  "function": {"name": e.name, "arguments": ""}}
+            elif isinstance(e, CallArgs):
+                entry = calls.setdefault(e.index, {"index": e.index, "function": {"arguments": ""}})
+                entry["function"]["arguments"] += e.text
+        if not (content or calls or delta.tokens or not self._started):
+            return None
+        role = None if self._started else "assistant"
+        self._started = True
+        return self._chunk(s.ChatDelta(role=role, content=content or None,
+                                       tool_calls=list(calls.values()) or None),
+                           self._logprobs([delta]), None)
+
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
+        if self._parser is not None:
+            return self._events_chunk(self._parser.feed(delta.text), delta)
         role = None if self._started else "assistant"
         self._started = True
         return self._chunk(s.ChatDelta(role=role, content=delta.text), self._logprobs([delta]), None)
 
+    @staticmethod
+    def _reason(outcome: Outcome, calls: int) -> str:
+        """``tool_calls`` when the answer called (and was not cut short)."""
+        return "tool_calls" if calls and outcome.finish_reason != "length" else outcome.finish_reason
+
     def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
-        chunks = []
-        if not self._started:  # no text at all: the role still opens the message
+        chunks: list[dict[str, Any] | None] = []
+        calls = 0
+        if self._parser is not None:
+            rest = self._parser.finish()
+            calls = self._parser.calls
+            if rest or not self._started:
+                chunks.append(self._events_chunk(rest, Delta()))
+        elif not self._started:  # no text at all: the role still opens the message
             chunks.append(self.chunk(Delta()))
-        chunks.append(self._chunk(s.ChatDelta(), None, outcome.finish_reason))
+        chunks.append(self._chunk(s.ChatDelta(), None, self._reason(outcome, calls)))
         if self.include_usage:
             last = s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                          choices=[], usage=_usage(outcome))
@@ -137,9 +176,21 @@ class ChatReply(Reply):
         return [c for c in chunks if c is not None]
 
     def body(self, deltas: Sequence[Delta], outcome: Outcome) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas)
+        content: str | None = text
+        tool_calls = None
+        if self.tool_format:
+            parsed = parse(self.tool_format, text)
+            tool_calls = [s.ToolCall(id=c.id, function=s.FunctionCall(
+                name=c.name, arguments=c.arguments)) for c in parsed.calls] or None
+            content = parsed.content if parsed.content or not tool_calls else None
         choice = s.ChatChoice(
-            message=s.AssistantMessage(content="".join(d.text for d in deltas)),
-            logprobs=self._logprobs(deltas), finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
+            message=s.AssistantMessage(content=content, tool_calls=tool_calls),
+            logprobs=self._logprobs(deltas),
+            finish_reason=self._reason(outcome, len(tool_calls or ())),  # type: ignore[arg-type]
         )
-        return s.ChatCompletion(id=self.id, created=self.created, model=self.model,
+        body = s.ChatCompletion(id=self.id, created=self.created, model=self.model,
                                 choices=[choice], usage=_usage(outcome)).model_dump()
+        if tool_calls is None:
+            del body["choices"][0]["message"]["tool_calls"]
+        return body
