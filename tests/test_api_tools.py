@@ -255,3 +255,28 @@ async def test_smollm2_round_trips(where: str) -> None:
     """SmolLM2's template does not render tools: they reach it in the generic system prompt."""
     path = await trio.to_thread.run_sync(ensure_real_model, CHAT)
     await llama_round_trips(path, packaged_name(CHAT), where)
+
+
+#: Minimal templates that render tools and ask for each call format.
+FORMAT_TEMPLATES = {
+    "llama3": ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+               "{{ m.content }}<|eot_id|>{% endfor %}{% if tools %}{{ tools | tojson }} Answer "
+               '{"name": ..., "parameters": ...} or <|python_tag|>{% endif %}'
+               "<|start_header_id|>assistant<|end_header_id|>"),
+    "mistral": ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}"
+                "{# calls: [TOOL_CALLS] #}"),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_TEMPLATES))
+async def test_forced_calls_in_each_format(fmt: str) -> None:
+    """The grammar writes the format's call; its parser reads it back, streamed and not."""
+    model = FakeModel(n_layers_total=4, n_embd=8, seed=13, chat_template=FORMAT_TEMPLATES[fmt])
+    async with front_door(HALVES, model=model, session_ctx=CONTEXT) as door:
+        assert plan_tools(ChatCompletionRequest.model_validate(
+            {"model": NAME, "messages": QUESTION, "tools": TOOLS}), door.backend.chat).parse == fmt
+        for seed, (choice, stream) in enumerate([("required", False), ("named", True)]):
+            message, finish = await in_thread(partial(
+                ask, door.client, NAME, CHOICES[choice], stream, seed))
+            check_call(message, finish, None if choice == "required" else "get_time")
