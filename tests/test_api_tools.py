@@ -2,12 +2,13 @@
 named force a call by a grammar (its arguments parse and keep to the function's schema),
 ``auto`` parses the model's answer; streamed (the SDK accumulating the deltas) and not; whole
 and as a 2-hop pipeline; the tool's answer goes back and the model's reply comes. Fake workers
-with the Hermes/Qwen template of the ``tools`` preset; then that preset on llama.cpp workers.
+with the Hermes/Qwen template of the ``tools`` preset (and minimal Llama 3.x and Mistral
+ones); then that preset on llama.cpp workers (whole, 2-hop pipeline, 2-part pool), and
+SmolLM2 (slow; its template does not render tools).
 """
 
 from __future__ import annotations
 
-import json
 from contextlib import AsyncExitStack
 from functools import partial
 from pathlib import Path
@@ -20,7 +21,7 @@ import trio
 
 from rpc_harness import in_thread
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from shard.api import Backend, build_app, serve_http
+from shard.api import Backend, Catalog, build_app, serve_http
 from shard.api.schemas import ChatCompletionRequest
 from shard.api.tools import plan_tools
 from shard.chat import ChatTemplate
@@ -29,8 +30,10 @@ from shard.models import ensure_model, read_model_info
 from shard.models.plan import plan_parts
 from shard.models.real import ensure_real_model, packaged_name
 from shard.models.write import CHATML_TEMPLATE, HERMES_TOOLS_TEMPLATE
+from shard.pool import Pool
 from test_api import HALVES, NAME, SHAPES, front_door, post
 from test_pipeline import TIMEOUT
+from test_pool import Listed
 from test_pool_llama import CHAT, llama_fleet
 
 #: Positions of a fake worker's session: the tools prompt is some 1,300 bytes (a fake token
@@ -219,20 +222,27 @@ def test_a_template_without_tools_gets_them_hermes_style() -> None:
 
 async def llama_round_trips(path: Path, name: str, where: str) -> list[tuple[Any, Any, Any]]:
     """A required and a named round trip (the second streamed) on llama.cpp workers serving
-    ``path`` whole or as a 2-hop pipeline."""
+    ``path`` whole, as a 2-hop pipeline, or as a 2-part pool."""
     ranges = [None] if where == "whole" else [p.layers for p in plan_parts(path, 2)]
     async with AsyncExitStack() as stack:
         workers = await stack.enter_async_context(llama_fleet(
             [(path, r, name) for r in ranges], max_sessions=1, session_ctx=CONTEXT))
-        backend = await stack.enter_async_context(
-            Backend.connect([[w.target] for w in workers], timeout=TIMEOUT))
+        served: Backend | Catalog
+        if where == "pool":
+            pool = await stack.enter_async_context(
+                Pool.open(Listed([w.target for w in workers]), probe_interval=0.2))
+            await pool.settle(TIMEOUT)
+            served = Catalog(pool=pool, timeout=TIMEOUT)
+        else:
+            served = await stack.enter_async_context(
+                Backend.connect([[w.target] for w in workers], model_id=name, timeout=TIMEOUT))
         nursery = await stack.enter_async_context(trio.open_nursery())
         shutdown = trio.Event()
-        url = (await nursery.start(partial(serve_http, build_app(backend), host="127.0.0.1",
+        url = (await nursery.start(partial(serve_http, build_app(served), host="127.0.0.1",
                                            port=0, shutdown=shutdown, grace=1.0)))[0]
         client = stack.enter_context(openai.OpenAI(base_url=url + "/v1", api_key="unused",
                                                    max_retries=0, timeout=4 * TIMEOUT))
-        got = [await in_thread(partial(round_trip, client, backend.model_id, CHOICES[c], s, i))
+        got = [await in_thread(partial(round_trip, client, name, CHOICES[c], s, i))
                for i, (c, s) in enumerate([("required", False), ("named", True)])]
         shutdown.set()
     for (message, finish, reply), c in zip(got, ["required", "named"], strict=True):
@@ -241,7 +251,7 @@ async def llama_round_trips(path: Path, name: str, where: str) -> list[tuple[Any
     return got
 
 
-@pytest.mark.parametrize("where", ["whole", "pipeline"])
+@pytest.mark.parametrize("where", ["whole", "pipeline", "pool"])
 async def test_the_tools_preset_on_llama_workers(where: str) -> None:
     """The generated ``tools`` preset (the Hermes template in its GGUF, rendering tools)."""
     path = await trio.to_thread.run_sync(ensure_model, "tools")
@@ -250,7 +260,7 @@ async def test_the_tools_preset_on_llama_workers(where: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["whole", "pipeline"])
+@pytest.mark.parametrize("where", ["whole", "pool"])
 async def test_smollm2_round_trips(where: str) -> None:
     """SmolLM2's template does not render tools: they reach it in the generic system prompt."""
     path = await trio.to_thread.run_sync(ensure_real_model, CHAT)
