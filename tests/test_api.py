@@ -77,13 +77,13 @@ async def front_door(
     max_sessions: int = 4, script: FakeScript | None = None, keys: TokenAuthenticator | None = None,
     timeout: float | None = TIMEOUT, relay: str = "client", speculate: int = 0,
     tls: HttpTls | None = None, prefix_cache_tokens: int = 0,
-    engine_type: type[FakeEngine] = FakeEngine, **app_kw: Any,
+    engine_type: type[FakeEngine] = FakeEngine, session_ctx: int = 512, **app_kw: Any,
 ) -> AsyncIterator[FrontDoor]:
     async with AsyncExitStack() as stack:
         workers = []
         for lr in ranges:
             engine = engine_type(model=model, script=script or FakeScript())
-            spec = LoadSpec(n_ctx=max_sessions * 512, max_sessions=max_sessions, layer_range=lr,
+            spec = LoadSpec(n_ctx=max_sessions * session_ctx, max_sessions=max_sessions, layer_range=lr,
                             prefix_cache_tokens=prefix_cache_tokens)
             relaying = None
             if relay == "chain":
@@ -437,10 +437,10 @@ async def test_every_refusal_is_a_structured_error_and_the_door_stays_healthy() 
             (url, {**base, "prompt": [5, 10**6]}, None, 400, "prompt", "invalid_parameter"),
             (url, {**base, "prompt": [-1]}, None, 400, "prompt", "invalid_parameter"),
             (chat, {"model": NAME, "messages": [{"role": "assistant", "content": "x", "tool_calls": [
-                {"id": "1"}]}]}, None, 400, "messages.0.tool_calls", "unsupported_parameter"),
+                {"id": "1"}]}]}, None, 400, "messages.0.tool_calls.0.function", "invalid_parameter"),
             (url, None, b"[1, 2]", 400, None, "invalid_json"),
             (chat, {"model": NAME, "messages": MESSAGES, "tools": [{"type": "function"}]}, None,
-             400, "tools", "unsupported_parameter"),
+             400, "tools.0.function", "invalid_parameter"),
             (chat, {"model": NAME, "messages": []}, None, 400, "messages", "invalid_parameter"),
             (chat, {"model": NAME, "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, None, "invalid_parameter"),
@@ -861,9 +861,9 @@ async def test_a_large_body_is_checked_and_rendered_off_the_event_loop() -> None
         rendered_in: list[int] = []
         render = door.backend.render_chat
 
-        def spy(messages: Any) -> str:
+        def spy(messages: Any, **kw: Any) -> str:
             rendered_in.append(threading.get_ident())
-            return render(messages)
+            return render(messages, **kw)
 
         door.backend.render_chat = spy  # type: ignore[method-assign]
         small = {"model": NAME, "messages": MESSAGES, "max_tokens": 1}

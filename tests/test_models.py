@@ -23,7 +23,7 @@ def _field(reader: gguf.GGUFReader, key: str) -> object:
 
 
 def test_presets_listed() -> None:
-    assert PRESETS == ("tiny", "bench", "chat")
+    assert PRESETS == ("tiny", "bench", "chat", "tools")
 
 
 def test_the_chat_preset_carries_a_template_and_its_end_of_turn_token(tmp_path: Path) -> None:

@@ -36,13 +36,14 @@ CHAT = "smollm2-135m-instruct"
 @asynccontextmanager
 async def llama_fleet(
     layout: Sequence[tuple[Path, LayerRange | None, str]], *, max_sessions: int = 4,
+    session_ctx: int = 512,
 ) -> AsyncIterator[list[Worker]]:
     """One LlamaCppEngine worker per (model file, range or None for whole, model name)."""
     async with AsyncExitStack() as stack:
         workers = []
         for path, lr, name in layout:
             served = path if lr is None else await trio.to_thread.run_sync(ensure_slice, path, lr)
-            spec = LoadSpec(model_path=served, layer_range=lr, n_ctx=512 * max_sessions,
+            spec = LoadSpec(model_path=served, layer_range=lr, n_ctx=session_ctx * max_sessions,
                             max_sessions=max_sessions, n_threads=1)
             workers.append(await stack.enter_async_context(
                 worker(engine=LlamaCppEngine(), load=spec, model_name=name)))

@@ -54,6 +54,7 @@ from .schemas import (
 )
 from .streaming import GenerationResponse
 from .tokens import DetokenizeRequest, TokenizeRequest, detokenized, tokenized
+from .tools import plan_tools
 
 __all__ = ["build_app"]
 
@@ -226,14 +227,18 @@ def build_app(
         assert isinstance(body, ChatCompletionRequest)
         for i, m in enumerate(body.messages):
             encodable(m.text, f"messages.{i}.content")
-        text = backend.render_chat([m.for_template() for m in body.messages])
+            for c in m.tool_calls or ():
+                encodable(c.function.arguments, f"messages.{i}.tool_calls")
+        tools = plan_tools(body, backend.chat)  # (tools, tool_choice, tool messages)
+        text = backend.render_chat(tools.messages, tools=tools.tools)
         job = Request(prompt=text, max_tokens=body.token_limit,
                       top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
-                      prompt_param="messages", constraint=body.constraint(),
+                      prompt_param="messages", constraint=tools.constraint or body.constraint(),
                       **sampling(body, backend))
         return body, backend, [job], ChatReply(
             backend.model_id, logprobs=bool(body.logprobs), include_usage=include_usage(body),
-            fingerprint=system_fingerprint(backend.first.model_fingerprint))
+            fingerprint=system_fingerprint(backend.first.model_fingerprint),
+            tool_format=tools.parse)
 
     def responses_job(data: bytes) -> tuple[ResponsesRequest, Backend, list[Request], Reply]:
         body, backend = decode(data, ResponsesRequest)

@@ -20,7 +20,7 @@ import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -258,8 +258,10 @@ class Backend:
         """The most positions one generation may hold (the chain's smallest session)."""
         return self.routes.context
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
-        """The prompt text of a conversation; a 400 without a template or when it refuses."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text of a conversation (``tools``: the template's ``tools``, as
+        transformers passes them); a 400 without a template or when it refuses."""
         if self.chat is None:
             raise ApiError(400, "this model has no chat template (its GGUF carries none and the "
                            "front door was started without --chat-template): use /v1/completions",
@@ -268,7 +270,7 @@ class Backend:
             raise ApiError(503, "the first worker does not parse special tokens (parse_special): "
                            "upgrade it to serve chat", type="server_error", code="worker_too_old")
         try:
-            return self.chat.render(messages)
+            return self.chat.render(messages, **({"tools": list(tools)} if tools else {}))
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages", code="chat_template_error") from None
 

@@ -20,6 +20,7 @@ from shard import __version__
 from . import schemas as s
 from .backend import Outcome
 from .text import Delta
+from .tool_parsers import CallArgs, CallStart, Event, Text, parse, parser_for
 
 __all__ = ["ChatReply", "CompletionReply", "Reply", "system_fingerprint"]
 
@@ -124,12 +125,17 @@ class CompletionReply(Reply):
 
 
 class ChatReply(Reply):
+    """``tool_format``: the call format the answer is parsed in (``shard.api.tool_parsers``);
+    None: the answer is text."""
+
     prefix = "chatcmpl"
 
     def __init__(self, model: str, *, logprobs: bool, fingerprint: str | None = None,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, tool_format: str | None = None) -> None:
         super().__init__(model, fingerprint=fingerprint, include_usage=include_usage)
         self.logprobs = logprobs
+        self.tool_format = tool_format
+        self._parser = parser_for(tool_format) if tool_format else None
 
     def _logprobs(self, deltas: Sequence[Delta]) -> s.ChatLogprobs | None:
         if not self.logprobs:
@@ -151,29 +157,74 @@ class ChatReply(Reply):
             del body["usage"]
         return body
 
+    def _events_chunk(self, events: Sequence[Event], delta: Delta) -> dict[str, Any] | None:
+        """A chunk of parsed text and call pieces (None: nothing to send yet)."""
+        content = "".join(e.text for e in events if isinstance(e, Text))
+        calls: dict[int, dict[str, Any]] = {}
+        for e in events:
+            if isinstance(e, CallStart):
+                calls[e.index] = {"index": e.index, "id": e.id, "type": "function",
+                                  "function": {"name": e.name, "arguments": ""}}
+            elif isinstance(e, CallArgs):
+                entry = calls.setdefault(e.index, {"index": e.index, "function": {"arguments": ""}})
+                entry["function"]["arguments"] += e.text
+        if not (content or calls or delta.tokens):
+            return None
+        return self._chunk(s.ChatDelta(content=content or None,
+                                       tool_calls=list(calls.values()) or None),
+                           self._logprobs([delta]), None)
+
     def opening_chunks(self) -> list[dict[str, Any]]:
-        """The role alone, with empty content, as OpenAI's first chunk."""
-        return [self._chunk(s.ChatDelta(role="assistant", content=""), None, None)]
+        """The role alone, as OpenAI's first chunk: with empty content, or with none where the
+        answer may be a tool call (a message that only calls has ``content: null``)."""
+        content = None if self._parser is not None else ""
+        return [self._chunk(s.ChatDelta(role="assistant", content=content), None, None)]
 
     def chunk(self, delta: Delta, index: int = 0) -> dict[str, Any] | None:
+        if self._parser is not None:
+            return self._events_chunk(self._parser.feed(delta.text), delta)
         return self._chunk(s.ChatDelta(content=delta.text), self._logprobs([delta]), None)
+
+    @staticmethod
+    def _reason(outcome: Outcome, calls: int) -> str:
+        """``tool_calls`` when the answer called (and was not cut short)."""
+        return "tool_calls" if calls and outcome.finish_reason != "length" else outcome.finish_reason
 
     def final_chunks(self, outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
         (outcome,) = outcomes
-        chunks = [self._chunk(s.ChatDelta(), None, outcome.finish_reason)]
+        chunks: list[dict[str, Any] | None] = []
+        calls = 0
+        if self._parser is not None:
+            rest = self._parser.finish()
+            calls = self._parser.calls
+            if rest:
+                chunks.append(self._events_chunk(rest, Delta()))
+        chunks.append(self._chunk(s.ChatDelta(), None, self._reason(outcome, calls)))
         if self.include_usage:
             last = s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                          choices=[], usage=_usage(outcomes),
                                          system_fingerprint=self.fingerprint)
             chunks.append(last.model_dump())
-        return chunks
+        return [c for c in chunks if c is not None]
 
     def body(self, deltas: Sequence[Sequence[Delta]], outcomes: Sequence[Outcome]) -> dict[str, Any]:
         ((ds,), (outcome,)) = deltas, outcomes
+        text = "".join(d.text for d in ds)
+        content: str | None = text
+        tool_calls = None
+        if self.tool_format:
+            parsed = parse(self.tool_format, text)
+            tool_calls = [s.ToolCall(id=c.id, function=s.FunctionCall(
+                name=c.name, arguments=c.arguments)) for c in parsed.calls] or None
+            content = parsed.content if parsed.content or not tool_calls else None
         choice = s.ChatChoice(
-            message=s.AssistantMessage(content="".join(d.text for d in ds)),
-            logprobs=self._logprobs(ds), finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
+            message=s.AssistantMessage(content=content, tool_calls=tool_calls),
+            logprobs=self._logprobs(ds),
+            finish_reason=self._reason(outcome, len(tool_calls or ())),  # type: ignore[arg-type]
         )
-        return s.ChatCompletion(id=self.id, created=self.created, model=self.model,
+        body = s.ChatCompletion(id=self.id, created=self.created, model=self.model,
                                 choices=[choice], usage=_usage(outcomes),
                                 system_fingerprint=self.fingerprint).model_dump()
+        if tool_calls is None:
+            del body["choices"][0]["message"]["tool_calls"]
+        return body

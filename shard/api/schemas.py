@@ -2,7 +2,7 @@
 
 Requests are strict (``extra="forbid"``): a parameter the front door does not know is refused
 with a 400 naming it, never silently ignored, and so is a known one the engine cannot honour
-(``unsupported``: ``n`` other than 1, tools, ``echo`` with ``logprobs``, ...). Responses
+(``unsupported``: ``n`` other than 1, ``echo`` with ``logprobs``, ...). Responses
 are built from the same models so that their shape is written down once.
 """
 
@@ -155,15 +155,39 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    #: The arguments as JSON text (as the model wrote them).
+    arguments: str
+    #: What the openai SDK's stream helper adds to a call it returned, when a client sends
+    #: the message back: ignored (``arguments`` is what the template renders).
+    parsed_arguments: Any = Field(None, exclude=True)
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    #: What the SDK's stream helper keeps of the deltas, sent back with the message: ignored.
+    index: int | None = Field(None, exclude=True)
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     # What the openai SDK puts in an assistant message it returned, when a client sends it back
-    # in the history: taken when empty (tool calls are refused, ``unsupported``).
+    # in the history (rendered by ``shard.api.tools``).
     refusal: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
     annotations: list[Any] | None = None
+    #: A ``tool`` message: the call it answers.
+    tool_call_id: str | None = None
+    # What the SDK's stream helper puts in the message it accumulated, sent back as is:
+    # taken when null (``parsed``: its parse of the content, ignored).
+    audio: None = None
+    function_call: None = None
+    parsed: Any = Field(None, exclude=True)
 
     def for_template(self) -> dict[str, str]:
         """The message as a chat template reads it (``developer`` is OpenAI's newer name for
@@ -180,6 +204,30 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Strict):
+    #: As OpenAI's: letters, digits, ``_``, ``-`` (and ``.``), at most 64.
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    #: A JSON schema of the arguments (none: the function takes none).
+    parameters: dict[str, Any] | None = None
+    #: Accepted; a forced call keeps to the schema either way.
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Strict):
@@ -204,18 +252,16 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    #: Accepted: a forced call (``required``, a named function) is one call; ``auto`` parses
+    #: every call the model writes.
     parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        for i, m in enumerate(self.messages):
-            if m.tool_calls:
-                return f"messages.{i}.tool_calls", "tool calls are not supported"
-        if self.tools:
-            return "tools", "tools (function calling) are not supported"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool_choice is not supported"
+        refused = self._tools_unsupported()
+        if refused is not None:
+            return refused
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         fmt = self.response_format
@@ -225,6 +271,31 @@ class ChatCompletionRequest(GenerationRequest):
         if self.grammar and fmt is not None and fmt.type != "text":
             return "grammar", "give either grammar or a JSON response_format, not both"
         return super().unsupported()
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice(cls, value: Any) -> Any:
+        if isinstance(value, str) and value not in ("none", "auto", "required"):
+            raise ValueError("tool_choice must be none, auto, required or a named function")
+        return NamedToolChoice.model_validate(value) if isinstance(value, dict) else value
+
+    def _tools_unsupported(self) -> tuple[str, str] | None:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            return "tools", "two tools have the same function name"
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            return "tool_choice", "tool_choice needs tools"
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            return "tool_choice", f"tool_choice names {choice.function.name!r}, not in tools"
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and m.tool_call_id is None:
+                return f"messages.{i}.tool_call_id", "a tool message needs tool_call_id"
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        fmt = self.response_format
+        if forced and (self.grammar or (fmt is not None and fmt.type != "text")):
+            return "tool_choice", "a forced tool call and grammar/response_format exclude each other"
+        return None
 
     def constraint(self) -> tuple[str, str, str] | None:
         fmt = self.response_format
@@ -311,14 +382,15 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):
@@ -335,13 +407,16 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    #: Pieces of calls as the openai SDK accumulates them: ``index``, then ``id``, ``type`` and
+    #: ``function.name`` once, ``function.arguments`` in pieces.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

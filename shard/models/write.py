@@ -82,6 +82,48 @@ CHATML_TEMPLATE = (
 )
 _CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
+#: ChatML with tools as Qwen 2.5 renders them (Hermes' ``<tool_call>`` format): the tools in
+#: the system turn, earlier calls as ``<tool_call>`` blocks, tool answers as
+#: ``<tool_response>`` blocks in a user turn. The ``tools`` preset's template.
+HERMES_TOOLS_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' + tool_call.name + '\\\", \\\"arguments\\\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+#: Presets whose chat template is not plain ChatML.
+_TEMPLATES = {"tools": HERMES_TOOLS_TEMPLATE}
+
 
 _PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(
@@ -111,6 +153,8 @@ _PRESETS: dict[str, ModelPreset] = {
 }
 # The tiny shape with a chat template and its end-of-turn token (tests of chat rendering).
 _PRESETS["chat"] = dataclasses.replace(_PRESETS["tiny"], name="chat", seed=20240603, chat=True)
+# The tiny shape with a chat template that renders tools (``HERMES_TOOLS_TEMPLATE``).
+_PRESETS["tools"] = dataclasses.replace(_PRESETS["chat"], name="tools", seed=20240604)
 
 #: Names accepted by ``write_model`` and ``ensure_model``.
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
@@ -259,7 +303,7 @@ def add_vocab(
 def _write(p: ModelPreset, path: Path, progress: bool, chat_template: str | None) -> None:
     tokens, scores, types = build_vocab(p.n_vocab, _CHATML_TOKENS if p.chat else ())
     if chat_template is None:
-        chat_template = CHATML_TEMPLATE if p.chat else ""
+        chat_template = _TEMPLATES.get(p.name, CHATML_TEMPLATE) if p.chat else ""
     n_vocab = len(tokens)
     arch = "llama"
     with gguf_writer(path, arch) as writer:
@@ -306,8 +350,8 @@ def write_model(
     """Write the preset's GGUF to ``out`` atomically (temp file + ``os.replace``); return ``out``.
 
     ``progress`` shows tqdm bars (useful for the ~200 MB ``bench`` preset). ``chat_template``:
-    the ``tokenizer.chat_template`` to write instead of the preset's (ChatML for ``chat``, none
-    for the others); "" writes none.
+    the ``tokenizer.chat_template`` to write instead of the preset's (ChatML for ``chat``,
+    ``HERMES_TOOLS_TEMPLATE`` for ``tools``, none for the others); "" writes none.
     """
     p = get_preset(preset)
     out = Path(out)
