@@ -289,6 +289,41 @@ class ShardEngine(EngineHooks):
         self._counters["sessions_opened_total"] += 1
         return slot.info()
 
+    async def fork_session(self, source_id: str, session_id: str) -> SessionInfo:
+        """Open ``session_id`` holding a copy of the idle session ``source_id``'s history: its
+        KV cells, token ids, positions and KV budget (its batch group too). Each then goes on
+        by itself; releasing either leaves the other intact.
+
+        Why: ``n`` choices of one prompt prefill it once and fork it, instead of computing the
+        same prompt ``n`` times. A step the source computed ahead is dropped first (as an
+        export does). Errors as ``open_session`` (``SessionExists``, ``TooManySessions``,
+        ``InvalidInput``) and ``UnknownSession``/``SessionBusy`` for the source; on any failure
+        the new session is gone again and holds no cells."""
+        await trio.lowlevel.checkpoint()
+        caps = self._require_ready()
+        source = self._sessions.get(source_id)
+        slot = self._sessions.open(session_id, source.kv_budget, source.batch_group, caps)
+        slot.state, slot.idle = SessionState.RUNNING, trio.Event()  # nothing else runs on it yet
+        try:
+            await self._runner.exclusive(source, self._impl_fork(source, slot))
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                self._sessions.forget(slot)
+                try:
+                    if self._status.state is EngineState.READY:
+                        await self._runner.guard(self._impl_truncate(slot, 0))
+                finally:
+                    self._sessions.free(slot)
+            raise
+        finally:
+            slot.state = SessionState.IDLE
+            slot.idle.set()
+        slot.n_past = source.n_past
+        slot.tokens = None if source.tokens is None else list(source.tokens)
+        self._counters["sessions_opened_total"] += 1
+        self._counters["sessions_forked_total"] += 1
+        return slot.info()
+
     def cancel(self, session_id: str) -> bool:
         """Stop the session's running operation within one step. Idempotent: returns whether
         an operation was running; an unknown session returns False (nothing to stop)."""
