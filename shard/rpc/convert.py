@@ -258,6 +258,7 @@ def capabilities_to_proto(
         prefix_cache_tokens=caps.prefix_cache_tokens,
         prefix_cache_detail=caps.prefix_cache_detail,
         prefix_cache_limit=True,  # Prefill.cache_limit, OpenSession.prefix_probe
+        session_fork=True,  # OpenSession.fork_of
         grammar_kinds=caps.grammar_kinds,
     )
 
