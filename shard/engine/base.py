@@ -115,6 +115,7 @@ class ShardEngine(EngineHooks):
         self._readers_done.set()
         self._compute_stops_itself = False  # (``EngineHooks``: an implementation sets it)
         self._grammars: GrammarBook | None = None  # (last shards with the grammar library)
+        self._forking: set[str] = set()  # sessions a fork is copying now (others wait for it)
 
     @property
     def _state(self) -> EngineState:
@@ -298,12 +299,18 @@ class ShardEngine(EngineHooks):
         same prompt ``n`` times. A step the source computed ahead is dropped first (as an
         export does). Errors as ``open_session`` (``SessionExists``, ``TooManySessions``,
         ``InvalidInput``) and ``UnknownSession``/``SessionBusy`` for the source; on any failure
-        the new session is gone again and holds no cells."""
+        the new session is gone again and holds no cells. Forks of one source made at once
+        wait for each other (the source is RUNNING only while a copy runs)."""
         await trio.lowlevel.checkpoint()
-        caps = self._require_ready()
-        source = self._sessions.get(source_id)
+        while True:  # forks of one source run one after another (each copy is short)
+            caps = self._require_ready()
+            source = self._sessions.get(source_id, idle=source_id not in self._forking)
+            if source.state is not SessionState.RUNNING:
+                break
+            await source.wait_idle()
         slot = self._sessions.open(session_id, source.kv_budget, source.batch_group, caps)
         slot.state, slot.idle = SessionState.RUNNING, trio.Event()  # nothing else runs on it yet
+        self._forking.add(source_id)
         try:
             await self._runner.exclusive(source, self._impl_fork(source, slot))
         except BaseException:
@@ -316,6 +323,7 @@ class ShardEngine(EngineHooks):
                     self._sessions.free(slot)
             raise
         finally:
+            self._forking.discard(source_id)
             slot.state = SessionState.IDLE
             slot.idle.set()
         slot.n_past = source.n_past

@@ -70,6 +70,7 @@ from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from . import chain, stepping
+from .choices import OnChoiceToken, generate_choices
 from .checks import check_chain, check_chunk, check_grammar, check_speculation, hop_targets
 from .drafting import Drafter, PromptLookup
 from .errors import Blames, Hop, PipelineError
@@ -311,6 +312,15 @@ class Pipeline:
 
     # ---- generation ----------------------------------------------------------------------
 
+    async def generate_choices(
+        self, prompt: str | Sequence[int], n: int, *, seed: int = 0,
+        on_token: OnChoiceToken | None = None, **options: Any,
+    ) -> list[PipelineResult]:
+        """``n`` choices of ``prompt``, choice ``i`` sampled with ``seed + i``, the prompt
+        prefilled once and forked on every hop (``shard.pipeline.choices``); ``options`` as
+        ``generate``'s."""
+        return await generate_choices(self, prompt, n, seed=seed, on_token=on_token, **options)
+
     async def generate(
         self,
         prompt: str | Sequence[int],
@@ -334,6 +344,8 @@ class Pipeline:
         result: PipelineResult | None = None,
         grammar_kind: str = "",
         grammar: str = "",
+        fork_of: str | None = None,
+        client_steps: bool = False,
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
@@ -365,6 +377,12 @@ class Pipeline:
         ``grammar_kind``/``grammar``: the last shard constrains every generated token to the
         grammar (``shard.client.options.sampling``); it starts at the prompt's end, which every
         step after the prompt names, so replays and hand-offs continue it.
+
+        ``fork_of``: the ``session_id`` of a running generation of this pipeline whose
+        sessions are idle: every hop's session starts as a copy of that one's (a worker without
+        forks: a plain session), so a prompt that starts with what they hold is computed from
+        there on (``generate_choices``). ``client_steps``: the client sends every step, never
+        the workers' own loop, so the sessions are idle while ``on_token`` runs.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -410,6 +428,7 @@ class Pipeline:
                     batch_group=group,
                     parse_special=parse_special,
                     handoff=self.handoff,
+                    fork_of=fork_of or "",
                 )
                 last = len(hops) - 1
                 chained = self.relay == "chain" and last > 0
@@ -425,7 +444,7 @@ class Pipeline:
                         runners = [HopRunner(r, gen, last=r.index == last) for r in hops]
                     try:
                         with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
-                            if (chained or alone) and not speculate:  # the workers loop: Generate on hop 0
+                            if (chained or alone) and not speculate and not client_steps:  # the workers loop: Generate on hop 0
                                 await chain.run(runners[0], result, prompt, rules, on_token, blames,
                                                 self.pass_cost)
                             else:  # the client steps (a chain's passes go through hop 0's route)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 
 from shard.engine import (
     InvalidInput,
@@ -97,6 +98,24 @@ class Forks:
             a = await engine.prefill(PrefillRequest("src", hidden_states=row, position=20))
             b = await engine.prefill(PrefillRequest("fork", hidden_states=row, position=20))
             assert_same_logits(a, b)
+
+    async def test_forks_of_one_source_made_at_once_all_succeed(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """Three forks of one source asked for at the same time each get their copy (the
+        copies run one after another); a decode on the source meanwhile is not refused for a
+        running step of its own, only while a copy runs."""
+        async with engine_factory.open(whole_options()) as engine:
+            await engine.open_session("src")
+            prompt = prompt_tokens(engine, 12, salt=7)
+            await prefill(engine, "src", prompt)
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(engine.fork_session, "src", f"f{i}")
+            assert {s.session_id: s.n_past for s in engine.sessions()} == {
+                "src": 12, "f0": 12, "f1": 12, "f2": 12}
+            m = engine.metrics()
+            assert (m.sessions_forked_total, m.kv_cells_used) == (3, 4 * len(prompt))
 
     @pytest.mark.parametrize("case", ["unknown", "exists", "bad-id", "full"])
     async def test_a_refused_fork_leaves_nothing_behind(
