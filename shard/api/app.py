@@ -156,11 +156,24 @@ def build_app(
             raise ApiError(400, refused[1], param=refused[0], code="unsupported_parameter")
         return body, backend if backend is not None else catalog.get(body.model)
 
-    def sampling(body: GenerationRequest) -> dict[str, Any]:
+    def sampling(body: GenerationRequest, backend: Backend) -> dict[str, Any]:
         return {"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p,
                 "seed": None if body.seed is None else body.seed % 2**64,
-                "stops": body.stops}
+                "stops": body.stops, **choices(body, backend)}
+
+    def choices(body: GenerationRequest, backend: Backend) -> dict[str, int]:
+        """``n`` and ``best_of``: each choice takes a session on every hop, so more than the
+        route's sessions could never run (400); fewer wait in the model's queue as one request."""
+        n = body.n or 1
+        best_of = getattr(body, "best_of", None) or n
+        capacity = backend.routes.capacity()
+        if capacity is not None and best_of > capacity:
+            param = "best_of" if best_of > n else "n"
+            raise ApiError(400, f"{param}={best_of} choices need as many sessions, and the "
+                           f"model's route has {capacity}", param=param,
+                           code="unsupported_parameter")
+        return {"n": n, "best_of": best_of}
 
     def encodable(text: str, param: str) -> None:
         try:
@@ -188,7 +201,7 @@ def build_app(
         prompt = checked_prompt(body.single_prompt, backend)
         job = Request(prompt=prompt, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
                       top_logprobs=body.logprobs or 0, constraint=body.constraint(),
-                      **sampling(body))
+                      **sampling(body, backend))
         return body, backend, job, CompletionReply(backend.model_id, logprobs=body.logprobs,
                                           include_usage=include_usage(body))
 
@@ -200,7 +213,8 @@ def build_app(
         text = backend.render_chat([m.for_template() for m in body.messages])
         job = Request(prompt=text, max_tokens=body.token_limit,
                       top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
-                      prompt_param="messages", constraint=body.constraint(), **sampling(body))
+                      prompt_param="messages", constraint=body.constraint(),
+                      **sampling(body, backend))
         return body, backend, job, ChatReply(backend.model_id, logprobs=bool(body.logprobs),
                                     include_usage=include_usage(body))
 

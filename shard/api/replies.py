@@ -36,10 +36,15 @@ class Reply:
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
-        self._started = False
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
         raise NotImplementedError
+
+    @staticmethod
+    def by_choice(deltas: Sequence[Delta], outcome: Outcome) -> list[tuple[list[Delta], str]]:
+        """Each returned choice's deltas and finish reason, by index (``n`` choices)."""
+        reasons = outcome.finish_reasons or (outcome.finish_reason,)
+        return [([d for d in deltas if d.index == i], reason) for i, reason in enumerate(reasons)]
 
     def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -66,10 +71,14 @@ class CompletionReply(Reply):
             text_offset=offsets,
         )
 
-    def _completion(self, text: str, logprobs: s.CompletionLogprobs | None, finish: str | None,
-                    usage: s.Usage | None) -> dict[str, Any]:
-        choice = s.CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish)  # type: ignore[arg-type]
-        return s.Completion(id=self.id, created=self.created, model=self.model, choices=[choice],
+    def _choice(self, deltas: Sequence[Delta], finish: str | None, index: int,
+                logprobs: bool = True) -> s.CompletionChoice:
+        return s.CompletionChoice(index=index, text="".join(d.text for d in deltas),
+                                  logprobs=self._logprobs(deltas) if logprobs else None,
+                                  finish_reason=finish)  # type: ignore[arg-type]
+
+    def _completion(self, choices: list[s.CompletionChoice], usage: s.Usage | None) -> dict[str, Any]:
+        return s.Completion(id=self.id, created=self.created, model=self.model, choices=choices,
                             usage=usage).model_dump()
 
     def _streamed(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -78,10 +87,11 @@ class CompletionReply(Reply):
         return body
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
-        return self._streamed(self._completion(delta.text, self._logprobs([delta]), None, None))
+        return self._streamed(self._completion([self._choice([delta], None, delta.index)], None))
 
     def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
-        chunks = [self._streamed(self._completion("", None, outcome.finish_reason, None))]
+        chunks = [self._streamed(self._completion([self._choice([], reason, i, logprobs=False)], None))
+                  for i, (_, reason) in enumerate(self.by_choice((), outcome))]
         if self.include_usage:
             last = s.Completion(id=self.id, created=self.created, model=self.model, choices=[],
                                 usage=_usage(outcome))
@@ -89,8 +99,8 @@ class CompletionReply(Reply):
         return chunks
 
     def body(self, deltas: Sequence[Delta], outcome: Outcome) -> dict[str, Any]:
-        text = "".join(d.text for d in deltas)
-        return self._completion(text, self._logprobs(deltas), outcome.finish_reason, _usage(outcome))
+        return self._completion([self._choice(mine, reason, i) for i, (mine, reason)
+                                 in enumerate(self.by_choice(deltas, outcome))], _usage(outcome))
 
 
 class ChatReply(Reply):
@@ -99,6 +109,7 @@ class ChatReply(Reply):
     def __init__(self, model: str, *, logprobs: bool, include_usage: bool = False) -> None:
         super().__init__(model, include_usage=include_usage)
         self.logprobs = logprobs
+        self._opened: set[int] = set()  # the choices whose role was sent
 
     def _logprobs(self, deltas: Sequence[Delta]) -> s.ChatLogprobs | None:
         if not self.logprobs:
@@ -110,8 +121,9 @@ class ChatReply(Reply):
         ])
 
     def _chunk(self, delta: s.ChatDelta, logprobs: s.ChatLogprobs | None,
-               finish: str | None) -> dict[str, Any]:
-        choice = s.ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)  # type: ignore[arg-type]
+               finish: str | None, index: int = 0) -> dict[str, Any]:
+        choice = s.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                   finish_reason=finish)  # type: ignore[arg-type]
         chunk = s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                       choices=[choice])
         body = chunk.model_dump()
@@ -121,15 +133,17 @@ class ChatReply(Reply):
         return body
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
-        role = None if self._started else "assistant"
-        self._started = True
-        return self._chunk(s.ChatDelta(role=role, content=delta.text), self._logprobs([delta]), None)
+        role = None if delta.index in self._opened else "assistant"
+        self._opened.add(delta.index)
+        return self._chunk(s.ChatDelta(role=role, content=delta.text), self._logprobs([delta]), None,
+                           delta.index)
 
     def final_chunks(self, outcome: Outcome) -> list[dict[str, Any]]:
         chunks = []
-        if not self._started:  # no text at all: the role still opens the message
-            chunks.append(self.chunk(Delta()))
-        chunks.append(self._chunk(s.ChatDelta(), None, outcome.finish_reason))
+        for i, (_, reason) in enumerate(self.by_choice((), outcome)):
+            if i not in self._opened:  # no text at all: the role still opens the message
+                chunks.append(self.chunk(Delta(index=i)))
+            chunks.append(self._chunk(s.ChatDelta(), None, reason, i))
         if self.include_usage:
             last = s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                          choices=[], usage=_usage(outcome))
@@ -137,9 +151,9 @@ class ChatReply(Reply):
         return [c for c in chunks if c is not None]
 
     def body(self, deltas: Sequence[Delta], outcome: Outcome) -> dict[str, Any]:
-        choice = s.ChatChoice(
-            message=s.AssistantMessage(content="".join(d.text for d in deltas)),
-            logprobs=self._logprobs(deltas), finish_reason=outcome.finish_reason,  # type: ignore[arg-type]
-        )
+        choices = [s.ChatChoice(
+            index=i, message=s.AssistantMessage(content="".join(d.text for d in mine)),
+            logprobs=self._logprobs(mine), finish_reason=reason,  # type: ignore[arg-type]
+        ) for i, (mine, reason) in enumerate(self.by_choice(deltas, outcome))]
         return s.ChatCompletion(id=self.id, created=self.created, model=self.model,
-                                choices=[choice], usage=_usage(outcome)).model_dump()
+                                choices=choices, usage=_usage(outcome)).model_dump()

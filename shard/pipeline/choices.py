@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
@@ -25,15 +25,19 @@ from shard.v1 import shard_pb2 as pb
 
 from .result import PipelineResult
 
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+#: ``on_token`` of ``generate_choices``: the choice's index and its step; True (or an
+#: awaitable of True) ends that choice alone (a stop sequence), its sessions released.
+OnChoiceToken = Callable[[int, pb.StepResult], "Awaitable[bool | None] | bool | None"]
 
-#: ``on_token`` of ``generate_choices``: the choice's index and its step.
-OnChoiceToken = Callable[[int, pb.StepResult], "Awaitable[None] | None"]
+
+class Generates(Protocol):
+    """What this needs of a ``Pipeline``: its ``generate``."""
+
+    async def generate(self, prompt: str | Sequence[int], **options: Any) -> PipelineResult: ...
 
 
 async def generate_choices(
-    pipeline: Pipeline,
+    pipeline: Generates,
     prompt: str | Sequence[int],
     n: int,
     *,
@@ -44,23 +48,41 @@ async def generate_choices(
 ) -> list[PipelineResult]:
     """``n`` generations of ``prompt``, choice ``i`` sampled with ``seed + i`` (equal at
     temperature 0), the prompt prefilled once (see the module docstring). ``on_token(i,
-    step)`` sees each choice's tokens as they come (the choices interleave). ``options``: the
+    step)`` sees each choice's tokens as they come (the choices interleave); it ends the
+    choice by returning True (what it got stays in its result). ``options``: the
     other ``Pipeline.generate`` options, the same for every choice. A failure of any choice
-    stops them all and is raised."""
+    stops them all and is raised (the first one, as a single generation raises it)."""
     if not isinstance(n, int) or n < 1:
         raise ValueError("n must be an integer >= 1")
     base = session_id if session_id is not None else f"p-{secrets.token_hex(8)}"
     results = [PipelineResult() for _ in range(n)]
-    forks_started = False
     opened = [trio.Event() for _ in range(n)]  # the choice's first token, or its end
     opened[0].set()
+    scopes = [trio.CancelScope() for _ in range(n)]  # each choice's own: it may end alone
 
     async def deliver(i: int, step: pb.StepResult) -> None:
         if on_token is not None:
             maybe = on_token(i, step)
             if inspect.isawaitable(maybe):
-                await maybe
+                maybe = await maybe
+            if maybe is True:
+                scopes[i].cancel()  # its generation resets and releases its sessions
 
+    try:
+        await _run(pipeline, prompt, n, seed, base, results, opened, scopes, deliver, options)
+    except BaseExceptionGroup as group:
+        exc = _first_failure(group)
+        raise exc from exc.__cause__
+    return results
+
+
+async def _run(pipeline: Generates, prompt: str | Sequence[int], n: int, seed: int, base: str,
+               results: list[PipelineResult], opened: list[trio.Event],
+               scopes: list[trio.CancelScope],
+               deliver: Callable[[int, pb.StepResult], Awaitable[None]],
+               options: dict[str, Any]) -> None:
+    """Choice 0, and the forks it starts at its first token, in one nursery."""
+    forks_started = False
     async with trio.open_nursery() as nursery:
 
         async def choice(i: int) -> None:
@@ -69,9 +91,10 @@ async def generate_choices(
                 await deliver(i, step)
 
             try:
-                await pipeline.generate(prompt, seed=seed + i, session_id=f"{base}-{i}",
-                                        fork_of=base, on_token=token, result=results[i],
-                                        **options)
+                with scopes[i]:
+                    await pipeline.generate(prompt, seed=seed + i, session_id=f"{base}-{i}",
+                                            fork_of=base, on_token=token, result=results[i],
+                                            **options)
             finally:
                 opened[i].set()  # (a choice that ended without a token holds nothing up)
 
@@ -85,9 +108,22 @@ async def generate_choices(
                     await event.wait()
             await deliver(0, step)
 
-        await pipeline.generate(prompt, seed=seed, session_id=base, on_token=first,
-                                result=results[0], client_steps=n > 1, **options)
-    return results
+        with scopes[0]:
+            await pipeline.generate(prompt, seed=seed, session_id=base, on_token=first,
+                                    result=results[0], client_steps=n > 1, **options)
 
 
-__all__ = ["OnChoiceToken", "generate_choices"]
+def _first_failure(group: BaseExceptionGroup) -> BaseException:
+    """What a failed ``generate_choices`` raises: the first choice's failure as it is (a
+    ``PipelineError`` the caller maps, as a single generation's), the others being its
+    consequences or the same; a group of cancellations only stays a group (trio's own)."""
+    failures, _ = group.split(lambda e: not isinstance(e, trio.Cancelled))
+    if failures is None:
+        return group
+    exc: BaseException = failures
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+__all__ = ["Generates", "OnChoiceToken", "generate_choices"]
