@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
-from shard.engine import LayerRange
+from rpc_harness import worker
+from shard.engine import LayerRange, LoadSpec
+from shard.engine.llama import LlamaCppEngine
+from shard.models import ensure_model
 from shard.pipeline import Pipeline
 from test_pipeline import PROMPT, TIMEOUT
 from test_relay import free_within, relay_shards
@@ -54,3 +57,22 @@ async def test_n_choices_prefill_once_and_equal_independent_generations(layout: 
                                             max_tokens=N_TOKENS, ignore_eos=True)
                 assert tokens(sampled[i]) == tokens(alone)
         await free_within(shards)
+
+
+async def test_n_choices_on_llama_cpp_fork_the_prompts_cells() -> None:
+    """On the tiny llama.cpp model (a whole-model worker): the forks' cells are copied with
+    ``llama_memory_seq_cp``; every greedy choice equals a plain generation, the prompt is
+    computed once (each fork: its last position again), and no cell is left behind."""
+    spec = LoadSpec(model_path=str(ensure_model("tiny")), n_ctx=1024, max_sessions=4, n_threads=1)
+    async with worker(engine=LlamaCppEngine(), load=spec) as w:
+        async with Pipeline.connect([w.target], timeout=TIMEOUT) as pipe:
+            plain = tokens(await pipe.generate(PROMPT, max_tokens=N_TOKENS, ignore_eos=True))
+            before = w.engine.metrics()
+            choices = await pipe.generate_choices(PROMPT, 3, max_tokens=N_TOKENS, ignore_eos=True)
+            assert [tokens(r) for r in choices] == [plain] * 3
+            m = w.engine.metrics()
+            n_prompt = choices[0].prompt_tokens
+            assert m.sessions_forked_total == 2
+            assert m.prefill_tokens_total - before.prefill_tokens_total == n_prompt + 2
+        await w.idle()
+        assert w.engine.metrics().kv_cells_used == 0
