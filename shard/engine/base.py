@@ -290,10 +290,12 @@ class ShardEngine(EngineHooks):
         self._counters["sessions_opened_total"] += 1
         return slot.info()
 
-    async def fork_session(self, source_id: str, session_id: str) -> SessionInfo:
+    async def fork_session(self, source_id: str, session_id: str, *,
+                           batch_group: int | None = None) -> SessionInfo:
         """Open ``session_id`` holding a copy of the idle session ``source_id``'s history: its
-        KV cells, token ids, positions and KV budget (its batch group too). Each then goes on
-        by itself; releasing either leaves the other intact.
+        KV cells, token ids, positions and KV budget; ``batch_group`` as ``open_session``'s
+        (None: the source's). Each then goes on by itself; releasing either leaves the other
+        intact.
 
         Why: ``n`` choices of one prompt prefill it once and fork it, instead of computing the
         same prompt ``n`` times. A step the source computed ahead is dropped first (as an
@@ -308,7 +310,8 @@ class ShardEngine(EngineHooks):
             if source.state is not SessionState.RUNNING:
                 break
             await source.wait_idle()
-        slot = self._sessions.open(session_id, source.kv_budget, source.batch_group, caps)
+        group = source.batch_group if batch_group is None else batch_group
+        slot = self._sessions.open(session_id, source.kv_budget, group, caps)
         slot.state, slot.idle = SessionState.RUNNING, trio.Event()  # nothing else runs on it yet
         self._forking.add(source_id)
         try:

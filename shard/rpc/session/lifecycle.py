@@ -165,7 +165,8 @@ class Lifecycle:
     async def _open_fork(self, sid: str, source: Lifecycle) -> pb.CacheResult:
         """Open the engine session as a fork of ``source``'s (``OpenSession.fork_of``)."""
         info = await self._engine_open(
-            lambda: self._engine.fork_session(source.session_id, sid))
+            lambda: self._engine.fork_session(source.session_id, sid,
+                                              batch_group=self.ctx.batch_group))
         self.ctx.positions.forked(source.positions)
         self._registry.count("sessions_forked_total")
         return pb.CacheResult(outcome=pb.CacheResult.OUTCOME_NEW)
