@@ -31,6 +31,8 @@ from .errors import ErrorCode, ShardError
 #: ``Decode.token_id``, ``prefix_cache_tokens``/``_detail``) need no minor: a worker without
 #: them sends zeros and ignores the ids, and ids beyond the rows (the one use an older worker
 #: would misread) go only to a worker that reports ``prefix_cache_tokens``.
+#: Forks (``OpenSession.fork_of``) need none either: an older worker would ignore the field and
+#: open an empty session, so clients and relays send it only to one reporting ``session_fork``.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 
