@@ -147,4 +147,3 @@ class Forks:
             if case != "full":
                 await engine.fork_session("src", "new")  # the id it tried is free
                 assert engine.metrics().kv_cells_used == 2 * len(prompt)
-
