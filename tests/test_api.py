@@ -413,12 +413,13 @@ async def test_every_refusal_is_a_structured_error_and_the_door_stays_healthy() 
         chat = door.url + "/v1/chat/completions"
         base = {"model": NAME, "prompt": "hello", "max_tokens": 2}
         cases: list[tuple[str, dict[str, Any] | None, bytes | None, int, str | None, str]] = [
-            (url, {**base, "n": 2}, None, 400, "n", "unsupported_parameter"),
+            (url, {**base, "n": 9}, None, 400, "n", "invalid_parameter"),
             (url, {**base, "presence_penalty": 2.5}, None, 400, "presence_penalty", "invalid_parameter"),
             (url, {**base, "logit_bias": {"5": 101}}, None, 400, "logit_bias", "invalid_parameter"),
             (url, {**base, "echo": True, "logprobs": 1}, None, 400, "echo", "unsupported_parameter"),
             (url, {**base, "echo": True, "prompt": [5, 6]}, None, 400, "echo", "unsupported_parameter"),
-            (url, {**base, "best_of": 3}, None, 400, "best_of", "unsupported_parameter"),
+            (url, {**base, "n": 3, "best_of": 2}, None, 400, "best_of", "unsupported_parameter"),
+            (url, {**base, "best_of": 3, "stream": True}, None, 400, "best_of", "unsupported_parameter"),
             (url, {**base, "frobnicate": 1}, None, 400, "frobnicate", "invalid_parameter"),
             (url, {**base, "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop", "invalid_parameter"),
             (url, {**base, "stop": ["x" * 1025]}, None, 400, "stop", "invalid_parameter"),
@@ -875,7 +876,7 @@ async def test_a_large_body_is_checked_and_rendered_off_the_event_loop() -> None
         assert status == 200
         status, _, got = await in_thread(lambda: post(url, large))
         assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
-        status, _, got = await in_thread(lambda: post(url, {**large, "n": 2}))
+        status, _, got = await in_thread(lambda: post(url, {**large, "n": 9}))
         assert status == 400 and got["error"]["param"] == "n"  # refusals from the thread too
         assert rendered_in[0] == threading.get_ident()  # the event loop's thread
         assert len(rendered_in) == 2 and rendered_in[1] != threading.get_ident()

@@ -288,6 +288,27 @@ class SessionLifecycle(RuleBasedStateMachine):
             return name
         return multiple()
 
+    @rule(target=opened, source=session_names, name=st.sampled_from(NAMES))
+    def fork(self, source: str, name: str) -> Any:
+        """A fork holds its source's history (the invariant checks both, and the cells; later
+        steps check the fork's greedy choices against every other session's)."""
+        out = self.loop.run(capture, lambda: self.engine.fork_session(source, name))
+        ref = self.refs.get(source)
+        if ref is None:
+            expected: type[EngineError] | None = UnknownSession
+        elif name in self.refs:
+            expected = SessionExists
+        elif len(self.refs) >= MAX_SESSIONS:
+            expected = TooManySessions
+        else:
+            expected = None
+        self.check(out, expected)
+        if expected is None:
+            assert ref is not None
+            self.refs[name] = Ref(ref.n_past, ref.tokens, ref.kv_budget)
+            return name
+        return multiple()
+
     @rule(name=session_names, tokens=any_tokens, where=positions, mtp=st.booleans())
     def prefill(self, name: str, tokens: tuple[int, ...], where: str, mtp: bool) -> None:
         position = self._position(name, where)
@@ -494,7 +515,8 @@ def test_session_lifecycle_state_machine(engine_loop: EngineLoop) -> None:
                    {"loop": engine_loop})
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert len(engine_loop.greedy_seen) > 0
+    m = engine_loop.run_sync(engine_loop.engine.metrics)  # type: ignore[union-attr]
+    assert m.sessions_forked_total > 0
     if engine_loop.cached:
-        m = engine_loop.run_sync(engine_loop.engine.metrics)  # type: ignore[union-attr]
         assert m.prefix_cache_hits_total > 0 and m.prefix_cache_stored_total > 0
         assert m.prefix_cache_evictions_total > 0  # two entries: releases evict under pressure

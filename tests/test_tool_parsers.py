@@ -101,3 +101,34 @@ def test_arguments_stream_before_the_call_ends() -> None:
 ])
 def test_the_call_format_comes_from_the_template(template: str, fmt: str) -> None:
     assert call_format(template) == fmt
+
+
+def test_a_chat_reply_of_several_choices_parses_each_choice_on_its_own() -> None:
+    """``n`` choices with tools: each choice has its own parser, streamed and whole agree, and
+    a choice that calls finishes with ``tool_calls`` while a text one stops."""
+    from shard.api.backend import Outcome
+    from shard.api.replies import ChatReply
+    from shard.api.text import Delta
+
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    answers = {0: ["Sure. ", call[:20], call[20:]], 1: ["No call ", "here."]}
+    outcome = [Outcome("stop", 5, 5, 0, ("stop", "stop"))]
+    streamed = ChatReply("m", logprobs=False, tool_format="hermes", n=2)
+    opening = streamed.opening_chunks()
+    assert [c["choices"][0]["index"] for c in opening] == [0, 1]
+    pieces: dict[int, list[dict]] = {0: [], 1: []}
+    for i in (0, 1):
+        for text in answers[i]:
+            chunk = streamed.chunk(Delta(text, index=i), i)
+            if chunk is not None:
+                pieces[i].append(chunk["choices"][0])
+    for chunk in streamed.final_chunks(outcome):
+        pieces[chunk["choices"][0]["index"]].append(chunk["choices"][0])
+    assert pieces[0][-1]["finish_reason"] == "tool_calls" and pieces[1][-1]["finish_reason"] == "stop"
+    assert "".join(p["delta"].get("content") or "" for p in pieces[1]) == "No call here."
+    whole = ChatReply("m", logprobs=False, tool_format="hermes", n=2).body(
+        [[Delta(t, index=i) for t in answers[i]] for i in (0, 1)], outcome)
+    first, second = whole["choices"]
+    assert first["finish_reason"] == "tool_calls"
+    assert first["message"]["tool_calls"][0]["function"]["name"] == "f"
+    assert second["message"]["content"] == "No call here." and "tool_calls" not in second["message"]

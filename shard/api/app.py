@@ -188,7 +188,21 @@ def build_app(
                 "stops": body.stops, "top_k": body.top_k or 0, "min_p": body.min_p or 0.0,
                 "repeat_penalty": 1.0 if body.repeat_penalty is None else body.repeat_penalty,
                 "presence_penalty": body.presence_penalty or 0.0,
-                "frequency_penalty": body.frequency_penalty or 0.0, "logit_bias": bias}
+                "frequency_penalty": body.frequency_penalty or 0.0, "logit_bias": bias,
+                **choices(body, backend)}
+
+    def choices(body: GenerationRequest, backend: Backend) -> dict[str, int]:
+        """``n`` and ``best_of``: each choice takes a session on every hop, so more than the
+        route's sessions could never run (400); fewer wait in the model's queue as one request."""
+        n = body.n or 1
+        best_of = getattr(body, "best_of", None) or n
+        capacity = backend.routes.capacity()
+        if capacity is not None and best_of > capacity:
+            param = "best_of" if best_of > n else "n"
+            raise ApiError(400, f"{param}={best_of} choices need as many sessions, and the "
+                           f"model's route has {capacity}", param=param,
+                           code="unsupported_parameter")
+        return {"n": n, "best_of": best_of}
 
     def encodable(text: str, param: str) -> None:
         try:
@@ -217,7 +231,8 @@ def build_app(
         jobs = [Request(prompt=p, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
                         top_logprobs=body.logprobs or 0, constraint=body.constraint(),
                         **sampling(body, backend)) for p in prompts]
-        echo = [p for p in prompts if isinstance(p, str)] if body.echo else []
+        n = body.n or 1  # each prompt's choices follow one another (OpenAI's order)
+        echo = [p for p in prompts if isinstance(p, str) for _ in range(n)] if body.echo else []
         return body, backend, jobs, CompletionReply(
             backend.model_id, logprobs=body.logprobs, include_usage=include_usage(body),
             fingerprint=system_fingerprint(backend.first.model_fingerprint), echo=echo)
@@ -238,7 +253,7 @@ def build_app(
         return body, backend, [job], ChatReply(
             backend.model_id, logprobs=bool(body.logprobs), include_usage=include_usage(body),
             fingerprint=system_fingerprint(backend.first.model_fingerprint),
-            tool_format=tools.parse)
+            tool_format=tools.parse, n=job.n)
 
     def responses_job(data: bytes) -> tuple[ResponsesRequest, Backend, list[Request], Reply]:
         body, backend = decode(data, ResponsesRequest)

@@ -32,15 +32,15 @@ from shard.pool import model_id as pool_model_id
 from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
+from .choices import ChoiceText, best
 from .errors import RETRY_AFTER_SECONDS, ApiError, from_shard_error
 from .queue import WaitQueue
-from .text import Alternative, Delta, TextAssembler, TokenOut
+from .text import Delta
 
 __all__ = ["Backend", "Catalog", "DeltaSink", "Outcome", "PipelineRoutes", "PoolRoutes", "Request", "Routes"]
 
 log = logging.getLogger(__name__)
 
-_LENGTH = frozenset({pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_CONTEXT_FULL})
 #: Seconds a health answer is reused (``Backend.not_serving``).
 HEALTH_TTL = 1.0
 
@@ -68,6 +68,9 @@ class Request:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    #: Choices returned, and generated (``best_of`` >= ``n``: the best ``n`` are returned).
+    n: int = 1
+    best_of: int = 1
 
 
 @dataclass
@@ -78,6 +81,8 @@ class Outcome:
     #: Prompt positions the workers took from their prefix cache (OpenAI's
     #: ``usage.prompt_tokens_details.cached_tokens``).
     cached_tokens: int = 0
+    #: Each returned choice's finish reason, by index (``n`` > 1; the first is ``finish_reason``).
+    finish_reasons: tuple[str, ...] = ()
 
     @classmethod
     def total(cls, outcomes: Sequence[Outcome]) -> Outcome:
@@ -313,63 +318,76 @@ class Backend:
                        queue: WaitQueue | None = None) -> Outcome:
         """Run one generation, sending each ``Delta`` to ``out``; raises ``ApiError``.
         ``queue``: the model's wait for a free session (None: a full worker's refusal is
-        answered at once)."""
-        text = TextAssembler(request.stops)
-        counts = {"prompt": 0, "completion": 0}
-        finish = pb.FINISH_REASON_UNSPECIFIED
+        answered at once). ``request.n`` > 1 or ``best_of``: that many choices, the prompt
+        prefilled once (``Pipeline.generate_choices``), deltas tagged with their choice's index
+        (``shard.api.choices``); a held choice's deltas go out once the best are known."""
+        total = max(request.n, request.best_of)
+        choices = [ChoiceText(i, request.stops, held=total > request.n) for i in range(total)]
+        counts = {"prompt": 0}
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         got = PipelineResult()
         kind, grammar, grammar_param = request.constraint or ("", "", "")
 
-        async def on_token(step: pb.StepResult) -> None:
-            nonlocal finish
-            if not counts["completion"]:
+        async def on_choice(i: int, step: pb.StepResult) -> bool:
+            """Count and send a choice's token; True once a stop sequence ended the choice."""
+            if not counts["prompt"]:
                 counts["prompt"] = step.n_past  # the first token is sampled after the prompt
-            counts["completion"] += 1
-            lg = step.logits
-            delta = text.push(TokenOut(lg.piece, lg.logprob, tuple(
-                Alternative(t.piece, t.logprob) for t in lg.top)))
-            finish = step.finish_reason
-            if delta:
+            choice = choices[i]
+            delta = choice.push(step)
+            if delta is not None:
                 try:  # room in the channel: no second checkpoint for this token
                     out.send_nowait(delta)
                 except trio.WouldBlock:  # a slow client: wait for room (back-pressure)
                     await out.send(delta)
-            if text.stopped:
+            return choice.stopped
+
+        async def on_token(step: pb.StepResult) -> None:
+            if await on_choice(0, step):
                 scope.cancel()  # the generation's sessions are reset and released
 
         async def attempt() -> None:
             async with self.routes.lease(request.prompt) as (pipeline, route):
                 context = min(h.caps.n_ctx_per_session for h in pipeline.hops if h.caps)
-                await pipeline.generate(
+                options = dict(
                     # no generation outlives the context: a larger limit is the context's
-                    request.prompt, max_tokens=min(request.max_tokens or context, context),
-                    temperature=request.temperature, top_p=request.top_p, seed=seed,
+                    max_tokens=min(request.max_tokens or context, context),
+                    temperature=request.temperature, top_p=request.top_p,
                     top_logprobs=request.top_logprobs, timeout=self.timeout,
-                    on_token=on_token, speculate=self.speculate,
-                    parse_special=request.parse_special, route=route, result=got,
+                    speculate=self.speculate, parse_special=request.parse_special, route=route,
                     grammar_kind=kind, grammar=grammar,
                     top_k=request.top_k, min_p=request.min_p,
                     repeat_penalty=request.repeat_penalty,
                     presence_penalty=request.presence_penalty,
                     frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias,
                 )
+                if total == 1:
+                    await pipeline.generate(request.prompt, seed=seed, on_token=on_token,
+                                            result=got, **options)
+                    return
+                results = await pipeline.generate_choices(
+                    request.prompt, total, seed=seed, on_token=on_choice, **options)
+                got.cached_tokens = results[0].cached_tokens
 
         with trio.CancelScope() as scope:
             try:
                 if queue is None:
                     await attempt()
                 else:  # its turn among the model's requests; again after a full worker's refusal
-                    await queue.run(attempt, started=lambda: bool(counts["completion"]))
+                    await queue.run(attempt, started=lambda: any(c.tokens for c in choices),
+                                    places=total)  # a session per choice
             except ShardError as err:
                 raise from_shard_error(err, prompt_param=request.prompt_param,
                                        grammar_param=grammar_param) from None
-        if not text.stopped:
-            delta = text.finish()
-            if delta:
+        for choice in choices:
+            delta = choice.end()
+            if delta is not None:
                 await out.send(delta)
-        reason = "length" if finish in _LENGTH and not text.stopped else "stop"
-        return Outcome(reason, counts["prompt"], counts["completion"], got.cached_tokens)
+        kept = best(choices, request.n) if total > request.n else choices
+        for choice in kept:
+            for delta in choice.held or ():
+                await out.send(delta)
+        return Outcome(kept[0].reason, counts["prompt"], sum(c.tokens for c in choices),
+                       got.cached_tokens, tuple(c.reason for c in kept))
 
 
 class Catalog:

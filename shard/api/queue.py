@@ -50,8 +50,9 @@ def refused_for_capacity(err: ShardError) -> bool:
 
 @dataclass(eq=False)
 class _Waiter:
+    places: int = 1  # sessions it needs (a request of ``n`` choices: ``n``)
     woken: trio.Event = field(default_factory=trio.Event)
-    granted: bool = False  # a place was given to it (counted in ``running``)
+    granted: bool = False  # its places were given to it (counted in ``running``)
 
 
 class WaitQueue:
@@ -82,14 +83,16 @@ class WaitQueue:
         return len(self._waiting)
 
     async def run(self, attempt: Callable[[], Awaitable[None]], *,
-                  started: Callable[[], bool] = lambda: False) -> None:
+                  started: Callable[[], bool] = lambda: False, places: int = 1) -> None:
         """Run ``attempt`` (one generation) in its turn; again after a worker's refusal for
         capacity that came before anything was ``started()`` (a token sent), within the wait's
-        bound. Raises ``ApiError`` 429 past the queue's length or its timeout; other errors of
-        ``attempt`` pass through."""
+        bound. ``places``: the sessions it takes (a request of ``n`` choices holds ``n``; it
+        waits until that many are free, never more than the capacity). Raises ``ApiError``
+        429 past the queue's length or its timeout; other errors of ``attempt`` pass
+        through."""
         arrived = trio.current_time()
         deadline = arrived + self.timeout
-        await self._enter(deadline)
+        await self._enter(deadline, places)
         began, backoff = trio.current_time(), FIRST_BACKOFF
         try:
             while True:
@@ -112,18 +115,18 @@ class WaitQueue:
                 began = trio.current_time()
         finally:
             self._metrics.queue_wait.labels(self.model).observe(began - arrived)
-            self._give_back()
+            self._give_back(places)
 
-    async def _enter(self, deadline: float) -> None:
-        """Take a place now, or wait in line for one (``ApiError`` 429 past the bounds)."""
-        if not self._waiting and self._room():
-            self.running += 1
+    async def _enter(self, deadline: float, places: int) -> None:
+        """Take ``places`` now, or wait in line for them (``ApiError`` 429 past the bounds)."""
+        if not self._waiting and self._room(places):
+            self.running += places
             return
         if len(self._waiting) >= self.length:
             queued = (f" and {len(self._waiting)} requests wait already, the most the queue "
                       "holds" if self.length else "")
             raise self._refusal("full", f"all sessions of {self.model!r} are in use{queued}")
-        waiter = _Waiter()
+        waiter = _Waiter(places)
         self._waiting.append(waiter)
         self._show()
         arrived, admitted = trio.current_time(), False
@@ -144,26 +147,27 @@ class WaitQueue:
     def _leave(self, waiter: _Waiter) -> None:
         """A waiter that will not run: out of line, or its place (given as it left) passed on."""
         if waiter.granted:
-            self._give_back()
+            self._give_back(waiter.places)
         else:
             self._waiting.remove(waiter)
             self._show()
 
-    def _room(self) -> bool:
+    def _room(self, places: int = 1) -> bool:
         capacity = self._capacity()
-        return capacity is None or self.running < capacity
+        # (a request of more places than there are takes them all once every one is free)
+        return capacity is None or self.running + min(places, capacity) <= capacity
 
     def _grant(self) -> None:
         """Give the free places to the longest waiting, in order."""
-        while self._waiting and self._room():
+        while self._waiting and self._room(self._waiting[0].places):
             waiter = self._waiting.popleft()
             waiter.granted = True
-            self.running += 1
+            self.running += waiter.places
             waiter.woken.set()
         self._show()
 
-    def _give_back(self) -> None:
-        self.running -= 1
+    def _give_back(self, places: int = 1) -> None:
+        self.running -= places
         self._freed.set()
         self._freed = trio.Event()
         self._grant()

@@ -22,7 +22,7 @@ from .backend import Outcome
 from .text import Delta
 from .tool_parsers import CallArgs, CallStart, Event, Text, parse, parser_for
 
-__all__ = ["ChatReply", "CompletionReply", "Reply", "system_fingerprint"]
+__all__ = ["ChatReply", "CompletionReply", "Reply", "choice_reasons", "system_fingerprint"]
 
 
 def system_fingerprint(model_fingerprint: str) -> str:
@@ -39,6 +39,12 @@ def _usage(outcomes: Sequence[Outcome]) -> s.Usage:
     return s.Usage(prompt_tokens=total.prompt_tokens, completion_tokens=total.completion_tokens,
                    total_tokens=total.prompt_tokens + total.completion_tokens,
                    prompt_tokens_details=s.PromptTokensDetails(cached_tokens=total.cached_tokens))
+
+
+def choice_reasons(outcomes: Sequence[Outcome]) -> list[str]:
+    """Every returned choice's finish reason, in index order: each generation's (a prompt's)
+    choices one after the other (several prompts, each with ``n`` choices)."""
+    return [r for o in outcomes for r in (o.finish_reasons or (o.finish_reason,))]
 
 
 class Reply:
@@ -68,7 +74,8 @@ class Reply:
         raise NotImplementedError
 
     def body(self, deltas: Sequence[Sequence[Delta]], outcomes: Sequence[Outcome]) -> dict[str, Any]:
-        """The whole reply: ``deltas[i]`` and ``outcomes[i]`` are choice ``i``'s."""
+        """The whole reply: ``deltas[i]`` are choice ``i``'s, ``outcomes`` each generation's
+        (``choice_reasons``)."""
         raise NotImplementedError
 
 
@@ -111,7 +118,7 @@ class CompletionReply(Reply):
         return self._streamed(index, delta.text, self._logprobs([delta]), None)
 
     def final_chunks(self, outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
-        chunks = [self._streamed(i, "", None, o.finish_reason) for i, o in enumerate(outcomes)]
+        chunks = [self._streamed(i, "", None, r) for i, r in enumerate(choice_reasons(outcomes))]
         if self.include_usage:
             chunks.append(self._completion([], _usage(outcomes)))
         return chunks
@@ -119,23 +126,24 @@ class CompletionReply(Reply):
     def body(self, deltas: Sequence[Sequence[Delta]], outcomes: Sequence[Outcome]) -> dict[str, Any]:
         choices = [s.CompletionChoice(
             index=i, text=(self.echo[i] if self.echo else "") + "".join(d.text for d in ds),
-            logprobs=self._logprobs(ds), finish_reason=o.finish_reason,  # type: ignore[arg-type]
-        ) for i, (ds, o) in enumerate(zip(deltas, outcomes, strict=True))]
+            logprobs=self._logprobs(ds), finish_reason=r,  # type: ignore[arg-type]
+        ) for i, (ds, r) in enumerate(zip(deltas, choice_reasons(outcomes), strict=True))]
         return self._completion(choices, _usage(outcomes))
 
 
 class ChatReply(Reply):
-    """``tool_format``: the call format the answer is parsed in (``shard.api.tool_parsers``);
-    None: the answer is text."""
+    """``tool_format``: the call format each answer is parsed in (``shard.api.tool_parsers``;
+    one parser per choice); None: the answers are text. ``n``: the choices (``index`` 0..n-1)."""
 
     prefix = "chatcmpl"
 
     def __init__(self, model: str, *, logprobs: bool, fingerprint: str | None = None,
-                 include_usage: bool = False, tool_format: str | None = None) -> None:
+                 include_usage: bool = False, tool_format: str | None = None, n: int = 1) -> None:
         super().__init__(model, fingerprint=fingerprint, include_usage=include_usage)
         self.logprobs = logprobs
         self.tool_format = tool_format
-        self._parser = parser_for(tool_format) if tool_format else None
+        self.n = n
+        self._parsers = [parser_for(tool_format) for _ in range(n)] if tool_format else None
 
     def _logprobs(self, deltas: Sequence[Delta]) -> s.ChatLogprobs | None:
         if not self.logprobs:
@@ -147,8 +155,9 @@ class ChatReply(Reply):
         ])
 
     def _chunk(self, delta: s.ChatDelta, logprobs: s.ChatLogprobs | None,
-               finish: str | None) -> dict[str, Any]:
-        choice = s.ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)  # type: ignore[arg-type]
+               finish: str | None, index: int = 0) -> dict[str, Any]:
+        choice = s.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                   finish_reason=finish)  # type: ignore[arg-type]
         chunk = s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                       choices=[choice], system_fingerprint=self.fingerprint)
         body = chunk.model_dump()
@@ -157,7 +166,8 @@ class ChatReply(Reply):
             del body["usage"]
         return body
 
-    def _events_chunk(self, events: Sequence[Event], delta: Delta) -> dict[str, Any] | None:
+    def _events_chunk(self, events: Sequence[Event], delta: Delta,
+                      index: int) -> dict[str, Any] | None:
         """A chunk of parsed text and call pieces (None: nothing to send yet)."""
         content = "".join(e.text for e in events if isinstance(e, Text))
         calls: dict[int, dict[str, Any]] = {}
@@ -172,34 +182,36 @@ class ChatReply(Reply):
             return None
         return self._chunk(s.ChatDelta(content=content or None,
                                        tool_calls=list(calls.values()) or None),
-                           self._logprobs([delta]), None)
+                           self._logprobs([delta]), None, index)
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        """The role alone, as OpenAI's first chunk: with empty content, or with none where the
-        answer may be a tool call (a message that only calls has ``content: null``)."""
-        content = None if self._parser is not None else ""
-        return [self._chunk(s.ChatDelta(role="assistant", content=content), None, None)]
+        """Each choice's role alone, as OpenAI's first chunks: with empty content, or with none
+        where the answer may be a tool call (a message that only calls has ``content: null``)."""
+        content = None if self._parsers is not None else ""
+        return [self._chunk(s.ChatDelta(role="assistant", content=content), None, None, i)
+                for i in range(self.n)]
 
     def chunk(self, delta: Delta, index: int = 0) -> dict[str, Any] | None:
-        if self._parser is not None:
-            return self._events_chunk(self._parser.feed(delta.text), delta)
-        return self._chunk(s.ChatDelta(content=delta.text), self._logprobs([delta]), None)
+        if self._parsers is not None:
+            return self._events_chunk(self._parsers[index].feed(delta.text), delta, index)
+        return self._chunk(s.ChatDelta(content=delta.text), self._logprobs([delta]), None, index)
 
     @staticmethod
-    def _reason(outcome: Outcome, calls: int) -> str:
+    def _reason(reason: str, calls: int) -> str:
         """``tool_calls`` when the answer called (and was not cut short)."""
-        return "tool_calls" if calls and outcome.finish_reason != "length" else outcome.finish_reason
+        return "tool_calls" if calls and reason != "length" else reason
 
     def final_chunks(self, outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
-        (outcome,) = outcomes
         chunks: list[dict[str, Any] | None] = []
-        calls = 0
-        if self._parser is not None:
-            rest = self._parser.finish()
-            calls = self._parser.calls
-            if rest:
-                chunks.append(self._events_chunk(rest, Delta()))
-        chunks.append(self._chunk(s.ChatDelta(), None, self._reason(outcome, calls)))
+        for i, reason in enumerate(choice_reasons(outcomes)):
+            calls = 0
+            if self._parsers is not None:
+                parser = self._parsers[i]
+                rest = parser.finish()
+                calls = parser.calls
+                if rest:
+                    chunks.append(self._events_chunk(rest, Delta(), i))
+            chunks.append(self._chunk(s.ChatDelta(), None, self._reason(reason, calls), i))
         if self.include_usage:
             last = s.ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                          choices=[], usage=_usage(outcomes),
@@ -207,8 +219,7 @@ class ChatReply(Reply):
             chunks.append(last.model_dump())
         return [c for c in chunks if c is not None]
 
-    def body(self, deltas: Sequence[Sequence[Delta]], outcomes: Sequence[Outcome]) -> dict[str, Any]:
-        ((ds,), (outcome,)) = deltas, outcomes
+    def _choice(self, index: int, ds: Sequence[Delta], reason: str) -> s.ChatChoice:
         text = "".join(d.text for d in ds)
         content: str | None = text
         tool_calls = None
@@ -217,14 +228,19 @@ class ChatReply(Reply):
             tool_calls = [s.ToolCall(id=c.id, function=s.FunctionCall(
                 name=c.name, arguments=c.arguments)) for c in parsed.calls] or None
             content = parsed.content if parsed.content or not tool_calls else None
-        choice = s.ChatChoice(
-            message=s.AssistantMessage(content=content, tool_calls=tool_calls),
+        return s.ChatChoice(
+            index=index, message=s.AssistantMessage(content=content, tool_calls=tool_calls),
             logprobs=self._logprobs(ds),
-            finish_reason=self._reason(outcome, len(tool_calls or ())),  # type: ignore[arg-type]
+            finish_reason=self._reason(reason, len(tool_calls or ())),  # type: ignore[arg-type]
         )
+
+    def body(self, deltas: Sequence[Sequence[Delta]], outcomes: Sequence[Outcome]) -> dict[str, Any]:
+        choices = [self._choice(i, ds, r)
+                   for i, (ds, r) in enumerate(zip(deltas, choice_reasons(outcomes), strict=True))]
         body = s.ChatCompletion(id=self.id, created=self.created, model=self.model,
-                                choices=[choice], usage=_usage(outcomes),
+                                choices=choices, usage=_usage(outcomes),
                                 system_fingerprint=self.fingerprint).model_dump()
-        if tool_calls is None:
-            del body["choices"][0]["message"]["tool_calls"]
+        for choice, dumped in zip(choices, body["choices"], strict=True):
+            if choice.message.tool_calls is None:
+                del dumped["message"]["tool_calls"]
         return body

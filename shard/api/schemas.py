@@ -2,7 +2,7 @@
 
 Requests are strict (``extra="forbid"``): a parameter the front door does not know is refused
 with a 400 naming it, never silently ignored, and so is a known one the engine cannot honour
-(``unsupported``: ``n`` other than 1, ``echo`` with ``logprobs``, ...). Responses
+(``unsupported``: ``echo`` with ``logprobs``, ...). Responses
 are built from the same models so that their shape is written down once.
 """
 
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "MAX_PROMPTS",
+    "MAX_CHOICES",
     "MAX_STOPS",
     "MAX_STOP_CHARS",
     "MAX_TOP_LOGPROBS",
@@ -28,6 +29,8 @@ __all__ = [
 #: OpenAI's limits: at most 4 stop sequences, at most 20 alternatives per token.
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
+#: The most choices of one request (``n``, ``best_of``): each takes a session on every hop.
+MAX_CHOICES = 8
 #: Characters in one stop sequence. Text that may start a stop sequence is held back and looked
 #: at again with every token (``shard.api.text``): a stop as long as the whole output (the
 #: output itself and one more character) held all of it back, the others being checked against
@@ -53,7 +56,8 @@ class GenerationRequest(_Strict):
     model: str | None = None  # None: the one model served (as llama-server and Ollama)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = 1
+    #: Choices of the prompt, prefilled once and forked (``shard.pipeline.choices``).
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -110,8 +114,6 @@ class GenerationRequest(_Strict):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, why) for a parameter given that the engine cannot honour, None if none."""
-        if self.n not in (None, 1):
-            return "n", "only n=1 is supported (one choice per request)"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options needs stream: true"
         return None
@@ -124,7 +126,8 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = Field(16, ge=1)  # null: 16 too
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = None
+    #: Choices generated, of which the ``n`` with the highest summed log-probability return.
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -133,8 +136,10 @@ class CompletionRequest(GenerationRequest):
                             "not carried back from the last worker)")
         if self.echo and any(not isinstance(p, str) for p in self.prompts):
             return "echo", "echo needs text prompts (the door does not detokenize token ids)"
-        if self.best_of not in (None, 1):
-            return "best_of", "only best_of=1 is supported"
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            return "best_of", "best_of must be at least n"
+        if self.stream and self.best_of is not None and self.best_of > (self.n or 1):
+            return "best_of", "best_of above n cannot be streamed (the best are known at the end)"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
         if len(self.prompts) > MAX_PROMPTS:

@@ -75,17 +75,19 @@ def _event(body: dict[str, Any], named: bool = False) -> bytes:
 
 
 class _Tagged:
-    """A ``DeltaSink`` for choice ``index``: its deltas go to the shared events channel."""
+    """A ``DeltaSink`` for one generation whose choices are numbered from ``first``: its
+    deltas (each with its choice's ``index`` within the generation) go to the shared events
+    channel with their index in the reply."""
 
-    def __init__(self, out: trio.MemorySendChannel[Event | None], index: int) -> None:
+    def __init__(self, out: trio.MemorySendChannel[Event | None], first: int) -> None:
         self.out = out
-        self.index = index
+        self.first = first
 
     async def send(self, delta: Delta, /) -> None:
-        await self.out.send((self.index, delta))
+        await self.out.send((self.first + delta.index, delta))
 
     def send_nowait(self, delta: Delta, /) -> None:
-        self.out.send_nowait((self.index, delta))
+        self.out.send_nowait((self.first + delta.index, delta))
 
 
 class GenerationResponse:
@@ -100,6 +102,9 @@ class GenerationResponse:
     ) -> None:
         self.backend = backend
         self.requests = list(requests)
+        #: Each generation's first choice index in the reply (a generation returns ``n``).
+        self._first_choice = [sum(r.n for r in self.requests[:i]) for i in range(len(self.requests))]
+        self._choices = sum(r.n for r in self.requests)
         self.reply = reply
         self.stream = stream
         self.endpoint = endpoint
@@ -214,7 +219,7 @@ class GenerationResponse:
         async def one(index: int, request: Request, scope: trio.CancelScope) -> None:
             try:
                 outcomes[index] = await self.backend.generate(
-                    request, _Tagged(out, index), queue=self.queue)
+                    request, _Tagged(out, self._first_choice[index]), queue=self.queue)
             except ApiError as err:
                 failed.append(err)
                 scope.cancel()
@@ -301,7 +306,7 @@ class GenerationResponse:
         send: Send,
     ) -> None:
         event = await self._next(events)
-        deltas: list[list[Delta]] = [[] for _ in self.requests]
+        deltas: list[list[Delta]] = [[] for _ in range(self._choices)]
         while isinstance(event, tuple):
             deltas[event[0]].append(event[1])
             event = await self._next(events)

@@ -54,6 +54,7 @@ class Delta:
     text: str = ""
     tokens: list[TokenOut] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    index: int = 0  # the choice it belongs to (a request's ``n``)
 
     def __bool__(self) -> bool:
         return bool(self.text or self.tokens)

@@ -347,12 +347,14 @@ class ShardClient:
         route: pb.Route | None = None,
         batch_group: int = 0,
         prefix_probe: Sequence[int] = (),
+        fork_of: str = "",
         timeout: float | None = _DEFAULT,
     ) -> ClientSession:
         """Open a session stream and return it (prefer ``session()``, which also closes it).
         ``prefix_probe`` (a worker reporting ``prefix_cache_limit``): token ids, of which
         ``session.opened.prefix_cached_tokens`` says how many leading ones its prefix cache (and
-        its route's) holds.
+        its route's) holds. ``fork_of`` (a worker reporting ``session_fork``): the id of a live
+        session this caller opened on the worker; the new one starts as a copy of its history.
 
         The caller owns the result: finish it with ``close()`` or ``abort()``.
         """
@@ -366,6 +368,7 @@ class ShardClient:
             hidden_wire_dtype=hidden_wire_dtype,
             batch_group=batch_group,
             prefix_probe=prefix_probe,
+            fork_of=fork_of,
         )
         if cache is not None:
             open_msg.cache.CopyFrom(cache)
@@ -406,6 +409,7 @@ class ShardClient:
         hidden_wire_dtype: str = "",
         route: pb.Route | None = None,
         batch_group: int = 0,
+        fork_of: str = "",
         timeout: float | None = _DEFAULT,
     ) -> AsyncIterator[ClientSession]:
         """Open a session stream for the block (``session_id`` defaults to a random id).
@@ -419,6 +423,7 @@ class ShardClient:
         ``relay_allowed`` opens them itself; docs/pipelines.md, "Chain relay").
         ``batch_group``: the session's batch group (a scheduling hint for workers that report
         ``batch_groups``: a batched step holds one group's steps; 0: none).
+        ``fork_of``: open it as a fork of that live session of this caller (``open_session``).
         ``timeout``: deadline of the whole stream. Leaving the block normally closes the session (released, unless
         ``close(retain=True)`` was called); leaving it with an exception or a cancellation
         resets the stream, which releases the session on the worker.
@@ -434,6 +439,7 @@ class ShardClient:
             hidden_wire_dtype=hidden_wire_dtype,
             route=route,
             batch_group=batch_group,
+            fork_of=fork_of,
             timeout=timeout,
         )
         try:

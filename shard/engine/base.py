@@ -115,6 +115,7 @@ class ShardEngine(EngineHooks):
         self._readers_done.set()
         self._compute_stops_itself = False  # (``EngineHooks``: an implementation sets it)
         self._grammars: GrammarBook | None = None  # (last shards with the grammar library)
+        self._forking: set[str] = set()  # sessions a fork is copying now (others wait for it)
 
     @property
     def _state(self) -> EngineState:
@@ -287,6 +288,51 @@ class ShardEngine(EngineHooks):
         caps = self._require_ready()  # after the checkpoint: the engine may have closed meanwhile
         slot = self._sessions.open(session_id, kv_budget, batch_group, caps)
         self._counters["sessions_opened_total"] += 1
+        return slot.info()
+
+    async def fork_session(self, source_id: str, session_id: str, *,
+                           batch_group: int | None = None) -> SessionInfo:
+        """Open ``session_id`` holding a copy of the idle session ``source_id``'s history: its
+        KV cells, token ids, positions and KV budget; ``batch_group`` as ``open_session``'s
+        (None: the source's). Each then goes on by itself; releasing either leaves the other
+        intact.
+
+        Why: ``n`` choices of one prompt prefill it once and fork it, instead of computing the
+        same prompt ``n`` times. A step the source computed ahead is dropped first (as an
+        export does). Errors as ``open_session`` (``SessionExists``, ``TooManySessions``,
+        ``InvalidInput``) and ``UnknownSession``/``SessionBusy`` for the source; on any failure
+        the new session is gone again and holds no cells. Forks of one source made at once
+        wait for each other (the source is RUNNING only while a copy runs)."""
+        await trio.lowlevel.checkpoint()
+        while True:  # forks of one source run one after another (each copy is short)
+            caps = self._require_ready()
+            source = self._sessions.get(source_id, idle=source_id not in self._forking)
+            if source.state is not SessionState.RUNNING:
+                break
+            await source.wait_idle()
+        group = source.batch_group if batch_group is None else batch_group
+        slot = self._sessions.open(session_id, source.kv_budget, group, caps)
+        slot.state, slot.idle = SessionState.RUNNING, trio.Event()  # nothing else runs on it yet
+        self._forking.add(source_id)
+        try:
+            await self._runner.exclusive(source, self._impl_fork(source, slot))
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                self._sessions.forget(slot)
+                try:
+                    if self._status.state is EngineState.READY:
+                        await self._runner.guard(self._impl_truncate(slot, 0))
+                finally:
+                    self._sessions.free(slot)
+            raise
+        finally:
+            self._forking.discard(source_id)
+            slot.state = SessionState.IDLE
+            slot.idle.set()
+        slot.n_past = source.n_past
+        slot.tokens = None if source.tokens is None else list(source.tokens)
+        self._counters["sessions_opened_total"] += 1
+        self._counters["sessions_forked_total"] += 1
         return slot.info()
 
     def cancel(self, session_id: str) -> bool:

@@ -391,6 +391,15 @@ class FakeEngine(ShardEngine):
                 del self._kv[slot.seq_id]
         await trio.lowlevel.checkpoint()
 
+    async def _impl_fork(self, source: Slot, slot: Slot) -> None:
+        # (a cell is never changed in place: a copy of the list copies the cells)
+        await trio.lowlevel.checkpoint()
+        cells = self._kv.get(source.seq_id, [])[: source.n_past]
+        if len(cells) != source.n_past:
+            raise EngineFailure(f"fake KV cache holds {len(cells)} positions, the session {source.n_past}")
+        if cells:
+            self._kv[slot.seq_id] = list(cells)
+
     async def _impl_forget_cells(self, seq_ids: list[int]) -> None:
         for seq in seq_ids:
             self._kv.pop(seq, None)

@@ -89,6 +89,11 @@ class EngineHooks(abc.ABC):
         transport can refuse a larger import before it buffers it."""
         return 0
 
+    async def _impl_fork(self, source: Slot, slot: Slot) -> None:
+        """Give the empty ``slot`` a copy of ``source``'s cells ``[0, source.n_past)`` (a step
+        computed ahead for ``source`` is dropped first). On failure ``slot`` holds none."""
+        raise UnsupportedFeature("this engine cannot fork a session")
+
     async def _impl_forget_cells(self, seq_ids: list[int]) -> None:
         """Free every cell of these sequences, prefix cache entries that no session holds
         (engines that report ``Capabilities.prefix_cache_tokens``)."""

@@ -269,6 +269,7 @@ class AheadSteps:
                 m.rows.fill_rows([(r.token, r.keep, r.seq) for r in rows])
                 started = time.perf_counter()
                 rc = lc.llama_decode(ctx, m.batch)
+                self.kv.decoded(rc)
                 native += time.perf_counter() - started
                 n_vocab = m.n_vocab
                 for i, rec in enumerate(rows):

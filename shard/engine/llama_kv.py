@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 import llama_cpp.llama_cpp as lc
 
-from .errors import EngineFailure, IncompatibleState
+from .errors import EngineFailure, IncompatibleState, SessionBusy
 from .llama_model import LlamaModel
 from .llama_native import clear_native_errors, held, native_reason
 from .llama_state import StateFormat, check_cells, learn_format
@@ -38,6 +38,9 @@ class KvCells:
         self.state_per_position = 0
         self.state_overhead = 0
         self.state_format: StateFormat | None = None
+        # A fork's copy between streams that llama.cpp has not performed yet (it does so at the
+        # start of the next ``llama_decode``): until then no stream's state is read or written.
+        self.copies_pending = False
 
     def reset(self, n_seq: int) -> None:
         """A fresh context of ``n_seq`` sequences: nothing held."""
@@ -73,6 +76,38 @@ class KvCells:
         finally:
             self.commit([seq])
 
+    def fork_sync(self, source: int, seq: int, n_past: int, sid: str, drop_ahead: DropAhead) -> None:
+        """Copy ``source``'s cells ``[0, n_past)`` to the empty ``seq`` (a fork), after dropping
+        ``source``'s steps computed ahead.
+
+        Each sequence has a stream of its own (``kv_unified`` is false), and llama.cpp copies
+        between streams whole: the cells' positions at once, their K and V rows at the start
+        of the next ``llama_decode``, before that call writes a row. Every later step on
+        either sequence is therefore computed on the copied rows; only reading or writing a
+        stream's state before then (``state_bytes``, ``import_sync``) would miss the copy, so
+        those refuse meanwhile (``copies_pending``)."""
+        self.truncate_sync(source, n_past, drop_ahead)
+        mem = self.model.mem
+        try:
+            lc.llama_memory_seq_cp(mem, source, seq, -1, -1)
+            self.copies_pending = True
+            n_held = int(held.llama_memory_seq_pos_max(mem, seq)) + 1
+            if n_held != n_past:
+                held.llama_memory_seq_rm(mem, seq, -1, -1)
+                raise EngineFailure(f"the fork of {sid!r} holds {n_held} of {n_past} positions")
+        finally:
+            self.commit([seq])
+
+    def decoded(self, rc: int) -> None:
+        """A ``llama_decode`` returned ``rc``: a successful one performed every pending copy."""
+        if rc == 0:
+            self.copies_pending = False
+
+    def _check_no_copy(self, sid: str) -> None:
+        if self.copies_pending:
+            raise SessionBusy(f"a fork's copy is pending until the next step: {sid!r}'s state "
+                              "cannot be read or written before it", session_id=sid)
+
     def export_sync(self, seq: int, n_past: int, sid: str, drop_ahead: DropAhead) -> bytes:
         """The sequence's cells as llama.cpp writes one sequence's state (positions, and per
         layer its K and V rows), after dropping any step computed ahead."""
@@ -80,6 +115,7 @@ class KvCells:
         return self.state_bytes(seq, sid)
 
     def state_bytes(self, seq: int, sid: str) -> bytes:
+        self._check_no_copy(sid)
         ctx = self.model.ctx
         size = int(lc.llama_state_seq_get_size(ctx, seq))
         buf = (ctypes.c_uint8 * size)()
@@ -97,6 +133,7 @@ class KvCells:
         hold, each once); llama.cpp checks its layer count, types and row sizes and refuses
         with 0. Anything other than exactly ``[.., n_past)`` held afterwards is undone."""
         assert self.state_format is not None  # (no kv_layout, no import)
+        self._check_no_copy(sid)
         refused = check_cells(data, n_past, self.state_format)  # before llama.cpp trusts them
         if refused:
             raise IncompatibleState(f"the state of {sid!r} cannot be imported: {refused}",

@@ -124,6 +124,7 @@ class Ticks:
             started = time.perf_counter()
             try:
                 rc = lc.llama_decode(ctx, m.batch)
+                self.kv.decoded(rc)
             finally:
                 native = time.perf_counter() - started
                 abort.decoding = ()

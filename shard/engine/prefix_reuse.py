@@ -7,7 +7,8 @@ Why released histories only (not a truncated tail): a released session's sequenc
 its entry as it is, so keeping it copies nothing; a copy of a live session's cells would be a
 second stream written later (llama.cpp performs a copy between streams at the next
 ``llama_decode``; no public call performs it sooner), which an import into that session could
-overwrite first. See docs/engine.md, "Prefix cache".
+overwrite first (a fork, ``fork_session``, makes such a copy and refuses state reads and writes
+until it is performed). See docs/engine.md, "Prefix cache".
 
 Rules: a prefill uses the cache only when the session's whole history starts its prompt (an
 empty session always does), takes the entry with the longest shared prefix when it is longer

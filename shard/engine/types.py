@@ -676,6 +676,8 @@ class EngineMetrics:
     prefix_cache_evictions_total: int = 0
     prefix_cache_entries: int = 0
     prefix_cache_tokens: int = 0
+    # Forks (docs/engine.md, "Forking a session"): sessions opened as a copy of another.
+    sessions_forked_total: int = 0
 
 
 # --- Helpers shared by every implementation --------------------------------------------------

@@ -45,6 +45,10 @@ from .route import ChainRoute
 __all__ = ["RELAY_NOT_ALLOWED", "REPLICA_REFUSALS", "HopFailover"]
 
 log = logging.getLogger(__name__)
+#: A fork's open refused for one of these opens a plain session instead: the source is gone
+#: (released, failed over: its name there is another), busy, or the worker cannot fork.
+_NO_FORK = frozenset({ErrorCode.SESSION_NOT_FOUND, ErrorCode.SESSION_BUSY,
+                      ErrorCode.UNSUPPORTED_FEATURE})
 T = TypeVar("T")
 
 #: ``ShardError.reason`` of a route hop whose worker does not relay (a standby started without
@@ -339,7 +343,22 @@ class HopFailover:
         return left if bound is None else min(left, bound)
 
     async def _open_on(self, replica: Replica, name: str) -> ClientSession:
-        """Open the session with the remaining budget, rounded down, as its grpc-timeout."""
+        """Open the session with the remaining budget, rounded down, as its grpc-timeout; at
+        the first open of a fork (``Generation.fork_of``) as a fork of the source's session on
+        that replica, or, where it cannot be forked (gone, busy, a worker without forks), as a
+        plain one (the prompt is then computed as usual)."""
+        source = self.gen.fork_of
+        caps = replica.caps
+        if source and self._opened == 1 and caps is not None and caps.session_fork:
+            try:
+                return await self._open_fresh(replica, name, fork_of=f"{source}.{self.index}")
+            except ShardError as err:
+                if err.code not in _NO_FORK:
+                    raise
+                log.info("%s: no fork of %s (%s): a plain session", self.hop, source, err)
+        return await self._open_fresh(replica, name)
+
+    async def _open_fresh(self, replica: Replica, name: str, fork_of: str = "") -> ClientSession:
         ref = self.replicas.reference
         assert ref is not None and replica.client is not None and replica.caps is not None
         timeout = hop_timeout(self.gen.deadline, self._margin)
@@ -358,6 +377,7 @@ class HopFailover:
             route=self.route.message() if self.route is not None else None,
             batch_group=self.gen.batch_group,
             prefix_probe=self.gen.prefix_probe if self.probes(replica) else (),
+            fork_of=fork_of,
             timeout=timeout,
         )
 

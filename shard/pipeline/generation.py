@@ -99,6 +99,9 @@ class Generation:
     prefix_probe: tuple[int, ...] = ()
     #: The turn runs again after a later hop lacked the first hop's cached prefix.
     prefix_retry: bool = False
+    #: The generation whose sessions this one's forks at their first open (its ``sid``; "":
+    #: none): each hop's session starts as a copy of that one's (``shard.pipeline.choices``).
+    fork_of: str = ""
 
     def prompt_held(self, n_past: int) -> None:
         """The prompt's ``n_past`` positions are held: a grammar starts there, and every later

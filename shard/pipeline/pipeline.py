@@ -74,6 +74,7 @@ from shard.v1 import shard_pb2 as pb
 from . import chain, stepping
 from .checks import (check_chain, check_chunk, check_grammar, check_sampling, check_speculation,
                      hop_targets)
+from .choices import OnChoiceToken, generate_choices
 from .drafting import Drafter, PromptLookup
 from .errors import Blames, Hop, PipelineError
 from .groups import BatchGroups, default_groups
@@ -343,6 +344,15 @@ class Pipeline:
                              "only on a route of one hop)")
         return chunk_tokens
 
+    async def generate_choices(
+        self, prompt: str | Sequence[int], n: int, *, seed: int = 0,
+        on_token: OnChoiceToken | None = None, **options: Any,
+    ) -> list[PipelineResult]:
+        """``n`` choices of ``prompt``, choice ``i`` sampled with ``seed + i``, the prompt
+        prefilled once and forked on every hop (``shard.pipeline.choices``); ``options`` as
+        ``generate``'s."""
+        return await generate_choices(self, prompt, n, seed=seed, on_token=on_token, **options)
+
     async def generate(
         self,
         prompt: str | Sequence[int],
@@ -372,6 +382,8 @@ class Pipeline:
         frequency_penalty: float = 0.0,
         penalty_last_n: int = 64,
         logit_bias: Mapping[int, float] | None = None,
+        fork_of: str | None = None,
+        client_steps: bool = False,
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
@@ -408,6 +420,12 @@ class Pipeline:
         ``min_p``, the penalties and ``logit_bias`` (``shard.client.sampling``) need a last
         shard that honours them (every replica reporting ``sampling_penalties``); each hop
         is sent the token ids, so the last one penalizes the session's whole history.
+
+        ``fork_of``: the ``session_id`` of a running generation of this pipeline whose
+        sessions are idle: every hop's session starts as a copy of that one's (a worker without
+        forks: a plain session), so a prompt that starts with what they hold is computed from
+        there on (``generate_choices``). ``client_steps``: the client sends every step, never
+        the workers' own loop, so the sessions are idle while ``on_token`` runs.
         """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -456,6 +474,7 @@ class Pipeline:
                     batch_group=group,
                     parse_special=parse_special,
                     handoff=self.handoff,
+                    fork_of=fork_of or "",
                 )
                 last = len(hops) - 1
                 chained = self.relay == "chain" and last > 0
@@ -471,7 +490,7 @@ class Pipeline:
                         runners = [HopRunner(r, gen, last=r.index == last) for r in hops]
                     try:
                         with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
-                            if (chained or alone) and not speculate:  # the workers loop: Generate on hop 0
+                            if (chained or alone) and not speculate and not client_steps:  # the workers loop: Generate on hop 0
                                 await chain.run(runners[0], result, prompt, rules, on_token, blames,
                                                 self.pass_cost)
                             else:  # the client steps (a chain's passes go through hop 0's route)

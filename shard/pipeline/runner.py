@@ -109,6 +109,9 @@ class HopRunner:
             nonlocal emitted
             steps = session.prefill_chunks(
                 tokens, text=text, chunk_tokens=self.gen.chunk_tokens,
+                # a fork holds its source's prompt: written from 0, all but its last position
+                # is reused (a fresh session appends at 0 all the same)
+                position=0 if session.opened.n_past else None,
                 sampling=self.gen.sampling, top_logprobs=self.gen.top_logprobs,
                 echo_tokens=text is not None, parse_special=self.gen.parse_special,
                 cache_limit=cache_limit,

@@ -137,7 +137,8 @@ class ChainRelay:
                 return_to = returns.address(address)
         with unwrap_single_exception():
             down: NextHop = await nursery.start(
-                self._hold, host, route, layers, peer, return_to, nursery, req.prefix_probe)
+                self._hold, host, route, layers, peer, return_to, nursery, req.prefix_probe,
+                req.fork_of)
         if not down.pipelined:
             returns = None  # the next hop takes no part: answers come up the chain
         return RoutedSession(host, down, returns)
@@ -160,10 +161,12 @@ class ChainRelay:
     async def _hold(
         self, host: StepHost, route: pb.Route, layers: tuple[int, int], peer: Peer,
         return_to: pb.ReturnAddress | None, nursery: trio.Nursery, probe: Sequence[int],
-        task_status: trio.TaskStatus[NextHop],
+        fork_of: str, task_status: trio.TaskStatus[NextHop],
     ) -> None:
         """Own the next hop's session (on a pooled connection) until the upstream stream ends:
-        a graceful close closes it, anything else resets it (its worker releases at once)."""
+        a graceful close closes it, anything else resets it (its worker releases at once).
+        ``fork_of``: the upstream session is a fork of that one: the next hop forks the
+        session this worker opened there for it (the same principal: this worker's)."""
         hop, rest = route.hops[0], list(route.hops[1:])
         deadline = host.deadline
         stage = "connect"
@@ -186,6 +189,8 @@ class ChainRelay:
                 timeout = hop_timeout(deadline, RELAY_DEADLINE_MARGIN)
                 if timeout is not None and timeout <= 0:
                     raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the deadline expired")
+                if fork_of and not caps.session_fork:
+                    raise ShardError(ErrorCode.UNSUPPORTED_FEATURE, "it cannot fork a session")
                 want = convert.offered_dtype(caps, host.wire_dtype)
                 # a return address goes only to a hop that takes part (an older one would refuse
                 # the queued steps); without it the answers come back up the chain as before
@@ -203,6 +208,7 @@ class ChainRelay:
                     batch_group=host.batch_group,  # the pipeline's group, on every hop
                     # what the route holds of the prompt, asked of a hop that answers
                     prefix_probe=probe if caps.prefix_cache_limit else (),
+                    fork_of=relay_session_id(fork_of) if fork_of else "",
                     timeout=timeout,
                 )
                 step = route.step_timeout_ms / 1000 * (len(rest) + 1) if route.step_timeout_ms else None

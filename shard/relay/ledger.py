@@ -63,6 +63,15 @@ class ChainLedger(Positions):
     def resumed(self, end: int, engine: int) -> None:
         raise AssertionError("a routed session is never resumed")
 
+    def forked(self, source: Positions) -> None:
+        """A fork of the routed session ``source``: this engine and the next hop each forked
+        their copy, so every count is the source's."""
+        assert isinstance(source, ChainLedger)
+        super().forked(source)
+        self.down, self.synced, self.pending = source.down, source.synced, source.pending
+        self._token_at = source._token_at
+        self._recount()
+
     def computed(self, position: int, result: StepResult) -> None:
         """This engine holds ``[first, n_past)`` anew (``first = position + reused``: computed
         or copied from its prefix cache; the next hop takes the copied ones from its own)."""

@@ -271,6 +271,7 @@ def capabilities_to_proto(
         prefix_cache_detail=caps.prefix_cache_detail,
         sampling_penalties=True,
         prefix_cache_limit=True,  # Prefill.cache_limit, OpenSession.prefix_probe
+        session_fork=True,  # OpenSession.fork_of
         grammar_kinds=caps.grammar_kinds,
     )
 

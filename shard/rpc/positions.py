@@ -40,6 +40,12 @@ class Positions:
         """A retained session resumed: the client may build on ``end`` of ``engine`` positions."""
         self.end, self.engine, self.delivered = end, engine, end
 
+    def forked(self, source: Positions) -> None:
+        """A fork of the session ``source`` counts: it holds what that one holds, and its
+        client knows it (it was sent the source's results)."""
+        self.end, self.engine, self.delivered = source.end, source.engine, source.end
+        self.next_token = source.next_token
+
     def computed(self, position: int, result: StepResult) -> None:
         """An engine step whose input went to ``position`` returned ``result``: the session
         holds what it says, and positions from ``position`` on differ from what was sent."""

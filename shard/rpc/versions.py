@@ -33,6 +33,8 @@ from .errors import ErrorCode, ShardError
 #: would misread) go only to a worker that reports ``prefix_cache_tokens``. Neither do
 #: ``SamplingParams`` fields 5-10 (min_p, penalties, logit_bias): clients send them only to a
 #: worker that reports ``sampling_penalties``.
+#: Forks (``OpenSession.fork_of``) need none either: an older worker would ignore the field and
+#: open an empty session, so clients and relays send it only to one reporting ``session_fork``.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 

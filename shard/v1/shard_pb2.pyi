@@ -102,7 +102,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout", "prefix_cache_tokens", "prefix_cache_detail", "sampling_penalties", "grammar_kinds", "prefix_cache_limit")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout", "prefix_cache_tokens", "prefix_cache_detail", "sampling_penalties", "grammar_kinds", "prefix_cache_limit", "session_fork")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class GetCapabilitiesResponse(_message.Message):
     SAMPLING_PENALTIES_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_KINDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FORK_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -185,7 +186,8 @@ class GetCapabilitiesResponse(_message.Message):
     sampling_penalties: bool
     grammar_kinds: _containers.RepeatedScalarFieldContainer[str]
     prefix_cache_limit: bool
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_detail: _Optional[str] = ..., sampling_penalties: _Optional[bool] = ..., grammar_kinds: _Optional[_Iterable[str]] = ..., prefix_cache_limit: _Optional[bool] = ...) -> None: ...
+    session_fork: bool
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_detail: _Optional[str] = ..., sampling_penalties: _Optional[bool] = ..., grammar_kinds: _Optional[_Iterable[str]] = ..., prefix_cache_limit: _Optional[bool] = ..., session_fork: _Optional[bool] = ...) -> None: ...
 
 class ChatTemplate(_message.Message):
     __slots__ = ("template", "bos_token", "eos_token", "eot_token", "add_bos", "special_texts")
@@ -372,7 +374,7 @@ class CacheExpectation(_message.Message):
     def __init__(self, n_tokens: _Optional[int] = ..., prefix_sha256: _Optional[bytes] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("session_id", "expected_model_fingerprint", "expected_layer_range", "kv_budget", "cache", "initial_credit", "step_timeout_ms", "hidden_wire_dtype", "route", "batch_group", "prefix_probe")
+    __slots__ = ("session_id", "expected_model_fingerprint", "expected_layer_range", "kv_budget", "cache", "initial_credit", "step_timeout_ms", "hidden_wire_dtype", "route", "batch_group", "prefix_probe", "fork_of")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LAYER_RANGE_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +386,7 @@ class OpenSession(_message.Message):
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     BATCH_GROUP_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PROBE_FIELD_NUMBER: _ClassVar[int]
+    FORK_OF_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     expected_model_fingerprint: str
     expected_layer_range: LayerRange
@@ -395,7 +398,8 @@ class OpenSession(_message.Message):
     route: Route
     batch_group: int
     prefix_probe: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., hidden_wire_dtype: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., batch_group: _Optional[int] = ..., prefix_probe: _Optional[_Iterable[int]] = ...) -> None: ...
+    fork_of: str
+    def __init__(self, session_id: _Optional[str] = ..., expected_model_fingerprint: _Optional[str] = ..., expected_layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., kv_budget: _Optional[int] = ..., cache: _Optional[_Union[CacheExpectation, _Mapping]] = ..., initial_credit: _Optional[int] = ..., step_timeout_ms: _Optional[int] = ..., hidden_wire_dtype: _Optional[str] = ..., route: _Optional[_Union[Route, _Mapping]] = ..., batch_group: _Optional[int] = ..., prefix_probe: _Optional[_Iterable[int]] = ..., fork_of: _Optional[str] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("hops", "return_to", "step_timeout_ms")

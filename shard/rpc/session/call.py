@@ -27,6 +27,7 @@ from ..positions import Positions
 from ..versions import check_version
 from . import steps, transfer
 from .context import StepContext
+from .forks import caller_of
 from .lifecycle import Lifecycle
 from .limits import SessionLimits
 from .outbox import DirectPath, Responses
@@ -102,6 +103,16 @@ class SessionCall(Lifecycle):
     def deadline(self) -> float:
         """The call deadline (trio clock); ``inf`` without ``grpc-timeout``."""
         return self._deadline
+
+    @property
+    def caller(self) -> tuple[str, str]:
+        """(principal, host) of the stream's caller: who may fork it (``forks``)."""
+        return caller_of(self._context)
+
+    @property
+    def forkable(self) -> bool:
+        """An idle session holding its engine session: what a fork may copy now."""
+        return self._owns_engine_session and self.phase.value is Phase.IDLE
 
     @property
     def positions(self) -> Positions:

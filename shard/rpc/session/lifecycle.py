@@ -8,15 +8,18 @@ can resume it). The cleanup runs shielded, so a cancelled or failed stream never
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import trio
 
-from shard.engine import EngineError, EngineState, TooManySessions
+from shard.engine import EngineError, EngineState, SessionInfo, TooManySessions
 from shard.v1 import shard_pb2 as pb
 
 from .. import convert
 from ..errors import ErrorCode, ShardError
 from ..positions import Positions
 from . import inputs
+from .forks import fork_source
 from .phase import CLOSED_REASON, RETAIN_ON_END, Phase, StreamEnd
 from .protocols import NOT_ALLOWED, Retained
 
@@ -51,17 +54,23 @@ class Lifecycle:
                 f"kv_budget {req.kv_budget} exceeds n_ctx_per_session {caps.n_ctx_per_session}", sid
             )
         expectation = req.cache if req.HasField("cache") else None
+        source = fork_source(self, req, routed) if req.fork_of else None
         retained = self._registry.claim(sid, self, resuming=expectation is not None)
         ctx = self.ctx
         # claimed: from here on the cleanup frees or returns it
         ctx.opened(sid, caps, version, wire_dtype,
                    req.step_timeout_ms / 1000 if req.step_timeout_ms else None, req.batch_group)
-        cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
+        if source is not None:
+            cache = await self._open_fork(sid, source)
+        else:
+            cache = await self._attach_kv(sid, req.kv_budget or None, expectation, retained)
         if routed:
             assert self._relay is not None and self._nursery is not None
             self.routed = await self._relay.open(ctx, req, nursery=self._nursery)
             ctx.positions = self.routed.positions
             ctx.kv_capacity = min(ctx.kv_capacity, self.routed.kv_capacity)
+            if source is not None:
+                self.routed.positions.forked(source.positions)
         elif returning:
             assert self._relay is not None and self._nursery is not None
             self.returner = await self._relay.open_return(
@@ -155,11 +164,25 @@ class Lifecycle:
             return R.OUTCOME_MISMATCH, 0, "the held tokens differ from the expected prefix"
         return R.OUTCOME_HIT, exp.n_tokens, ""
 
+    async def _open_fork(self, sid: str, source: Lifecycle) -> pb.CacheResult:
+        """Open the engine session as a fork of ``source``'s (``OpenSession.fork_of``)."""
+        info = await self._engine_open(
+            lambda: self._engine.fork_session(source.session_id, sid,
+                                              batch_group=self.ctx.batch_group))
+        self.ctx.positions.forked(source.positions)
+        self._registry.count("sessions_forked_total")
+        return pb.CacheResult(outcome=pb.CacheResult.OUTCOME_NEW)
+
     async def _open_fresh(self, sid: str, kv_budget: int | None) -> None:
+        await self._engine_open(lambda: self._engine.open_session(
+            sid, kv_budget=kv_budget, batch_group=self.ctx.batch_group))
+
+    async def _engine_open(self, open_: Callable[[], Awaitable[SessionInfo]]) -> SessionInfo:
+        """The engine session ``open_`` opens, evicting retained sessions for room; the stream
+        owns it from here and starts counting from what it holds."""
         while True:
             try:
-                info = await self._engine.open_session(sid, kv_budget=kv_budget,
-                                                       batch_group=self.ctx.batch_group)
+                info = await open_()
                 break
             except TooManySessions as exc:
                 # Retained sessions are a best-effort cache: evict the oldest before refusing
@@ -171,6 +194,7 @@ class Lifecycle:
         self._owns_engine_session = True
         self.ctx.kv_capacity = info.kv_budget
         self.ctx.positions = Positions()
+        return info
 
     # ---- close ---------------------------------------------------------------------------
 

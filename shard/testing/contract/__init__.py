@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from .cancellation import Cancellation
 from .concurrency import Concurrency
+from .forks import Forks
 from .handoff import HandOff
 from .harness import (
     Pending,
@@ -65,6 +66,7 @@ class EngineContractSuite(
     Sessions,
     Cancellation,
     HandOff,
+    Forks,
     Streams,
     LookAhead,
     Verification,
@@ -85,6 +87,7 @@ __all__ = [
     "Cancellation",
     "Concurrency",
     "EngineContractSuite",
+    "Forks",
     "HandOff",
     "LayerRanges",
     "Lifecycle",
