@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import pydantic
 import pytest
 import trio
@@ -28,7 +29,8 @@ from shard.engine import (
     ShardEngine,
     StreamRequest,
 )
-from shard.engine.fake import FakeEngine
+from shard.engine.fake import FakeEngine, FakeScript
+from shard.engine.grammar import SessionGrammar, mask_together
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model
 
@@ -222,8 +224,6 @@ def test_a_spec_is_checked_where_it_is_made() -> None:
 
 
 async def test_a_later_shard_without_the_ids_cannot_follow_a_grammar() -> None:
-    import numpy as np
-
     async with FakeEngine() as eng:
         caps = await eng.load(LoadSpec())
         await eng.open_session("s")
@@ -254,3 +254,115 @@ async def test_a_moved_session_continues_its_grammar(engine: ShardEngine) -> Non
         got.append(r.logits.token_id)
     assert got == out[15:]
     await engine.release("b")
+
+
+@pytest.fixture(params=["fake", "llama"])
+async def batched(request: pytest.FixtureRequest) -> AsyncIterator[ShardEngine]:
+    """An engine whose concurrent sessions share ticks (the fake in its batched mode)."""
+    if request.param == "fake":
+        eng: ShardEngine = FakeEngine(script=FakeScript(batched=True))
+        spec = LoadSpec(n_ctx=8 * 256, max_sessions=8)
+    else:
+        path: Path = await trio.to_thread.run_sync(ensure_model, "chat")
+        eng = LlamaCppEngine()
+        spec = LoadSpec(model_path=path, n_ctx=8 * 256, max_sessions=8, n_threads=1)
+    async with eng:
+        await eng.load(spec)
+        yield eng
+
+
+PROMPTS = ("Answer in JSON:", "A user, as JSON:", "JSON please:", "Describe a person in JSON:",
+           "Output JSON:", "The admin as JSON:", "A guest, JSON:", "Person record (JSON):")
+
+
+async def test_a_ticks_rows_masked_together_choose_as_each_alone(batched: ShardEngine) -> None:
+    """8 constrained sessions decoding at once share ticks, whose masks are filled together:
+    every mask filled with a tick is the one its matcher computes alone, and on the fake
+    (whose logits do not depend on the batch) each session chooses, greedy or sampled, the
+    tokens it chooses stepped alone. (llama.cpp's logits may differ in the last bits with the
+    batch's layout, which a sampled choice can tell: docs/engine.md, "Determinism".)"""
+    engine = batched
+    fake = isinstance(engine, FakeEngine)
+    prompts = [engine.tokenize(p) for p in PROMPTS]
+    params = [schema_params(p, temperature=0.9 if i % 2 and fake else 0.0, seed=i)
+              for i, p in enumerate(prompts)]
+    alone = [await generate(engine, f"a{i}", prompts[i], params[i], 30) for i in range(8)]
+    book = engine._grammars
+    filled: list[int] = []
+    differed: list[int] = []  # (the spy runs where the tick ends: llama's native thread)
+    mask_tick = book.mask_tick
+
+    def spy(steps: list, n_vocab: int) -> int:
+        filled.append(mask_tick(steps, n_vocab))
+        for slot, _ in steps:
+            state = slot.grammar
+            if state is not None and state._ready is not None:
+                bits = np.frombuffer(state._matcher.compute_bitmask(), dtype=np.uint8)
+                own = np.unpackbits(bits, bitorder="little", count=n_vocab).view(bool)
+                differed.append(int((own != state._ready).sum()))
+        return filled[-1]
+
+    book.mask_tick = spy  # type: ignore[method-assign]
+    together: list[list[int]] = [[] for _ in range(8)]
+
+    async def one(i: int) -> None:
+        together[i] = await generate(engine, f"t{i}", prompts[i], params[i], 30)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(one, i)
+    assert max(filled) > 1  # several sessions' masks in one fill
+    assert len(differed) == sum(filled) > 8 and not any(differed)
+    assert len(set(map(tuple, alone))) > 1  # (the sessions differ)
+    if fake:
+        assert together == alone
+
+
+async def test_a_mask_filled_with_its_tick_is_used_until_the_matcher_moves() -> None:
+    """``mask_together`` fills the very masks ``mask`` computes alone, including the end of
+    the grammar (end of generation only); ``mask`` uses the filled one while the matcher stays
+    where it was filled, and computes its own once the matcher moved."""
+    async with FakeEngine() as eng:
+        caps = await eng.load(LoadSpec())
+        spec = GrammarSpec("json_object", start=1)
+        template = await trio.to_thread.run_sync(eng._grammars.compile, spec)
+        history = [1, *(3 + b for b in b'{"a": [1, {"b": "xy"}], "c": true}')]
+        rows = np.random.default_rng(0).standard_normal((len(history) + 1, caps.n_vocab))
+        rows = rows.astype(np.float32)
+        alone, tick, moved = (SessionGrammar(spec, template) for _ in range(3))
+        for n in range(1, len(history) + 1):
+            expected = _masked(alone, history, n, rows[n])[0]
+            assert mask_together([(tick, history, n), (moved, history, n)], caps.n_vocab,
+                                 caps.n_vocab) == 2
+            got, computed = _masked(tick, history, n, rows[n])  # (it does not move)
+            assert np.array_equal(got, expected) and computed == 0
+            if n < len(history):  # moved on past where it was filled: its own mask
+                got, computed = _masked(moved, history, n + 1, rows[n + 1])
+                assert computed == 1
+                assert np.array_equal(got, _masked(alone, history, n + 1, rows[n + 1])[0])
+        assert np.isfinite(expected).sum() == 1  # a complete object: end of generation only
+
+
+class _CountingMatcher:
+    """A matcher that counts the masks it computes (``compute_bitmask``)."""
+
+    def __init__(self, matcher: object) -> None:
+        self.matcher, self.computed = matcher, 0
+
+    def compute_bitmask(self) -> bytes:
+        self.computed += 1
+        return self.matcher.compute_bitmask()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.matcher, name)
+
+
+def _masked(state: SessionGrammar, history: list[int], n: int, row: object) -> tuple[object, int]:
+    """``state`` brought to ``history[:n]`` and ``row`` masked: the row, and how many masks
+    the matcher computed for it."""
+    counting = state._matcher = _CountingMatcher(state._matcher)
+    try:
+        assert state.follow(history, n)
+        return state.mask(row), counting.computed
+    finally:
+        state._matcher = counting.matcher

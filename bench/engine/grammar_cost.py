@@ -7,8 +7,14 @@ run:
 * ``mask``: a session's matcher brought to the next token and its mask applied to a logits
   row (``SessionGrammar.follow`` + ``mask``, what ``ShardEngine._make_result`` adds to a
   constrained step), over the tokens of a real constrained answer; CPU seconds
-  (``time.thread_time``) per token, and per tick of 8 sessions (8 of them: the masks of a
-  tick's rows are computed one after another on the event loop).
+  (``time.thread_time``) per token, and that times 8 (a tick of 8 sessions masked row by row).
+* ``tick``: the masks of a tick of 8 sessions (following the 8 answers of the constrained run),
+  computed alone, one row after another (``follow`` + ``mask`` per row), against together
+  (``grammar.mask_together``: the 8 matchers brought to their histories and filled by one
+  parallel call, as a tick's end does, then each row's ``follow`` + ``mask`` as building its
+  result does); CPU seconds of the whole process (``time.process_time``: the library's
+  threads fill the masks) and wall seconds per tick, and, together, the event loop's part
+  (what building the 8 results still does, ``time.thread_time``).
 * ``step``: 8 sessions decoding greedily at once (the engine batches them into one tick per
   token), unconstrained and constrained by the same JSON schema; wall seconds per tick.
 
@@ -30,7 +36,7 @@ import trio
 from bench.common.environment import environment, save_record
 from bench.common.options import RESULTS, add_out, add_quick, add_threads, add_tokens
 from shard.engine import DecodeRequest, GrammarSpec, LoadSpec, PrefillRequest, SamplingParams
-from shard.engine.grammar import SessionGrammar
+from shard.engine.grammar import SessionGrammar, mask_together
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model
 from shard.models.real import ensure_real_model
@@ -98,6 +104,32 @@ def mask_cpu(engine: LlamaCppEngine, spec: GrammarSpec, history: list[int], n_vo
     return spent / (rounds * (steps + 1))
 
 
+def tick_mask_cost(engine: LlamaCppEngine, spec: GrammarSpec, histories: list[list[int]],
+                   n_vocab: int, rounds: int, together: bool) -> dict[str, float]:
+    """Per tick of ``len(histories)`` sessions, over their answers: process CPU and wall
+    seconds of masking every session's next row (``together``: filled in one call first), and
+    the calling thread's CPU in the per-row part (what the event loop pays)."""
+    rows = np.random.default_rng(0).standard_normal((len(histories), n_vocab)).astype(np.float32)
+    end = min(len(h) for h in histories)
+    ticks = end - spec.start + 1
+    cpu = wall = loop = 0.0
+    for _ in range(rounds):
+        states = [SessionGrammar(spec, engine._grammars.compile(spec)) for _ in histories]
+        for n in range(spec.start, end + 1):
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            if together:
+                mask_together([(s, h, n) for s, h in zip(states, histories)], n_vocab, n_vocab)
+            loop0 = time.thread_time()
+            for state, history, row in zip(states, histories, rows):
+                if state.follow(history, n):
+                    state.mask(row)
+            loop += time.thread_time() - loop0
+            cpu += time.process_time() - cpu0
+            wall += time.perf_counter() - wall0
+    per = rounds * ticks
+    return {"cpu_us": cpu / per * 1e6, "wall_us": wall / per * 1e6, "loop_cpu_us": loop / per * 1e6}
+
+
 async def measure(model: Path, threads: int, n_tokens: int, rounds: int) -> dict[str, Any]:
     async with LlamaCppEngine() as engine:
         caps = await engine.load(LoadSpec(model_path=model, n_ctx=SESSIONS * 512,
@@ -113,11 +145,18 @@ async def measure(model: Path, threads: int, n_tokens: int, rounds: int) -> dict
         grammar_tick, outs = await ticks(engine, prompt, constrained, n_tokens)
         history = [*prompt, *outs[0]]
         per_token = mask_cpu(engine, spec, history, caps.n_vocab, rounds)
+        histories = [[*prompt, *out] for out in outs]
+        alone = tick_mask_cost(engine, spec, histories, caps.n_vocab, rounds, together=False)
+        together = tick_mask_cost(engine, spec, histories, caps.n_vocab, rounds, together=True)
     return {
         "model": model.name, "n_vocab": caps.n_vocab, "tokens_per_session": n_tokens,
         "first_compile_s": compile_s,
         "mask_cpu_us_per_token": per_token * 1e6,
         "mask_cpu_us_per_tick_of_8": per_token * SESSIONS * 1e6,
+        "tick_of_8_masks_alone": alone,
+        "tick_of_8_masks_together": together,
+        "masks_together_over_alone_cpu": together["cpu_us"] / alone["cpu_us"],
+        "masks_together_over_alone_wall": together["wall_us"] / alone["wall_us"],
         "tick_ms_unconstrained": free_tick * 1e3,
         "tick_ms_constrained": grammar_tick * 1e3,
         "mask_share_of_unconstrained_tick": per_token * SESSIONS / free_tick,

@@ -451,6 +451,7 @@ class ShardEngine(EngineHooks):
         plan, reused = prefill_plan(request, slot, caps)
         if request.sampling.grammar is not None and caps.is_last:
             grammar.check_history(slot, plan)
+        self._attach_grammar(slot, request.sampling)
         plan = self._prefix.plan(slot, plan, request.cache_limit)
         try:
             return await self._runner.step(slot, caps, plan, request.sampling,
@@ -467,6 +468,7 @@ class ShardEngine(EngineHooks):
         plan = decode_plan(request, slot, caps)
         if request.sampling.grammar is not None and caps.is_last:
             grammar.check_history(slot, plan)
+        self._attach_grammar(slot, request.sampling)
         return await self._runner.step(slot, caps, plan, request.sampling,
                                        request.top_k_logprobs, 0, "decode_tokens_total")
 
@@ -489,6 +491,7 @@ class ShardEngine(EngineHooks):
         sid = request.session_id
         slot = self._sessions.get(sid)
         check_stream(request, slot, caps, deliver)
+        self._attach_grammar(slot, request.sampling)
         run = StreamRun(self._make_result, slot, caps, request, deliver)
 
         async def work() -> None:
@@ -524,6 +527,25 @@ class ShardEngine(EngineHooks):
             await trio.lowlevel.checkpoint()
             return
         await self._read_in_thread(book.compile, spec)
+
+    def _attach_grammar(self, slot: Slot, params: SamplingParams) -> None:
+        """The session's matcher for the operation about to run (``GrammarBook.attach``)."""
+        book = self._grammars
+        if book is not None and (params.grammar is not None or slot.grammar is not None):
+            book.attach(slot, params.grammar)
+
+    def _mask_tick(self, steps: Sequence[tuple[Slot, ComputePlan]]) -> None:
+        """Where an implementation finished a tick (any thread, before the steps' callers are
+        woken): the grammar masks of its one-row steps, computed together
+        (``GrammarBook.mask_tick``). Never raises: a mask not computed here is computed alone
+        when the step's result is built."""
+        book, caps = self._grammars, self._caps
+        if book is None or caps is None:
+            return
+        try:
+            book.mask_tick(steps, caps.n_vocab)
+        except Exception:  # noqa: BLE001 - each mask is then computed alone, or fails there
+            log.exception("grammar masks of a tick could not be computed together")
 
     def _require_ready(self) -> Capabilities:
         if self._status.state is EngineState.READY:

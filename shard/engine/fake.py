@@ -362,6 +362,7 @@ class FakeEngine(ShardEngine):
                 job.finish(error=exc)
             except Exception as exc:  # noqa: BLE001 - the base class turns it into EngineFailure
                 job.finish(error=exc)
+        self._mask_tick([(job.slot, job.plan) for job, _ in tick if job.finished and job.error is None])
         self._choose_beside(tick)
 
     def _choose_beside(self, tick: list[tuple[Job, Piece]]) -> None:

@@ -133,7 +133,7 @@ class LlamaCppEngine(ShardEngine):
                                     on_failure=self._fail)
         self._ahead.native = self._native
         self._ticks = Ticks(self._llama, self._kv, self._ahead, self._counters,
-                            abort_min_tokens=abort_min_tokens)
+                            abort_min_tokens=abort_min_tokens, mask_tick=self._mask_tick)
         # An attribute, not a method, so that an instrument can wrap it (bench/engine/batching.py).
         self._tick_sync = self._ticks.run_sync
 

@@ -1,7 +1,9 @@
 """One tick of the llama.cpp engine: the rows of every session the planner put in it, written
 into the batch and evaluated by one ``llama_decode`` in the native thread; then the outputs
 (logits, or a non-last shard's captured rows) copied to each session's work, and each
-``llama_decode`` status turned into the typed error its sessions get.
+``llama_decode`` status turned into the typed error its sessions get. The grammar masks of the
+tick's finished last-shard steps are computed together here, before their works finish
+(``ShardEngine._mask_tick``): this thread pays for them, not the event loop per row.
 
 Cancellation inside a running ``llama_decode`` goes through llama.cpp's abort callback, which
 ggml polls after every graph node and which aborts only when every session of the tick is
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 
 import llama_cpp.llama_cpp as lc
 import numpy as np
@@ -76,10 +79,15 @@ class Ticks:
     """Runs the planner's ticks on ``model``'s context (native thread only)."""
 
     def __init__(self, model: LlamaModel, kv: KvCells, ahead: AheadSteps,
-                 counters: dict[str, int], *, abort_min_tokens: int) -> None:
+                 counters: dict[str, int], *, abort_min_tokens: int,
+                 mask_tick: Callable[[Sequence[tuple[Slot, ComputePlan]]], None] | None = None
+                 ) -> None:
         self.model, self.kv, self.ahead = model, kv, ahead
         self.counters = counters
         self.abort_min_tokens = abort_min_tokens
+        #: The grammar masks of a tick's finished steps, computed together here, before
+        #: their callers are woken (``ShardEngine._mask_tick``).
+        self.mask_tick = mask_tick
         self.hidden: np.ndarray | None = None  # non-last: captured rows of one tick
 
     def opened(self) -> None:
@@ -142,6 +150,7 @@ class Ticks:
                         work.finish(error=error)
                     return native
             row = 0
+            done: list[tuple[Work, np.ndarray]] = []  # last-shard steps this tick finished
             for work, piece in live:
                 step = work.step
                 step.done_rows += piece.count
@@ -159,7 +168,13 @@ class Ticks:
                 if work.logits_out is not None:
                     work.finish(result=work.logits_out)
                     continue
-                self._finish_logits(work, row - 1)
+                logits = self._logits(work, row - 1)
+                if logits is not None:
+                    done.append((work, logits))
+            if done and self.mask_tick is not None:
+                self.mask_tick([(work.slot, work.plan) for work, _ in done])
+            for work, logits in done:
+                self._finish_logits(work, logits)
         except Exception as exc:  # noqa: BLE001 - handed to every waiting work; the base class fails the engine
             for work, _ in tick:
                 if not work.finished:
@@ -203,14 +218,18 @@ class Ticks:
             work.logits_out[piece.start + i] = np.ctypeslib.as_array(ptr, shape=(n_vocab,))
         return True
 
-    def _finish_logits(self, work: Work, row: int) -> None:
-        """Finish a completed last-shard step with the logits of batch row ``row``, and queue
-        the step after it when its caller asked for a look-ahead."""
+    def _logits(self, work: Work, row: int) -> np.ndarray | None:
+        """A copy of the logits of batch row ``row`` (None, and the work failed, when
+        llama.cpp has none)."""
         ptr = held.llama_get_logits_ith(self.model.ctx, row)
         if not ptr:
             work.finish(error=EngineFailure("llama.cpp returned no logits for the last position"))
-            return
-        logits = np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+            return None
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+
+    def _finish_logits(self, work: Work, logits: np.ndarray) -> None:
+        """Finish a completed last-shard step with its ``logits``, and queue the step after it
+        when its caller asked for a look-ahead."""
         work.finish(result=logits)
         plan = work.plan
         if plan.lookahead is not None and plan.tokens is not None:
