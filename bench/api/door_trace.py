@@ -80,9 +80,9 @@ def install() -> None:
     render = Backend.render_chat
 
     @functools.wraps(render)
-    def render_chat(self: Backend, messages: Any) -> str:
+    def render_chat(self: Backend, messages: Any, **kwargs: Any) -> str:
         t0 = trio.current_time()
-        out = render(self, messages)
+        out = render(self, messages, **kwargs)
         _RENDER.set(trio.current_time() - t0)
         return out
 
