@@ -50,13 +50,14 @@ class EnvOption:
     choices: Any = None
     flag: bool = False  # store_true / store_false: 1 means the option is given
     const: object = None  # a flag's value when given
+    many: bool = False  # an ``extend`` option: its value is a list
     raw: str | None = None
 
     def render(self, value: object) -> str:
         """``value`` as this option's variable would hold it (shell-quoted)."""
         if self.flag:
             return "1" if value == self.const else "0"
-        if isinstance(value, list | tuple):  # an ``extend`` option's list, as its variable holds it
+        if self.many and isinstance(value, list | tuple):  # its list, as its variable holds it
             return shlex.quote(",".join(map(str, value)))
         return "" if value is None else shlex.quote(str(value))
 
@@ -172,7 +173,7 @@ class Options:
             type_, choices = kwargs.get("type"), kwargs.get("choices")
             option = EnvOption(
                 dest=dest, variable=variable, option=longs[0], default=kwargs.get("default"),
-                type=type_, choices=choices,
+                type=type_, choices=choices, many=action == "extend",
                 convert=lambda text: _value(text, type=type_, choices=choices))
         else:
             raise TypeError(f"{longs[0]}: only a single value or a flag can come from {variable}")
