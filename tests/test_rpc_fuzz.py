@@ -314,14 +314,14 @@ def test_fuzzer_finds_a_grammar_that_misses_a_rewind(monkeypatch: pytest.MonkeyP
     _finds(FakeFuzz, "run alone", "grammar", examples=200)
 
 
-def test_fuzzer_finds_penalties_blind_to_cached_ids(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A penalty window that leaves out the ids a prefill copied from the prefix cache."""
+def test_fuzzer_finds_penalties_that_see_only_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A penalty window of the step's own input only: a decode's penalties miss the prompt and
+    the tokens generated before it."""
     step_history = engine_base.step_history
 
-    def blind(slot: EngineSlot, plan: object, last_n: int) -> list[int] | None:
+    def own_input(slot: EngineSlot, plan: object, last_n: int) -> list[int] | None:
         ids = step_history(slot, plan, last_n)  # type: ignore[arg-type]
-        cached = len(plan.cached_ids)  # type: ignore[attr-defined]
-        return ids if ids is None or not cached else ids[cached:]
+        return ids if ids is None else ids[-plan.n_new:]  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(engine_base, "step_history", blind)
+    monkeypatch.setattr(engine_base, "step_history", own_input)
     _finds(FakeFuzz, "run alone", examples=200)
