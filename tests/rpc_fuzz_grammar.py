@@ -5,6 +5,7 @@ gives the reference's token. The sampling the step rules draw is in rpc_fuzz_sam
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from hypothesis import strategies as st
@@ -72,7 +73,9 @@ class SamplingRules(PrefixRules):
         if slot.state != "open" or not 0 < slot.grammar_start < len(slot.tokens):
             FuzzWorld.stats["replay:skipped"] += 1
             return
-        draw = replace(draw or Draw(), grammar=slot.grammar, resume=True)
+        draw = draw or Draw()  # (finite biases only with a grammar: rpc_fuzz_sampling._FINITE_BIAS)
+        bias = tuple(p for p in draw.logit_bias if p[1] != -math.inf)
+        draw = replace(draw, logit_bias=bias, grammar=slot.grammar, resume=True)
         self.loop.run(self._replay, slot, back, keep, draw)
 
     async def _replay(self, slot: SlotModel, back: int, keep: int, draw: Draw) -> None:
