@@ -311,7 +311,7 @@ def test_fuzzer_finds_a_grammar_that_misses_a_rewind(monkeypatch: pytest.MonkeyP
         return taken == len(rest) and not self._matcher.is_error()  # noqa: SLF001
 
     monkeypatch.setattr(SessionGrammar, "follow", forward_only)
-    _finds(FakeFuzz, "run alone", "grammar", examples=200)
+    _finds(FakeFuzz, "run alone", "grammar", examples=400)
 
 
 def test_fuzzer_finds_penalties_that_see_only_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -324,4 +324,4 @@ def test_fuzzer_finds_penalties_that_see_only_the_step(monkeypatch: pytest.Monke
         return ids if ids is None else ids[-plan.n_new:]  # type: ignore[attr-defined]
 
     monkeypatch.setattr(engine_base, "step_history", own_input)
-    _finds(FakeFuzz, "run alone", examples=200)
+    _finds(FakeFuzz, "run alone", examples=400)
