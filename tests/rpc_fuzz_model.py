@@ -6,8 +6,10 @@ rpc_fuzz_prefix.py; tests/test_rpc_fuzz.py composes them.
 
 The worker runs with a prefix cache of ``cache_tokens`` (small, so entries are evicted under
 pressure); the reference engine runs without one, so every result a cached prefill gives is
-checked against the same history computed from scratch. The model records every history the
-worker released (``released``), the bound of what any prefill may take from the cache.
+checked against the same history computed from scratch, with the same sampling (penalties and
+grammars are functions of the session's ids: rpc_fuzz_sampling.py). The model records every
+history the worker released (``released``), the bound of what any prefill may take from the
+cache.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import trio
 from hypothesis.stateful import RuleBasedStateMachine
 
 from rpc_fuzz_harness import FAKE, RPC_TIMEOUT, EngineKind, Latency, LoopThread, trio_cache_thread
+from rpc_fuzz_sampling import Sent, grammar_allows
 from shard.client import ClientSession, ErrorCode, ShardClient, ShardError, cache_expectation
 from shard.engine import PrefillRequest, ShardEngine
 from shard.engine.prefix_cache import reserved_entries
+from shard.engine.types import SamplingParams
 from shard.rpc.server import serve
 from shard.rpc.session import SessionCall, SessionLimits
 from shard.v1 import shard_pb2 as pb
@@ -50,6 +54,7 @@ class StepRun:
     done: trio.Event = field(default_factory=trio.Event)
     cancel_answer: tuple[bool, bool] | None = None
     n_past_at_cancel: int | None = None
+    sent: Sent | None = None  # its sampling (None: plain greedy)
 
 
 @dataclass
@@ -61,6 +66,8 @@ class SlotModel:
     tokens: list[int] = field(default_factory=list)  # the history the client was sent results for
     choice: int | None = None  # token chosen by the last result (generate continues from it)
     exact: bool = True  # the engine holds exactly ``tokens`` (False: it may hold more)
+    grammar_start: int = 0  # where the slot's last grammar started (0: none yet)
+    grammar: int = 0  # which grammar that was (rpc_fuzz_sampling.GRAMMARS)
     deadline: float = math.inf  # trio time the stream's call deadline passes (at the latest)
     step_timeout: bool = False
     cut: bool = False  # we cut its connection: errors leaving that connection are expected
@@ -97,7 +104,7 @@ class FuzzWorld(RuleBasedStateMachine):
         self.loop = LoopThread()
         self.latency = Latency()
         self.slots = {sid: SlotModel(sid) for sid in SLOTS}
-        self.reference_cache: dict[tuple[int, ...], int] = {}
+        self.reference_cache: dict[tuple[tuple[int, ...], SamplingParams], int] = {}
         self.server: Any = None
         self.engine: ShardEngine | None = None
         self.reference: ShardEngine | None = None
@@ -265,23 +272,25 @@ class FuzzWorld(RuleBasedStateMachine):
     def _control(self) -> ShardClient | None:
         return next((s.client for s in self.slots.values() if s.client is not None), None)
 
-    async def _expected_choice(self, history: list[int]) -> int | None:
+    async def _expected_choice(self, history: list[int], params: SamplingParams) -> int | None:
         """The token the same history gives when computed alone on a fresh engine."""
         if self.reference is None:
             return None
-        key = tuple(history)
+        key = (tuple(history), params)
         if key not in self.reference_cache:
             await self.reference.open_session("ref")
             try:
-                result = await self.reference.prefill(PrefillRequest("ref", key))
+                result = await self.reference.prefill(PrefillRequest("ref", key[0], sampling=params))
             finally:
                 await self.reference.release("ref")
             assert result.logits is not None
             self.reference_cache[key] = result.logits.token_id
         return self.reference_cache[key]
 
-    async def _absorb(self, slot: SlotModel, step: pb.StepResult, fed: list[int]) -> None:
-        """A result the client received: extend the history, check it as if run alone."""
+    async def _absorb(self, slot: SlotModel, step: pb.StepResult, fed: list[int],
+                      sent: Sent | None = None) -> None:
+        """A result the client received (of a step sent with ``sent``): extend the history,
+        check it as if run alone, and that its grammar allows it."""
         slot.tokens = [*slot.tokens, *fed]
         assert step.n_past == len(slot.tokens), (slot.sid, step.n_past, len(slot.tokens))
         if step.cached_tokens:
@@ -292,16 +301,33 @@ class FuzzWorld(RuleBasedStateMachine):
                 f" {bound} positions of its history were ever released"
             )
             FuzzWorld.stats["cache:hit"] += 1
-        want = await self._expected_choice(slot.tokens)
-        assert want is None or step.logits.token_id == want, (
-            f"{slot.sid}: a result differs from the same session run alone"
+        params = sent.params if sent is not None else SamplingParams()
+        choice = step.logits.token_id
+        want = await self._expected_choice(slot.tokens, params)
+        assert want is None or choice == want, (
+            f"{slot.sid}: a result differs from the same session run alone ({choice}, not {want},"
+            f" with {params})"
         )
-        slot.choice = step.logits.token_id
+        if params.grammar is not None:
+            assert self.engine is not None
+            allowed = grammar_allows(self.engine._grammars, params, slot.tokens, choice)  # noqa: SLF001
+            assert allowed is not False, (
+                f"{slot.sid}: the grammar {params.grammar} refuses the token {choice} it chose")
+            FuzzWorld.stats["grammar"] += 1
+            FuzzWorld.stats["grammar:constrained" if allowed else "grammar:free"] += 1
+        if params.penalized or params.logit_bias or params.min_p:
+            FuzzWorld.stats["penalized"] += 1
+            if want is not None:  # the reference without them: did they decide the token?
+                plain = replace(params, repeat_penalty=1.0, presence_penalty=0.0,
+                                frequency_penalty=0.0, logit_bias=(), min_p=0.0)
+                if await self._expected_choice(slot.tokens, plain) != want:
+                    FuzzWorld.stats["penalized:decisive"] += 1
+        slot.choice = choice
 
     async def _absorb_run(self, slot: SlotModel, run: StepRun) -> None:
         for i, step in enumerate(run.steps):
             fed = run.prompt if i == 0 and run.prompt is not None else [slot.choice]
-            await self._absorb(slot, step, fed)  # type: ignore[arg-type]
+            await self._absorb(slot, step, fed, run.sent)  # type: ignore[arg-type]
 
     async def _ended(self, slot: SlotModel, err: ShardError, how: str, expect: str = "none") -> bool:
         """An error from a call on ``slot``: True if it ended the stream (the slot is updated)."""
@@ -333,7 +359,7 @@ class FuzzWorld(RuleBasedStateMachine):
         slot.state = expect
         if expect == "none":
             self._released(slot.tokens, exact and slot.exact)
-            slot.tokens, slot.choice, slot.exact = [], None, True
+            slot.tokens, slot.choice, slot.exact, slot.grammar_start = [], None, True, 0
 
     async def _settle(self) -> None:
         """Wait until the worker finished ending streams: one stream task per live slot."""

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from rpc_fuzz_model import SLOTS, FuzzWorld, SlotModel
+from rpc_fuzz_sampling import DRAWS, Draw
 from rpc_fuzz_steps import StepRules
 from rpc_fuzz_streams import StreamRules
 
@@ -25,17 +26,18 @@ TAIL = st.lists(st.integers(3, 258), min_size=1, max_size=6)
 class PrefixRules(StreamRules, StepRules):
     """Rules that resend released conversations and fork them."""
 
-    @rule(sid=st.sampled_from(SLOTS), pick=st.integers(0, 7), tail=TAIL, grow=st.integers(0, 200))
-    def next_turn(self, sid: str, pick: int, tail: list[int], grow: int) -> None:
+    @rule(sid=st.sampled_from(SLOTS), pick=st.integers(0, 7), tail=TAIL, grow=st.integers(0, 200),
+          draw=DRAWS)
+    def next_turn(self, sid: str, pick: int, tail: list[int], grow: int, draw: Draw | None) -> None:
         """The slot's conversation ends (released), and a fresh session sends a released
         history (its own, just released, for ``pick`` 0) plus ``tail`` and ``grow`` more
         tokens (long histories fill the cache's budget: entries are evicted for tokens, not
-        only for their count)."""
+        only for their count), with ``draw``'s sampling (penalties see the cached ids)."""
         slot = self._pick(sid, "open")
         if slot is None:
             return
         tail = [*tail, *(3 + (i * 11 + grow) % 256 for i in range(grow))]
-        self.loop.run(self._next_turn, slot, pick, tail)
+        self.loop.run(self._next_turn, slot, pick, tail, draw)
 
     @rule(pick=st.integers(0, 7), tails=st.lists(TAIL, min_size=len(SLOTS), max_size=len(SLOTS)))
     def fork(self, pick: int, tails: list[list[int]]) -> None:
@@ -80,12 +82,13 @@ class PrefixRules(StreamRules, StepRules):
         if slot.state in ("none", "retained"):
             await self._open(slot, None, None, "right", 0)
 
-    async def _next_turn(self, slot: SlotModel, pick: int, tail: list[int]) -> None:
+    async def _next_turn(self, slot: SlotModel, pick: int, tail: list[int], draw: Draw | None) -> None:
         await self._fresh(slot)
-        await self._send(slot, self._history(pick), tail)
+        await self._send(slot, self._history(pick), tail, draw)
         FuzzWorld.stats["next_turn"] += 1
 
-    async def _send(self, slot: SlotModel, history: list[int], tail: list[int]) -> None:
+    async def _send(self, slot: SlotModel, history: list[int], tail: list[int],
+                    draw: Draw | None = None) -> None:
         """Prefill ``history`` + ``tail`` on the slot's fresh session (the history cut to fit
         the session); at least what the prompt shares with the last release comes from the
         cache."""
@@ -98,7 +101,7 @@ class PrefixRules(StreamRules, StepRules):
         if last is not None:
             m = min(len(last), len(prompt) - 1)
             shared = next((i for i in range(m) if last[i] != prompt[i]), m)
-        step = await self._step(slot, "prefill", prompt)
+        step = await self._step(slot, "prefill", prompt, draw)
         if step is None:
             return
         assert step.cached_tokens >= shared, (

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
 from rpc_fuzz_model import SLOTS, STEP_ERRORS, FuzzWorld, SlotModel, StepRun
+from rpc_fuzz_sampling import DRAWS, Draw, resolve
 from shard.client import ClientSession, ErrorCode, ShardError
 from shard.engine import SessionState
 from shard.v1 import shard_pb2 as pb
@@ -21,35 +22,40 @@ from shard.v1 import shard_pb2 as pb
 class StepRules(FuzzWorld):
     """Rules that run steps on an open session, and stop them."""
 
-    @rule(sid=st.sampled_from(SLOTS), tokens=st.lists(st.integers(3, 258), min_size=1, max_size=6))
-    def prefill(self, sid: str, tokens: list[int]) -> None:
+    @rule(sid=st.sampled_from(SLOTS), tokens=st.lists(st.integers(3, 258), min_size=1, max_size=6),
+          draw=DRAWS)
+    def prefill(self, sid: str, tokens: list[int], draw: Draw | None) -> None:
         slot = self._pick(sid, "open")
         if slot is None:
             return
-        self.loop.run(self._step, slot, "prefill", tokens)
+        self.loop.run(self._step, slot, "prefill", tokens, draw)
 
-    @rule(sid=st.sampled_from(SLOTS))
-    def decode(self, sid: str) -> None:
+    @rule(sid=st.sampled_from(SLOTS), draw=DRAWS)
+    def decode(self, sid: str, draw: Draw | None) -> None:
         slot = self._pick(sid, "open")
         if slot is None or slot.choice is None:
             return
-        self.loop.run(self._step, slot, "decode", [])
+        self.loop.run(self._step, slot, "decode", [], draw)
 
-    async def _step(self, slot: SlotModel, kind: str, tokens: list[int]) -> pb.StepResult | None:
-        """One prefill or decode; its result, or None when it failed (checked here)."""
+    async def _step(self, slot: SlotModel, kind: str, tokens: list[int],
+                    draw: Draw | None = None) -> pb.StepResult | None:
+        """One prefill or decode (with ``draw``'s sampling); its result, or None when it failed
+        (checked here)."""
         assert slot.session is not None
         fed = tokens if kind == "prefill" else [slot.choice]
+        sent = resolve(slot, draw, len(tokens) if kind == "prefill" else None)
+        msg = sent.msg if sent is not None else None
         try:
             if kind == "prefill":
-                step = await slot.session.prefill(tokens)
+                step = await slot.session.prefill(tokens, sampling=msg)
             else:
-                step = await slot.session.decode(slot.choice)
+                step = await slot.session.decode(slot.choice, sampling=msg)
         except ShardError as err:
             if await self._ended(slot, err, kind):
                 return None
             self._step_error(kind, slot, err, overflow=len(slot.tokens) + len(fed) > self.capacity)
             return None
-        await self._absorb(slot, step, fed)  # type: ignore[arg-type]
+        await self._absorb(slot, step, fed, sent)  # type: ignore[arg-type]
         slot.exact = True
         usage = slot.session.usage
         assert usage.n_past == len(slot.tokens), (slot.sid, usage, len(slot.tokens))
@@ -133,7 +139,7 @@ class StepRules(FuzzWorld):
             return
         assert not corrupt and not b.tokens, f"{b}: an import was taken that must be refused"
         assert held == len(a.tokens)
-        b.tokens, b.exact = list(a.tokens), True
+        b.tokens, b.exact, b.grammar_start = list(a.tokens), True, a.grammar_start
         b.choice = header.next_token if header.has_next_token else None
         FuzzWorld.stats["handoff"] += 1
 
@@ -142,13 +148,15 @@ class StepRules(FuzzWorld):
         max_tokens=st.integers(1, 12),
         background=st.booleans(),
         first=st.integers(3, 258),
+        draw=DRAWS,
     )
-    def generate(self, sid: str, max_tokens: int, background: bool, first: int) -> None:
+    def generate(self, sid: str, max_tokens: int, background: bool, first: int, draw: Draw | None) -> None:
         slot = self._pick(sid, "open")
         if slot is None:
             return
         prompt = None if slot.choice is not None else [first]
         run = StepRun("generate", max_tokens, prompt)
+        run.sent = resolve(slot, draw, None if prompt is None else len(prompt))
         self.loop.run(self._start_generate, slot, run)
         if not background:
             self.loop.run(self._finish, slot)
@@ -162,7 +170,8 @@ class StepRules(FuzzWorld):
     @staticmethod
     async def _generating(session: ClientSession, run: StepRun) -> None:
         try:
-            async for step in session.generate(run.prompt, max_tokens=run.max_tokens):
+            sampling = run.sent.msg if run.sent is not None else None
+            async for step in session.generate(run.prompt, max_tokens=run.max_tokens, sampling=sampling):
                 run.steps.append(step)
             run.usage = session.usage
         except ShardError as err:

@@ -13,15 +13,20 @@ decode, generate (awaited, or left running in the background), credit (tiny wind
 grants at random points), the out-of-band Cancel RPC, a Cancel that lands right after a step
 is dispatched (the race of issue 8 item 3), Release, close (retain or not), half-close,
 RST_STREAM (client cancel), an abrupt TCP close, call deadlines and step timeouts firing at
-random points, and plain waits. The worker has a small prefix cache: conversations are resent
+random points, and plain waits. Prefill, decode, generate and resent conversations draw their
+sampling (penalties, logit_bias, min_p, a seeded temperature, one of a few grammars:
+tests/rpc_fuzz_sampling.py); a rule sends a grammar that does not compile, another rewinds
+into a grammar's output and prefills it again (tests/rpc_fuzz_grammar.py). The worker has a small prefix cache: conversations are resent
 with a tail on fresh sessions, several live sessions fork one released prefix, rewinds cut into
 it, and releases evict entries under pressure.
 
 Checked after every rule: every call ended with a documented status for its cause; the
 engine's sessions and KV cells match the model of what is live or retained (and the engine's
 own KV bookkeeping matches its sessions); the worker runs exactly one stream task per live
-slot; every result equals what the same history gives when computed alone on a fresh engine
-without a cache; no prefill takes from the cache more than a released history shares with it,
+slot; every result equals what the same history gives with the same sampling when computed
+alone on a fresh engine without a cache; a grammar's choice is one its matcher allows after the
+history (when the history from its start is within it); a broken grammar is refused
+INVALID_ARGUMENT / INVALID_GRAMMAR and leaves the session as it was; no prefill takes from the cache more than a released history shares with it,
 and a fresh session takes at least what it shares with the last release; the cache stays within
 its budget; every sequence id is free, a session's or a cache entry's, exactly once. At the
 end of each example: nothing leaks (sessions, KV cells, sequence ids, tasks, threads).
@@ -45,15 +50,17 @@ from hypothesis.stateful import initialize, invariant, run_state_machine_as_test
 from conftest import LONG_EXAMPLES
 from rpc_fuzz_harness import FAILURES, FAKE, FAKE_BATCHED, FAKE_SPEC, LLAMA, MODEL, EngineKind
 from rpc_fuzz_model import SLOTS
-from rpc_fuzz_prefix import PrefixRules
+from rpc_fuzz_grammar import SamplingRules
+from shard.engine import base as engine_base
 from shard.engine.base import Slot as EngineSlot
 from shard.engine.fake import FakeEngine, FakeScript
+from shard.engine.grammar import SessionGrammar
 from shard.engine.prefix_cache import PrefixCache
 from shard.rpc.session import SessionCall
 from shard.rpc.session.context import StepContext
 
 
-class RpcFuzz(PrefixRules):
+class RpcFuzz(SamplingRules):
     """The state machine: every rule, and the invariant checked after each; subclasses pick the
     engine and may plant bugs (see the tests)."""
 
@@ -150,6 +157,11 @@ def _fuzz(machine: type[RpcFuzz], examples: int, steps: int, capsys: pytest.Capt
     assert RpcFuzz.stats["examples"] >= (1 if LONG else examples)
     assert RpcFuzz.stats["cache:hit"] > 0, "no prefill took anything from the prefix cache"
     assert RpcFuzz.stats["cache:evicted"] > 0, "the prefix cache never evicted an entry"
+    assert RpcFuzz.stats["penalized"] > 0, "no result was chosen with penalties, bias or min_p"
+    if machine.check_reference:  # (the reference tells whether they decided a token)
+        assert RpcFuzz.stats["penalized:decisive"] > 0, "penalties or bias never decided a token"
+    assert RpcFuzz.stats["grammar:constrained"] > 0, "no grammar constrained a choice"
+    assert RpcFuzz.stats["grammar:refused"] > 0, "no broken grammar was refused"
 
 
 class FakeFuzz(RpcFuzz):
@@ -285,3 +297,31 @@ def test_fuzzer_finds_stale_positions_after_a_failed_rewind(monkeypatch: pytest.
     # It takes a rewind stopped after it began computing: found within 60 examples in about 9
     # of 10 runs, so it gets more (it stops at the first find).
     _finds(FakeFuzz, "a failed rewind left", "the engine holds", "n_past", examples=200)
+
+
+def test_fuzzer_finds_a_grammar_that_misses_a_rewind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's matcher that only ever moves forward: after a rewind into the grammar's
+    output it is ahead of the history, and masks the choice for tokens the session no longer
+    holds."""
+
+    def forward_only(self: SessionGrammar, history: list[int], n_past: int) -> bool:
+        rest = list(history[self.spec.start:n_past][len(self._consumed):])  # noqa: SLF001
+        taken = self._matcher.try_consume_tokens(rest) if rest else 0  # noqa: SLF001
+        self._consumed.extend(rest[:taken])  # noqa: SLF001
+        return taken == len(rest) and not self._matcher.is_error()  # noqa: SLF001
+
+    monkeypatch.setattr(SessionGrammar, "follow", forward_only)
+    _finds(FakeFuzz, "run alone", "grammar", examples=400)
+
+
+def test_fuzzer_finds_penalties_that_see_only_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A penalty window of the step's own input only: a decode's penalties miss the prompt and
+    the tokens generated before it."""
+    step_history = engine_base.step_history
+
+    def own_input(slot: EngineSlot, plan: object, last_n: int) -> list[int] | None:
+        ids = step_history(slot, plan, last_n)  # type: ignore[arg-type]
+        return ids if ids is None else ids[-plan.n_new:]  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(engine_base, "step_history", own_input)
+    _finds(FakeFuzz, "run alone", examples=400)
