@@ -366,3 +366,32 @@ def _masked(state: SessionGrammar, history: list[int], n: int, row: object) -> t
         return state.mask(row), counting.computed
     finally:
         state._matcher = counting.matcher
+
+
+async def test_a_bias_that_forbids_every_token_the_grammar_allows_is_refused(
+        engine: ShardEngine) -> None:
+    """``-inf`` biases on each token a ``json_object`` grammar allows first, added one chosen
+    token at a time, end in ``InvalidInput`` (never a forbidden token, nor a -inf log-prob); the
+    refused step is rolled back, the engine stays READY and the session goes on."""
+    prompt = engine.tokenize(PROMPT)
+    banned: dict[int, float] = {}
+    for attempt in range(engine.capabilities().n_vocab):
+        params = SamplingParams(grammar=GrammarSpec("json_object", start=len(prompt)),
+                                logit_bias=dict(banned))
+        sid = f"b{attempt}"
+        await engine.open_session(sid)
+        try:
+            r = await engine.prefill(PrefillRequest(sid, tokens=prompt, sampling=params))
+        except InvalidInput as exc:
+            assert "logit_bias" in str(exc)
+            assert engine.health().state is EngineState.READY
+            r = await engine.prefill(PrefillRequest(sid, tokens=prompt))  # rolled back
+            assert r.n_past == len(prompt)
+            await engine.release(sid)
+            break
+        await engine.release(sid)
+        assert r.logits.token_id not in banned and r.logits.logprob > float("-inf")
+        banned[r.logits.token_id] = float("-inf")
+    else:
+        pytest.fail("every token was allowed")
+    assert banned  # the grammar allowed some tokens, each then forbidden

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .errors import InvalidInput
 from .types import SamplingParams, TokenLogprob
 
 
@@ -134,6 +135,12 @@ def choose_token(logits: np.ndarray, params: SamplingParams, position: int,
         return int(np.argmax(logits))
     if params.logit_bias or params.penalized:
         logits = adjusted_logits(logits, params, history)
+        if params.logit_bias and not np.isfinite(np.max(logits)):
+            # Only -inf biases can empty a row the model scored (a grammar's mask leaves the
+            # tokens it allows finite): refused, and the step rolled back, as a bias that
+            # forbids every token is refused before any work.
+            raise InvalidInput("logit_bias forbids every token the grammar allows at position "
+                               f"{position}")
     if params.greedy:
         return int(np.argmax(logits))
     order, probs = candidates(logits, params)
