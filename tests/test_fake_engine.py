@@ -521,3 +521,33 @@ async def test_hidden_states_cannot_change_after_validation() -> None:
     assert e.health().ready
     assert op.value.logits is not None and math.isfinite(op.value.logits.logprob)
     await e.aclose()
+
+
+# ---- embeddings ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+async def test_embedding_pools_the_last_blocks_outputs_as_declared(pooling: str) -> None:
+    """The fake pools the last block's rows of the whole input, computed position by position
+    from an empty state (the fake's own forward pass): their mean, the first or the last."""
+    whole = await loaded(FakeModel(pooling_type=pooling))
+    try:
+        raw = await whole.embed(TOKENS, normalize=False)
+        rows, prev = [], None
+        assert whole._weights is not None and whole._weights.embd is not None
+        for token in TOKENS:
+            hidden, prev = whole._forward(whole._weights.embd[token], prev)
+            rows.append(hidden.astype(np.float64))
+        expected = {"mean": np.mean(rows, axis=0), "cls": rows[0], "last": rows[-1]}[pooling]
+        np.testing.assert_allclose(raw, expected.astype(np.float32), rtol=1e-6)
+        unit = await whole.embed(TOKENS)
+        np.testing.assert_allclose(unit, expected / np.linalg.norm(expected), rtol=1e-5)
+    finally:
+        await whole.aclose()
+
+
+def test_pooling_type_is_checked_and_fingerprinted() -> None:
+    with pytest.raises(InvalidInput, match="pooling_type"):
+        FakeModel(pooling_type="max")
+    assert FakeModel(pooling_type="mean").fingerprint() != FakeModel().fingerprint()
+    assert FakeModel(pooling_type="").fingerprint() == FakeModel().fingerprint()

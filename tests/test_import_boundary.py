@@ -23,6 +23,7 @@ ALLOWED = {
     Path("shard/engine/llama_ahead.py"),
     Path("shard/engine/llama_batch.py"),
     Path("shard/engine/llama_capture.py"),
+    Path("shard/engine/llama_embed.py"),
     Path("shard/engine/llama_kv.py"),
     Path("shard/engine/llama_model.py"),
     Path("shard/engine/llama_native.py"),

@@ -805,3 +805,41 @@ async def test_the_prefix_cache_equals_the_same_steps_without_it(arch: str) -> N
         assert await _greedy_after(cached, "b", got, 6) == await _greedy_after(plain, "a", want, 6)
         await cached.release("b")
         assert cached.metrics().kv_cells_used == 0
+
+
+# ---- embeddings ------------------------------------------------------------------------------
+
+
+def _oracle_embeddings(path: Path, texts: list[str]) -> list[tuple[list[int], np.ndarray]]:
+    """llama-cpp-python's own pooled, L2-normalized embedding of each text (a context made for
+    embeddings, as llama-server's ``--embeddings``), with the ids it pooled."""
+    llm = llama_cpp.Llama(model_path=str(path), embedding=True, n_ctx=256, n_batch=256,
+                          n_ubatch=256, n_threads=N_THREADS, flash_attn=True, verbose=False)
+    try:
+        return [(list(llm.tokenize(t.encode(), add_bos=True, special=True)),
+                 np.asarray(llm.embed(t, normalize=True), dtype=np.float32)) for t in texts]
+    finally:
+        llm.close()
+
+
+async def test_embedding_matches_llama_cpp_python_and_leaks_nothing() -> None:
+    """The generated ``embed`` model declares mean pooling: the engine's embedding equals
+    llama-cpp-python's, for a short text and for one that fills a session (pooled whole, not
+    from its last chunk), and the embedding context holds no cell once it answered."""
+    path = ensure_model("embed")
+    short = "the quick brown fox jumps over the lazy dog"
+    texts = [short, " ".join([short] * 25)]
+    refs = await trio.to_thread.run_sync(_oracle_embeddings, path, texts)
+    async with LlamaCppEngine() as engine:
+        caps = await engine.load(LoadSpec(model_path=path, n_ctx=1024, max_sessions=4,
+                                          n_batch=64, n_threads=N_THREADS))
+        assert caps.pooling_type == "mean" and caps.embeds
+        embedder = engine._llama.embedder
+        assert embedder is not None
+        for text, (ref_tokens, ref) in zip(texts, refs):
+            tokens = engine.tokenize(text, parse_special=True)
+            assert list(tokens) == ref_tokens
+            np.testing.assert_allclose(await engine.embed(tokens), ref, atol=1e-3)
+            assert embedder.cells_used() == 0
+        assert 200 < len(refs[1][0]) <= caps.n_ctx_per_session > engine._llama.n_batch
+    assert engine._llama.embedder is None

@@ -23,7 +23,15 @@ def _field(reader: gguf.GGUFReader, key: str) -> object:
 
 
 def test_presets_listed() -> None:
-    assert PRESETS == ("tiny", "bench", "chat", "tools")
+    assert PRESETS == ("tiny", "bench", "chat", "tools", "embed")
+
+
+def test_the_embed_preset_declares_mean_pooling(tmp_path: Path) -> None:
+    reader = gguf.GGUFReader(write_model("embed", tmp_path / "e.gguf"))
+    assert _field(reader, "llama.pooling_type") == int(gguf.PoolingType.MEAN)
+    assert "llama.pooling_type" not in gguf.GGUFReader(write_model("tiny", tmp_path / "t.gguf")).fields
+    # A preset without pooling keeps the cache file it had before the field existed.
+    assert cache_file_name("tiny") == "tiny-g2-68680fbc1a.gguf"
 
 
 def test_the_chat_preset_carries_a_template_and_its_end_of_turn_token(tmp_path: Path) -> None:

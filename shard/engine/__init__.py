@@ -32,6 +32,7 @@ from .errors import (
 from shard.layers import LayerRange
 
 from .types import (
+    EMBEDDING_POOLING,
     GRAMMAR_KINDS,
     GREEDY,
     AuxState,
@@ -51,6 +52,7 @@ from .types import (
     MtpCapability,
     MtpRequest,
     MtpResult,
+    POOLING_TYPES,
     PrefillRequest,
     ResultKind,
     SamplingParams,

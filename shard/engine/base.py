@@ -79,6 +79,7 @@ from .validation import (
     MAX_TOP_K_LOGPROBS,
     check_snapshot,
     check_stream,
+    check_embed,
     check_tokenize,
     decode_plan,
     is_int,
@@ -274,6 +275,27 @@ class ShardEngine(EngineHooks):
         caps = self._require_ready()
         validate_tokens((token_id,), caps.n_vocab)
         return self._impl_token_piece(int(token_id))
+
+    async def embed(self, tokens: Sequence[int], *, normalize: bool = True) -> np.ndarray:
+        """The pooled embedding of ``tokens`` (a float32 vector of ``n_embd``), as the model's
+        pooling type pools its last block's output; ``normalize``: scaled to unit L2 norm, as
+        llama-server's ``/v1/embeddings`` answers by default. A whole-model engine of a model
+        that declares a pooling type only (``Capabilities.embeds``; a partial shard:
+        ``IllegalTransition``, no pooling: ``UnsupportedFeature``). The input is one transient
+        sequence that no session sees and no cell outlives: between 1 and
+        ``n_ctx_per_session`` ids (``InvalidInput``/``ContextExceeded`` otherwise)."""
+        await trio.lowlevel.checkpoint()
+        ids = check_embed(tokens, self._require_ready())
+        vector = await self._guard_impl(self._impl_embed(ids))
+        if self._status.state is not EngineState.READY:  # closed (or failed) meanwhile
+            raise self._status.not_ready()
+        vector = np.asarray(vector, dtype=np.float32).reshape(-1)
+        if not np.isfinite(vector).all():
+            raise InvalidInput("the embedding holds NaN or infinite values")
+        if normalize:
+            norm = float(np.linalg.norm(vector.astype(np.float64)))
+            vector = (vector / norm if norm > 0 else vector).astype(np.float32)
+        return vector
 
     # ---- sessions --------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from .batching import Piece, Step, TickPlanner
 from .errors import EngineError, EngineFailure, IncompatibleState, InvalidInput
 from .scheduler import BatchScheduler, Job
 from .types import (
+    POOLING_TYPES,
     Capabilities,
     ChatTemplate,
     LayerRange,
@@ -84,6 +85,9 @@ class FakeModel:
     #: A chat template (Jinja2) reported by a first shard, rendered with ``<s>``/``</s>`` as
     #: BOS, EOS and end of turn; "" for none.
     chat_template: str = ""
+    #: The pooling type the model declares (``POOLING_TYPES``; "" none): with one, a whole
+    #: fake model embeds, pooling its last block's outputs as llama.cpp does.
+    pooling_type: str = ""
 
     def __post_init__(self) -> None:
         if self.n_layers_total < 1:
@@ -94,12 +98,16 @@ class FakeModel:
             raise InvalidInput(f"the byte tokenizer needs n_vocab >= {BYTE_VOCAB}")
         if not 0 <= self.seed < 2**63:
             raise InvalidInput("seed must be in [0, 2**63)")
+        if self.pooling_type and self.pooling_type not in POOLING_TYPES:
+            raise InvalidInput(f"pooling_type must be one of {', '.join(POOLING_TYPES)} or empty")
 
     def fingerprint(self) -> str:
         """Stable hex digest of the whole model's config (identical for every shard of it)."""
         fields = asdict(self)
         if not fields["chat_template"]:
             del fields["chat_template"]  # the fingerprints of models without one stay as they were
+        if not fields["pooling_type"]:
+            del fields["pooling_type"]  # (as the chat template)
         blob = json.dumps({"format": "fake-v1", **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -247,6 +255,7 @@ class FakeEngine(ShardEngine):
             kv_layout="" if self.script.kv_layout_tag is None
             else f"fake-kv/f64/{layers.count}x{m.n_embd}{self.script.kv_layout_tag}",
             prefix_cache_tokens=spec.prefix_cache_tokens,
+            pooling_type=m.pooling_type,
             prefix_cache_detail="released histories, one sequence each, copied to a new "
             "session (as on llama.cpp)" if spec.prefix_cache_tokens else "off (budget 0)",
         )
@@ -383,6 +392,25 @@ class FakeEngine(ShardEngine):
         for job, token, lse, ok in zip(jobs, tokens, lses, finite):
             if ok:
                 job.chosen = (job.sampling, token, lse)
+
+    async def _impl_embed(self, tokens: tuple[int, ...]) -> np.ndarray:
+        """Every position through every block from an empty state that only this call sees
+        (no sequence, no cell), then pooled as the model declares: the mean of the outputs,
+        the first (CLS) or the last."""
+        await trio.lowlevel.checkpoint()
+        weights = self._weights
+        assert weights is not None and weights.embd is not None
+        prev: np.ndarray | None = None
+        outputs = []
+        for token in tokens:
+            hidden, prev = self._forward(weights.embd[token], prev)
+            outputs.append(hidden.astype(np.float64))
+        pooling = self.model.pooling_type
+        if pooling == "cls":
+            return outputs[0].astype(np.float32)
+        if pooling == "last":
+            return outputs[-1].astype(np.float32)
+        return np.mean(outputs, axis=0).astype(np.float32)
 
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         cells = self._kv.get(slot.seq_id)

@@ -99,6 +99,12 @@ class EngineHooks(abc.ABC):
         (engines that report ``Capabilities.prefix_cache_tokens``)."""
         raise UnsupportedFeature("this engine keeps no prefix cache")
 
+    async def _impl_embed(self, tokens: tuple[int, ...]) -> np.ndarray:
+        """The pooled (not normalized) embedding of ``tokens``, checked already
+        (``validation.check_embed``), as a vector of ``n_embd`` floats. Must hold no KV cell
+        and no sequence id once it returns, and must not touch any session's cells."""
+        raise UnsupportedFeature("this engine computes no embeddings")
+
     def _impl_lookahead_cells(self) -> int:
         """KV cells held by steps computed ahead and not claimed (engines that look ahead)."""
         return 0

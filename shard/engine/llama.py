@@ -12,6 +12,7 @@ return code is translated into the typed errors of ``shard.engine.errors`` there
   decode errors, and the warm-up;
 - ``llama_ahead``: steps computed ahead by the native thread, their claims and streams;
 - ``llama_kv``: KV cells (truncation, state export/import, cell counts);
+- ``llama_embed``: a pooling model's embedding context (``ShardEngine.embed``);
 - ``llama_capture`` (a non-last shard's boundary rows) and ``llama_threads`` (the ggml pool).
 
 Why the low-level API: the high-level ``llama_cpp.Llama`` owns one sequence and resets it per
@@ -78,7 +79,7 @@ from shard.models.fingerprint import file_fingerprint
 
 from .base import Claimed, ComputePlan, ShardEngine, Slot, StreamRun
 from .batching import Piece, TickPlanner
-from .errors import EngineFailure, InvalidInput
+from .errors import EngineFailure, InvalidInput, NotReady
 from .llama_ahead import AheadSteps
 from .llama_kv import KvCells
 from .llama_model import LlamaModel
@@ -198,6 +199,11 @@ class LlamaCppEngine(ShardEngine):
     def _serving(self) -> bool:
         return self._state is EngineState.READY
 
+    async def _impl_embed(self, tokens: tuple[int, ...]) -> np.ndarray:
+        """In the native thread, on the model's embedding context (``shard.engine.llama_embed``:
+        why a context of its own), between the serving context's steps."""
+        return await self._native.run(self._embed_sync, tokens)
+
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:
         await self._native.run(self._truncate_sync, slot.seq_id, keep)
 
@@ -279,6 +285,12 @@ class LlamaCppEngine(ShardEngine):
         self._scheduler.planner = m.planner(spec)
         self._ticks.warm_up_sync()
         return m.capabilities(spec, self._kv.layout())
+
+    def _embed_sync(self, tokens: tuple[int, ...]) -> np.ndarray:
+        embedder = self._llama.embedder
+        if embedder is None:  # (the base class checked the capabilities: closed meanwhile)
+            raise NotReady("the engine is closed")
+        return embedder.embed_sync(tokens)
 
     def _truncate_sync(self, seq: int, keep: int) -> None:
         self._kv.truncate_sync(seq, keep, self._ahead.drop_sync)

@@ -31,6 +31,7 @@ from .errors import EngineFailure, IllegalTransition, InvalidInput
 from .layer_ranges import EmbdInput, check_loadable, range_support, served_range
 from .llama_batch import BatchRows
 from .llama_capture import BoundaryCapture
+from .llama_embed import EmbedContext, pooling_name
 from .llama_native import (
     LLAMA_MAX_SEQ,
     LLAMA_TOKEN_NULL,
@@ -94,6 +95,10 @@ class LlamaModel:
         self.boundary: BoundaryCapture | None = None
         # The context's ggml thread pool (shard.engine.llama_threads), with more than one thread.
         self.threads: ComputeThreads | None = None
+        #: The pooling type the model declares ("" none) and, for a whole model with one, the
+        #: context that computes its embeddings (``shard.engine.llama_embed``).
+        self.pooling = ""
+        self.embedder: EmbedContext | None = None
         self.n_batch = self.n_vocab = self.n_embd = self.n_seq = self.n_threads = 0
         self.n_ctx_seq = self.n_layers_total = 0
         #: Sequences beyond the sessions' kept for the prefix cache's entries, and what the
@@ -174,10 +179,10 @@ class LlamaModel:
                 # The callback object stays referenced (self.boundary) until the context is freed.
                 cparams.cb_eval = boundary.callback
                 cparams.cb_eval_user_data = None
-            if self.flash_attn is not None:
-                cparams.flash_attn_type = (
-                    lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
-                )
+            flash_attn = None if self.flash_attn is None else (
+                lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+            if flash_attn is not None:
+                cparams.flash_attn_type = flash_attn
             # The pool outlives the context that computes on it: registered before it, freed after it.
             pool = ComputeThreads(threads) if threads > 1 else None
             if pool is not None:
@@ -188,6 +193,15 @@ class LlamaModel:
             natives.callback(lc.llama_free, ctx)
             if pool is not None:
                 pool.attach(ctx)
+
+            # (A context made without a pooling type takes the model's; with embeddings off
+            # it pools nothing, so this one generates as any other model's.)
+            pooling = pooling_name(ctx)
+            embedder = None
+            if EmbedContext.wanted(pooling, whole=first and last):
+                embedder = EmbedContext()
+                embedder.open(model, n_ctx_per_session, threads=threads, pool=pool, flash_attn=flash_attn)
+                natives.callback(embedder.close)  # freed before the pool and the model
 
             n_ctx_seq = int(lc.llama_n_ctx_seq(ctx))
             if n_ctx_seq < n_ctx_per_session:
@@ -210,6 +224,7 @@ class LlamaModel:
             self.n_threads, self.n_ctx_seq, self.n_layers_total = threads, n_ctx_seq, n_layers_total
             self.first, self.last = first, last
             self.boundary, self.threads = boundary, pool
+            self.pooling, self.embedder = pooling, embedder
             self.info, self.served, self.arch, self.fingerprint = info, served, arch, fingerprint
             self.rows = BatchRows(batch, n_batch, first=first, last=last, n_embd=n_embd,
                                   embd_input=EmbdInput.for_model(info, first=first))
@@ -253,6 +268,7 @@ class LlamaModel:
             kv_layout=kv_layout,
             prefix_cache_tokens=spec.prefix_cache_tokens if self.cache_entries else 0,
             prefix_cache_detail=self.cache_detail,
+            pooling_type=self.pooling,
         )
 
     def close(self) -> None:
@@ -263,7 +279,7 @@ class LlamaModel:
         self.pieces = {}
         self._natives.close()
         self.boundary = None  # its eval callback is referenced by no context any more
-        self.threads = None
+        self.threads = self.embedder = None
 
     # ---- the vocabulary (reads only immutable data: called inline, on the event loop) -------
 

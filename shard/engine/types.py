@@ -180,6 +180,12 @@ class ChatTemplate:
     special_texts: tuple[str, ...] = ()
 
 
+#: Pooling types a model may declare (llama.cpp's ``llama_pooling_type`` 1..4, by name).
+POOLING_TYPES = ("mean", "cls", "last", "rank")
+#: Those that pool a sequence into one embedding ("rank" gives a reranker's score instead).
+EMBEDDING_POOLING = ("mean", "cls", "last")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a loaded engine serves. Stable for the engine's lifetime."""
@@ -221,6 +227,15 @@ class Capabilities:
     #: The grammar kinds this engine constrains its choice to (``GrammarSpec.kind``; last
     #: shards only, empty elsewhere or without the grammar library).
     grammar_kinds: tuple[str, ...] = ()
+    #: The pooling type the model declares (GGUF ``<arch>.pooling_type``): one of
+    #: ``POOLING_TYPES``, "" for none (a text generator). A whole-model engine of a model
+    #: with an ``EMBEDDING_POOLING`` type computes pooled embeddings (``ShardEngine.embed``).
+    pooling_type: str = ""
+
+    @property
+    def embeds(self) -> bool:
+        """Whether ``ShardEngine.embed`` serves: a pooling model, served whole."""
+        return self.pooling_type in EMBEDDING_POOLING and self.is_first and self.is_last
 
     @property
     def is_first(self) -> bool:

@@ -15,12 +15,20 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from .errors import ContextExceeded, IllegalTransition, IncompatibleState, InvalidInput, KvCacheFull
+from .errors import (
+    ContextExceeded,
+    IllegalTransition,
+    IncompatibleState,
+    InvalidInput,
+    KvCacheFull,
+    UnsupportedFeature,
+)
 from .lookahead import LookaheadPlan
 from .plans import ComputePlan
 from .sampling import lookahead_window
 from .slots import Slot
 from .types import (
+    EMBEDDING_POOLING,
     Capabilities,
     DecodeRequest,
     Lookahead,
@@ -143,6 +151,31 @@ def check_tokenize(text: str, caps: Capabilities) -> None:
         raise InvalidInput("text must be a string")
     if not caps.is_first:
         raise IllegalTransition("only a first shard tokenizes text")
+
+
+def check_embed(tokens: object, caps: Capabilities) -> tuple[int, ...]:
+    """The ids of one embedding, checked: a model that declares a pooling type, served whole
+    (only the last block's output can be pooled, and only a first shard reads ids), at least one
+    id and at most a session's positions (what one embedding's transient sequence may hold)."""
+    if not (caps.is_first and caps.is_last):
+        r = caps.layer_range
+        raise IllegalTransition(f"only a worker serving the whole model embeds; this one serves "
+                                f"blocks [{r.start}, {r.end}) of {caps.n_layers_total}")
+    if caps.pooling_type not in EMBEDDING_POOLING:
+        raise UnsupportedFeature(
+            "the model declares no pooling type: it generates text and computes no embeddings"
+            if not caps.pooling_type else
+            f"the model's pooling type {caps.pooling_type!r} scores pairs and computes no embeddings")
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise InvalidInput("an embedding's input must be a sequence of token ids")
+    ids = tuple(tokens)
+    if not ids:
+        raise InvalidInput("an embedding's input is empty")
+    if len(ids) > caps.n_ctx_per_session:
+        raise ContextExceeded(f"{len(ids)} tokens, more than the {caps.n_ctx_per_session} "
+                              "positions one embedding may hold")
+    validate_tokens(ids, caps.n_vocab)
+    return tuple(int(t) for t in ids)
 
 
 def prefill_plan(request: PrefillRequest, slot: Slot, caps: Capabilities) -> tuple[ComputePlan, int]:

@@ -69,6 +69,10 @@ class ModelPreset:
     #: ChatML: the control tokens ``<|im_start|>``/``<|im_end|>`` (end of turn) in the
     #: vocabulary and ``CHATML_TEMPLATE`` as ``tokenizer.chat_template``.
     chat: bool = False
+    #: ``<arch>.pooling_type`` (llama.cpp's ``LLM_KV_POOLING_TYPE``, read for every
+    #: architecture): 0 writes none (a text generator), 1 mean, 2 CLS, 3 last. A model that
+    #: declares one computes pooled embeddings (``ShardEngine.embed``).
+    pooling_type: int = 0
 
 
 #: The chat template of the ``chat`` preset (ChatML, as Qwen and many fine-tunes use), with a
@@ -155,6 +159,8 @@ _PRESETS: dict[str, ModelPreset] = {
 _PRESETS["chat"] = dataclasses.replace(_PRESETS["tiny"], name="chat", seed=20240603, chat=True)
 # The tiny shape with a chat template that renders tools (``HERMES_TOOLS_TEMPLATE``).
 _PRESETS["tools"] = dataclasses.replace(_PRESETS["chat"], name="tools", seed=20240604)
+# The tiny shape declaring mean pooling: an embedding model (``/v1/embeddings``).
+_PRESETS["embed"] = dataclasses.replace(_PRESETS["tiny"], name="embed", seed=20240605, pooling_type=1)
 
 #: Names accepted by ``write_model`` and ``ensure_model``.
 PRESETS: tuple[str, ...] = tuple(_PRESETS)
@@ -320,6 +326,8 @@ def _write(p: ModelPreset, path: Path, progress: bool, chat_template: str | None
         writer.add_rope_dimension_count(p.n_embd // p.n_head)
         writer.add_rope_freq_base(p.rope_freq_base)
         writer.add_layer_norm_rms_eps(p.rms_eps)
+        if p.pooling_type:
+            writer.add_pooling_type(gguf.PoolingType(p.pooling_type))
         add_vocab(writer, tokens, scores, types, chat_template)
 
         rng = np.random.Generator(np.random.PCG64(p.seed))
@@ -406,7 +414,10 @@ def cache_file_name(preset: str) -> str:
     """File name tagged with the generator version and a hash of the preset's shape, so a changed
     generator or preset never reuses a stale cached file."""
     p = get_preset(preset)
-    digest = hashlib.sha256(repr(sorted(asdict(p).items())).encode()).hexdigest()[:10]
+    fields = asdict(p)
+    if not fields["pooling_type"]:
+        del fields["pooling_type"]  # the files of presets without one keep their names
+    digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:10]
     return f"{p.name}-g{GENERATOR_VERSION}-{digest}.gguf"
 
 

@@ -10,6 +10,7 @@ To run the contract suite on a new engine, write one ``EngineFactory`` for it (s
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -72,6 +73,9 @@ class EngineFactory:
     load_spec: Callable[[EngineOptions], LoadSpec]
     layer_ranges: bool = True
     description: str = field(default="", compare=False)
+    #: The same engine over a model that declares a pooling type (the contract's embedding
+    #: tests); None when this factory's model declares one itself.
+    pooled: EngineFactory | None = field(default=None, compare=False)
 
     @asynccontextmanager
     async def open(self, options: EngineOptions | None = None) -> AsyncIterator[ShardEngine]:
@@ -104,7 +108,10 @@ def fake_factory(
             n_batch=options.n_batch,
         )
 
-    return EngineFactory(name, create, load_spec, True, "FakeEngine (shard.engine.fake)")
+    pooled = (None if fake_model.pooling_type else
+              fake_factory(dataclasses.replace(fake_model, pooling_type="mean"), fake_script,
+                           name=f"{name}-pooled"))
+    return EngineFactory(name, create, load_spec, True, "FakeEngine (shard.engine.fake)", pooled)
 
 
 def llama_factory(
@@ -137,7 +144,12 @@ def llama_factory(
             n_threads=n_threads,
         )
 
-    return EngineFactory(name, create, load_spec, layer_ranges, f"LlamaCppEngine on the {preset!r} model")
+    from shard.models import get_preset
+
+    pooled = (None if get_preset(preset).pooling_type else
+              llama_factory("embed", n_threads=n_threads, name=f"{name}-embed"))
+    return EngineFactory(name, create, load_spec, layer_ranges,
+                         f"LlamaCppEngine on the {preset!r} model", pooled)
 
 
 __all__ = ["EngineFactory", "EngineOptions", "ShardPart", "fake_factory", "llama_factory"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from .cancellation import Cancellation
 from .concurrency import Concurrency
+from .embeddings import Embeddings
 from .forks import Forks
 from .handoff import HandOff
 from .harness import (
@@ -77,6 +78,7 @@ class EngineContractSuite(
     Concurrency,
     PrefixCache,
     ReferenceTrace,
+    Embeddings,
 ):
     """The contract tests. Subclass it as ``Test...`` and provide ``engine_factory``."""
 
@@ -86,6 +88,7 @@ __all__ = [
     "BadInput",
     "Cancellation",
     "Concurrency",
+    "Embeddings",
     "EngineContractSuite",
     "Forks",
     "HandOff",
