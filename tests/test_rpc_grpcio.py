@@ -5,6 +5,7 @@ session registry, step counters), never through timing."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class Stub:
         self.Cancel = unary("Cancel", pb.CancelResponse)
         self.Release = unary("Release", pb.ReleaseResponse)
         self.GetMetrics = unary("GetMetrics", pb.GetMetricsResponse)
+        self.Embed = unary("Embed", pb.EmbedResponse)
         self.Session = channel.stream_stream(
             METHOD + "Session",
             request_serializer=lambda m: m.SerializeToString(),
@@ -165,6 +167,20 @@ async def test_grpcio_drives_every_rpc() -> None:
         assert not released.released  # already freed by CloseSession
         await w.idle()
         assert w.engine.sessions() == ()
+
+
+async def test_grpcio_embeds_on_a_pooling_model_and_reads_the_refusal_of_another() -> None:
+    pooled = FakeEngine(dataclasses.replace(MODEL, pooling_type="mean"))
+    async with live(engine=pooled) as w:
+        request = pb.EmbedRequest(version=V, normalize=True, inputs=[
+            pb.EmbedInput(text="hi"), pb.EmbedInput(tokens=pb.TokenIds(ids=TOKENS))])
+        got = await in_thread(lambda: w.stub.Embed(request, timeout=10))
+        assert [e.n_tokens for e in got.embeddings] == [3, len(TOKENS)]
+        assert got.embeddings[1].values == pytest.approx(list(await pooled.embed(TOKENS)), abs=1e-7)
+    async with live() as w:  # a text model: UNIMPLEMENTED with the Shard error trailer
+        exc = await in_thread(expect_rpc_error(lambda: w.stub.Embed(request, timeout=10)))
+        assert exc.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert shard_error(exc).code == ErrorCode.UNSUPPORTED_FEATURE
 
 
 async def test_grpcio_half_close_retains_and_a_new_stream_resumes() -> None:

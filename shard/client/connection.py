@@ -302,6 +302,21 @@ class ShardClient:
             request.text = text or ""
         return await self._unary("Tokenize", request, pb.TokenizeResponse, timeout)
 
+    async def embed(
+        self, inputs: Sequence[str | Sequence[int]], *, normalize: bool = True,
+        timeout: float | None = _DEFAULT,
+    ) -> pb.EmbedResponse:
+        """A whole-model worker's pooled embedding of each input (a text, tokenized with BOS
+        and special tokens, or token ids), in order; ``normalize``: unit L2 norm. At most
+        ``convert.embeds_per_call`` inputs per call (``Embed``)."""
+        request = pb.EmbedRequest(version=self.version, normalize=normalize)
+        for item in inputs:
+            if isinstance(item, str):
+                request.inputs.add(text=item)
+            else:
+                request.inputs.add().tokens.ids.extend(item)
+        return await self._unary("Embed", request, pb.EmbedResponse, timeout)
+
     async def cancel(self, session_id: str, *, timeout: float | None = _DEFAULT) -> pb.CancelResponse:
         """Stop the session's running step (out-of-band; the session stays open)."""
         return await self._unary(

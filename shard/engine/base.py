@@ -297,6 +297,11 @@ class ShardEngine(EngineHooks):
             vector = (vector / norm if norm > 0 else vector).astype(np.float32)
         return vector
 
+    def check_embeds(self) -> None:
+        """Raise what ``embed`` would for any input here (a partial shard, a model that does
+        not pool), so a caller refuses a batch before it tokenizes a text of it."""
+        check_embed((0,), self._require_ready())
+
     # ---- sessions --------------------------------------------------------------------------
 
     async def open_session(

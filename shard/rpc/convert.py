@@ -230,6 +230,18 @@ def layer_range_to_proto(lr: LayerRange) -> pb.LayerRange:
     return pb.LayerRange(start=lr.start, end=lr.end)
 
 
+#: The most inputs one ``Embed`` call may hold (OpenAI's limit on one request's inputs).
+MAX_EMBED_INPUTS = 2048
+
+
+def embeds_per_call(n_embd: int, max_message_bytes: int) -> int:
+    """How many inputs one ``Embed`` call may hold: ``MAX_EMBED_INPUTS``, fewer when the
+    answer's embeddings (``n_embd`` packed floats and a count each, with their tags) would not
+    fit one message. Worker and client compute it alike from the capabilities."""
+    per_embedding = 4 * n_embd + 32  # floats, length prefixes, tags and the count
+    return max(1, min(MAX_EMBED_INPUTS, (max_message_bytes - 1024) // per_embedding))
+
+
 def capabilities_to_proto(
     caps: Capabilities, *, max_message_bytes: int, max_credit: int, resume_ttl_ms: int
 ) -> pb.GetCapabilitiesResponse:
@@ -273,6 +285,8 @@ def capabilities_to_proto(
         prefix_cache_limit=True,  # Prefill.cache_limit, OpenSession.prefix_probe
         session_fork=True,  # OpenSession.fork_of
         grammar_kinds=caps.grammar_kinds,
+        pooling_type=caps.pooling_type,
+        embeddings=caps.embeds,
     )
 
 
@@ -287,7 +301,9 @@ def metrics_to_proto(engine: EngineMetrics, worker: Mapping[str, int]) -> pb.Get
 __all__ = [
     "array_to_tensor",
     "cache_expectation",
+    "MAX_EMBED_INPUTS",
     "capabilities_to_proto",
+    "embeds_per_call",
     "invalid",
     "layer_range_to_proto",
     "metrics_to_proto",

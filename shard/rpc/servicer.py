@@ -23,6 +23,7 @@ from shard.v1 import shard_pb2 as pb
 from shard.v1.shard_grpc import ShardServicer as _ShardServicerBase
 
 from . import convert, lifecycle
+from .convert import embeds_per_call
 from .errors import ERROR_TRAILER, ErrorCode, ShardError, internal_error
 from .metrics import WorkerMetrics
 from .registry import Registry
@@ -148,6 +149,9 @@ class ShardServicer(_ShardServicerBase):
     async def Tokenize(self, input_message: pb.TokenizeRequest) -> pb.TokenizeResponse:
         return await self._unary(input_message, self._tokenize)
 
+    async def Embed(self, input_message: pb.EmbedRequest) -> pb.EmbedResponse:
+        return await self._unary(input_message, self._embed)
+
     async def _unary(self, request: Req, handler: Callable[[Req], Awaitable[Resp]]) -> Resp:
         ctx = current_call()
         self.registry.count(f"rpc_{ctx.method.rsplit('/', 1)[-1]}_total")
@@ -260,17 +264,51 @@ class ShardServicer(_ShardServicerBase):
         limit = caps.n_ctx_per_session
         if req.WhichOneof("input") == "tokens":
             ids: tuple[int, ...] = tuple(req.tokens.ids)
-        elif text_floor(caps, req.text) > limit:
-            raise InvalidInput(f"the text takes more than the {limit} positions of a session")
         else:
-            ids = await self.engine.tokenize_async(req.text, add_bos=req.add_bos,
-                                                   parse_special=req.parse_special)
+            ids = await self._text_ids(req.text, add_bos=req.add_bos, parse_special=req.parse_special)
         if len(ids) > limit:
             raise InvalidInput(f"{len(ids)} tokens, more than the {limit} positions of a session")
         await trio.lowlevel.checkpoint()
         pieces = ([self.engine.token_piece(t) for t in ids]
                   if req.with_pieces or req.WhichOneof("input") == "tokens" else [])
         return pb.TokenizeResponse(tokens=ids, pieces=pieces)
+
+    async def _text_ids(self, text: str, *, add_bos: bool, parse_special: bool) -> tuple[int, ...]:
+        """A text's ids, in a tokenizer thread; a text that cannot fit a session is refused
+        before it is tokenized (``text_floor``)."""
+        caps = self.engine.capabilities()
+        limit = caps.n_ctx_per_session
+        if text_floor(caps, text) > limit:
+            raise InvalidInput(f"the text takes more than the {limit} positions of a session")
+        return await self.engine.tokenize_async(text, add_bos=add_bos, parse_special=parse_special)
+
+    async def _embed(self, req: pb.EmbedRequest) -> pb.EmbedResponse:
+        """One pooled embedding per input, computed one after the other (each is one native
+        step of the engine's embedding context). The batch is refused whole before any work
+        when the worker cannot embed, holds too many inputs, or its answer would not fit a
+        message; a bad input fails the call (the front door reports which)."""
+        self.engine.check_embeds()
+        caps = self.engine.capabilities()
+        per_call = embeds_per_call(caps.n_embd, self._transport_limits.max_message_bytes)
+        if not req.inputs:
+            raise InvalidInput("inputs is empty")
+        if len(req.inputs) > per_call:
+            raise InvalidInput(f"{len(req.inputs)} inputs; at most {per_call} per call "
+                               f"(embeddings of {caps.n_embd} floats in one message)")
+        out = pb.EmbedResponse()
+        for i, item in enumerate(req.inputs):
+            try:
+                if item.WhichOneof("input") == "tokens":
+                    ids: tuple[int, ...] = tuple(item.tokens.ids)
+                elif not item.text:  # (BOS alone would be an embedding of nothing)
+                    raise InvalidInput("the text is empty")
+                else:
+                    ids = await self._text_ids(item.text, add_bos=True, parse_special=True)
+                vector = await self.engine.embed(ids, normalize=req.normalize)
+            except InvalidInput as exc:  # (ContextExceeded keeps its class, so its reason)
+                raise type(exc)(f"input {i}: {exc.message}") from None
+            out.embeddings.add(values=vector.tolist(), n_tokens=len(ids))
+        return out
 
     async def _metrics(self, _: pb.GetMetricsRequest) -> pb.GetMetricsResponse:
         await trio.lowlevel.checkpoint()

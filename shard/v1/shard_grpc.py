@@ -27,6 +27,9 @@ class ShardServicer(purerpc.Servicer):
     async def Tokenize(self, input_message):
         raise NotImplementedError()
 
+    async def Embed(self, input_message):
+        raise NotImplementedError()
+
     @property
     def service(self) -> purerpc.Service:
         service_obj = purerpc.Service(
@@ -104,6 +107,15 @@ class ShardServicer(purerpc.Servicer):
                 shard_dot_v1_dot_shard__pb2.TokenizeResponse,
             )
         )
+        service_obj.add_method(
+            "Embed",
+            self.Embed,
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                shard_dot_v1_dot_shard__pb2.EmbedRequest,
+                shard_dot_v1_dot_shard__pb2.EmbedResponse,
+            )
+        )
         return service_obj
 
 
@@ -175,5 +187,13 @@ class ShardStub:
                 purerpc.Cardinality.UNARY_UNARY,
                 shard_dot_v1_dot_shard__pb2.TokenizeRequest,
                 shard_dot_v1_dot_shard__pb2.TokenizeResponse,
+            )
+        )
+        self.Embed = self._client.get_method_stub(
+            "Embed",
+            purerpc.RPCSignature(
+                purerpc.Cardinality.UNARY_UNARY,
+                shard_dot_v1_dot_shard__pb2.EmbedRequest,
+                shard_dot_v1_dot_shard__pb2.EmbedResponse,
             )
         )

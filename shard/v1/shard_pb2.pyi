@@ -102,7 +102,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout", "prefix_cache_tokens", "prefix_cache_detail", "sampling_penalties", "grammar_kinds", "prefix_cache_limit", "session_fork")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout", "prefix_cache_tokens", "prefix_cache_detail", "sampling_penalties", "grammar_kinds", "prefix_cache_limit", "session_fork", "pooling_type", "embeddings")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,8 @@ class GetCapabilitiesResponse(_message.Message):
     GRAMMAR_KINDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     SESSION_FORK_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -187,7 +189,9 @@ class GetCapabilitiesResponse(_message.Message):
     grammar_kinds: _containers.RepeatedScalarFieldContainer[str]
     prefix_cache_limit: bool
     session_fork: bool
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_detail: _Optional[str] = ..., sampling_penalties: _Optional[bool] = ..., grammar_kinds: _Optional[_Iterable[str]] = ..., prefix_cache_limit: _Optional[bool] = ..., session_fork: _Optional[bool] = ...) -> None: ...
+    pooling_type: str
+    embeddings: bool
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_detail: _Optional[str] = ..., sampling_penalties: _Optional[bool] = ..., grammar_kinds: _Optional[_Iterable[str]] = ..., prefix_cache_limit: _Optional[bool] = ..., session_fork: _Optional[bool] = ..., pooling_type: _Optional[str] = ..., embeddings: _Optional[bool] = ...) -> None: ...
 
 class ChatTemplate(_message.Message):
     __slots__ = ("template", "bos_token", "eos_token", "eot_token", "add_bos", "special_texts")
@@ -771,3 +775,35 @@ class TokenizeResponse(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     pieces: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("version", "inputs", "normalize")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    version: ProtocolVersion
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    normalize: bool
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., normalize: _Optional[bool] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    tokens: TokenIds
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "n_tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    n_tokens: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., n_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings",)
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
