@@ -310,7 +310,7 @@ async def test_embeddings_are_refused_with_a_clear_reason() -> None:
                                                       {"input": ["a"], "frob": 1}))
         assert status == 400 and got["error"]["param"] == "frob"
     assert refused.value.body["param"] == "model"  # type: ignore[index]
-    assert "no pooling type" in refused.value.body["message"]  # type: ignore[index]
+    assert "pooling type 'none'" in refused.value.body["message"]  # type: ignore[index]
 
 
 # ---- the Responses API -------------------------------------------------------------------

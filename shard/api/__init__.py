@@ -4,7 +4,7 @@
 ``schemas`` (Pydantic bodies), ``backend`` (the pipeline client and one generation), ``text``
 (UTF-8 and stop sequences), ``replies`` (each endpoint's body and stream chunks),
 ``responses`` (the Responses API over the chat path), ``tokens`` (``/tokenize``,
-``/detokenize``),
+``/detokenize``), ``embeddings`` (``/v1/embeddings``),
 ``streaming`` (a generation as an ASGI response), ``cors`` (the origins whose web pages may
 call it), ``queue`` (each model's wait for a free
 session), ``errors`` (OpenAI's error shape),

@@ -6,7 +6,7 @@ with ``stream: true``),
 ``GET /health`` (200 only while a replica of every hop serves; over a pool, while every model
 its workers report has a complete route) and ``GET /metrics``
 (Prometheus); ``POST /tokenize`` and ``/detokenize`` (llama-server's, ``shard.api.tokens``);
-``POST /v1/embeddings`` answers why it is not served. With ``cors_origins`` the
+``POST /v1/embeddings`` (a whole model that declares a pooling type, ``shard.api.embeddings``). With ``cors_origins`` the
 web pages of those origins may call it (``shard.api.cors``). ``/v1`` routes need ``Authorization: Bearer KEY`` when the app has keys; health
 and metrics do not (probes and scrapers; they show counts, never text).
 
@@ -38,6 +38,7 @@ from shard.rpc.auth import TokenAuthenticator
 from .backend import Backend, Catalog, Request
 from .bodies import BodyBudget, Holding, count_values, value_limit
 from .cors import CorsMiddleware
+from .embeddings import embedding_inputs, embedding_reply, embedding_values
 from .errors import ApiError
 from .limits import DEFAULT_LIMITS, KeySlots, Limits
 from .metrics import ApiMetrics
@@ -132,14 +133,15 @@ def build_app(
                            "s", code="request_timeout", headers={"Connection": "close"})
         return b"".join(chunks)
 
-    def beyond_context(raw: dict[str, Any], backend: Backend) -> None:
+    def beyond_context(raw: dict[str, Any], backend: Backend, model: type[Any]) -> None:
         """Refuse a conversation of more messages, or a prompt of more token ids, than a
         session has positions (each message renders to one token at least) before validating
         it: validation is one call into pydantic-core that holds the GIL, and a 4 MiB body of
         short messages would hold it for a good part of a second, stalling every stream on the
         event loop."""
         limit = backend.context
-        for param in ("messages", "prompt", "input", "tokens"):
+        params = ("messages", "prompt", "input", "tokens") if model is not EmbeddingRequest else ()
+        for param in params:  # (an embedding's inputs: shard.api.embeddings bounds each)
             items = raw.get(param)
             if param == "prompt" and isinstance(items, list) and items and isinstance(items[0], list):
                 items = max(items, key=lambda p: len(p) if isinstance(p, list) else 0)  # [[ids]]
@@ -159,7 +161,7 @@ def build_app(
             named = catalog.only()
         backend = catalog.find(named) if isinstance(named, str) else None
         if backend is not None:
-            beyond_context(raw, backend)
+            beyond_context(raw, backend, model)
         try:
             body = model.model_validate(raw)
         except ValidationError as exc:
@@ -296,14 +298,17 @@ def build_app(
     async def responses(request: HttpRequest) -> GenerationResponse:
         return await generation(request, "responses", responses_job)
 
-    async def decoded(request: HttpRequest, model: type[Any]) -> tuple[Any, Backend]:
-        """A body that starts no generation, read and checked as a generation's is."""
+    async def decoded(request: HttpRequest, model: type[Any],
+                      values: int | None = None) -> tuple[Any, Backend]:
+        """A body that starts no generation, read and checked as a generation's is (``values``:
+        the most JSON values it may hold, a generation's by default)."""
         principal(request)
         with bodies.hold() as holding:
             data = await read(request, holding)
             if len(data) < OFF_LOOP_BYTES:
                 return decode(data, model)
-            await count_values(data, value_limit(catalog.max_context()))  # see ``generation``
+            limit = values if values is not None else value_limit(catalog.max_context())
+            await count_values(data, limit)  # see ``generation``
             return await trio.to_thread.run_sync(decode, data, model)
 
     async def tokenize(request: HttpRequest) -> Response:
@@ -323,12 +328,15 @@ def build_app(
         return JSONResponse(detokenized(reply))
 
     async def embeddings(request: HttpRequest) -> Response:
-        """No model served here declares a pooling type (the workers report none and serve
-        text generation): a clear 400 for the model asked for, a 404 for an unknown one."""
-        _, backend = await decoded(request, EmbeddingRequest)
-        raise ApiError(400, f"the model {backend.model_id!r} has no pooling type: it generates "
-                       "text and does not compute embeddings", param="model",
-                       code="unsupported_parameter")
+        """Pooled embeddings from a worker serving a whole model that declares a pooling type
+        (``shard.api.embeddings``); a 400 for a text model or a pipeline, as llama-server's."""
+        body, backend = await decoded(request, EmbeddingRequest,
+                                      values=embedding_values(catalog.max_context()))
+        first = backend.first
+        items = embedding_inputs(body, n_vocab=first.n_vocab, context=backend.context)
+        got = await backend.embed(items, dimensions=body.dimensions)
+        return JSONResponse(embedding_reply(backend.model_id, got,
+                                            as_base64=body.encoding_format == "base64"))
 
     async def models(request: HttpRequest) -> Response:
         principal(request)

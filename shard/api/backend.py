@@ -15,6 +15,7 @@ hop, as it does when the HTTP client disconnects and the request's task is cance
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -25,10 +26,13 @@ from typing import Any, Protocol
 import trio
 
 from shard.chat import ChatTemplate, ChatTemplateError
+from shard.client import ShardClient
 from shard.client.waiting import connect_waiting
+from shard.engine import EMBEDDING_POOLING
 from shard.pipeline import Pipeline, PipelineResult
 from shard.pool import Pool
 from shard.pool import model_id as pool_model_id
+from shard.rpc.convert import embeds_per_call
 from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
@@ -104,7 +108,7 @@ class DeltaSink(Protocol):
 class Routes(Protocol):
     """Where one model's generations run: a fixed pipeline, or a pool's least-loaded route."""
 
-    def lease(self, prompt: str | Sequence[int] | None = None,
+    def lease(self, prompt: str | Sequence[int] | None = None, *, whole: bool = False,
               ) -> AbstractAsyncContextManager[tuple[Pipeline, Sequence[str] | None]]: ...
 
     @property
@@ -125,8 +129,11 @@ class PipelineRoutes:
         self.pipeline = pipeline
 
     @asynccontextmanager
-    async def lease(self, prompt: str | Sequence[int] | None = None,
+    async def lease(self, prompt: str | Sequence[int] | None = None, *, whole: bool = False,
                     ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
+        if whole and len(self.pipeline.hops) > 1:
+            raise ShardError(ErrorCode.UNSUPPORTED_FEATURE, f"the model is served as a pipeline "
+                             f"of {len(self.pipeline.hops)} workers: no worker serves it whole")
         yield self.pipeline, None
 
     @property
@@ -156,9 +163,9 @@ class PoolRoutes:
         self.model = model
 
     @asynccontextmanager
-    async def lease(self, prompt: str | Sequence[int] | None = None,
+    async def lease(self, prompt: str | Sequence[int] | None = None, *, whole: bool = False,
                     ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
-        async with self.pool.lease(self.model, prompt) as chosen:
+        async with self.pool.lease(self.model, prompt, whole=whole) as chosen:
             yield chosen.pipeline, chosen.route
 
     @property
@@ -285,10 +292,8 @@ class Backend:
         """The first worker's ids for ``text`` or bytes of ``tokens`` (``Tokenize``, the worker
         serving the first hop now); raises ``ApiError``."""
         try:
-            async with self.routes.lease() as (pipeline, _):
-                serving = pipeline.hops[0].target
-                (client,) = [r.client for r in pipeline.replicas[0] if r.target == serving]
-                assert client is not None
+            async with self.routes.lease() as (pipeline, route):
+                client, _ = _first_worker(pipeline, route)
                 with trio.fail_after(self.timeout if self.timeout is not None else math.inf):
                     return await client.tokenize(text, tokens=tokens, add_bos=add_bos,
                                                  parse_special=parse_special,
@@ -301,6 +306,59 @@ class Backend:
             if err.code == ErrorCode.INVALID_ARGUMENT:  # too long, or an id outside the vocabulary
                 error.param = param
             raise error from None
+
+    async def embed(self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None,
+                    normalize: bool = True) -> list[pb.Embedding]:
+        """One pooled embedding per input, in order, from a worker serving the whole model
+        (``Embed``; over a pool, the least-loaded such replica), in as many calls as the
+        worker's messages need (``embeds_per_call``); raises ``ApiError``: a 400 when the model
+        declares no pooling type or no worker serves it whole, as llama-server refuses, and
+        when ``dimensions`` asks for another size than the model's (no model here shortens
+        its embeddings)."""
+        first = self.first
+        pooling = first.pooling_type or "none"
+        if pooling not in EMBEDDING_POOLING:
+            raise ApiError(400, f"the model {self.model_id!r} has pooling type {pooling!r}, which "
+                           "is not OAI compatible: it computes no embeddings (a model whose GGUF "
+                           "declares mean, cls or last pooling does)", param="model",
+                           code="unsupported_parameter")
+        if dimensions is not None and dimensions != first.n_embd:
+            raise ApiError(400, f"dimensions: the model's embeddings have {first.n_embd} "
+                           "dimensions, and it cannot shorten them", param="dimensions",
+                           code="unsupported_parameter")
+        out: list[pb.Embedding] = []
+        try:
+            async with self.routes.lease(whole=True) as (pipeline, route):
+                client, caps = _first_worker(pipeline, route)
+                if not caps.embeddings:
+                    raise ApiError(400, f"the worker serving {self.model_id!r} does not embed "
+                                   "(it is older than the Embed call)", param="model",
+                                   code="unsupported_parameter")
+                per_call = embeds_per_call(caps.n_embd, caps.max_message_bytes)
+                with trio.fail_after(self.timeout if self.timeout is not None else math.inf):
+                    for start in range(0, len(inputs), per_call):
+                        chunk = inputs[start:start + per_call]
+                        try:
+                            got = await client.embed(chunk, normalize=normalize)
+                        except ShardError as err:
+                            if start == 0 or err.code != ErrorCode.INVALID_ARGUMENT:
+                                raise
+                            err.message = f"inputs from {start} on: {err.message}"
+                            raise
+                        out.extend(got.embeddings)
+        except trio.TooSlowError:
+            raise ApiError(504, "the worker did not embed in time", type="timeout_error",
+                           code="timeout") from None
+        except ShardError as err:
+            if err.code == ErrorCode.UNSUPPORTED_FEATURE:  # served as a pipeline, or no pooling
+                raise ApiError(400, f"the model {self.model_id!r} cannot compute embeddings "
+                               f"here: {err.message}", param="model",
+                               code="unsupported_parameter") from None
+            error = from_shard_error(err, prompt_param="input")
+            if err.code == ErrorCode.INVALID_ARGUMENT:
+                error.param = "input"
+            raise error from None
+        return out
 
     async def not_serving(self) -> list[str]:
         """Why the front door cannot serve now: one line per hop none of whose replicas serves
@@ -388,6 +446,16 @@ class Backend:
                 await out.send(delta)
         return Outcome(kept[0].reason, counts["prompt"], sum(c.tokens for c in choices),
                        got.cached_tokens, tuple(c.reason for c in kept))
+
+
+def _first_worker(pipeline: Pipeline, route: Sequence[str] | None,
+                  ) -> tuple[ShardClient, pb.GetCapabilitiesResponse]:
+    """The client and capabilities of the worker a lease's first hop runs on: the route's
+    (a pool's pick) or the hop's serving replica now."""
+    target = route[0] if route else pipeline.hops[0].target
+    (replica,) = [r for r in pipeline.replicas[0] if r.target == target]
+    assert replica.client is not None and replica.caps is not None
+    return replica.client, replica.caps
 
 
 class Catalog:

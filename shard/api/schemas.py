@@ -317,14 +317,28 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class EmbeddingRequest(_Strict):
-    """``POST /v1/embeddings``: checked so that its answer names the model (none computes
-    embeddings here: docs/api.md)."""
+    """``POST /v1/embeddings`` (``shard.api.embeddings``; docs/api.md). ``user`` is taken and
+    ignored, as OpenAI's."""
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_shape(cls, value: Any) -> Any:
+        """One of OpenAI's four shapes, checked before the union is tried, so a refusal names
+        ``input`` rather than the union member that failed last."""
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(value, str) or ids(value) or (isinstance(value, list) and (
+                all(isinstance(x, str) for x in value) or all(ids(x) for x in value))):
+            return value
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list "
+                         "of lists of token ids")
 
     def unsupported(self) -> tuple[str, str] | None:
         return None

@@ -35,6 +35,7 @@ def add_parser(sub: Any) -> Options:
         "api", help="serve an OpenAI-compatible HTTP API over a worker or a pipeline",
         description="Serve GET /v1/models, POST /v1/completions, POST /v1/chat/completions and "
         "POST /v1/responses (streaming as server-sent events), POST /tokenize and /detokenize, "
+        "POST /v1/embeddings (a whole-model worker of a model that declares a pooling type), "
         "GET /health and GET /metrics over one worker "
         "serving a whole model (--target) or a chain of workers (--pipeline), on hypercorn "
         "(docs/api.md). Chat renders the model's own chat template, which the first worker "

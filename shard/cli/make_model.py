@@ -27,7 +27,8 @@ def add_parser(sub: Any) -> Options:
     which = opts.exclusive()
     which.add("--preset", default="tiny",
               help="tiny (default), chat (tiny with ChatML control tokens and a chat "
-              "template), tools (chat with a template rendering tools, Qwen 2.5's way) or "
+              "template), tools (chat with a template rendering tools, Qwen 2.5's way), "
+              "embed (tiny declaring mean pooling: an embedding model for /v1/embeddings) or "
               "bench (214 MB, Q8_0)")
     which.add("--arch", metavar="ARCH",
               help="the test model of architecture ARCH (llama, qwen2, gemma3, ...: one "

@@ -453,22 +453,28 @@ class Pool:
         return member if member is not None and member.state == "up" and not member.removed \
             else None
 
-    def _choose(self, model: str, prompt: str | Sequence[int] | None) -> Lease:
+    def _choose(self, model: str, prompt: str | Sequence[int] | None, whole: bool) -> Lease:
         pipes = self._pipelines.get(model)
         if not pipes:
             known = self.table.models.get(model)
             why = known.problem if known is not None and known.problem else \
                 self._unusable.get(model, "no worker of it serves now")
             raise ShardError(ErrorCode.NOT_READY, f"model {model!r} has no complete route: {why}")
+        shapes = [sp for sp in pipes.values() if not whole or len(sp[0].hops) == 1]
+        if not shapes:
+            raise ShardError(ErrorCode.UNSUPPORTED_FEATURE, f"model {model!r} is served as a "
+                             "pipeline only: no worker serves the whole model")
         self._turn += 1
-        return self.router.choose(model, list(pipes.values()), self._live, self._turn, prompt)
+        return self.router.choose(model, shapes, self._live, self._turn, prompt)
 
     @asynccontextmanager
-    async def lease(self, model: str,
-                    prompt: str | Sequence[int] | None = None) -> AsyncIterator[Lease]:
+    async def lease(self, model: str, prompt: str | Sequence[int] | None = None, *,
+                    whole: bool = False) -> AsyncIterator[Lease]:
         """A complete route of ``model`` for one generation of ``prompt`` (None: the
-        least-loaded route; see the module docstring); ShardError NOT_READY when it has none."""
-        chosen = self._choose(model, prompt)
+        least-loaded route; see the module docstring); ShardError NOT_READY when it has none.
+        ``whole``: a route of one worker serving the whole model (what an embedding needs;
+        UNSUPPORTED_FEATURE when the model has none)."""
+        chosen = self._choose(model, prompt, whole)
         members = [self.members[t] for t in chosen.route]
         for m in members:
             m.sessions += 1
