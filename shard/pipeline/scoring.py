@@ -33,6 +33,7 @@ async def score(traverse: Traverse, prompt: Sequence[int], window: int,
     ``result.prompt_logprobs``; returns the last position's result, as a prefill's."""
     ids = list(prompt)
     position = 0
+    result.prompt_logprobs.clear()  # (a turn run again scores the prompt again)
     while True:
         tokens = ids[position : position + window]
         last = await traverse(position, tokens)
