@@ -152,3 +152,24 @@ async def test_a_prompt_longer_than_one_pass_and_the_refusals() -> None:
         again = await in_thread(lambda: door.client.completions.create(**body))
         assert again.choices[0].logprobs.token_logprobs == got.choices[0].logprobs.token_logprobs
         await assert_all_free(door.workers)
+
+
+async def test_a_prompt_the_prefix_cache_holds_is_scored_in_full() -> None:
+    """Two hops with a prefix cache that holds the prompt (a plain completion of it ran first):
+    the echo still scores every token (no hop takes positions from its cache for a pass, so the
+    last shard gets every row), the same values as before the cache held it."""
+    async with front_door(SHAPES["pipeline"][0], prefix_cache_tokens=4096) as door:
+        body = {"model": NAME, "prompt": TEXT, "max_tokens": 0, "echo": True, "logprobs": 2}
+        before = await in_thread(lambda: door.client.completions.create(**body))
+        plain = await in_thread(lambda: door.client.completions.create(
+            model=NAME, prompt=TEXT + " again", max_tokens=2, temperature=0))
+        again = await in_thread(lambda: door.client.completions.create(
+            **{**body, "prompt": TEXT + " again"}))
+        held = await in_thread(lambda: door.client.completions.create(**body))
+        await assert_all_free(door.workers)
+    assert held.choices[0].logprobs.token_logprobs == before.choices[0].logprobs.token_logprobs
+    assert held.choices[0].logprobs.top_logprobs == before.choices[0].logprobs.top_logprobs
+    lp = again.choices[0].logprobs
+    assert len(lp.tokens) == len(IDS) + len(" again") and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[: len(IDS)] == before.choices[0].logprobs.token_logprobs
+    assert plain.usage.prompt_tokens == again.usage.prompt_tokens == len(lp.tokens)
