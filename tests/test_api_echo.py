@@ -151,6 +151,13 @@ async def test_a_prompt_longer_than_one_pass_and_the_refusals() -> None:
         assert refused.value.body["param"] == "echo"  # type: ignore[index]
         again = await in_thread(lambda: door.client.completions.create(**body))
         assert again.choices[0].logprobs.token_logprobs == got.choices[0].logprobs.token_logprobs
+        # best_of above n: the kept choice's held deltas start with its prompt too
+        best = await in_thread(lambda: door.client.completions.create(
+            **{**body, "max_tokens": 3, "best_of": 2, "seed": 1, "temperature": 0.9}))
+        (choice,) = best.choices
+        assert choice.text.startswith(text) and len(choice.logprobs.tokens) == len(ids) + 3
+        assert choice.logprobs.token_logprobs[: len(ids)] == got.choices[0].logprobs.token_logprobs
+        assert choice.logprobs.text_offset[len(ids)] == len(text)
         await assert_all_free(door.workers)
 
 
