@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 
 import pytest
+import trio
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from shard.client import ShardClient, sampling
@@ -96,3 +97,30 @@ async def test_prompt_logprobs_over_a_chain_relay_and_one_hop() -> None:
         assert_scored(alone, want)
         assert chained.tokens == alone.tokens and len(alone.tokens) == 2
         await assert_all_free([whole, *chain])
+
+
+@pytest.mark.parametrize(("relay", "hop"), [("client", 0), ("client", 2), ("chain", 1)])
+async def test_a_hop_fails_over_while_the_prompt_is_scored(relay: str, hop: int) -> None:
+    """A worker stopped in the second of three passes: its replica replays the hop's log (the
+    passes' overlapping writes as they replaced each other) and the scores and tokens are the
+    whole model's, each prompt token scored once."""
+    from test_failover import fleet, gate_of
+    from test_pipeline import after_steps
+
+    async with fleet(relay) as (whole, hops, gates):
+        want = await forced_steps(whole.target, LONG, 2)
+        primary, _ = hops[hop]
+        async with Pipeline.connect([[w.target for w in ws] for ws in hops], timeout=TIMEOUT,
+                                    relay=relay) as pipe:
+            plain = await pipe.generate(LONG, max_tokens=3, ignore_eos=True)
+            async with trio.open_nursery() as nursery:
+                # a few positions into the second pass (the gate counts positions)
+                gate = gate_of(gates, hop, 0)
+                nursery.start_soon(after_steps, gate, gate.steps + MAX_LOGITS_POSITIONS + 8,
+                                   primary.stop)
+                got = await pipe.generate(LONG, max_tokens=3, top_logprobs=2,
+                                          prompt_logprobs=True, ignore_eos=True)
+        assert_scored(got, want)
+        assert got.tokens == plain.tokens
+        assert [f.hop for f in got.failovers] == [hop]
+        await assert_all_free([whole, *(w for ws in hops for w in ws if w is not primary)])

@@ -61,6 +61,8 @@ async def run(
     window = runners[0].gen.score_window
     if window:  # the prompt's log-probs: passes of all_logits steps (shard.pipeline.scoring)
         assert not isinstance(prompt, str)
+        # the passes write the prompt as positions: a replay sends those (the log's tokens)
+        runners[0].tokens.hold_prompt((), 0)
         step = await score(lambda at, ids: traverse(runners, at, ids, blames, score=True),
                            prompt, window, result)
     else:
