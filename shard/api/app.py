@@ -230,11 +230,14 @@ def build_app(
         body, backend = decode(data, CompletionRequest)
         assert isinstance(body, CompletionRequest)
         prompts = [checked_prompt(p, backend) for p in body.prompts]
-        jobs = [Request(prompt=p, max_tokens=body.max_tokens or DEFAULT_COMPLETION_TOKENS,
-                        top_logprobs=body.logprobs or 0, constraint=body.constraint(),
+        jobs = [Request(prompt=p, max_tokens=DEFAULT_COMPLETION_TOKENS if body.max_tokens is None
+                        else body.max_tokens, top_logprobs=body.logprobs or 0,
+                        constraint=body.constraint(), echo_logprobs=body.echo_logprobs,
                         **sampling(body, backend)) for p in prompts]
         n = body.n or 1  # each prompt's choices follow one another (OpenAI's order)
-        echo = [p for p in prompts if isinstance(p, str) for _ in range(n)] if body.echo else []
+        # (with logprobs each choice's first delta is its prompt: shard.api.echo)
+        echo = ([p for p in prompts if isinstance(p, str) for _ in range(n)]
+                if body.echo and not body.echo_logprobs else [])
         return body, backend, jobs, CompletionReply(
             backend.model_id, logprobs=body.logprobs, include_usage=include_usage(body),
             fingerprint=system_fingerprint(backend.first.model_fingerprint), echo=echo)

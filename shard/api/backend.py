@@ -37,6 +37,7 @@ from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
 from .choices import ChoiceText, best
+from .echo import prompt_delta
 from .errors import RETRY_AFTER_SECONDS, ApiError, from_shard_error
 from .queue import WaitQueue
 from .text import Delta
@@ -75,6 +76,9 @@ class Request:
     #: Choices returned, and generated (``best_of`` >= ``n``: the best ``n`` are returned).
     n: int = 1
     best_of: int = 1
+    #: ``echo`` with ``logprobs``: each choice's text starts with the prompt's tokens and
+    #: their log-probs (``shard.api.echo``); ``max_tokens`` may be 0.
+    echo_logprobs: bool = False
 
 
 @dataclass
@@ -360,6 +364,17 @@ class Backend:
             raise error from None
         return out
 
+    async def _prompt_tokens(self, request: Request) -> tuple[list[int], list[bytes]]:
+        """The prompt's ids (a text's as the first worker tokenizes it at position 0, with
+        BOS) and each one's bytes, for echoing it."""
+        p = request.prompt
+        if isinstance(p, str):
+            got = await self.tokenize(p, add_bos=True, parse_special=request.parse_special,
+                                      with_pieces=True, param=request.prompt_param)
+            return list(got.tokens), list(got.pieces)
+        got = await self.tokenize(tokens=p, with_pieces=True, param=request.prompt_param)
+        return list(p), list(got.pieces)
+
     async def not_serving(self) -> list[str]:
         """Why the front door cannot serve now: one line per hop none of whose replicas serves
         (logged). The answer is kept for ``HEALTH_TTL`` seconds, so probes cannot multiply into
@@ -378,25 +393,44 @@ class Backend:
         ``queue``: the model's wait for a free session (None: a full worker's refusal is
         answered at once). ``request.n`` > 1 or ``best_of``: that many choices, the prompt
         prefilled once (``Pipeline.generate_choices``), deltas tagged with their choice's index
-        (``shard.api.choices``); a held choice's deltas go out once the best are known."""
+        (``shard.api.choices``); a held choice's deltas go out once the best are known.
+        ``echo_logprobs``: the prompt is scored (``Pipeline.generate(prompt_logprobs=True)``: in
+        the generation itself for one choice, before it for several or for ``max_tokens`` 0)
+        and each choice's first delta is the echoed prompt."""
         total = max(request.n, request.best_of)
         choices = [ChoiceText(i, request.stops, held=total > request.n) for i in range(total)]
         counts = {"prompt": 0}
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         got = PipelineResult()
         kind, grammar, grammar_param = request.constraint or ("", "", "")
+        prompt, pieces = (await self._prompt_tokens(request) if request.echo_logprobs
+                          else (request.prompt, None))
+        echoed = False
 
-        async def on_choice(i: int, step: pb.StepResult) -> bool:
-            """Count and send a choice's token; True once a stop sequence ended the choice."""
-            if not counts["prompt"]:
-                counts["prompt"] = step.n_past  # the first token is sampled after the prompt
-            choice = choices[i]
-            delta = choice.push(step)
+        async def send(delta: Delta | None) -> None:
             if delta is not None:
                 try:  # room in the channel: no second checkpoint for this token
                     out.send_nowait(delta)
                 except trio.WouldBlock:  # a slow client: wait for room (back-pressure)
                     await out.send(delta)
+
+        async def echo() -> None:
+            """Every choice's echoed prompt, once, before any generated token (the prompt's
+            log-probs are all in ``got`` by then)."""
+            nonlocal echoed
+            if pieces is not None and not echoed:
+                echoed = True
+                delta = prompt_delta(pieces, got.prompt_logprobs)
+                for choice in choices:
+                    await send(choice.echo(delta))
+
+        async def on_choice(i: int, step: pb.StepResult) -> bool:
+            """Count and send a choice's token; True once a stop sequence ended the choice."""
+            if not counts["prompt"]:
+                counts["prompt"] = step.n_past  # the first token is sampled after the prompt
+                await echo()
+            choice = choices[i]
+            await send(choice.push(step))
             return choice.stopped
 
         async def on_token(step: pb.StepResult) -> None:
@@ -404,11 +438,12 @@ class Backend:
                 scope.cancel()  # the generation's sessions are reset and released
 
         async def attempt() -> None:
-            async with self.routes.lease(request.prompt) as (pipeline, route):
+            async with self.routes.lease(prompt) as (pipeline, route):
                 context = min(h.caps.n_ctx_per_session for h in pipeline.hops if h.caps)
+                # no generation outlives the context: a larger limit is the context's
+                limit = context if request.max_tokens is None else min(request.max_tokens, context)
                 options = dict(
-                    # no generation outlives the context: a larger limit is the context's
-                    max_tokens=min(request.max_tokens or context, context),
+                    max_tokens=limit,
                     temperature=request.temperature, top_p=request.top_p,
                     top_logprobs=request.top_logprobs, timeout=self.timeout,
                     speculate=self.speculate, parse_special=request.parse_special, route=route,
@@ -418,12 +453,18 @@ class Backend:
                     presence_penalty=request.presence_penalty,
                     frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias,
                 )
+                within = request.echo_logprobs and total == 1 and limit > 0
+                if request.echo_logprobs and not within:  # the prompt scored alone first
+                    await pipeline.generate(prompt, seed=seed, result=got, prompt_logprobs=True,
+                                            **{**options, "max_tokens": 0})
+                    if not limit:
+                        return
                 if total == 1:
-                    await pipeline.generate(request.prompt, seed=seed, on_token=on_token,
-                                            result=got, **options)
+                    await pipeline.generate(prompt, seed=seed, on_token=on_token, result=got,
+                                            prompt_logprobs=within, **options)
                     return
                 results = await pipeline.generate_choices(
-                    request.prompt, total, seed=seed, on_token=on_choice, **options)
+                    prompt, total, seed=seed, on_token=on_choice, **options)
                 got.cached_tokens = results[0].cached_tokens
 
         with trio.CancelScope() as scope:
@@ -436,7 +477,10 @@ class Backend:
             except ShardError as err:
                 raise from_shard_error(err, prompt_param=request.prompt_param,
                                        grammar_param=grammar_param) from None
+        await echo()  # (nothing generated: max_tokens 0)
         for choice in choices:
+            if request.max_tokens == 0:
+                choice.finish = pb.FINISH_REASON_LENGTH
             delta = choice.end()
             if delta is not None:
                 await out.send(delta)
@@ -444,7 +488,8 @@ class Backend:
         for choice in kept:
             for delta in choice.held or ():
                 await out.send(delta)
-        return Outcome(kept[0].reason, counts["prompt"], sum(c.tokens for c in choices),
+        return Outcome(kept[0].reason, counts["prompt"] or got.prompt_tokens,
+                       sum(c.tokens for c in choices),
                        got.cached_tokens, tuple(c.reason for c in kept))
 
 

@@ -32,6 +32,8 @@ class ChoiceText:
         self.logprob = 0.0
         self.finish = pb.FINISH_REASON_UNSPECIFIED
         self.held: list[Delta] | None = [] if held else None
+        #: Where the generated text starts in the choice's text (an echoed prompt's length).
+        self.offset = 0
 
     @property
     def stopped(self) -> bool:
@@ -48,6 +50,13 @@ class ChoiceText:
             Alternative(t.piece, t.logprob) for t in lg.top)))
         return self._out(delta)
 
+    def echo(self, prompt: Delta) -> Delta | None:
+        """The echoed prompt (``shard.api.echo``), before any generated text: the delta to
+        send now (None: held), its own copy; the generated text's offsets continue after it."""
+        delta = self._out(Delta(prompt.text, list(prompt.tokens), list(prompt.offsets)))
+        self.offset = len(prompt.text)
+        return delta
+
     def end(self) -> Delta | None:
         """The generation ended: the text still held back, to send now (None: nothing)."""
         return None if self.stopped else self._out(self.text.finish())
@@ -61,6 +70,8 @@ class ChoiceText:
         if not delta:
             return None
         delta.index = self.index
+        if self.offset:
+            delta.offsets = [o + self.offset for o in delta.offsets]
         if self.held is not None:
             self.held.append(delta)
             return None

@@ -95,7 +95,8 @@ class CompletionReply(Reply):
         offsets = [o for d in deltas for o in d.offsets]
         return s.CompletionLogprobs(
             tokens=[t.text for t in tokens], token_logprobs=[t.logprob for t in tokens],
-            top_logprobs=[{a.text: a.logprob for a in t.top} for t in tokens] if self.logprobs else None,
+            top_logprobs=[None if t.logprob is None else {a.text: a.logprob for a in t.top}
+                          for t in tokens] if self.logprobs else None,
             text_offset=offsets,
         )
 

@@ -2,7 +2,7 @@
 
 Requests are strict (``extra="forbid"``): a parameter the front door does not know is refused
 with a 400 naming it, never silently ignored, and so is a known one the engine cannot honour
-(``unsupported``: ``echo`` with ``logprobs``, ...). Responses
+(``unsupported``: ``suffix``, ...). Responses
 are built from the same models so that their shape is written down once.
 """
 
@@ -123,7 +123,8 @@ class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # null: 16 too
+    #: null: 16 too; 0 (with echo and logprobs): the prompt's log-probs alone.
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     #: Choices generated, of which the ``n`` with the highest summed log-probability return.
@@ -131,11 +132,12 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo and self.logprobs is not None:
-            return "echo", ("echo with logprobs is not supported (the prompt's log-probs are "
-                            "not carried back from the last worker)")
-        if self.echo and any(not isinstance(p, str) for p in self.prompts):
-            return "echo", "echo needs text prompts (the door does not detokenize token ids)"
+        if self.max_tokens == 0 and not self.echo_logprobs:
+            return "max_tokens", ("max_tokens 0 is served with echo and logprobs only (the "
+                                  "prompt's log-probs, nothing generated)")
+        if self.echo and not self.echo_logprobs and any(not isinstance(p, str) for p in self.prompts):
+            return "echo", ("echo without logprobs needs text prompts (with logprobs the "
+                            "prompt's tokens are echoed)")
         if self.best_of is not None and self.best_of < (self.n or 1):
             return "best_of", "best_of must be at least n"
         if self.stream and self.best_of is not None and self.best_of > (self.n or 1):
@@ -145,6 +147,12 @@ class CompletionRequest(GenerationRequest):
         if len(self.prompts) > MAX_PROMPTS:
             return "prompt", f"at most {MAX_PROMPTS} prompts per request"
         return super().unsupported()
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """``echo`` with ``logprobs``: every prompt token comes back first, with its log-prob
+        (none for the first) and top alternatives, then the completion's."""
+        return bool(self.echo) and self.logprobs is not None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -376,8 +384,9 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    #: (echo) null for the prompt's first token, which nothing precedes.
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -35,10 +35,11 @@ class Alternative:
 
 @dataclass(frozen=True)
 class TokenOut:
-    """One generated token, for log-probs."""
+    """One generated token, for log-probs (``logprob`` None: an echoed prompt's first token,
+    which nothing precedes)."""
 
     piece: bytes
-    logprob: float
+    logprob: float | None
     top: tuple[Alternative, ...] = ()
 
     @property

@@ -267,7 +267,9 @@ class ClientSession:
         """Write a prompt (token ids, text, or float32 [n, n_embd] hidden states, sent in
         ``hidden_dtype``) at ``position`` (default: append at the session's end). ``all_logits``
         (a last shard reporting ``max_logits_positions``): one ``Logits`` per position in
-        ``position_logits``, for verifying drafted tokens. ``token_ids`` with hidden states:
+        ``position_logits``, for verifying drafted tokens, and (a worker reporting
+        ``input_logprobs``, the input's ids known) each input token's log-prob after the first
+        in ``input_logprobs``. ``token_ids`` with hidden states:
         the ids they stand for, more than the rows when the hop before took the first ones from
         its prefix cache (``Prefill.token_ids``). ``cache_limit`` (a worker reporting
         ``prefix_cache_limit``): at most that many of the session's leading positions come

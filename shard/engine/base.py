@@ -623,7 +623,7 @@ class ShardEngine(EngineHooks):
                      if params.grammar is not None and book is not None else None)
         history = (step_history(slot, plan, params.penalty_last_n)
                    if params.penalized and caps.is_last else None)
-        logits, per_position, boundary = step_outputs(
+        logits, per_position, boundary, input_logprobs = step_outputs(
             caps, plan, n_new, raw, params, top_k, chosen, self._impl_token_piece, self._impl_is_eog,
             constrain, history)
         new_len = plan.keep + n_new
@@ -647,4 +647,5 @@ class ShardEngine(EngineHooks):
             logits=logits,
             boundary=boundary,
             position_logits=per_position,
+            input_logprobs=input_logprobs,
         )

@@ -20,6 +20,10 @@ from .plans import ComputePlan
 from .slots import Slot
 from .types import BoundaryResult, Capabilities, LogitsResult, SamplingParams
 
+#: What ``step_outputs`` gives: (logits, position_logits, boundary, input_logprobs).
+StepOutputs = tuple[LogitsResult | None, tuple[LogitsResult, ...], BoundaryResult | None,
+                    tuple[float, ...]]
+
 
 def step_outputs(
     caps: Capabilities,
@@ -33,10 +37,10 @@ def step_outputs(
     is_eog: Callable[[int], bool],
     constrain: Callable[[int, np.ndarray], np.ndarray] | None = None,
     history: Sequence[int] | None = None,
-) -> tuple[LogitsResult | None, tuple[LogitsResult, ...], BoundaryResult | None]:
-    """(last position's logits, every position's when ``plan.all_logits``, boundary) of
-    ``plan``'s computed ``raw`` output for its ``n_new`` positions; the last shard's or the
-    boundary's part is None.
+) -> StepOutputs:
+    """(last position's logits, every position's when ``plan.all_logits``, boundary, the
+    input's log-probs: ``input_logprobs``) of ``plan``'s computed ``raw`` output for its
+    ``n_new`` positions; the last shard's or the boundary's part is None.
     ``chosen`` (a one-row step): the token ``params`` chooses and the row's log-sum-exp,
     computed already by the implementation from this very row, which it found finite.
     ``constrain(n_past, row)``: the row a grammar masked for a session of ``n_past`` (the
@@ -47,32 +51,45 @@ def step_outputs(
         hidden = np.asarray(raw, dtype=np.float32)
         if hidden.shape != (n_new, caps.n_embd):
             raise EngineFailure("engine produced hidden states of the wrong shape")
-        return None, (), BoundaryResult(hidden_states=hidden, start_position=plan.keep)
+        return None, (), BoundaryResult(hidden_states=hidden, start_position=plan.keep), ()
     new_len = plan.keep + n_new
     rows = n_new if plan.all_logits else 1
     logits = np.asarray(raw, dtype=np.float32).reshape(rows, -1)
     if logits.shape[1] != caps.n_vocab or (
             (chosen is None or rows != 1) and not np.isfinite(logits).all()):
         raise EngineFailure("engine produced invalid logits")
+    inputs = input_logprobs(plan, logits)  # (the raw rows: before a grammar masks them)
     if constrain is not None:
         per_position = tuple(
             logits_result(constrain(new_len - rows + 1 + i, row), params, top_k,
                           new_len - rows + 1 + i, None, piece, is_eog, _window(history, rows, i))
             for i, row in enumerate(logits)
         )
-        return per_position[-1], (per_position if plan.all_logits else ()), None
+        return per_position[-1], (per_position if plan.all_logits else ()), None, inputs
     # Row i ends at position keep + i: sampled as a decode ending there would be (the
     # sampler's stream is keyed by the session length), so a verified draft gives the
     # very tokens plain decoding gives, sampled or greedy.
     if rows == 1:  # (every decode: no generator per step)
         last = logits_result(logits[0], params, top_k, new_len, chosen, piece, is_eog, history)
-        return last, ((last,) if plan.all_logits else ()), None
+        return last, ((last,) if plan.all_logits else ()), None, ()
     per_position = tuple(
         logits_result(row, params, top_k, new_len - rows + 1 + i, None, piece, is_eog,
                       _window(history, rows, i))
         for i, row in enumerate(logits)
     )
-    return per_position[-1], per_position, None
+    return per_position[-1], per_position, None, inputs
+
+
+def input_logprobs(plan: ComputePlan, logits: np.ndarray) -> tuple[float, ...]:
+    """``StepResult.input_logprobs`` of an ``all_logits`` step's raw ``logits`` rows: row
+    ``i``'s log-prob of the input's id ``i + 1`` (none when the ids are unknown), with the
+    log-sum-exp ``logits_result`` takes of an unmasked row, so a value equals the one a decode
+    ending there reports for that token among its top-k."""
+    ids = plan.tokens if plan.tokens is not None else plan.token_ids
+    if not plan.all_logits or ids is None or len(ids) != logits.shape[0]:
+        return ()
+    return tuple(float(row[ids[i + 1]]) - sampling.logsumexp(row)
+                 for i, row in enumerate(logits[:-1]))
 
 
 def _window(history: Sequence[int] | None, rows: int, i: int) -> Sequence[int] | None:

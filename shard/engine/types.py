@@ -454,7 +454,9 @@ class PrefillRequest:
     (``StepResult.position_logits``), each sampled as a decode ending at that position would
     be, so one step verifies several drafted tokens (speculative decoding). At most
     ``Capabilities.max_logits_positions`` positions; such a step reuses no held prefix (every
-    position's logits are computed).
+    position's logits are computed), on a shard before the last neither (every position is
+    computed, so the shards after it see every row), and it also reports each input token's
+    log-prob under the position before it (``StepResult.input_logprobs``).
 
     ``token_ids`` (hidden-state input only, optional): the token ids the rows stand for, one per
     row (4 bytes a position beside kilobytes of hidden state). Only with them does a later shard
@@ -597,6 +599,12 @@ class StepResult:
     length.
     ``position_logits`` (a prefill asked with ``all_logits`` on a last shard): one entry per
     computed position, in order; the last one is ``logits``.
+    ``input_logprobs`` (the same steps, when the input's ids are known: token input, or hidden
+    states with ``token_ids``): entry ``i`` is the log-prob of the input's token ``i + 1`` under
+    position ``i``'s distribution, one fewer than the positions (the token after the last is not
+    known). The model's log-softmax of the raw logits, as ``LogitsResult.logprob`` and ``top``
+    (before any bias, penalty or grammar mask): a prompt's log-probs (OpenAI's ``echo`` with
+    ``logprobs``), which need not be among the top-k.
     """
 
     session_id: str
@@ -607,6 +615,7 @@ class StepResult:
     boundary: BoundaryResult | None = None
     position_logits: tuple[LogitsResult, ...] = ()
     cached_tokens: int = 0
+    input_logprobs: tuple[float, ...] = ()
     mtp: MtpResult | None = None  # reserved
     aux_state: AuxState | None = None  # reserved
 

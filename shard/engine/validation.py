@@ -209,7 +209,8 @@ def prefill_plan(request: PrefillRequest, slot: Slot, caps: Capabilities) -> tup
         validate_tokens(request.tokens, caps.n_vocab)
         if request.token_ids is not None:
             raise InvalidInput("token_ids go with hidden states only", session_id=sid)
-        if slot.tokens is not None and not all_logits:  # every position's logits are asked
+        # every position is asked for (its logits, or the next shard's row for them)
+        if slot.tokens is not None and not request.all_logits:
             held = slot.tokens[request.position :]
             limit = min(len(held), len(request.tokens) - 1)  # recompute at least one position
             while reused < limit and held[reused] == request.tokens[reused]:

@@ -18,6 +18,7 @@ owns:
 * ``chain``: chain relay as the client drives it (the first hop's runner, its ``Generate``);
 * ``route``: a chain's route and how it moves to a failed hop's replica (``ChainRoute``);
 * ``drafting``: tokens drafted for speculative verification (``PromptLookup``);
+* ``scoring``: a prompt's log-probs, in overlapping ``all_logits`` passes (``score``);
 * ``errors``: which hop failed (``PipelineError``, ``Hop``).
 
 It uses ``shard.client`` (one worker) and the protocol's shared pieces (``shard.rpc.errors``,

@@ -102,6 +102,28 @@ def check_speculation(last: HopReplicas, k: int) -> None:
                 ErrorCode.UNSUPPORTED_FEATURE, f"speculate={k}: the last shard {why}"))
 
 
+def check_prompt_logprobs(hops: Sequence[HopReplicas]) -> int:
+    """Every replica of every hop scores a prompt (``input_logprobs``: each shard computes
+    every position an ``all_logits`` pass writes over, the last reports the input's log-probs)
+    in passes of at least two positions; returns the positions of one pass (the last shard's
+    least ``max_logits_positions``)."""
+    for hop in hops:
+        for replica in hop.replicas:
+            caps = replica.caps
+            if caps is not None and not caps.input_logprobs:
+                raise PipelineError(hop.hop(replica), ShardError(
+                    ErrorCode.UNSUPPORTED_FEATURE, "prompt log-probs: this worker does not "
+                    "report input_logprobs (an older worker)"))
+    last = hops[-1]
+    window = min((r.caps.max_logits_positions for r in last.replicas if r.caps is not None),
+                 default=0)
+    if window < 2:
+        raise PipelineError(last.hop(), ShardError(
+            ErrorCode.UNSUPPORTED_FEATURE, "prompt log-probs: the last shard returns the "
+            f"logits of {window} positions a step (at least 2 are needed)"))
+    return window
+
+
 def check_grammar(last: HopReplicas, kind: str) -> None:
     """The last shard (every replica of it) must constrain its choice to a ``kind`` grammar: a
     worker that does not know the grammar fields would ignore them and answer unconstrained."""

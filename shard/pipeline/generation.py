@@ -102,6 +102,9 @@ class Generation:
     #: The generation whose sessions this one's forks at their first open (its ``sid``; "":
     #: none): each hop's session starts as a copy of that one's (``shard.pipeline.choices``).
     fork_of: str = ""
+    #: Positions of one scoring pass over the prompt (``prompt_logprobs``; 0: the prompt is
+    #: prefilled, not scored; ``shard.pipeline.scoring``).
+    score_window: int = 0
 
     def prompt_held(self, n_past: int) -> None:
         """The prompt's ``n_past`` positions are held: a grammar starts there, and every later

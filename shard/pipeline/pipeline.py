@@ -72,8 +72,8 @@ from shard.stops import StopRules
 from shard.v1 import shard_pb2 as pb
 
 from . import chain, stepping
-from .checks import (check_chain, check_chunk, check_grammar, check_sampling, check_speculation,
-                     hop_targets)
+from .checks import (check_chain, check_chunk, check_grammar, check_prompt_logprobs,
+                     check_sampling, check_speculation, hop_targets)
 from .choices import OnChoiceToken, generate_choices
 from .drafting import Drafter, PromptLookup
 from .errors import Blames, Hop, PipelineError
@@ -384,6 +384,7 @@ class Pipeline:
         logit_bias: Mapping[int, float] | None = None,
         fork_of: str | None = None,
         client_steps: bool = False,
+        prompt_logprobs: bool = False,
     ) -> PipelineResult:
         """Prefill ``prompt`` (text, tokenized by the first shard with BOS, or token ids) through
         the chain, then generate up to ``max_tokens`` tokens; same stop rules and results as a
@@ -426,9 +427,18 @@ class Pipeline:
         forks: a plain session), so a prompt that starts with what they hold is computed from
         there on (``generate_choices``). ``client_steps``: the client sends every step, never
         the workers' own loop, so the sessions are idle while ``on_token`` runs.
+
+        ``prompt_logprobs`` (``prompt`` as token ids): the prompt goes through the chain in
+        scoring passes instead of a prefill (``shard.pipeline.scoring``), and
+        ``result.prompt_logprobs`` holds each prompt token's log-prob but the first's with the
+        top ``top_logprobs`` alternatives at its position; ``max_tokens`` may then be 0 (the
+        prompt alone). Needs every worker to report ``input_logprobs``; the client steps.
         """
-        if max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if max_tokens < (0 if prompt_logprobs else 1):
+            raise ValueError("max_tokens must be >= 1 (>= 0 with prompt_logprobs)")
+        if prompt_logprobs and isinstance(prompt, str):
+            raise ValueError("prompt_logprobs needs the prompt's token ids")
+        window = check_prompt_logprobs(self._replicas) if prompt_logprobs else 0
         chunk_tokens = self.prefill_chunk(chunk_tokens)
         if speculate < 0:
             raise ValueError("speculate must be >= 0")
@@ -475,6 +485,7 @@ class Pipeline:
                     parse_special=parse_special,
                     handoff=self.handoff,
                     fork_of=fork_of or "",
+                    score_window=window,
                 )
                 last = len(hops) - 1
                 chained = self.relay == "chain" and last > 0
@@ -490,7 +501,8 @@ class Pipeline:
                         runners = [HopRunner(r, gen, last=r.index == last) for r in hops]
                     try:
                         with trio.CancelScope(deadline=deadline):  # the caller's deadline, for all
-                            if (chained or alone) and not speculate and not client_steps:  # the workers loop: Generate on hop 0
+                            if ((chained or alone) and not speculate and not client_steps
+                                    and not window):  # the workers loop: Generate on hop 0
                                 await chain.run(runners[0], result, prompt, rules, on_token, blames,
                                                 self.pass_cost)
                             else:  # the client steps (a chain's passes go through hop 0's route)

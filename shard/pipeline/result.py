@@ -9,7 +9,16 @@ from shard.v1 import shard_pb2 as pb
 
 from .generation import Failover
 
-__all__ = ["PipelineResult"]
+__all__ = ["PipelineResult", "PromptLogprob"]
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token after the first, scored (``generate(prompt_logprobs=True)``): its
+    log-prob under the position before it, and that position's top alternatives."""
+
+    logprob: float
+    top: tuple[pb.TokenLogprob, ...]
 
 
 @dataclass
@@ -30,6 +39,8 @@ class PipelineResult:
     #: Speculation (``generate(speculate=K)``): tokens drafted, and those the model agreed with.
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: ``prompt_logprobs``: one entry per prompt token after the first, in order.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:

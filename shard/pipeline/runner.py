@@ -166,22 +166,27 @@ class HopRunner:
 
     async def verify(
         self, position: int, *, tokens: Sequence[int] | None = None,
-        rows: np.ndarray | None = None, ids: Sequence[int] | None = None,
+        rows: np.ndarray | None = None, ids: Sequence[int] | None = None, score: bool = False,
     ) -> HopOutput:
         """A speculative step at ``position``: token ids (first hop) or boundary rows (later
         hops) written over whatever the session holds from there (the rejected drafts of the
         step before, on every hop alike). The last hop returns one ``Logits`` per position
-        (``step.position_logits``, checked)."""
+        (``step.position_logits``, checked). ``score`` (a pass over the prompt,
+        ``shard.pipeline.scoring``): every hop computes every position (no reuse, nothing from
+        its prefix cache) and the last also returns the input's log-probs (checked)."""
         n = len(tokens) if tokens is not None else int(rows.shape[0])  # type: ignore[union-attr]
         lead = 0 if rows is None else self._lead(rows, ids)
         out = await self._attempt(lambda s: self._step(s, lambda: s.prefill(
             tokens, hidden_states=rows, position=position, sampling=self.gen.sampling,
-            top_logprobs=self.gen.top_logprobs, all_logits=self.last, token_ids=ids,
+            top_logprobs=self.gen.top_logprobs, all_logits=self.last or score, token_ids=ids,
+            cache_limit=0 if score else None,
         )))
-        if self.last and len(out.step.position_logits) != n:
+        got = len(out.step.position_logits), len(out.step.input_logprobs)
+        if self.last and (got[0] != n or (score and got[1] != n - 1)):
             raise PipelineError(self.hop, ShardError(
-                ErrorCode.INTERNAL,
-                f"asked for the logits of {n} positions, got {len(out.step.position_logits)}",
+                ErrorCode.INTERNAL, f"asked for the logits of {n} positions"
+                f"{' and the log-probs of the inputs' if score else ''}, got {got[0]}"
+                f"{f' and {got[1]}' if score else ''}",
             ))
         if tokens is not None:
             self.tokens.write(position, tokens)

@@ -28,9 +28,10 @@ from .result import PipelineResult
 from .runner import HopRunner
 from .generation import HopOutput, OnToken
 from .prefix import route_limit
+from .scoring import score
 from .speculation import DraftPlanner, PassCost
 
-__all__ = ["decode", "prefill", "run", "verify"]
+__all__ = ["decode", "prefill", "run", "traverse", "verify"]
 
 #: A prefill chunk on its way to the next hop: (position, rows, the ids from position on).
 _Chunk = tuple[int, np.ndarray, Sequence[int] | None]
@@ -57,7 +58,15 @@ async def run(
     for runner in runners:
         with Blame(runner, blames):
             await runner.open()
-    step = await prefill(runners, prompt, blames)
+    window = runners[0].gen.score_window
+    if window:  # the prompt's log-probs: passes of all_logits steps (shard.pipeline.scoring)
+        assert not isinstance(prompt, str)
+        # the passes write the prompt as positions: a replay sends those (the log's tokens)
+        runners[0].tokens.hold_prompt((), 0)
+        step = await score(lambda at, ids: traverse(runners, at, ids, blames, score=True),
+                           prompt, window, result)
+    else:
+        step = await prefill(runners, prompt, blames)
     result.prompt_tokens = step.n_past
     runners[0].gen.prompt_held(step.n_past)
     result.cached_tokens = runners[0].cached_tokens
@@ -88,7 +97,7 @@ async def run(
         return False
 
     pending = [step]
-    while True:
+    while rules.max_tokens:  # (0: the prompt scored, nothing generated)
         capacity = min(r.session.opened.kv_capacity for r in runners if r.session is not None)
         finished = False
         for step in pending:
@@ -201,14 +210,7 @@ async def verify(
     hop; returns the results to emit: one per draft the model agreed with (in order) and
     the model's own token after them. A position's result looks like the decode's that
     would have produced it (its ``logits``, ``n_past``)."""
-    with Blame(runners[0], blames):
-        out = await runners[0].verify(position, tokens=tokens)
-    for runner in runners[1:]:
-        with Blame(runner, blames):
-            assert out.rows is not None
-            start = out.start - out.step.cached_tokens
-            out = await runner.verify(start, rows=out.rows, ids=tokens[start - position :])
-    last = out.step
+    last = await traverse(runners, position, tokens, blames)
     start = last.n_past - len(last.position_logits)
     emitted: list[pb.StepResult] = []
     for i, logits in enumerate(last.position_logits):
@@ -219,6 +221,21 @@ async def verify(
         if i + 1 >= len(tokens) or logits.token_id != tokens[i + 1]:
             break  # the model's own token here: the drafts after it are rejected
     return emitted
+
+async def traverse(runners: list[HopRunner], position: int, tokens: Sequence[int],
+                   blames: Blames, *, score: bool = False) -> pb.StepResult:
+    """``tokens`` written at ``position`` through every hop in one ``all_logits`` pass
+    (``HopRunner.verify``; ``score``: a pass over the prompt); the last shard's result."""
+    with Blame(runners[0], blames):
+        out = await runners[0].verify(position, tokens=tokens, score=score)
+    for runner in runners[1:]:
+        with Blame(runner, blames):
+            assert out.rows is not None
+            start = out.start - out.step.cached_tokens
+            out = await runner.verify(start, rows=out.rows, ids=tokens[start - position :],
+                                      score=score)
+    return out.step
+
 
 async def decode(runners: list[HopRunner], token: int, blames: Blames) -> pb.StepResult:
     """One token through every hop; the last hop's result carries the next token."""

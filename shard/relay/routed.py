@@ -245,7 +245,8 @@ class RoutedSession:
                         with host.cancellable():
                             await host.take_credit()
                             result = await host.engine_call(host.engine.prefill, inp.request(
-                                host.session_id, start, stop, top_k_logprobs=p.top_logprobs))
+                                host.session_id, start, stop, top_k_logprobs=p.top_logprobs,
+                                all_logits=p.all_logits))  # (every position computed)
                         if start == 0:
                             await host.first_chunk(inp, result)
                         chunks.took(result, start, stop)

@@ -182,6 +182,7 @@ def step_to_proto(
     if result.logits is not None:
         msg.logits.CopyFrom(logits_to_proto(result.logits))
         msg.position_logits.extend(logits_to_proto(lg) for lg in result.position_logits)
+        msg.input_logprobs.extend(result.input_logprobs)
     elif result.boundary is not None:
         msg.hidden_states.CopyFrom(array_to_tensor(result.boundary.hidden_states, hidden_dtype))
     return msg
@@ -284,6 +285,7 @@ def capabilities_to_proto(
         sampling_penalties=True,
         prefix_cache_limit=True,  # Prefill.cache_limit, OpenSession.prefix_probe
         session_fork=True,  # OpenSession.fork_of
+        input_logprobs=True,  # StepResult.input_logprobs
         grammar_kinds=caps.grammar_kinds,
         pooling_type=caps.pooling_type,
         embeddings=caps.embeds,

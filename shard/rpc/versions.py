@@ -35,6 +35,8 @@ from .errors import ErrorCode, ShardError
 #: worker that reports ``sampling_penalties``.
 #: Forks (``OpenSession.fork_of``) need none either: an older worker would ignore the field and
 #: open an empty session, so clients and relays send it only to one reporting ``session_fork``.
+#: Nor ``StepResult.input_logprobs``: an older worker sends none, and clients that need them
+#: (a prompt's log-probs) ask only a chain whose workers report ``input_logprobs``.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 
