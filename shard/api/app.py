@@ -257,14 +257,15 @@ def build_app(
 
     def responses_job(data: bytes) -> tuple[ResponsesRequest, Backend, list[Request], Reply]:
         body, backend = decode(data, ResponsesRequest)
-        messages = body.messages()
-        for i, m in enumerate(messages):
-            encodable(m["content"], f"input.{i}")
-        text = backend.render_chat(messages)
+        for param, text in body.texts():
+            encodable(text, param)
+        tools = plan_tools(body.chat_request(), backend.chat)  # as a chat request's
+        text = backend.render_chat(tools.messages, tools=tools.tools)
         job = Request(prompt=text, max_tokens=body.max_output_tokens, prompt_param="input",
                       temperature=1.0 if body.temperature is None else body.temperature,
-                      top_p=1.0 if body.top_p is None else body.top_p)
-        return body, backend, [job], ResponsesReply(backend.model_id, body)
+                      top_p=1.0 if body.top_p is None else body.top_p,
+                      constraint=tools.constraint)
+        return body, backend, [job], ResponsesReply(backend.model_id, body, tools.parse)
 
     async def generation(
         request: HttpRequest, endpoint: str,
