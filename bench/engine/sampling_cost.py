@@ -35,6 +35,9 @@ KINDS: dict[str, SamplingParams] = {
     "sampled(top_k 40)": SamplingParams(temperature=0.8, top_k=40, seed=1),
     "sampled(top_k 40)+min_p+penalties(64)+bias": SamplingParams(
         temperature=0.8, top_k=40, seed=1, min_p=0.05, logit_bias={5: 2.0}, **PENALTIES),
+    # the door's default (OpenAI's temperature 1, top_p 1, no top_k)
+    "sampled(t 1, no top_k)": SamplingParams(temperature=1.0, seed=1),
+    "sampled(t 1, top_p 0.9)": SamplingParams(temperature=1.0, top_p=0.9, seed=1),
     "sampled(no top_k)+min_p+penalties(64)": SamplingParams(
         temperature=0.8, seed=1, min_p=0.05, **PENALTIES),
 }
