@@ -192,15 +192,18 @@ def build_app(
                 **choices(body, backend)}
 
     def choices(body: GenerationRequest, backend: Backend) -> dict[str, int]:
-        """``n`` and ``best_of``: each choice takes a session on every hop, so more than the
-        route's sessions could never run (400); fewer wait in the model's queue as one request."""
+        """``n`` and ``best_of``: each choice takes a session on every hop of the one route
+        the request runs on, so more than the largest route's sessions could never run (400;
+        checked here, before the wait for a route: a pool's other routes do not add up for
+        it, and the lease then takes a route that fits); fewer wait in the model's queue as
+        one request."""
         n = body.n or 1
         best_of = getattr(body, "best_of", None) or n
-        capacity = backend.routes.capacity()
+        capacity = backend.routes.route_capacity()
         if capacity is not None and best_of > capacity:
             param = "best_of" if best_of > n else "n"
-            raise ApiError(400, f"{param}={best_of} choices need as many sessions, and the "
-                           f"model's route has {capacity}", param=param,
+            raise ApiError(400, f"{param}={best_of} choices need as many sessions on one "
+                           f"route, and the model's largest route has {capacity}", param=param,
                            code="unsupported_parameter")
         return {"n": n, "best_of": best_of}
 

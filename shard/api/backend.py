@@ -104,7 +104,7 @@ class DeltaSink(Protocol):
 class Routes(Protocol):
     """Where one model's generations run: a fixed pipeline, or a pool's least-loaded route."""
 
-    def lease(self, prompt: str | Sequence[int] | None = None,
+    def lease(self, prompt: str | Sequence[int] | None = None, *, sessions: int = 1,
               ) -> AbstractAsyncContextManager[tuple[Pipeline, Sequence[str] | None]]: ...
 
     @property
@@ -114,6 +114,10 @@ class Routes(Protocol):
     def context(self) -> int: ...
 
     def capacity(self) -> int | None: ...
+
+    def route_capacity(self) -> int | None:
+        """The most sessions one route takes: what bounds one request's choices."""
+        ...
 
     async def not_serving(self) -> list[str]: ...
 
@@ -125,7 +129,7 @@ class PipelineRoutes:
         self.pipeline = pipeline
 
     @asynccontextmanager
-    async def lease(self, prompt: str | Sequence[int] | None = None,
+    async def lease(self, prompt: str | Sequence[int] | None = None, *, sessions: int = 1,
                     ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
         yield self.pipeline, None
 
@@ -143,6 +147,9 @@ class PipelineRoutes:
         return min((h.caps.max_sessions for h in self.pipeline.hops if h.caps is not None),
                    default=0) or None
 
+    def route_capacity(self) -> int | None:
+        return self.capacity()  # (one route)
+
     async def not_serving(self) -> list[str]:
         return [f"{hop}: {why}" for hop, why in await self.pipeline.serving(timeout=2.0)]
 
@@ -156,9 +163,9 @@ class PoolRoutes:
         self.model = model
 
     @asynccontextmanager
-    async def lease(self, prompt: str | Sequence[int] | None = None,
+    async def lease(self, prompt: str | Sequence[int] | None = None, *, sessions: int = 1,
                     ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
-        async with self.pool.lease(self.model, prompt) as chosen:
+        async with self.pool.lease(self.model, prompt, sessions=sessions) as chosen:
             yield chosen.pipeline, chosen.route
 
     @property
@@ -171,6 +178,9 @@ class PoolRoutes:
 
     def capacity(self) -> int | None:
         return self.pool.capacity(self.model)
+
+    def route_capacity(self) -> int | None:
+        return self.pool.route_capacity(self.model)
 
     async def not_serving(self) -> list[str]:
         await trio.lowlevel.checkpoint()
@@ -346,7 +356,7 @@ class Backend:
                 scope.cancel()  # the generation's sessions are reset and released
 
         async def attempt() -> None:
-            async with self.routes.lease(request.prompt) as (pipeline, route):
+            async with self.routes.lease(request.prompt, sessions=total) as (pipeline, route):
                 context = min(h.caps.n_ctx_per_session for h in pipeline.hops if h.caps)
                 options = dict(
                     # no generation outlives the context: a larger limit is the context's

@@ -120,13 +120,19 @@ class Router:
         self.picks: Counter[tuple[str, str]] = Counter()
 
     def choose(self, model: str, shapes: Sequence[tuple[Shape, Pipeline]], live: Live,
-               turn: int, prompt: str | Sequence[int] | None = None) -> Lease:
+               turn: int, prompt: str | Sequence[int] | None = None, *,
+               sessions: int = 1) -> Lease:
         """The route for one generation of ``model`` whose prompt is ``prompt`` (None: by
-        load only); ShardError NOT_READY when no shape can serve now."""
+        load only) and which holds ``sessions`` on each hop (its choices all run on the one
+        route: a worker of fewer ``max_sessions`` is not a replica for it); ShardError
+        NOT_READY when no shape can serve it now."""
+        if sessions > 1:
+            live = _taking(live, sessions)
         fallback = least_loaded(model, shapes, live, turn)
         if fallback is None:
+            taking = f" taking {sessions} sessions" if sessions > 1 else ""
             raise ShardError(ErrorCode.NOT_READY, f"model {model!r}: no route has a serving "
-                             "replica of every hop now")
+                             f"replica{taking} of every hop now")
         keys = self.index.keys(prompt) if self.index is not None and prompt is not None else []
         chosen, kind = fallback, "load"
         if keys:
@@ -163,6 +169,14 @@ class Router:
         """``target`` left, failed or serves something else: its routes hold nothing now."""
         if self.index is not None:
             self.index.forget(target)
+
+
+def _taking(live: Live, sessions: int) -> Live:
+    """``live`` less the workers of fewer than ``sessions`` sessions."""
+    def taking(target: str) -> Loaded | None:
+        member = live(target)
+        return member if member is not None and member.capacity >= sessions else None
+    return taking
 
 
 def _lease_of(model: str, route: Route, shapes: Sequence[tuple[Shape, Pipeline]],
