@@ -217,7 +217,7 @@ class Pool:
                 self.router.forget(target)
                 member.poke.set()
                 log.info("pool: %s no longer listed: out of new routes%s", target,
-                         f" ({member.sessions} generation(s) finish first)" if member.sessions else "")
+                         f" ({member.sessions} session(s) finish first)" if member.sessions else "")
         self._rebuild()
 
     # ---- one worker --------------------------------------------------------------------------

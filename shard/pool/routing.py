@@ -3,9 +3,10 @@ prompt's prefix, else the least-loaded one.
 
 The rule (docs/operations.md, "A pool of workers"):
 
-* **Load.** Per hop the serving replica with the fewest of the pool's open generations for its
-  ``max_sessions`` (ties taken in turn), and among shapes the one whose busiest hop is least
-  busy (then the one with fewer hops): ``least_loaded``.
+* **Load.** Per hop the serving replica with the fewest of the pool's open sessions (one per
+  choice of a generation) for its ``max_sessions`` (ties taken in turn), and among shapes the
+  one whose busiest hop is least busy (then the one with fewer hops): ``least_loaded``. A
+  generation of ``n`` choices takes only replicas of at least ``n`` sessions.
 * **Prefix first.** A ``PrefixIndex`` remembers the prompts leased to each route. Among the
   routes that remember at least ``min_blocks`` leading blocks of the prompt (4: 256 characters
   of text or 64 tokens; a short system prompt shared by many conversations alone does not pin
@@ -54,7 +55,7 @@ class Loaded(Protocol):
     """A worker as the routing sees it (``shard.pool.pool.Member``)."""
 
     target: str
-    #: The pool's generations running on it now.
+    #: The sessions of the pool's generations running on it now.
     sessions: int
 
     @property
