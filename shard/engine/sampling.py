@@ -145,8 +145,12 @@ def choose_token(logits: np.ndarray, params: SamplingParams, position: int,
         return int(np.argmax(logits))
     u = np.random.Generator(np.random.PCG64([params.seed, position])).random()
     token = draw_from_prefix(logits, params, u)
-    if token is not None:
-        return token
+    return draw_from_candidates(logits, params, u) if token is None else token
+
+
+def draw_from_candidates(logits: np.ndarray, params: SamplingParams, u: float) -> int:
+    """The inverse-CDF draw at ``u`` over ``candidates`` (the whole row sorted without
+    top_k): the definition ``draw_from_prefix`` keeps to."""
     order, probs = candidates(logits, params)
     idx = int(np.searchsorted(np.cumsum(probs), u, side="right"))
     return int(order[min(idx, order.shape[0] - 1)])
