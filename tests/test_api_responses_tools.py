@@ -1,4 +1,5 @@
-"""Function tools on ``/v1/responses`` with the official openai client: forced calls
+"""Function tools on ``/v1/responses`` with the official openai client (fake workers with the
+``tools`` preset's template, then the preset itself on a llama.cpp worker): forced calls
 (``required``, a named function) come back as ``function_call`` output items (whole:
 ``ResponseFunctionToolCall``; streamed: the function-call events the SDK parses and
 accumulates), the call and its ``function_call_output`` go back to the template as the chat
@@ -9,24 +10,30 @@ stream and body alike); built-in tools and bad tool requests are a 400 naming th
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any, get_args
 
 import openai
 import pytest
+import trio
 from openai.types.responses import Response, ResponseFunctionToolCall, ResponseStreamEvent
 
 from rpc_harness import in_thread
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
+from shard.api import Backend, build_app, serve_http
 from shard.api.backend import Outcome
 from shard.api.responses import ResponsesReply, ResponsesRequest
 from shard.api.schemas import ChatCompletionRequest
 from shard.api.text import Delta
 from shard.api.tools import plan_tools
 from shard.chat import ChatTemplate
+from shard.models import ensure_model
 from shard.models.write import CHATML_TEMPLATE, HERMES_TOOLS_TEMPLATE
 from test_api import NAME, front_door, post
 from test_api_tools import ARGS, CONTEXT, HISTORY, TOOLS, TOOLS_MODEL, TimeArgs
+from test_pipeline import TIMEOUT
+from test_pool_llama import llama_fleet
 
 #: The chat tools in the Responses API's flat shape.
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
@@ -46,9 +53,10 @@ def check_call(item: Any, named: str | None) -> None:
     ARGS[item.name].model_validate_json(item.arguments)  # parses, keeps to the schema
 
 
-def called(client: openai.OpenAI, choice: Any, stream: bool) -> tuple[Any, list[Any]]:
+def called(client: openai.OpenAI, choice: Any, stream: bool,
+           model: str = NAME) -> tuple[Any, list[Any]]:
     """A forced call: the final response and (streamed) the events the SDK parsed."""
-    kw = dict(model=NAME, input=QUESTION, tools=FLAT_TOOLS, tool_choice=choice,
+    kw = dict(model=model, input=QUESTION, tools=FLAT_TOOLS, tool_choice=choice,
               max_output_tokens=120, temperature=1.0)
     if not stream:
         return client.responses.create(**kw), []  # type: ignore[call-overload]
@@ -73,38 +81,69 @@ def check_stream(events: list[Any], final: Any) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
-@pytest.mark.parametrize("choice", list(CHOICES))
-async def test_forced_calls_round_trip(choice: str) -> None:
+async def round_trips(client: openai.OpenAI, choice: str, model: str = NAME) -> None:
     """Each forced call, whole and streamed; then the call and its output sent back (as the
     SDK gives the items), and the model's text."""
     named = None if choice == "required" else "get_time"
+    for stream in (False, True):
+        final, events = await in_thread(partial(called, client, CHOICES[choice], stream, model))
+        assert final.status == "completed" and final.output_text == ""
+        (call,) = final.output
+        check_call(call, named)
+        if stream:
+            check_stream(events, final)
+        history = [{"role": "user", "content": QUESTION}, call,
+                   {"type": "function_call_output", "call_id": call.call_id,
+                    "output": '{"sky": "sunny"}'}]
+        reply = await in_thread(lambda h=history, s=stream: (  # type: ignore[misc]
+            list(client.responses.create(model=model, input=h, tools=FLAT_TOOLS,
+                                         tool_choice="none", max_output_tokens=8,
+                                         stream=True))[-1].response if s else
+            client.responses.create(model=model, input=h, tools=FLAT_TOOLS,
+                                    tool_choice="none", max_output_tokens=8)))
+        assert reply.status in ("completed", "incomplete")
+        assert [item.type for item in reply.output] == ["message"]
+        assert reply.output_text == reply.output[0].content[0].text
+        base = await in_thread(lambda: client.responses.create(
+            model=model, input=QUESTION, tools=FLAT_TOOLS, tool_choice="none",
+            max_output_tokens=1))
+        # the call's arguments and the tool's output are in the prompt
+        grown = reply.usage.input_tokens - base.usage.input_tokens
+        assert grown > await tokens(client, call.arguments + '{"sky": "sunny"}') - 2, grown
+
+
+async def tokens(client: openai.OpenAI, text: str) -> int:
+    """How many tokens the door's model makes of ``text`` (``/tokenize``)."""
+    root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    status, _, got = await in_thread(lambda: post(root + "/tokenize", {"content": text}))
+    assert status == 200, got
+    return len(got["tokens"])
+
+
+@pytest.mark.parametrize("choice", list(CHOICES))
+async def test_forced_calls_round_trip(choice: str) -> None:
     async with front_door(model=TOOLS_MODEL, session_ctx=CONTEXT) as door:
-        client = door.client
-        for stream in (False, True):
-            final, events = await in_thread(partial(called, client, CHOICES[choice], stream))
-            assert final.status == "completed" and final.output_text == ""
-            (call,) = final.output
-            check_call(call, named)
-            if stream:
-                check_stream(events, final)
-            history = [{"role": "user", "content": QUESTION}, call,
-                       {"type": "function_call_output", "call_id": call.call_id,
-                        "output": '{"sky": "sunny"}'}]
-            reply = await in_thread(lambda h=history, s=stream: (  # type: ignore[misc]
-                list(client.responses.create(model=NAME, input=h, tools=FLAT_TOOLS,
-                                             tool_choice="none", max_output_tokens=8,
-                                             stream=True))[-1].response if s else
-                client.responses.create(model=NAME, input=h, tools=FLAT_TOOLS,
-                                        tool_choice="none", max_output_tokens=8)))
-            assert reply.status in ("completed", "incomplete")
-            assert [item.type for item in reply.output] == ["message"]
-            assert reply.output_text == reply.output[0].content[0].text
-            base = await in_thread(lambda: client.responses.create(
-                model=NAME, input=QUESTION, tools=FLAT_TOOLS, tool_choice="none",
-                max_output_tokens=1))
-            # the call's arguments and the tool's output are in the prompt (a fake token is a byte)
-            grown = reply.usage.input_tokens - base.usage.input_tokens
-            assert grown > len(call.arguments) + len('{"sky": "sunny"}')
+        await round_trips(door.client, choice)
+
+
+async def test_the_tools_preset_on_a_llama_worker() -> None:
+    """The generated ``tools`` preset (the Hermes template in its GGUF) on a llama.cpp worker:
+    a forced call each way, whole and streamed, and the round trip."""
+    path = await trio.to_thread.run_sync(ensure_model, "tools")
+    async with AsyncExitStack() as stack:
+        (w,) = await stack.enter_async_context(llama_fleet(
+            [(path, None, "tools-test")], max_sessions=1, session_ctx=CONTEXT))
+        backend = await stack.enter_async_context(
+            Backend.connect([[w.target]], model_id="tools-test", timeout=TIMEOUT))
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        shutdown = trio.Event()
+        url = (await nursery.start(partial(serve_http, build_app(backend), host="127.0.0.1",
+                                           port=0, shutdown=shutdown, grace=1.0)))[0]
+        client = stack.enter_context(openai.OpenAI(base_url=url + "/v1", api_key="unused",
+                                                   max_retries=0, timeout=4 * TIMEOUT))
+        for choice in CHOICES:
+            await round_trips(client, choice, "tools-test")
+        shutdown.set()
 
 
 async def test_the_sdk_stream_helper_accumulates_a_named_call() -> None:
