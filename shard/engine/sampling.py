@@ -174,10 +174,12 @@ def draw_from_prefix(logits: np.ndarray, params: SamplingParams, u: float) -> in
     monotone in the logit) sorted as the full sort sorts, the threshold lowered until their
     mass passes what the cut or the draw needs; then the same decisions on that prefix. Each
     is taken only if it clears ``PREFIX_MARGIN``, so the token is the full sort's, always."""
+    n = len(logits)
+    if 0 < params.top_k < n:  # (already a partial sort)
+        return None
     x = np.asarray(logits, dtype=np.float64)
-    n = x.shape[0]
     top = float(x.max())
-    if 0 < params.top_k < n or not math.isfinite(top):  # (top_k: already a partial sort)
+    if not math.isfinite(top):
         return None
     weight = np.subtract(x, top)  # as ``candidates``, in place
     if params.temperature != 1.0:
