@@ -139,6 +139,41 @@ async def test_a_pool_queues_over_its_replicas_sessions() -> None:
         await assert_all_free(list(f.workers.values()))
 
 
+@pytest.mark.parametrize("sizes", [(2, 2), (1, 3)])
+async def test_a_requests_choices_are_bounded_by_one_route_of_a_pool(
+        sizes: tuple[int, int]) -> None:
+    """Two whole-model workers (two routes) of ``sizes`` sessions: the pool runs 4
+    generations at once, but one request's choices all run on one route, so more choices than
+    the largest route's sessions are a 400 naming ``n`` (or ``best_of``), and as many run,
+    each time on a route that has them (never on the smaller, whatever the turn)."""
+    largest = max(sizes)
+    async with fleet({"w1": (A, LayerRange(0, 4), "a")}, max_sessions=sizes[0]) as one, \
+            fleet({"w2": (A, LayerRange(0, 4), "a")}, max_sessions=sizes[1]) as two, \
+            pool_of(Listed([one.target("w1"), two.target("w2")])) as pool, \
+            trio.open_nursery() as nursery:
+        assert pool.capacity("a") == 4 and pool.route_capacity("a") == largest
+        shutdown = trio.Event()
+        app = build_app(Catalog(pool=pool, timeout=TIMEOUT))
+        url = (await nursery.start(partial(serve_http, app, host="127.0.0.1", port=0,
+                                           shutdown=shutdown, grace=1.0)))[0]
+        body = {"model": "a", "prompt": "hello", "max_tokens": 3, "temperature": 0}
+        for extra, param in (({"n": largest + 1}, "n"), ({"best_of": largest + 1}, "best_of")):
+            status, _, got = await in_thread(lambda: post(url + "/v1/completions",
+                                                          {**body, **extra}))
+            assert (status, got["error"]["param"]) == (400, param), got
+            assert f"largest route has {largest}" in got["error"]["message"]
+        for _ in range(4):  # (ties between the routes are taken in turn)
+            status, _, got = await in_thread(lambda: post(url + "/v1/completions",
+                                                          {**body, "n": largest}))
+            assert status == 200 and len(got["choices"]) == largest, got
+        smaller = [w for f, size in ((one, sizes[0]), (two, sizes[1])) if size < largest
+                   for w in f.workers.values()]
+        assert all(not w.calls for w in smaller)  # (not even tried and refused)
+        assert all(m.sessions == 0 for m in pool.members.values())
+        shutdown.set()
+        await assert_all_free([*one.workers.values(), *two.workers.values()])
+
+
 async def test_waiters_are_served_in_order_of_arrival() -> None:
     """FIFO, and the door's own count: with one session, each request runs only once the one
     before it ended, in the order they came, and a newcomer never jumps the line."""

@@ -330,8 +330,7 @@ async def test_responses_text_in_text_out_whole_and_streamed() -> None:
                 max_output_tokens=2, temperature=0, stream=True))
             with_tools = None
             try:
-                c.responses.create(model=NAME, input="hi", tools=[
-                    {"type": "function", "name": "f", "parameters": {}}])
+                c.responses.create(model=NAME, input="hi", tools=[{"type": "web_search_preview"}])
             except openai.BadRequestError as err:
                 with_tools = err.body
             return whole, events_, with_tools

@@ -235,3 +235,36 @@ async def test_the_wire_names_where_a_grammar_starts() -> None:
                 step = await s.decode(tokens[-1], sampling=yes)  # start 0: the session's
                 tokens.append(step.logits.token_id)
             assert tokens == [BYTE_OFFSET + ord("o"), BYTE_OFFSET + ord("k"), EOS_ID]
+
+
+@pytest.mark.parametrize("refusal", ["grammar", "token"])
+async def test_a_refused_step_leaves_the_sessions_grammar_start(refusal: str) -> None:
+    """A step refused (its grammar does not compile; its token is out of the vocabulary)
+    leaves where the session's grammar starts as the last accepted step set it: a Decode with
+    ``grammar_start`` 0 after it continues that grammar, not the refused step's."""
+    from rpc_harness import worker
+    from shard.client import ShardClient, sampling
+    from shard.engine.fake import BYTE_OFFSET, EOS_ID
+    from shard.rpc.errors import ShardError
+
+    yes = sampling(grammar_kind="gbnf", grammar='root ::= "ok"')
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
+        async with c.session() as s:
+            step = await s.prefill([1, 50, 60, 70], sampling=yes)  # the grammar starts at 4
+            o = step.logits.token_id
+            assert o == BYTE_OFFSET + ord("o")
+            with pytest.raises(ShardError) as caught:
+                if refusal == "grammar":  # it would start at 5, after its prompt
+                    await s.prefill([o], position=4, sampling=sampling(
+                        grammar_kind="gbnf", grammar="root ::= nowhere"))
+                else:
+                    elsewhere = sampling(grammar_kind="gbnf", grammar='root ::= "ok"')
+                    elsewhere.grammar_start = 2
+                    await s.decode(10**6, sampling=elsewhere)
+            want = "INVALID_GRAMMAR" if refusal == "grammar" else "INVALID_INPUT"
+            assert caught.value.reason == want
+            tokens = [o]
+            while not step.logits.is_eog:
+                step = await s.decode(tokens[-1], sampling=yes)  # start 0: the accepted one's
+                tokens.append(step.logits.token_id)
+            assert tokens == [BYTE_OFFSET + ord("o"), BYTE_OFFSET + ord("k"), EOS_ID]

@@ -56,12 +56,15 @@ def test_a_tick_of_one_row_and_ties_take_the_first_maximum() -> None:
 def test_the_sampling_cost_bench_times_every_kind(tmp_path: Path) -> None:
     """A ``--quick`` run of bench/engine/sampling_cost.py: every kind is timed and recorded with
     the environment (the numbers are the bench's, never asserted here)."""
-    from bench.engine.sampling_cost import KINDS, main
+    from bench.engine.sampling_cost import FULL_SORT, KINDS, SORTED_TOO, main
 
+    prefix_draw = sampling.draw_from_prefix
     out = tmp_path / "cost.json"
     main(["--quick", "--vocab", "3000", "--history", "100", "--out", str(out)])
     record = json.loads(out.read_text())
-    assert set(record["results"]) == set(KINDS) and record["environment"]["command"]
+    assert set(record["results"]) == set(KINDS) | {k + FULL_SORT for k in SORTED_TOO}
+    assert record["environment"]["command"]
+    assert sampling.draw_from_prefix is prefix_draw  # (the full-sort rounds put it back)
     assert all(r["us_per_token"] > 0 for r in record["results"].values())
 
 

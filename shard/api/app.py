@@ -194,15 +194,18 @@ def build_app(
                 **choices(body, backend)}
 
     def choices(body: GenerationRequest, backend: Backend) -> dict[str, int]:
-        """``n`` and ``best_of``: each choice takes a session on every hop, so more than the
-        route's sessions could never run (400); fewer wait in the model's queue as one request."""
+        """``n`` and ``best_of``: each choice takes a session on every hop of the one route
+        the request runs on, so more than the largest route's sessions could never run (400;
+        checked here, before the wait for a route: a pool's other routes do not add up for
+        it, and the lease then takes a route that fits); fewer wait in the model's queue as
+        one request."""
         n = body.n or 1
         best_of = getattr(body, "best_of", None) or n
-        capacity = backend.routes.capacity()
+        capacity = backend.routes.route_capacity()
         if capacity is not None and best_of > capacity:
             param = "best_of" if best_of > n else "n"
-            raise ApiError(400, f"{param}={best_of} choices need as many sessions, and the "
-                           f"model's route has {capacity}", param=param,
+            raise ApiError(400, f"{param}={best_of} choices need as many sessions on one "
+                           f"route, and the model's largest route has {capacity}", param=param,
                            code="unsupported_parameter")
         return {"n": n, "best_of": best_of}
 
@@ -262,14 +265,15 @@ def build_app(
 
     def responses_job(data: bytes) -> tuple[ResponsesRequest, Backend, list[Request], Reply]:
         body, backend = decode(data, ResponsesRequest)
-        messages = body.messages()
-        for i, m in enumerate(messages):
-            encodable(m["content"], f"input.{i}")
-        text = backend.render_chat(messages)
+        for param, text in body.texts():
+            encodable(text, param)
+        tools = plan_tools(body.chat_request(), backend.chat)  # as a chat request's
+        text = backend.render_chat(tools.messages, tools=tools.tools)
         job = Request(prompt=text, max_tokens=body.max_output_tokens, prompt_param="input",
                       temperature=1.0 if body.temperature is None else body.temperature,
-                      top_p=1.0 if body.top_p is None else body.top_p)
-        return body, backend, [job], ResponsesReply(backend.model_id, body)
+                      top_p=1.0 if body.top_p is None else body.top_p,
+                      constraint=tools.constraint)
+        return body, backend, [job], ResponsesReply(backend.model_id, body, tools.parse)
 
     async def generation(
         request: HttpRequest, endpoint: str,

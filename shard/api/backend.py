@@ -113,6 +113,7 @@ class Routes(Protocol):
     """Where one model's generations run: a fixed pipeline, or a pool's least-loaded route."""
 
     def lease(self, prompt: str | Sequence[int] | None = None, *, whole: bool = False,
+              sessions: int = 1,
               ) -> AbstractAsyncContextManager[tuple[Pipeline, Sequence[str] | None]]: ...
 
     @property
@@ -122,6 +123,10 @@ class Routes(Protocol):
     def context(self) -> int: ...
 
     def capacity(self) -> int | None: ...
+
+    def route_capacity(self) -> int | None:
+        """The most sessions one route takes: what bounds one request's choices."""
+        ...
 
     async def not_serving(self) -> list[str]: ...
 
@@ -134,6 +139,7 @@ class PipelineRoutes:
 
     @asynccontextmanager
     async def lease(self, prompt: str | Sequence[int] | None = None, *, whole: bool = False,
+                    sessions: int = 1,
                     ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
         if whole and len(self.pipeline.hops) > 1:
             raise ShardError(ErrorCode.UNSUPPORTED_FEATURE, f"the model is served as a pipeline "
@@ -154,6 +160,9 @@ class PipelineRoutes:
         return min((h.caps.max_sessions for h in self.pipeline.hops if h.caps is not None),
                    default=0) or None
 
+    def route_capacity(self) -> int | None:
+        return self.capacity()  # (one route)
+
     async def not_serving(self) -> list[str]:
         return [f"{hop}: {why}" for hop, why in await self.pipeline.serving(timeout=2.0)]
 
@@ -168,8 +177,8 @@ class PoolRoutes:
 
     @asynccontextmanager
     async def lease(self, prompt: str | Sequence[int] | None = None, *, whole: bool = False,
-                    ) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
-        async with self.pool.lease(self.model, prompt, whole=whole) as chosen:
+                    sessions: int = 1) -> AsyncIterator[tuple[Pipeline, Sequence[str] | None]]:
+        async with self.pool.lease(self.model, prompt, whole=whole, sessions=sessions) as chosen:
             yield chosen.pipeline, chosen.route
 
     @property
@@ -182,6 +191,9 @@ class PoolRoutes:
 
     def capacity(self) -> int | None:
         return self.pool.capacity(self.model)
+
+    def route_capacity(self) -> int | None:
+        return self.pool.route_capacity(self.model)
 
     async def not_serving(self) -> list[str]:
         await trio.lowlevel.checkpoint()
@@ -438,7 +450,7 @@ class Backend:
                 scope.cancel()  # the generation's sessions are reset and released
 
         async def attempt() -> None:
-            async with self.routes.lease(prompt) as (pipeline, route):
+            async with self.routes.lease(prompt, sessions=total) as (pipeline, route):
                 context = min(h.caps.n_ctx_per_session for h in pipeline.hops if h.caps)
                 # no generation outlives the context: a larger limit is the context's
                 limit = context if request.max_tokens is None else min(request.max_tokens, context)

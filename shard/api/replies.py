@@ -70,6 +70,11 @@ class Reply:
     def chunk(self, delta: Delta, index: int = 0) -> dict[str, Any] | None:
         raise NotImplementedError
 
+    def chunks(self, delta: Delta, index: int = 0) -> list[dict[str, Any]]:
+        """What a stream sends for one delta (none, one chunk, or several events)."""
+        chunk = self.chunk(delta, index)
+        return [] if chunk is None else [chunk]
+
     def final_chunks(self, outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
         raise NotImplementedError
 

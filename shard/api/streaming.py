@@ -278,9 +278,7 @@ class GenerationResponse:
             # Every delta already buffered goes out in this write: a door behind its
             # generations (many streams on few cores) pays one send for several tokens.
             while isinstance(event, tuple):
-                chunk = self.reply.chunk(event[1], event[0])
-                if chunk is not None:
-                    parts.append(chunk if isinstance(chunk, bytes) else _event(chunk, named))
+                parts.extend(_event(c, named) for c in self.reply.chunks(event[1], event[0]))
                 event = self._buffered(events)
             if event is not None:
                 break  # the end is buffered too: it goes out with these

@@ -85,7 +85,7 @@ def candidate_order(x: np.ndarray, top_k: int) -> np.ndarray:
         kth = np.partition(x, n - top_k)[n - top_k]
         cand = np.flatnonzero(x >= kth)
         return cand[np.lexsort((cand, -x[cand]))][:top_k]
-    return np.lexsort((np.arange(n), -x))
+    return np.argsort(-x, kind="stable")  # (stable: ties keep ascending ids)
 
 
 def penalty_window(history: Sequence[int], last_n: int) -> Sequence[int]:
@@ -143,10 +143,105 @@ def choose_token(logits: np.ndarray, params: SamplingParams, position: int,
                                f"{position}")
     if params.greedy:
         return int(np.argmax(logits))
+    u = np.random.Generator(np.random.PCG64([params.seed, position])).random()
+    token = draw_from_prefix(logits, params, u)
+    return draw_from_candidates(logits, params, u) if token is None else token
+
+
+def draw_from_candidates(logits: np.ndarray, params: SamplingParams, u: float) -> int:
+    """The inverse-CDF draw at ``u`` over ``candidates`` (the whole row sorted without
+    top_k): the definition ``draw_from_prefix`` keeps to."""
     order, probs = candidates(logits, params)
-    rng = np.random.Generator(np.random.PCG64([params.seed, position]))
-    idx = int(np.searchsorted(np.cumsum(probs), rng.random(), side="right"))
+    idx = int(np.searchsorted(np.cumsum(probs), u, side="right"))
     return int(order[min(idx, order.shape[0] - 1)])
+
+
+#: How close (a fraction of the row's probability mass) a cut or a draw may come to a
+#: boundary before ``draw_from_prefix`` leaves it to the full sort: its sums are added in
+#: another order than ``candidates``' (a few ulps apart), so a decision closer than this could
+#: fall on the other side. Far above those ulps, far below any probability that matters.
+PREFIX_MARGIN = 1e-8
+
+
+def draw_from_prefix(logits: np.ndarray, params: SamplingParams, u: float) -> int | None:
+    """The token ``candidates`` and the inverse-CDF draw at ``u`` give, from the likeliest
+    tokens only; None when that cannot be decided so (the caller sorts the whole row).
+
+    Why: without top_k the full sort orders the whole vocabulary, while the draw (and top_p's
+    cut) only reads the sorted order up to the mass it reaches, and min_p's cut is a count.
+    So: the probabilities unnormalized in one O(n) pass and their sum; the ids whose share is
+    at least a threshold (an exact prefix of the full order, ties included: the weight is
+    monotone in the logit) sorted as the full sort sorts, the threshold lowered until their
+    mass passes what the cut or the draw needs; then the same decisions on that prefix. Each
+    is taken only if it clears ``PREFIX_MARGIN``, so the token is the full sort's, always."""
+    n = len(logits)
+    if 0 < params.top_k < n:  # (already a partial sort)
+        return None
+    x = np.asarray(logits, dtype=np.float64)
+    top = float(x.max())
+    if not math.isfinite(top):
+        return None
+    weight = np.subtract(x, top)  # as ``candidates``, in place
+    if params.temperature != 1.0:
+        with np.errstate(over="ignore"):  # -big / tiny -> -inf
+            np.divide(weight, params.temperature, out=weight)
+    np.exp(weight, out=weight)
+    total = float(weight.sum())
+    tol = PREFIX_MARGIN * total
+    kept, mass = n, total  # what min_p keeps (a count: its tokens are a prefix) and their mass
+    if params.min_p > 0.0:
+        above = _min_p_kept(np.asarray(logits, dtype=np.float32), params.min_p)
+        kept = max(1, int(np.count_nonzero(above)))
+        mass = float(weight[above].sum()) if kept < n else total
+    cut = params.top_p < 1.0
+    need = params.top_p * total if cut else u * mass
+    prefix = _likeliest(x, weight, total, min(need, mass) + tol)
+    if prefix is None:
+        return None
+    order, cum = prefix
+    if cut:  # top_p: the first id whose cumulative share reaches top_p is the last kept
+        if not (kept <= cum.shape[0] and cum[kept - 1] < need - tol):  # (else min_p cuts first)
+            last = _crossing(cum, need, tol, side="left")
+            if last is None:
+                return None
+            kept = min(last + 1, kept)
+        need = u * float(cum[kept - 1])
+    idx = _crossing(cum, need, tol, side="right")
+    return None if idx is None or idx >= kept else int(order[idx])
+
+
+def _min_p_kept(x32: np.ndarray, min_p: float) -> np.ndarray:
+    """llama.cpp's min_p: the ids with p_i >= min_p * p_max of the untempered logits, i.e.
+    logit_i >= max + logf(min_p) in float32 (a min_p below float32's range: -inf, all)."""
+    with np.errstate(divide="ignore"):
+        return x32 >= x32.max() + np.log(np.float32(min_p))
+
+
+def _likeliest(x: np.ndarray, weight: np.ndarray, total: float,
+               mass: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """The likeliest ids in the full sort's order and their cumulative weights, enough of
+    them to pass ``mass`` (of ``total``); None when that takes a large part of the row
+    (sorting it all is then as cheap) or cannot be had."""
+    n = x.shape[0]
+    threshold = total / 256  # at most 256 ids, then up to 8 times as many each round
+    while threshold > total * 2.0**-60:
+        ids = np.flatnonzero(weight >= threshold)
+        if ids.shape[0] > n // 4:
+            return None
+        if float(weight[ids].sum()) > mass:
+            order = ids[np.argsort(-x[ids], kind="stable")]  # (ids ascend: ties keep them so)
+            return order, np.cumsum(weight[order])
+        threshold /= 8
+    return None
+
+
+def _crossing(cum: np.ndarray, value: float, tol: float, *, side: str) -> int | None:
+    """``np.searchsorted(cum, value, side)`` when no cumulative weight near it is within
+    ``tol`` of ``value`` (None: too close to call, or not reached)."""
+    idx = int(np.searchsorted(cum, value, side=side))  # type: ignore[call-overload]
+    if idx >= cum.shape[0] or cum[idx] - value <= tol or (idx and value - cum[idx - 1] <= tol):
+        return None
+    return idx
 
 
 def candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -167,8 +262,7 @@ def candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, 
     if params.min_p > 0.0:
         # llama.cpp: keep p_i >= min_p * p_max of the untempered logits, i.e.
         # logit_i >= max + logf(min_p) in float32; the order is descending, so a prefix.
-        x32 = np.asarray(logits, dtype=np.float32)[order]
-        floor = x32[0] + np.log(np.float32(params.min_p))
-        keep = max(1, int(np.count_nonzero(x32 >= floor)))
+        keep = max(1, int(np.count_nonzero(_min_p_kept(
+            np.asarray(logits, dtype=np.float32)[order], params.min_p))))
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     return order, probs

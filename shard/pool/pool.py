@@ -62,7 +62,7 @@ class Member:
     why: str = ""
     caps: pb.GetCapabilitiesResponse | None = None
     client: ShardClient | None = None
-    #: Generations of this pool running on it now.
+    #: Sessions of this pool's generations running on it now (one per choice).
     sessions: int = 0
     removed: bool = False
     answered: trio.Event = field(default_factory=trio.Event)  # probed once (either way)
@@ -217,7 +217,7 @@ class Pool:
                 self.router.forget(target)
                 member.poke.set()
                 log.info("pool: %s no longer listed: out of new routes%s", target,
-                         f" ({member.sessions} generation(s) finish first)" if member.sessions else "")
+                         f" ({member.sessions} session(s) finish first)" if member.sessions else "")
         self._rebuild()
 
     # ---- one worker --------------------------------------------------------------------------
@@ -448,12 +448,25 @@ class Pool:
         return sum(min(sum(up.get(t, 0) for t in hop.targets) for hop in shape.hops)
                    for shape, _ in self._pipelines.get(model, {}).values()) or None
 
+    def route_capacity(self, model: str) -> int | None:
+        """The most generations (or one generation's choices) one route of ``model`` takes at
+        once: per shape, the least over its hops of the hop's largest serving replica; the
+        most over shapes. None when it has no route now. A request's ``n`` choices all run on
+        one route (``lease(sessions=n)``), so this, not ``capacity``, bounds them."""
+        best = 0
+        for shape, _ in self._pipelines.get(model, {}).values():
+            hops = [max((m.capacity for m in map(self._live, hop.targets) if m is not None),
+                        default=0) for hop in shape.hops]
+            best = max(best, min(hops, default=0))
+        return best or None
+
     def _live(self, target: str) -> Member | None:
         member = self.members.get(target)
         return member if member is not None and member.state == "up" and not member.removed \
             else None
 
-    def _choose(self, model: str, prompt: str | Sequence[int] | None, whole: bool) -> Lease:
+    def _choose(self, model: str, prompt: str | Sequence[int] | None, whole: bool,
+                sessions: int) -> Lease:
         pipes = self._pipelines.get(model)
         if not pipes:
             known = self.table.models.get(model)
@@ -465,24 +478,26 @@ class Pool:
             raise ShardError(ErrorCode.UNSUPPORTED_FEATURE, f"model {model!r} is served as a "
                              "pipeline only: no worker serves the whole model")
         self._turn += 1
-        return self.router.choose(model, shapes, self._live, self._turn, prompt)
+        return self.router.choose(model, shapes, self._live, self._turn, prompt,
+                                  sessions=sessions)
 
     @asynccontextmanager
     async def lease(self, model: str, prompt: str | Sequence[int] | None = None, *,
-                    whole: bool = False) -> AsyncIterator[Lease]:
+                    whole: bool = False, sessions: int = 1) -> AsyncIterator[Lease]:
         """A complete route of ``model`` for one generation of ``prompt`` (None: the
-        least-loaded route; see the module docstring); ShardError NOT_READY when it has none.
-        ``whole``: a route of one worker serving the whole model (what an embedding needs;
-        UNSUPPORTED_FEATURE when the model has none)."""
-        chosen = self._choose(model, prompt, whole)
+        least-loaded route; see the module docstring) holding ``sessions`` on each hop (its
+        choices); ShardError NOT_READY when it has none. ``whole``: a route of one worker
+        serving the whole model (what an embedding needs; UNSUPPORTED_FEATURE when the model
+        has none)."""
+        chosen = self._choose(model, prompt, whole, sessions)
         members = [self.members[t] for t in chosen.route]
         for m in members:
-            m.sessions += 1
+            m.sessions += sessions
         try:
             yield chosen
         finally:
             for m in members:
-                m.sessions -= 1
+                m.sessions -= sessions
                 if m.removed and not m.sessions:
                     m.poke.set()
 

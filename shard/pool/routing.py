@@ -3,9 +3,10 @@ prompt's prefix, else the least-loaded one.
 
 The rule (docs/operations.md, "A pool of workers"):
 
-* **Load.** Per hop the serving replica with the fewest of the pool's open generations for its
-  ``max_sessions`` (ties taken in turn), and among shapes the one whose busiest hop is least
-  busy (then the one with fewer hops): ``least_loaded``.
+* **Load.** Per hop the serving replica with the fewest of the pool's open sessions (one per
+  choice of a generation) for its ``max_sessions`` (ties taken in turn), and among shapes the
+  one whose busiest hop is least busy (then the one with fewer hops): ``least_loaded``. A
+  generation of ``n`` choices takes only replicas of at least ``n`` sessions.
 * **Prefix first.** A ``PrefixIndex`` remembers the prompts leased to each route. Among the
   routes that remember at least ``min_blocks`` leading blocks of the prompt (4: 256 characters
   of text or 64 tokens; a short system prompt shared by many conversations alone does not pin
@@ -54,7 +55,7 @@ class Loaded(Protocol):
     """A worker as the routing sees it (``shard.pool.pool.Member``)."""
 
     target: str
-    #: The pool's generations running on it now.
+    #: The sessions of the pool's generations running on it now.
     sessions: int
 
     @property
@@ -120,13 +121,19 @@ class Router:
         self.picks: Counter[tuple[str, str]] = Counter()
 
     def choose(self, model: str, shapes: Sequence[tuple[Shape, Pipeline]], live: Live,
-               turn: int, prompt: str | Sequence[int] | None = None) -> Lease:
+               turn: int, prompt: str | Sequence[int] | None = None, *,
+               sessions: int = 1) -> Lease:
         """The route for one generation of ``model`` whose prompt is ``prompt`` (None: by
-        load only); ShardError NOT_READY when no shape can serve now."""
+        load only) and which holds ``sessions`` on each hop (its choices all run on the one
+        route: a worker of fewer ``max_sessions`` is not a replica for it); ShardError
+        NOT_READY when no shape can serve it now."""
+        if sessions > 1:
+            live = _taking(live, sessions)
         fallback = least_loaded(model, shapes, live, turn)
         if fallback is None:
+            taking = f" taking {sessions} sessions" if sessions > 1 else ""
             raise ShardError(ErrorCode.NOT_READY, f"model {model!r}: no route has a serving "
-                             "replica of every hop now")
+                             f"replica{taking} of every hop now")
         keys = self.index.keys(prompt) if self.index is not None and prompt is not None else []
         chosen, kind = fallback, "load"
         if keys:
@@ -163,6 +170,14 @@ class Router:
         """``target`` left, failed or serves something else: its routes hold nothing now."""
         if self.index is not None:
             self.index.forget(target)
+
+
+def _taking(live: Live, sessions: int) -> Live:
+    """``live`` less the workers of fewer than ``sessions`` sessions."""
+    def taking(target: str) -> Loaded | None:
+        member = live(target)
+        return member if member is not None and member.capacity >= sessions else None
+    return taking
 
 
 def _lease_of(model: str, route: Route, shapes: Sequence[tuple[Shape, Pipeline]],

@@ -77,8 +77,10 @@ class StepContext:
         # The client's last Decode sent the token the worker had sampled (look-ahead pays).
         self.follows = False
         # Where the session's grammar starts (SamplingParams.grammar_start), once a step set
-        # it: a Decode that leaves it 0 continues that grammar.
+        # it: a Decode that leaves it 0 continues that grammar. A step's own start is kept
+        # only once its result is sent (``_step_grammar_start``): a refused step leaves it.
         self.grammar_start = 0
+        self._step_grammar_start: int | None = None
 
     def opened(self, sid: str, caps: Capabilities, version: tuple[int, int], wire_dtype: str,
                step_timeout: float | None, batch_group: int) -> None:
@@ -230,11 +232,17 @@ class StepContext:
 
     def _sampling(self, msg: pb.SamplingParams, grammar_start: int) -> SamplingParams:
         """A step's sampling; ``grammar_start``: where its grammar starts when the message
-        leaves it 0 (kept for the session's next steps)."""
+        leaves it 0 (kept for the session's next steps once the step's result is sent)."""
+        self._step_grammar_start = None  # (before a refusal: none of this step's is kept)
         sampling = convert.sampling_from_proto(msg, self.session_id, grammar_start)
         if sampling.grammar is not None:
-            self.grammar_start = sampling.grammar.start
+            self._step_grammar_start = sampling.grammar.start
         return sampling
+
+    def _step_accepted(self) -> None:
+        """A step's result goes out: its grammar start is the session's from now on."""
+        if self._step_grammar_start is not None:
+            self.grammar_start, self._step_grammar_start = self._step_grammar_start, None
 
     def rewind_position(self, r: pb.Rewind) -> int:
         """A Rewind's checked position."""
@@ -382,10 +390,12 @@ class StepContext:
         if input_tokens is not None:
             msg.input_tokens.ids.extend(input_tokens)
         msg.finish_reason = finish  # type: ignore[assignment]
+        self._step_accepted()
         await outbox.send_numbered(msg, usage_follows, now)
         self.positions.sent(result.n_past)
 
     async def send_result(self, msg: pb.StepResult, *, usage_follows: bool = False) -> None:
         """Send a result built by the step (a routed session's: the last shard's answer, with
         this worker's own accounting), numbered as this session's next step (one credit)."""
+        self._step_accepted()
         await self.outbox.send_numbered(msg, usage_follows)
