@@ -3,7 +3,7 @@ time to first token through a slow link.
 
 Three parts, each printed and written to ``wire_q8.json``:
 
-* ``bytes``: per position per hop, for float32, float16 and q8_0, at the widths of the models
+* ``bytes``: per position per hop, for every wire dtype, at the widths of the models
   measured (the tensor's data, and a ``--prefill``-row Prefill message serialized, per row).
 * ``accuracy``: each ``--models`` model split ``--splits`` ways into layer-range slices, run
   engine to engine in this process (``LlamaCppEngine``, one per part). The first ``--positions``
@@ -17,10 +17,15 @@ Three parts, each printed and written to ``wire_q8.json``:
   value by a relative 1e-6 instead: what the model's own arithmetic (llama.cpp quantizes
   activations for its quantized weights) makes of any change at all, the floor for every lossy
   dtype. A dtype the sender refuses (float16 on states beyond 65504) is reported as refused.
+  ``--float-weights`` runs a copy of each model whose weights are dequantized to float32
+  (``float_weights``): llama.cpp then quantizes no activations, so the rows measure the codecs
+  alone. ``top1_agreement_above_margin`` counts only the positions where float32's top-1 leads
+  its top-2 by more than ``--margin`` nats (no near-tie a rounding may flip). ``--outliers``
+  adds ``q8_0_outliers`` with other channel counts.
 * ``ttft``: a ``--prefill``-token prompt (``max_tokens=1``) through ``--hops`` live workers
   (``trio-shard serve --layers``, one llama.cpp thread each, all on this machine) of
   ``--ttft-model``, each behind a simulated link (bench/common/links.py) capped at ``--mbit``
-  Mbit/s each way with ``--rtt`` ms round trip; float32 and q8_0 (and float16) alternate for
+  Mbit/s each way with ``--rtt`` ms round trip; the wire dtypes alternate for
   ``--rounds`` rounds, medians and the q8_0/float32 ratio reported; the same without the
   bandwidth cap (``/uncapped``) in the same rounds, and the difference (``link_s``: what the
   cap added). The client relays (each boundary crosses two links). The time on the wire shrinks with the bytes; the compute does
@@ -31,6 +36,7 @@ Three parts, each printed and written to ``wire_q8.json``:
     python -m bench.pipeline.wire_q8 [--quick] [--models smollm2-135m-instruct,gemma3-270m]
         [--splits 2,3] [--positions 1000] [--ttft-model bench] [--prefill 2048] [--mbit 100]
         [--rtt 2] [--hops 2] [--rounds 3] [--parts bytes,accuracy,ttft] [--out-dir DIR]
+        [--float-weights] [--float-dir DIR] [--margin 0.1] [--outliers 1,16]
 
 Timing lives here, never in tests.
 """
