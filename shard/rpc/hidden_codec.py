@@ -137,11 +137,10 @@ class Q8OutliersCodec(HiddenCodec):
         out = np.empty(x.shape[0], dtype=self._layout(n_embd))
         k = out["i"].shape[1]
         mag = np.abs(x)
-        mag[np.isnan(mag)] = np.inf
-        chosen = np.argsort(-mag, axis=1, kind="stable")[:, :k]  # largest first, ties: lower index
+        if np.isnan(mag.sum()):
+            mag[np.isnan(mag)] = np.inf
+        idx, m = _largest(mag, k)
         rows = np.arange(x.shape[0])[:, None]
-        m = mag[rows, chosen[:, -1:]]  # the smallest magnitude sent apart, per row
-        idx = np.sort(chosen, axis=1)
         rest = x.copy()
         rest[rows, idx] = 0
         out["i"], out["v"] = idx, x[rows, idx]
@@ -157,6 +156,23 @@ class Q8OutliersCodec(HiddenCodec):
         x = _q8_values(msg["b"], n_embd)
         x[np.arange(rows)[:, None], idx] = msg["v"]
         return x
+
+
+def _largest(mag: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``mag``, the indices (ascending) of the ``k`` largest values, ties to the
+    lower index, and the smallest of those values (``[rows, 1]``). A partition, not a sort;
+    only rows with ties across the k-th value take the slower exact path."""
+    n = mag.shape[1]
+    idx = np.argpartition(mag, n - k, axis=1)[:, n - k:]
+    rows = np.arange(mag.shape[0])[:, None]
+    m = mag[rows, idx].min(axis=1, keepdims=True)
+    tied = np.nonzero((mag >= m).sum(axis=1) > k)[0]  # more candidates than room: break ties
+    if tied.size:
+        sub, cut = mag[tied], m[tied]
+        above, equal = sub > cut, sub == cut
+        need = k - above.sum(axis=1, keepdims=True)
+        idx[tied] = np.nonzero(above | (equal & (np.cumsum(equal, axis=1) <= need)))[1].reshape(-1, k)
+    return np.sort(idx, axis=1), m
 
 
 def _q8_blocks(x: np.ndarray, name: str, cap: np.ndarray | None = None) -> np.ndarray:
