@@ -127,6 +127,29 @@ async def test_per_tick_histograms_count_the_ticks_the_counters_count() -> None:
         scraped["trio_shard_engine_batch_idle_seconds_sum"] * 1e6 + 1e-3)
 
 
+async def test_concurrent_sessions_show_as_shared_ticks_on_the_worker() -> None:
+    """Four sessions generating at once through a worker of a batching engine: their steps
+    share ticks (a tick with several sessions), and the rows per tick add up to every token
+    the sessions computed."""
+    engine = FakeEngine(model=MODEL, script=FakeScript(batched=True, tick_latency=0.001))
+    async with worker(engine=engine, metrics_port=0) as w:
+        async with ShardClient.connect(w.target, timeout=30) as client:
+
+            async def one(i: int) -> None:
+                async with client.session() as s:
+                    assert len([x async for x in s.generate([1, 60 + i, 70 + i], max_tokens=6)]) == 6
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(one, i)
+        await w.idle()
+        scraped = await trio.to_thread.run_sync(scrape, w.server.metrics_port)
+    name = "trio_shard_engine_batch_tick"
+    assert scraped[f"{name}_rows_sum"] == 4 * (3 + 5)  # each: a 3-token prompt, 5 decodes
+    assert scraped[f"{name}_sessions_sum"] <= 4 * (3 + 5)
+    assert scraped[f'{name}_sessions_bucket{{le="1.0"}}'] < scraped[f"{name}_sessions_count"]
+
+
 def test_tick_families_are_cumulative_histograms() -> None:
     empty = Distribution((1.0, 2.0), (0, 0, 0), 0.0)
     ticks = TickDistributions(seconds=empty, rows=Distribution((1, 4), (3, 1, 2), 21.0),
