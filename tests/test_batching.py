@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from shard.engine import DecodeRequest, EngineCancelled, LoadSpec, PrefillRequest
 from shard.engine.batching import DEADLINE_SHARE, Step, TickPlanner
+from shard.engine.tick_stats import TICK_ROWS_BUCKETS
 from shard.testing import EngineOptions, llama_factory
 from shard.testing.contract import count_tasks, prompt_tokens, start_op, wait_running
 
@@ -394,6 +395,29 @@ async def test_alone_a_session_gets_one_tick_per_step() -> None:
         assert (m.batch_ticks_total, m.batch_sessions_total, m.batch_rows_total) == (11, 11, 15)
         # The time inside llama_decode is accounted for every tick, and is part of the steps.
         assert 0 < m.native_step_us_total <= elapsed_us
+
+
+async def test_tick_distributions_bucket_each_tick_and_count_a_waiting_session_as_idle() -> None:
+    """One session alone: its 5-row prompt tick and 10 one-row decode ticks fall in their rows
+    buckets, one session each; every gap between its ticks is idle time (it stays open); the
+    gap after it was released, before another session's first tick, is not."""
+    async with FACTORY.open() as engine:
+        await engine.open_session("s")
+        await _generate(engine, "s", prompt_tokens(engine, 5), 10)
+        d = engine.tick_distributions()
+        rows = dict(zip((*TICK_ROWS_BUCKETS, math.inf), d.rows.counts))
+        assert (rows[1], rows[8], sum(rows.values())) == (10, 1, 11)  # 1 row x 10; 5 rows <= 8
+        assert d.sessions.counts[0] == d.sessions.count == 11
+        assert d.idle_seconds.count == 10
+        await engine.release("s")
+        await engine.open_session("t")
+        await _generate(engine, "t", prompt_tokens(engine, 3, salt=1), 2)
+        d = engine.tick_distributions()
+        assert d.seconds.count == 14
+        assert d.idle_seconds.count == 10 + 2  # not the gap before t's first tick
+        m = engine.metrics()
+        assert m.batch_idle_us_total <= d.idle_seconds.total * 1e6 + 1e-3
+        await engine.release("t")
 
 
 async def test_batch_limits_from_the_load_spec() -> None:

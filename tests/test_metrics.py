@@ -15,11 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, StepGate, worker
-from shard.engine import LayerRange, LoadSpec
+from shard.engine import Distribution, LayerRange, LoadSpec, TickDistributions
+from shard.engine.fake import FakeEngine, FakeScript
 from shard.client import ShardClient, ShardError, cache_expectation
 from shard.rpc.errors import ErrorCode
 from shard.rpc.lifecycle import StreamWatch
-from shard.rpc.metrics import families, snapshot_values
+from shard.rpc.metrics import families, snapshot_values, tick_families
 from shard.rpc.transport import CallContext, EndReason
 from shard.v1 import shard_pb2 as pb
 
@@ -97,6 +98,73 @@ async def test_scrape_after_a_run_matches_get_metrics() -> None:
     assert scraped["trio_shard_decode_step_seconds_count"] == snapshot["engine.decode_tokens_total"]
     assert scraped["trio_shard_prefill_seconds_per_token_count"] >= 1
     assert scraped["trio_shard_queue_wait_seconds_count"] >= 3
+
+
+async def test_per_tick_histograms_count_the_ticks_the_counters_count() -> None:
+    """A batching engine's ticks (issue 55): ``/metrics`` has one observation per tick of its
+    duration, rows and sessions, summing to the ``GetMetrics`` counters, and the gaps while a
+    generating session waited between its ticks as idle time."""
+    engine = FakeEngine(model=MODEL, script=FakeScript(batched=True, tick_latency=0.001))
+    async with worker(engine=engine, metrics_port=0) as w:
+        await run_some_sessions(w.target)
+        await w.idle()
+        async with ShardClient.connect(w.target, timeout=30) as client:
+            snapshot = snapshot_values(await client.metrics())
+        scraped = await trio.to_thread.run_sync(scrape, w.server.metrics_port)
+    ticks = snapshot["engine.batch_ticks_total"]
+    assert ticks >= 5  # a prompt, 3 streamed decodes, a decode of the resumed session
+    assert snapshot["engine.batch_rows_total"] == (
+        snapshot["engine.prefill_tokens_total"] + snapshot["engine.decode_tokens_total"])
+    name = "trio_shard_engine_batch_tick"
+    for hist in ("seconds", "rows", "sessions"):
+        assert scraped[f"{name}_{hist}_count"] == ticks
+        assert scraped[f'{name}_{hist}_bucket{{le="+Inf"}}'] == ticks
+    assert scraped[f"{name}_rows_sum"] == snapshot["engine.batch_rows_total"]
+    assert scraped[f"{name}_sessions_sum"] == snapshot["engine.batch_sessions_total"]
+    assert scraped[f'{name}_sessions_bucket{{le="1.0"}}'] == ticks  # one session at a time
+    assert 3 <= scraped["trio_shard_engine_batch_idle_seconds_count"] < ticks
+    assert snapshot["engine.batch_idle_us_total"] <= (
+        scraped["trio_shard_engine_batch_idle_seconds_sum"] * 1e6 + 1e-3)
+
+
+async def test_concurrent_sessions_show_as_shared_ticks_on_the_worker() -> None:
+    """Four sessions generating at once through a worker of a batching engine: their steps
+    share ticks (a tick with several sessions), and the rows per tick add up to every token
+    the sessions computed."""
+    engine = FakeEngine(model=MODEL, script=FakeScript(batched=True, tick_latency=0.001))
+    async with worker(engine=engine, metrics_port=0) as w:
+        async with ShardClient.connect(w.target, timeout=30) as client:
+
+            async def one(i: int) -> None:
+                async with client.session() as s:
+                    assert len([x async for x in s.generate([1, 60 + i, 70 + i], max_tokens=6)]) == 6
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(one, i)
+        await w.idle()
+        scraped = await trio.to_thread.run_sync(scrape, w.server.metrics_port)
+    name = "trio_shard_engine_batch_tick"
+    assert scraped[f"{name}_rows_sum"] == 4 * (3 + 5)  # each: a 3-token prompt, 5 decodes
+    assert scraped[f"{name}_sessions_sum"] <= 4 * (3 + 5)
+    assert scraped[f'{name}_sessions_bucket{{le="1.0"}}'] < scraped[f"{name}_sessions_count"]
+
+
+def test_tick_families_are_cumulative_histograms() -> None:
+    empty = Distribution((1.0, 2.0), (0, 0, 0), 0.0)
+    ticks = TickDistributions(seconds=empty, rows=Distribution((1, 4), (3, 1, 2), 21.0),
+                              sessions=empty, idle_seconds=empty)
+    rendered = {f.name: f for f in tick_families(ticks)}
+    assert set(rendered) == {"trio_shard_engine_batch_tick_seconds", "trio_shard_engine_batch_tick_rows",
+                             "trio_shard_engine_batch_tick_sessions", "trio_shard_engine_batch_idle_seconds"}
+    rows = {(s.name, s.labels.get("le")): s.value for s in rendered["trio_shard_engine_batch_tick_rows"].samples}
+    assert rows == {
+        ("trio_shard_engine_batch_tick_rows_bucket", "1.0"): 3,
+        ("trio_shard_engine_batch_tick_rows_bucket", "4.0"): 4,
+        ("trio_shard_engine_batch_tick_rows_bucket", "+Inf"): 6,
+        ("trio_shard_engine_batch_tick_rows_count", None): 6,
+        ("trio_shard_engine_batch_tick_rows_sum", None): 21.0,
+    }
 
 
 async def test_metrics_server_stops_with_the_worker() -> None:

@@ -1,5 +1,5 @@
 """The q8_0 hidden-state wire dtype (issue 55): llama.cpp's Q8_0 block layout, negotiated like
-float16.
+float16; and q8_0_outliers, the same with each row's largest channels sent apart, exact.
 
 The codec: every value within half a block's scale of what was sent, a decoded row encoding to
 the very bytes it came from (replays and both relays send the same bytes), the exact byte
@@ -30,11 +30,12 @@ from shard.engine import LayerRange
 from shard.pipeline import Pipeline
 from shard.rpc import convert
 from shard.rpc.errors import ErrorCode
-from shard.rpc.hidden_codec import CODECS, Q8_BLOCK, max_row_bytes, row_bytes
+from shard.rpc.hidden_codec import CODECS, OUTLIERS, Q8_BLOCK, max_row_bytes, row_bytes
 from shard.v1 import shard_pb2 as pb
 from test_pipeline import PROMPT, TIMEOUT, _raw_prefill, assert_all_free, cuts_to_ranges, shards
 
 Q8 = CODECS["q8_0"]
+Q8X = CODECS["q8_0_outliers"]
 
 
 def scale_bound(block: np.ndarray) -> float:
@@ -93,7 +94,8 @@ def test_q8_byte_layout_is_llama_cpp_q8_0() -> None:
             + struct.pack("<H", 0x251F) + bytes([256 - 127]) + bytes(31))
     assert data == want
     assert Q8_BLOCK.itemsize == 34 and row_bytes("q8_0", 33) == 68
-    assert max_row_bytes(8) == 34 > row_bytes("float32", 8)  # a narrow row: q8_0 is the widest
+    assert row_bytes("q8_0", 8) == 34 > row_bytes("float32", 8)  # a narrow row: q8_0 is wider
+    assert max_row_bytes(8) == row_bytes("q8_0_outliers", 8) == 4 * 8 + 34  # and the outliers'
     y = Q8.decode(data, 1, 33)
     assert np.allclose(y[0, :4], [1.27, -0.635, 0.0, 0.01], atol=0.0051) and y[0, 32] < -2.53
 
@@ -144,6 +146,75 @@ def test_docs_state_the_q8_bytes_per_step_measured_on_real_messages() -> None:
         assert row in doc, row
 
 
+# ---- q8_0 with outlier channels apart -------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(x=hidden_rows())
+@example(x=np.zeros((2, 64), np.float32))
+@example(x=np.full((1, 40), 3.0, np.float32))  # ties everywhere: the lowest indices go apart
+@example(x=np.array([[1e-7, 2e-7, 3e-7, 4e-7, 5e-7, -5e-7] * 6], np.float32))  # tiny row
+@example(x=np.array([[5000.0] + [1.0, -0.5, 0.25] * 21], np.float32))  # Gemma-like
+def test_q8_outliers_keep_the_largest_exact_and_re_encode_to_the_same_bytes(x: np.ndarray) -> None:
+    """The ``k`` largest magnitudes arrive exact; every other value within half its block's
+    scale (plus, in a block capped below the smallest of them, a 512th of it); a decoded row
+    encodes to the very same bytes."""
+    rows, n_embd = x.shape
+    k = min(OUTLIERS, n_embd)
+    data = Q8X.encode(x)
+    assert len(data) == rows * (8 * k + -(-n_embd // 32) * 34) == rows * row_bytes("q8_0_outliers", n_embd)
+    y = Q8X.decode(data, rows, n_embd)
+    assert y.dtype == np.float32 and y.shape == x.shape and y.flags.c_contiguous
+    for r in range(rows):
+        apart = np.argsort(-np.abs(x[r]), kind="stable")[:k]
+        assert np.array_equal(y[r, apart], x[r, apart])
+        m = float(np.abs(x[r, apart]).min())
+        rest = x[r].copy()
+        rest[apart] = 0
+        back = y[r].copy()
+        back[apart] = 0
+        assert np.abs(back).max() < m or m == 0  # strictly below what went apart
+        for b in range(0, n_embd, 32):
+            bound = 0.5 * scale_bound(rest[b:b + 32]) * (1 + 1e-5) + m * 2**-9 + 127 * 2**-24
+            assert np.abs(back[b:b + 32] - rest[b:b + 32]).max() <= bound
+    assert Q8X.encode(y) == data
+
+
+def test_q8_outliers_byte_layout() -> None:
+    """A 40-value row: 4 ascending uint32 indices, their float32 values, then two Q8_0 blocks of
+    the rest (channel 1's 900 no longer sets block 0's scale)."""
+    x = np.zeros((1, 40), np.float32)
+    x[0, [1, 3, 33, 39]] = [900.0, -7.5, 2.0, 1.5]
+    x[0, 0], x[0, 38] = 1.27, -0.02
+    data = Q8X.encode(x)
+    want = (struct.pack("<4I", 1, 3, 33, 39) + struct.pack("<4f", 900.0, -7.5, 2.0, 1.5)
+            + Q8.encode(np.where(np.isin(np.arange(40), [1, 3, 33, 39]), 0, x)))
+    assert data == want and len(data) == row_bytes("q8_0_outliers", 40) == 32 + 68
+    assert np.allclose(Q8X.decode(data, 1, 40), x, atol=0.0051)
+
+
+def test_q8_outliers_refuse_bad_indices_and_carry_non_finite_values() -> None:
+    good = Q8X.encode(np.arange(64, dtype=np.float32).reshape(1, 64))
+    for indices in ((60, 61, 62, 64), (60, 62, 61, 63), (60, 60, 62, 63)):  # out of range, order
+        bad = struct.pack("<4I", *indices) + good[16:]
+        with pytest.raises(ShardError) as info:
+            convert.tensor_to_array(pb.Tensor(data=bad, shape=[1, 64], dtype="q8_0_outliers"), 64,
+                                    dtype="q8_0_outliers")
+        assert info.value.code == ErrorCode.INVALID_ARGUMENT and info.value.reason == "BAD_OUTLIER_INDEX"
+    x = np.ones((1, 64), np.float32)
+    x[0, 7] = np.nan
+    x[0, 8:14] = np.inf  # more non-finite values than go apart: the rest's block is NaN
+    y = Q8X.decode(Q8X.encode(x), 1, 64)
+    assert np.isnan(y[0, 7]) and not np.isfinite(y[0, :32]).all() and np.isfinite(y[0, 32:]).all()
+    with pytest.raises(ShardError) as info:
+        convert.array_to_tensor(np.full((1, 64), 9e6, np.float32), "q8_0_outliers")
+    assert info.value.reason == "FLOAT16_OVERFLOW"
+    huge = np.ones((1, 64), np.float32)
+    huge[0, :4] = 9e6  # beyond q8_0's scales, but sent apart: fine
+    y = Q8X.decode(Q8X.encode(huge), 1, 64)
+    assert np.array_equal(y[0, :4], huge[0, :4]) and np.allclose(y, huge, rtol=0.004)
+
+
 # ---- on the wire -----------------------------------------------------------------------------
 
 
@@ -151,7 +222,7 @@ async def test_q8_sessions_are_negotiated_and_refuse_other_tensors() -> None:
     async with shards([LayerRange(1, 3)]) as (w,):
         async with ShardClient.connect(w.target, timeout=TIMEOUT) as client:
             caps = await client.capabilities()
-            assert list(caps.hidden_wire_dtypes) == ["float32", "float16", "q8_0"]
+            assert list(caps.hidden_wire_dtypes) == ["float32", "float16", "q8_0", "q8_0_outliers"]
             async with client.session(hidden_wire_dtype="q8_0") as s:
                 assert s.hidden_dtype == "q8_0" and s.opened.hidden_wire_dtype == "q8_0"
                 f16 = convert.array_to_tensor(np.ones((1, MODEL.n_embd)), "float16")
@@ -189,18 +260,19 @@ async def test_a_worker_that_does_not_list_q8_is_never_asked_for_it(monkeypatch:
         await assert_all_free(chain)
 
 
-async def test_chain_relay_carries_q8_and_equals_the_client_relay() -> None:
+@pytest.mark.parametrize("dtype", ["q8_0", "q8_0_outliers"])
+async def test_chain_relay_carries_q8_and_equals_the_client_relay(dtype: str) -> None:
     """Every hop in q8_0 both ways: the worker-to-worker sessions are q8_0 too, and the results
     equal the client relay's bit for bit (decoding and re-encoding gives the same bytes)."""
     async with shards(cuts_to_ranges([0, 1, 3, 4]), relay=True) as chain:
         got = {}
         for relay in ("client", "chain"):
             async with Pipeline.connect([w.target for w in chain], timeout=TIMEOUT, relay=relay,
-                                        hidden_dtype="q8_0") as pipe:
+                                        hidden_dtype=dtype) as pipe:
                 got[relay] = await pipe.generate(PROMPT, max_tokens=12, ignore_eos=True,
                                                  top_logprobs=3, chunk_tokens=3)
         assert [s.logits for s in got["chain"].steps] == [s.logits for s in got["client"].steps]
-        assert [w.calls[-1].ctx.wire_dtype for w in chain] == ["q8_0"] * 3
+        assert [w.calls[-1].ctx.wire_dtype for w in chain] == [dtype] * 3
         await assert_all_free(chain)
 
 
@@ -236,28 +308,32 @@ async def test_q8_pipeline_of_the_tiny_llama_model_keeps_the_whole_models_tokens
 # ---- replay after a failover -----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q8_0_outliers"])
 @given(chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), max_rows=st.integers(1, 20),
        truncate=st.integers(0, 72))
-def test_a_q8_row_log_keeps_the_bytes_sent(chunks: list[int], max_rows: int, truncate: int) -> None:
-    """The log keeps q8_0 rows encoded (34 bytes per 32 values); what it gives back encodes to
-    exactly the bytes each row was sent as, also after a rewind."""
+def test_a_q8_row_log_keeps_the_bytes_sent(dtype: str, chunks: list[int], max_rows: int,
+                                           truncate: int) -> None:
+    """The log keeps q8_0 rows encoded (34 bytes per 32 values; 32 more with the outliers);
+    what it gives back encodes to exactly the bytes each row was sent as, also after a rewind."""
     from shard.pipeline.replay import ReplayBudget, RowLog
 
+    codec, row = CODECS[dtype], row_bytes(dtype, 40)
+    assert row == {"q8_0": 68, "q8_0_outliers": 100}[dtype]
     rng = np.random.default_rng(len(chunks))
     parts = [(rng.standard_normal((n, 40)) * 10).astype(np.float32) for n in chunks]
     rows = RowLog(ReplayBudget(None))
     for part in parts:
-        rows.append(part, "q8_0")
-    sent = b"".join(Q8.encode(p) for p in parts)
-    assert rows.positions == sum(chunks) and rows.nbytes == len(sent) == sum(chunks) * 68
+        rows.append(part, dtype)
+    sent = b"".join(codec.encode(p) for p in parts)
+    assert rows.positions == sum(chunks) and rows.nbytes == len(sent) == sum(chunks) * row
     slices = list(rows.slices(max_rows))
     assert all(1 <= s.shape[0] <= max_rows and s.dtype == np.float32 for s in slices)
-    assert Q8.encode(np.concatenate(slices)) == sent
+    assert codec.encode(np.concatenate(slices)) == sent
     keep = min(truncate, rows.positions)
     rows.truncate(keep)
     if keep:
-        assert Q8.encode(np.concatenate(list(rows.slices(max_rows)))) == sent[:keep * 68]
-    assert rows.nbytes == keep * 68
+        assert codec.encode(np.concatenate(list(rows.slices(max_rows)))) == sent[:keep * row]
+    assert rows.nbytes == keep * row
 
 
 async def test_q8_hops_replay_exactly_what_was_sent() -> None:

@@ -3,7 +3,7 @@ time to first token through a slow link.
 
 Three parts, each printed and written to ``wire_q8.json``:
 
-* ``bytes``: per position per hop, for float32, float16 and q8_0, at the widths of the models
+* ``bytes``: per position per hop, for every wire dtype, at the widths of the models
   measured (the tensor's data, and a ``--prefill``-row Prefill message serialized, per row).
 * ``accuracy``: each ``--models`` model split ``--splits`` ways into layer-range slices, run
   engine to engine in this process (``LlamaCppEngine``, one per part). The first ``--positions``
@@ -17,10 +17,15 @@ Three parts, each printed and written to ``wire_q8.json``:
   value by a relative 1e-6 instead: what the model's own arithmetic (llama.cpp quantizes
   activations for its quantized weights) makes of any change at all, the floor for every lossy
   dtype. A dtype the sender refuses (float16 on states beyond 65504) is reported as refused.
+  ``--float-weights`` runs a copy of each model whose weights are dequantized to float32
+  (``float_weights``): llama.cpp then quantizes no activations, so the rows measure the codecs
+  alone. ``top1_agreement_above_margin`` counts only the positions where float32's top-1 leads
+  its top-2 by more than ``--margin`` nats (no near-tie a rounding may flip). ``--outliers``
+  adds ``q8_0_outliers`` with other channel counts.
 * ``ttft``: a ``--prefill``-token prompt (``max_tokens=1``) through ``--hops`` live workers
   (``trio-shard serve --layers``, one llama.cpp thread each, all on this machine) of
   ``--ttft-model``, each behind a simulated link (bench/common/links.py) capped at ``--mbit``
-  Mbit/s each way with ``--rtt`` ms round trip; float32 and q8_0 (and float16) alternate for
+  Mbit/s each way with ``--rtt`` ms round trip; the wire dtypes alternate for
   ``--rounds`` rounds, medians and the q8_0/float32 ratio reported; the same without the
   bandwidth cap (``/uncapped``) in the same rounds, and the difference (``link_s``: what the
   cap added). The client relays (each boundary crosses two links). The time on the wire shrinks with the bytes; the compute does
@@ -31,6 +36,7 @@ Three parts, each printed and written to ``wire_q8.json``:
     python -m bench.pipeline.wire_q8 [--quick] [--models smollm2-135m-instruct,gemma3-270m]
         [--splits 2,3] [--positions 1000] [--ttft-model bench] [--prefill 2048] [--mbit 100]
         [--rtt 2] [--hops 2] [--rounds 3] [--parts bytes,accuracy,ttft] [--out-dir DIR]
+        [--float-weights] [--float-dir DIR] [--margin 0.1] [--outliers 1,16]
 
 Timing lives here, never in tests.
 """
@@ -56,10 +62,10 @@ from bench.common.links import open_link
 from bench.common.processes import shard_server, wait_serving
 from shard.rpc import convert
 from shard.rpc.errors import ShardError
-from shard.rpc.hidden_codec import CODECS, HiddenCodec
+from shard.rpc.hidden_codec import CODECS, HiddenCodec, Q8OutliersCodec
 from shard.v1 import shard_pb2 as pb
 
-DTYPES = ("float32", "float16", "q8_0")
+DTYPES = ("float32", "float16", "q8_0", "q8_0_outliers")
 #: The accuracy part's reference for what any inexact transport costs: float32 with a relative
 #: noise of 1e-6 (a few float32 ulps) on every value, seeded.
 NOISE = "float32+1e-6"
@@ -78,6 +84,44 @@ def model_path(name: str) -> Path:
     from shard.models.real import REAL_MODELS, ensure_real_model
 
     return ensure_real_model(name) if name in REAL_MODELS else ensure_model(name)
+
+
+def float_weights(source: Path, out_dir: Path) -> Path:
+    """A copy of ``source`` with every quantized tensor dequantized to float32 (``gguf``'s own
+    dequantizers), written once to ``out_dir``.
+
+    Why: for quantized weights ggml's CPU matmul quantizes the *activations* too (to Q8_0,
+    Q8_1 or Q8_K blocks), so any change to a hidden state, however small, flips roundings in
+    the next matmul. With float32 weights nothing is rounded to 8 bits but the wire, so the
+    accuracy part then measures the codec alone. The weights keep their quantized values
+    (dequantized exactly), so the model is the same one, computed in float32.
+    """
+    import gguf
+
+    out = out_dir / f"{source.stem}.f32.gguf"
+    if out.is_file():
+        return out
+    reader = gguf.GGUFReader(source)
+    arch = str(bytes(reader.fields[gguf.Keys.General.ARCHITECTURE].parts[-1]), "utf-8")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(tmp, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        value = (int(gguf.LlamaFileType.ALL_F32) if field.name == gguf.Keys.General.FILE_TYPE
+                 else field.contents())
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.ascontiguousarray(
+            gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(out)
+    return out
 
 
 # ---- bytes ---------------------------------------------------------------------------------
@@ -117,15 +161,24 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
 
 
-async def teacher_forced(name: str, parts: int, positions: int, threads: int) -> dict[str, Any]:
-    """Top-1 agreement and KL of every wire dtype against float32, ``parts`` slices of ``name``."""
+async def teacher_forced(name: str, parts: int, positions: int, threads: int, *,
+                         float_dir: Path | None = None, margin: float = 0.1,
+                         outliers: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Top-1 agreement and KL of every wire dtype against float32, ``parts`` slices of ``name``
+    (its float32-weight copy in ``float_dir`` if given); agreement also counted over the
+    positions whose float32 top-1 leads its top-2 by more than ``margin`` nats (no near-tie);
+    each of ``outliers`` adds the row ``q8_0_outliers/<k>``: that codec with ``k`` channels a
+    row sent apart instead of its wire count (how many are worth their bytes)."""
     from shard.engine import LayerRange, LoadSpec, PrefillRequest
     from shard.engine.llama import LlamaCppEngine
     from shard.models import ensure_slice
     from shard.models.header import read_model_info
 
     source = model_path(name)
+    if float_dir is not None:
+        source = await trio.to_thread.run_sync(float_weights, source, float_dir)
     cuts = even_cuts(read_model_info(source).block_count, parts)
+    sessions = len(DTYPES) + 1 + len(outliers)  # one per transport
     logits: list[np.ndarray] = []
     async with AsyncExitStack() as stack:
         engines = []
@@ -133,8 +186,8 @@ async def teacher_forced(name: str, parts: int, positions: int, threads: int) ->
             path = await trio.to_thread.run_sync(ensure_slice, source, LayerRange(a, b))
             engine = await stack.enter_async_context(LlamaCppEngine())
             await engine.load(LoadSpec(model_path=path, layer_range=LayerRange(a, b),
-                                       n_ctx=(len(DTYPES) + 1) * (positions + CHUNK + 16),
-                                       max_sessions=len(DTYPES) + 1, n_threads=threads))
+                                       n_ctx=sessions * (positions + CHUNK + 16),
+                                       max_sessions=sessions, n_threads=threads))
             engines.append(engine)
         last = engines[-1]
         make = last._make_result
@@ -148,10 +201,14 @@ async def teacher_forced(name: str, parts: int, positions: int, threads: int) ->
         rng = np.random.default_rng(0)
         transports = {d: partial(through, CODECS[d]) for d in DTYPES}
         transports[NOISE] = lambda h: (h * (1 + 1e-6 * rng.standard_normal(h.shape))).astype(np.float32)
+        for k in outliers:
+            transports[f"q8_0_outliers/{k}"] = partial(through, Q8OutliersCodec(k))
         for name_ in transports:
             for i, engine in enumerate(engines):
                 await engine.open_session(f"{name_}.{i}")
         agree = {d: 0 for d in transports if d != "float32"}
+        agree_clear = dict(agree)
+        clear = 0  # positions whose float32 margin exceeds ``margin``
         kl: dict[str, list[float]] = {d: [] for d in agree}
         refused: dict[str, str] = {}
         for start in range(0, positions, CHUNK):
@@ -178,19 +235,26 @@ async def teacher_forced(name: str, parts: int, positions: int, threads: int) ->
                     (rows[dtype],) = logits
             ref = log_softmax(rows["float32"])
             top = ref.argmax(axis=1)
+            best2 = np.partition(ref, -2, axis=1)[:, -2:]
+            sure = best2[:, 1] - best2[:, 0] > margin
+            clear += int(sure.sum())
             for dtype in agree:
                 if dtype not in refused:
                     other = log_softmax(rows[dtype])
-                    agree[dtype] += int((other.argmax(axis=1) == top).sum())
+                    same = other.argmax(axis=1) == top
+                    agree[dtype] += int(same.sum())
+                    agree_clear[dtype] += int((same & sure).sum())
                     kl[dtype] += (np.exp(ref) * (ref - other)).sum(axis=1).tolist()
         for name_ in transports:
             for i, engine in enumerate(engines):
                 await engine.release(f"{name_}.{i}")
     return {
         "model": name, "parts": parts, "layers": [f"{a}:{b}" for a, b in cuts],
-        "positions": positions,
+        "weights": "float32 copy" if float_dir is not None else "as packaged",
+        "positions": positions, "margin_nats": margin, "positions_above_margin": clear,
         **{dtype: ({"refused": refused[dtype]} if dtype in refused else
                    {"top1_agreement": round(agree[dtype] / positions, 4),
+                    "top1_agreement_above_margin": round(agree_clear[dtype] / max(clear, 1), 4),
                     "kl_mean": float(f"{statistics.fmean(kl[dtype]):.3g}"),
                     "kl_max": float(f"{max(kl[dtype]):.3g}")}) for dtype in agree},
     }
@@ -199,7 +263,6 @@ async def teacher_forced(name: str, parts: int, positions: int, threads: int) ->
 def through(codec: HiddenCodec, h: np.ndarray) -> np.ndarray:
     """``h`` as the next part receives it over the wire in ``codec``'s dtype."""
     return codec.decode(codec.encode(h), h.shape[0], h.shape[1])
-
 
 # ---- time to first token through a slow link -----------------------------------------------
 
@@ -274,6 +337,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hops", type=int, default=2, help="workers of the TTFT part (default 2)")
     options.add_rounds(p, None, "TTFT rounds per dtype, alternating (default 3)")
     options.add_threads(p, 1, "llama.cpp threads per engine")
+    p.add_argument("--float-weights", action="store_true",
+                   help="accuracy on a copy of each model with its weights dequantized to "
+                        "float32 (no 8-bit activations in llama.cpp's matmuls)")
+    p.add_argument("--float-dir", type=Path, default=Path("/tmp/trio-shard-f32"),
+                   help="where --float-weights writes the copies (default /tmp/trio-shard-f32)")
+    p.add_argument("--margin", type=float, default=0.1,
+                   help="agreement is also counted over positions whose float32 top-1 leads "
+                        "its top-2 by more than this many nats (default 0.1)")
+    p.add_argument("--outliers", default="",
+                   help="also measure q8_0_outliers with these numbers (comma-separated) of "
+                        "channels a row sent apart instead of its wire count (default none)")
     p.add_argument("--parts", default="bytes,accuracy,ttft", help="which parts to run")
     options.add_out_dir(p)
     args = p.parse_args(argv)
@@ -286,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     args.prefill = args.prefill or (256 if q else 2048)
     args.rounds = args.rounds or (1 if q else 3)
     parts = set(args.parts.split(","))
+    outliers = tuple(int(k) for k in args.outliers.split(",") if k)
     env = environment(model_path(args.ttft_model), args.threads,
                       argv=["-m", "bench.pipeline.wire_q8", *(sys.argv[1:] if argv is None else argv)])
     report: dict[str, Any] = {"environment": env}
@@ -303,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         report["accuracy"] = []
         for m in models:
             for n in splits:
-                row = trio.run(teacher_forced, m, n, positions, args.threads)
+                row = trio.run(partial(teacher_forced, m, n, positions, args.threads,
+                                       float_dir=args.float_dir if args.float_weights else None,
+                                       margin=args.margin, outliers=outliers))
                 report["accuracy"].append(row)
                 print(json.dumps(row), flush=True)
     if "ttft" in parts:

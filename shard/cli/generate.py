@@ -18,6 +18,7 @@ from shard.cli.options import (
     positive_float,
     positive_int,
 )
+from shard.rpc.hidden_codec import CODECS
 
 NAME = "generate"
 
@@ -78,10 +79,12 @@ def add_parser(sub: Any) -> Options:
              "(passes through the chain) and 'failovers' "
              "if a hop moved to a replica (hop, from, to, reason, handover, positions "
              "replayed, recovery_ms)")
-    opts.add("--hidden-dtype", choices=["float32", "float16", "q8_0"], default="float32",
+    opts.add("--hidden-dtype", choices=list(CODECS), default="float32",
              help="with --pipeline: hidden states on the wire; float16 halves the bytes, "
-             "q8_0 (8-bit blocks, lossy) takes about a quarter, on hops whose worker "
-             "offers it (default: float32)")
+             "q8_0 (8-bit blocks, lossy) takes about a quarter, q8_0_outliers the same "
+             "with each row's 4 largest channels sent exact (more accurate on models "
+             "with outlier channels, e.g. Gemma 3), on hops whose worker offers it "
+             "(default: float32)")
     opts.add("--chunk-tokens", type=positive_int,
              help="with --pipeline: prefill chunk size in tokens; shard k+1 computes "
              "chunk i while shard k computes chunk i+1 (default: 128 over several hops; "

@@ -10,6 +10,7 @@ from .base import ShardEngine
 from .plans import ComputePlan
 from .sessions import new_session_id
 from .slots import CancelFlag, Slot
+from .tick_stats import Distribution, TickDistributions
 from .errors import (
     ContextExceeded,
     EngineCancelled,

@@ -57,6 +57,7 @@ from .results import step_history, step_outputs
 from .sessions import SessionTable, new_session_id
 from .slots import CancelFlag, CancelReason, Claimed, Slot
 from .status import EngineStatus
+from .tick_stats import TickDistributions, TickStats
 from .types import (
     GRAMMAR_KINDS,
     Capabilities,
@@ -103,6 +104,7 @@ class ShardEngine(EngineHooks):
     def __init__(self) -> None:
         self._status = EngineStatus()
         self._counters = self._status.counters  # (implementations and schedulers add to it)
+        self._tick_stats = TickStats(self._counters)  # (a batching implementation's scheduler)
         self._caps: Capabilities | None = None
         self._sessions = SessionTable()
         self._slots = self._sessions.slots  # (implementations read it)
@@ -224,6 +226,11 @@ class ShardEngine(EngineHooks):
             cache_entries=len(cache),
             cache_tokens=cache.tokens,
         )
+
+    def tick_distributions(self) -> TickDistributions:
+        """Per-tick distributions since load (duration, rows, sessions, idle gaps; see
+        ``shard.engine.tick_stats``); all empty for an engine that does not batch."""
+        return self._tick_stats.snapshot()
 
     def session_info(self, session_id: str) -> SessionInfo:
         """Snapshot of an open session, also while it is RUNNING (never SessionBusy)."""

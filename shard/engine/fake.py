@@ -231,7 +231,7 @@ class FakeEngine(ShardEngine):
             )
             self._compute_stops_itself = True  # a scheduler job (BatchScheduler.compute)
             self._scheduler = BatchScheduler(
-                planner, self._run_tick, counters=self._counters,
+                planner, self._run_tick, counters=self._counters, stats=self._tick_stats,
                 is_open=lambda slot: not slot.releasing and self._slots.get(slot.session_id) is slot,
             )
         return Capabilities(

@@ -123,7 +123,8 @@ class LlamaCppEngine(ShardEngine):
         # Continuous batching (see "Batching" in docs/engine.md); the planner is set at load.
         self._compute_stops_itself = True  # a scheduler job (BatchScheduler.compute)
         self._scheduler = BatchScheduler(
-            TickPlanner(1, 1), self._run_tick, counters=self._counters, is_open=self._is_open
+            TickPlanner(1, 1), self._run_tick, counters=self._counters, stats=self._tick_stats,
+            is_open=self._is_open,
         )
         self._ahead = AheadSteps(self._llama, self._book, self._kv, self._scheduler, self._counters,
                                  ready=self._serving)

@@ -188,9 +188,7 @@ class AheadSteps:
         if computed:
             counters["lookahead_steps_total"] += computed
             counters["native_step_us_total"] += int(native * 1e6)
-            counters["batch_ticks_total"] += 1
-            counters["batch_rows_total"] += computed
-            counters["batch_sessions_total"] += computed
+            self.scheduler.stats.ahead(native, computed)
         counters["lookahead_dropped_total"] += wasted
         for rec in recs:
             rec.ready = True

@@ -36,6 +36,7 @@ import trio
 
 from .base import ComputePlan, Slot
 from .batching import Piece, Step, TickPlanner
+from .tick_stats import TickStats
 
 #: Scheduling rounds a leader yields before a tick so that woken sessions can resubmit ...
 MAX_GATHER_ROUNDS = 16
@@ -120,7 +121,8 @@ def _ewma(old: float | None, new: float, alpha: float) -> float:
 class BatchScheduler:
     """Runs ticks for the jobs of every session (see the module docs).
 
-    ``counters`` is the engine's counter table (``batch_*_total`` are added to it);
+    ``counters`` is the engine's counter table (``batch_queue_wait_us_total`` is added to it);
+    ``stats`` counts every tick (``batch_ticks_total`` ..., the per-tick distributions);
     ``is_open(slot)`` tells whether a session still exists (the leader does not wait for a
     released one to resubmit).
     """
@@ -131,12 +133,14 @@ class BatchScheduler:
         run_tick: TickRunner,
         *,
         counters: dict[str, int],
+        stats: TickStats,
         is_open: Callable[[Slot], bool],
     ) -> None:
         self.planner = planner
         self.cost = LearnedTickCost()
         self._run_tick = run_tick
         self._counters = counters
+        self.stats = stats
         self._is_open = is_open
         self._pending: list[Job] = []
         self._running: set[Job] = set()  # the jobs of the tick being run
@@ -150,6 +154,10 @@ class BatchScheduler:
         # Sessions that submitted steps with a timeout: (slot, timeout, when), see _expected.
         self._timed: dict[int, tuple[Slot, float, float]] = {}
         self.tick_seconds = 0.0  # duration of the last tick
+        # The last tick's sessions and its end: the next tick's gap is idle time (a bubble)
+        # when one of them is still open then (shard.engine.tick_stats).
+        self._last_slots: list[Slot] = []
+        self._last_end = 0.0
 
     def has_waiting(self) -> bool:
         """Whether a submitted job waits for a tick. Also read from an engine's native thread,
@@ -241,6 +249,7 @@ class BatchScheduler:
                     break
                 assert tick, "a pending job that is not finished always gets rows"
                 started = trio.current_time()
+                waited = any(self._is_open(slot) for slot in self._last_slots)
                 self._running = {job for job, _ in tick}
                 try:
                     with trio.CancelScope(shield=True):  # a tick is never abandoned
@@ -256,9 +265,9 @@ class BatchScheduler:
                     self._recent[id(job.slot)] = (job.slot, ended)
                 group = tick[0][0].slot.batch_group  # one group per tick (batching, rule 5)
                 self._group_ticks[group] = (*self._group_ticks.get(group, ())[-1:], ended)
-                self._counters["batch_ticks_total"] += 1
-                self._counters["batch_rows_total"] += rows
-                self._counters["batch_sessions_total"] += len(tick)
+                self.stats.tick(self.tick_seconds, rows, len(tick),
+                                idle=started - self._last_end if waited else None)
+                self._last_slots, self._last_end = [job.slot for job, _ in tick], ended
                 for job in [j for j in self._pending if j.finished]:
                     self._pending.remove(job)
                     nxt = _follow(job) if job.follow is not None else None

@@ -677,6 +677,11 @@ class EngineMetrics:
     # Microseconds inside the native step call (llama_decode) of those ticks: a session's step
     # time minus its share of this is what the worker itself costs per step.
     native_step_us_total: int = 0
+    # Microseconds of those ticks as the scheduler saw them (what the sessions waited for), and
+    # of the gaps between ticks while a session of the earlier tick stayed open (the bubbles of
+    # a pipeline's hop; shard.engine.tick_stats). Per-tick distributions: Prometheus only.
+    batch_tick_us_total: int = 0
+    batch_idle_us_total: int = 0
     # The load's warm-up (docs/engine.md, "Warm-up at load"): native steps run before the
     # engine reported READY, and the microseconds they took.
     warmup_steps_total: int = 0

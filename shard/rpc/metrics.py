@@ -7,7 +7,9 @@ Prometheus must see the same numbers. ``WorkerMetrics.snapshot()`` builds the
 message as metric families (``trio_shard_engine_*``, ``trio_shard_worker_*``), so the two
 cannot disagree. Latency histograms (time to first token, engine queue wait, decode step,
 prefill time per token) live only in the Prometheus registry: a histogram does not fit the
-``map<string, uint64>`` of ``GetMetrics``.
+``map<string, uint64>`` of ``GetMetrics``. So do the engine's per-tick distributions (tick
+duration, rows and sessions per tick, idle gaps: ``shard.engine.tick_stats``), which the
+collector reads from the engine with the snapshot (their sums are ``GetMetrics`` counters).
 
 Each worker has its own ``CollectorRegistry`` (not prometheus_client's global one), so several
 workers in one process (tests) never share or collide.
@@ -36,11 +38,15 @@ from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from shard.engine import (
-    DecodeRequest, EngineError, PrefillRequest, ShardEngine, StepResult, StreamRequest,
+    DecodeRequest, Distribution, EngineError, PrefillRequest, ShardEngine, StepResult,
+    StreamRequest, TickDistributions,
 )
 from shard.v1 import shard_pb2 as pb
 
@@ -126,6 +132,13 @@ class WorkerMetrics:
                 worker["kv_cells_free"] = max(total - em.kv_cells_used - em.lookahead_cells, 0)
         return convert.metrics_to_proto(em, worker)
 
+    def exposition(self) -> tuple[pb.GetMetricsResponse, TickDistributions]:
+        """The snapshot and the engine's per-tick distributions, read together (Trio thread
+        only): what the Prometheus page shows."""
+        snapshot = self.snapshot()
+        assert self._engine is not None  # (snapshot checked it)
+        return snapshot, self._engine.tick_distributions()
+
     def meter(self, engine: ShardEngine) -> ShardEngine:
         """``engine`` with its operations timed into the histograms (see the module doc)."""
         return MeteredEngine(engine, self)  # type: ignore[return-value]
@@ -172,6 +185,31 @@ def families(snapshot: pb.GetMetricsResponse) -> Iterator[Metric]:
         yield family
 
 
+#: The engine's per-tick distributions as Prometheus histograms: field, name, help.
+_TICK_HISTOGRAMS = (
+    ("seconds", "batch_tick_seconds",
+     "Duration of one batched native step (tick), as the sessions in it waited for it."),
+    ("rows", "batch_tick_rows", "Rows (tokens or hidden rows) evaluated in one tick."),
+    ("sessions", "batch_tick_sessions", "Sessions served in one tick."),
+    ("idle_seconds", "batch_idle_seconds",
+     "Each gap between two ticks while a session of the earlier one stayed open: the engine "
+     "idle with a session mid-way (a pipeline's bubble on this hop)."),
+)
+
+
+def tick_families(ticks: TickDistributions) -> Iterator[Metric]:
+    """The engine's per-tick distributions as Prometheus histograms
+    (``trio_shard_engine_batch_tick_seconds`` ...; see ``_TICK_HISTOGRAMS``)."""
+    for field, name, doc in _TICK_HISTOGRAMS:
+        dist: Distribution = getattr(ticks, field)
+        cumulative, buckets = 0, []
+        for bound, n in zip((*dist.bounds, float("inf")), dist.counts):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(f"{PREFIX}_engine_{name}", doc, buckets=buckets,
+                                    sum_value=dist.total)
+
+
 def snapshot_values(snapshot: pb.GetMetricsResponse) -> dict[str, int]:
     """``section.key`` -> value: a flat view for display and comparisons."""
     out = {f"engine.{k}": int(v) for k, v in snapshot.engine.items()}
@@ -188,10 +226,12 @@ class _SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         if _in_trio_thread() or self.trio_token is None:
-            snapshot = self._metrics.snapshot()
+            snapshot, ticks = self._metrics.exposition()
         else:  # a scrape thread; fails (HTTP 500) once the worker's Trio run has ended
-            snapshot = trio.from_thread.run_sync(self._metrics.snapshot, trio_token=self.trio_token)
+            snapshot, ticks = trio.from_thread.run_sync(self._metrics.exposition,
+                                                        trio_token=self.trio_token)
         yield from families(snapshot)
+        yield from tick_families(ticks)
 
 
 def _in_trio_thread() -> bool:
@@ -298,4 +338,6 @@ def _stop(httpd: Any, thread: threading.Thread) -> None:
     thread.join()
 
 
-__all__ = ["MeteredEngine", "WorkerMetrics", "families", "serve_metrics", "snapshot_values"]
+__all__ = [
+    "MeteredEngine", "WorkerMetrics", "families", "serve_metrics", "snapshot_values", "tick_families",
+]

@@ -152,6 +152,32 @@ class Concurrency:
             assert threading.active_count() <= threads_before
             assert count_native_threads() <= native_before
 
+    async def test_tick_distributions_agree_with_the_batching_counters(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """``tick_distributions`` counts every tick the counters count, once: one observation
+        of its duration, rows and sessions per tick, summing to ``batch_rows_total`` and
+        ``batch_sessions_total``; the rows are those the steps computed (3 sessions' 5-token
+        prompts and 6 decodes each: 33), or there is no tick at all (an engine that does not
+        batch). Idle gaps: at most one per tick after the first, their sum the counter's."""
+        async with engine_factory.open(whole_options(n_ctx=512, max_sessions=4)) as engine:
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    await engine.open_session(f"t{i}")
+                    nursery.start_soon(generate, engine, f"t{i}", prompt_tokens(engine, 5, salt=i), 6)
+            m, d = engine.metrics(), engine.tick_distributions()
+            assert d.seconds.count == d.rows.count == d.sessions.count == m.batch_ticks_total
+            assert (d.rows.total, d.sessions.total) == (m.batch_rows_total, m.batch_sessions_total)
+            assert m.batch_rows_total in (0, 3 * (5 + 6))
+            assert m.batch_ticks_total <= m.batch_sessions_total <= m.batch_rows_total
+            assert d.idle_seconds.count <= max(m.batch_ticks_total - 1, 0)
+            # (the counters add whole microseconds per observation)
+            for total_us, dist in ((m.batch_tick_us_total, d.seconds),
+                                   (m.batch_idle_us_total, d.idle_seconds)):
+                assert dist.total * 1e6 - dist.count <= total_us <= dist.total * 1e6 + 1e-3
+            for i in range(3):
+                await engine.release(f"t{i}")
+
     async def test_a_thousand_sessions_leave_nothing_behind(self, engine_factory: EngineFactory) -> None:
         async with engine_factory.open(whole_options(n_ctx=256, max_sessions=4)) as engine:
             tokens = prompt_tokens(engine, 3)
