@@ -325,6 +325,15 @@ class ClientSession:
             self._decode_msg(token, hidden_state, sampling, top_logprobs, relay_tag, token_id)
         )
 
+    def decode_message(
+        self, token: int | None = None, *, hidden_state: np.ndarray | None = None,
+        sampling: pb.SamplingParams | None = None, top_logprobs: int = 0,
+        token_id: int | None = None,
+    ) -> pb.Decode:
+        """The Decode ``decode`` would send (the session's hidden dtype): a group step's row
+        (``GroupStream.step``)."""
+        return self._decode_msg(token, hidden_state, sampling, top_logprobs, 0, token_id).decode
+
     def _decode_msg(
         self, token: int | None, hidden_state: np.ndarray | None,
         sampling: pb.SamplingParams | None, top_logprobs: int, relay_tag: int,

@@ -35,7 +35,9 @@ from .errors import ErrorCode, ShardError
 #: worker that reports ``sampling_penalties``.
 #: Forks (``OpenSession.fork_of``) need none either: an older worker would ignore the field and
 #: open an empty session, so clients and relays send it only to one reporting ``session_fork``.
-SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2))
+#: 1.3 adds group steps: the ``GroupSteps`` RPC (``GroupStepRequest``/``GroupStepResponse``)
+#: and ``group_steps`` in the capabilities; clients use it only with a worker that reports it.
+SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2), (1, 3))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 
 
