@@ -64,6 +64,11 @@ class ClientSession:
         self._chunks = ResultChunks()  # of a split result, not yet complete
 
     @property
+    def client(self) -> SessionClient:
+        """The connection the session was opened on."""
+        return self._client
+
+    @property
     def hidden_dtype(self) -> str:
         """Wire dtype of this session's hidden states (the worker's answer to the request)."""
         return self.opened.hidden_wire_dtype or convert.HIDDEN_DTYPE

@@ -77,6 +77,7 @@ from .checks import (check_chain, check_chunk, check_grammar, check_sampling, ch
 from .choices import OnChoiceToken, generate_choices
 from .drafting import Drafter, PromptLookup
 from .errors import Blames, Hop, PipelineError
+from .gathering import HopGroups
 from .groups import BatchGroups, default_groups
 from .replay import DEFAULT_REPLAY_BYTES, ReplayBudget
 from .replicas import HopReplicas, Replica
@@ -163,6 +164,8 @@ class Pipeline:
         # What a pass through this chain costs, learned across generations (speculation drafts
         # only as many tokens as pay for their rows; shard.pipeline.speculation).
         self.pass_cost = PassCost()
+        #: Group steps (``shard.pipeline.gathering``): set by ``connect``, which owns their tasks.
+        self.groups: HopGroups | None = None
 
     @classmethod
     def of_known(
@@ -291,6 +294,8 @@ class Pipeline:
                         replay_bytes=replay_bytes, relay=relay, batch_groups=batch_groups,
                         handoff=handoff,
                     )
+                    pipe.groups = HopGroups(connections.start_soon, closing,
+                                            pipe.batch_groups.running)
                     for replicas in pipe._replicas:
                         await replicas.attach(deadline, wait_for_ready)
                     check_chain(pipe.hops)
@@ -472,6 +477,7 @@ class Pipeline:
                     failovers=result.failovers,
                     blames=blames,
                     batch_group=group,
+                    groups=self.groups,
                     parse_special=parse_special,
                     handoff=self.handoff,
                     fork_of=fork_of or "",

@@ -87,6 +87,7 @@ async def run_group(host: GroupHost, req: pb.GroupStepRequest, caller: tuple[str
         assert call is not None
         call.begin_row()  # (no checkpoint from here to the rows' tasks: each ends its row)
         claimed.append((call, row.decode, res))
+    host.count("group_steps_total")
     host.count("group_rows_total", len(req.rows))
     if claimed:
         async with trio.open_nursery() as nursery:
