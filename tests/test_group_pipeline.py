@@ -5,14 +5,18 @@ that does not speak 1.3 is driven per session. Batched FakeEngine workers over t
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
 import trio
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
+from rpc_harness import worker
 from shard.client import ShardClient
-from shard.engine import LayerRange
+from shard.engine import LayerRange, LoadSpec
+from shard.engine.llama import LlamaCppEngine
+from shard.models import ensure_model, ensure_slice
 from shard.pipeline import Pipeline
 from shard.rpc import versions
 from test_pipeline import TIMEOUT, assert_all_free, whole_model_steps
@@ -96,3 +100,62 @@ async def test_workers_older_than_1_3_are_driven_per_session(monkeypatch: pytest
         assert got == reference
         assert [await group_counts(t) for t in targets] == [(0, 0), (0, 0)]
         await assert_all_free(chain)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+async def test_llama_group_messages_give_the_per_session_tokens(dtype: str) -> None:
+    """The tiny llama model on 2 hops, 4 generations in one batch group: one group message per
+    hop per tick chooses the tokens the per-session path chooses (same groups, same ticks)."""
+    source = ensure_model("tiny")
+    async with AsyncExitStack() as stack:
+        chain = []
+        for lr in [LayerRange(0, 2), LayerRange(2, 4)]:
+            path = await trio.to_thread.run_sync(ensure_slice, source, lr)
+            spec = LoadSpec(model_path=path, layer_range=lr, n_ctx=1024, max_sessions=4, n_threads=1)
+            chain.append(await stack.enter_async_context(worker(engine=LlamaCppEngine(), load=spec)))
+        targets = [w.target for w in chain]
+        runs = []
+        for group_steps in (False, True):
+            got: dict[int, list[int]] = {}
+            async with Pipeline.connect(targets, timeout=TIMEOUT, hidden_dtype=dtype,
+                                        batch_groups=1, group_steps=group_steps) as pipe:
+                async def one(i: int) -> None:
+                    got[i] = (await pipe.generate(prompt(i), max_tokens=N_TOKENS,
+                                                  ignore_eos=True)).tokens
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+                        nursery.start_soon(one, i)
+            runs.append(got)
+        assert runs[0] == runs[1]
+        messages, rows = await group_counts(targets[1])
+        assert messages > 0 and rows > messages
+        await assert_all_free(chain)
+
+
+async def test_a_hop_failing_mid_group_fails_over_each_session() -> None:
+    """The second hop's worker stops mid-group: every row of its group message fails as its
+    own session's step would, each generation moves to the replica (replay) and ends with the
+    tokens it would have had."""
+    async with batched_shards([*HOPS, HOPS[1]], relay=False) as (first, second, spare):
+        reference = await run_all([first.target, second.target], "float32", batch_groups=0)
+        got: dict[int, list[int]] = {}
+        async with Pipeline.connect([first.target, [second.target, spare.target]],
+                                    timeout=TIMEOUT, batch_groups=1) as pipe:
+            async def one(i: int) -> None:
+                def token(step: Any) -> None:
+                    if i == 0 and step.n_past == len(prompt(0)) + 4:
+                        second.stop()
+
+                result = await pipe.generate(prompt(i), max_tokens=N_TOKENS, ignore_eos=True,
+                                             on_token=token)
+                got[i] = result.tokens
+                assert result.failovers, i
+
+            async with trio.open_nursery() as nursery:
+                for i in range(N_GEN):
+                    nursery.start_soon(one, i)
+        assert got == reference
+        messages, rows = await group_counts(spare.target)
+        assert messages > 0 and rows > messages  # the replica took group messages too
+        await assert_all_free([first, spare])

@@ -226,6 +226,7 @@ class Pipeline:
         relay: str = "client",
         batch_groups: int | None = None,
         handoff: bool = True,
+        group_steps: bool = True,
     ) -> AsyncIterator[Pipeline]:
         """Connect to every worker (in order: first shard first) and check the chain.
 
@@ -249,7 +250,10 @@ class Pipeline:
         groups at once instead of waiting for each other (default None: one per hop, none for
         one hop; 0: none; see ``shard.pipeline.groups``). ``handoff``: when a worker drains, move
         each session's KV state to its replica instead of replaying the history there (where
-        both workers report ``session_handoff``; default True).
+        both workers report ``session_handoff``; default True). ``group_steps``: the client relay
+        sends a batch group's decodes to each hop as one message per tick where the worker
+        takes them (protocol 1.3; default True; False: one per session, as before; see
+        ``shard.pipeline.gathering``).
 
         One ``Pipeline`` serves any number of concurrent ``generate`` calls (start them in a
         nursery) over its shared connections; each has its own sessions, so one call's failure,
@@ -294,8 +298,9 @@ class Pipeline:
                         replay_bytes=replay_bytes, relay=relay, batch_groups=batch_groups,
                         handoff=handoff,
                     )
-                    pipe.groups = HopGroups(connections.start_soon, closing,
-                                            pipe.batch_groups.running)
+                    if group_steps:
+                        pipe.groups = HopGroups(connections.start_soon, closing,
+                                                pipe.batch_groups.running)
                     for replicas in pipe._replicas:
                         await replicas.attach(deadline, wait_for_ready)
                     check_chain(pipe.hops)
