@@ -5,6 +5,8 @@ On the fake engine over the wire."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import trio
@@ -15,12 +17,15 @@ from shard.client import ShardClient, ShardError
 from shard.engine import LayerRange, LoadSpec
 from shard.engine.fake import FakeEngine, FakeScript
 from shard.rpc import convert
+from shard.rpc.auth import TokenAuthenticator, bearer_metadata
 from shard.rpc.errors import ErrorCode
 from shard.v1 import shard_pb2 as pb
+from test_relay import relay_shards, route_of
 
 TIMEOUT = 30.0
 PROMPTS = [[1, *b"alpha"], [1, *b"bravo!"], [1, *b"charlie"]]
 STEPS = 6
+TOKEN_A, TOKEN_B = "tok-A-group-1234", "tok-B-group-5678"
 
 
 async def per_session(client: ShardClient, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -210,3 +215,71 @@ async def test_negotiated_only() -> None:
             token = (await s.prefill(PROMPTS[0])).logits.token_id
             await s.decode(token)
         assert "rpc_GroupSteps_total" not in (await client.metrics()).worker
+
+
+async def test_only_the_sessions_own_caller_may_step_it(tmp_path: Path) -> None:
+    """With an authenticator, another principal's row for a live session is answered as an
+    unknown id (and the session is untouched); the same principal on another connection
+    steps it."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN_A} router-a\n{TOKEN_B} router-b\n")
+    async with worker(authorize=TokenAuthenticator(tokens)) as w:
+        async with ShardClient.connect(w.target, timeout=TIMEOUT,
+                                       metadata=bearer_metadata(TOKEN_A)) as a, \
+                ShardClient.connect(w.target, timeout=TIMEOUT,
+                                    metadata=bearer_metadata(TOKEN_B)) as b, \
+                ShardClient.connect(w.target, timeout=TIMEOUT,
+                                    metadata=bearer_metadata(TOKEN_A)) as a2:
+            async with a.session("mine") as s:
+                token = (await s.prefill(PROMPTS[0])).logits.token_id
+                async with b.group_steps() as theirs:
+                    [refused] = await theirs.step([(s, s.decode_message(token))])
+                assert refused.code == ErrorCode.SESSION_NOT_FOUND  # type: ignore[union-attr]
+                assert w.engine.session_info("mine").n_past == len(PROMPTS[0])
+                async with a2.group_steps() as ours:
+                    [stepped] = await ours.step([(s, s.decode_message(token))])
+                assert stepped.n_past == len(PROMPTS[0]) + 1  # type: ignore[union-attr]
+
+
+async def test_a_routed_session_is_refused_its_row() -> None:
+    """A session of a chain relay route takes its steps on its own stream (its hops hold it
+    together): its row is UNSUPPORTED_FEATURE, and it goes on."""
+    ranges = [LayerRange(0, 2), LayerRange(2, 4)]
+    async with relay_shards(ranges) as shards:
+        route = route_of(shards[1:], ranges[1:])
+        async with ShardClient.connect(shards[0].target, timeout=TIMEOUT) as client:
+            async with client.session("routed", route=route) as s, client.group_steps() as group:
+                token = (await s.prefill(PROMPTS[0])).logits.token_id
+                [refused] = await group.step([(s, s.decode_message(token))])
+                assert refused.code == ErrorCode.UNSUPPORTED_FEATURE  # type: ignore[union-attr]
+                assert (await s.decode(token)).n_past == len(PROMPTS[0]) + 1
+
+
+async def test_a_rows_step_timeout_is_that_rows_error() -> None:
+    """Steps held past one session's step timeout: its row fails DEADLINE_EXCEEDED
+    (STEP_TIMEOUT) and the session holds what it held; the other row (no timeout) is computed
+    once the steps go on."""
+    gate = StepGate()
+    async with worker(gate=gate) as w, ShardClient.connect(w.target, timeout=TIMEOUT) as client:
+        async with client.session("slow", step_timeout=0.2) as timed, \
+                client.session("fine") as fine, client.group_steps() as group:
+            t0 = (await timed.prefill(PROMPTS[0])).logits.token_id
+            t1 = (await fine.prefill(PROMPTS[1])).logits.token_id
+            gate.hold()
+            try:
+                async with trio.open_nursery() as nursery:
+                    outcomes: list[object] = []
+
+                    async def run() -> None:
+                        outcomes.extend(await group.step([(timed, timed.decode_message(t0)),
+                                                          (fine, fine.decode_message(t1))]))
+
+                    nursery.start_soon(run)
+                    await trio.sleep(0.5)  # hold the steps past the timed session's timeout
+                    gate.release()
+            finally:
+                gate.release()
+            assert outcomes[0].code == ErrorCode.DEADLINE_EXCEEDED  # type: ignore[union-attr]
+            assert outcomes[0].reason == "STEP_TIMEOUT"  # type: ignore[union-attr]
+            assert outcomes[1].n_past == len(PROMPTS[1]) + 1  # type: ignore[union-attr]
+            assert w.engine.session_info("slow").n_past == len(PROMPTS[0])
