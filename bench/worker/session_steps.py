@@ -130,6 +130,9 @@ async def stepped_round(
         if stream is not None:
             for _ in range(tokens):
                 outcomes = await stream.step([(s, s.decode_message(t)) for s, t in zip(opened, last)])
+                for o in outcomes:
+                    if isinstance(o, Exception):
+                        raise o
                 last = [o.logits.token_id for o in outcomes]  # type: ignore[union-attr]
         else:
             async with trio.open_nursery() as nursery:
@@ -165,8 +168,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for n in args.sessions:
                     repeat = max(1, max(args.sessions) // n)  # about as many tokens for every n
                     tokens = 16 if round_no == 0 else args.tokens
-                    if args.group:
-                        row = await stepped_round(srv.target, srv.proc.pid, n, tokens * repeat,
+                    if args.group:  # (every session steps ``tokens`` times: its KV budget)
+                        row = await stepped_round(srv.target, srv.proc.pid, n, tokens,
                                                   name == "group")
                     else:
                         row = await one_round(srv.target, srv.proc.pid, n, tokens, repeat)
