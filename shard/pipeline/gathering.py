@@ -6,9 +6,9 @@ Why: a hop serving a group of N generations otherwise reads N Decode messages an
 results per tick, a wake-up and a message each on both sides; gathered, it pays one. One
 ``Gatherer`` per (worker connection, batch group), its task owned by the pipeline's connection
 nursery, collects the rows submitted by the group's running members and sends them once every
-member has submitted, or ``GATHER_SECONDS`` after the first row: a lone or slow member holds the
-others back at most that long, and a member never waits for more than the one message its row
-rides in. Each submitter gets its own session's outcome: a result, or the very ``ShardError`` its
+member has submitted, or half the group's last round trip after the first row (within
+``GATHER_SECONDS`` and ``MAX_GATHER_SECONDS``): a lone or slow member holds the others back at
+most that long, and a member never waits for more than the one message its row rides in. Each submitter gets its own session's outcome: a result, or the very ``ShardError`` its
 own stream would have raised, so failover, replay and blame run as on the per-session path.
 A worker that does not report ``group_steps`` is driven per session, as is a generation alone in
 its group.
@@ -26,13 +26,17 @@ from shard.client import ClientSession, GroupStream, ShardClient
 from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
-__all__ = ["GATHER_SECONDS", "Gatherer", "HopGroups"]
+__all__ = ["GATHER_SECONDS", "MAX_GATHER_SECONDS", "Gatherer", "HopGroups"]
 
 log = logging.getLogger(__name__)
 
-#: The longest the first row of a tick waits for the group's other members (seconds): they
-#: submit within a few scheduling rounds of each other (their rows came in one message).
+#: How long the first row of a tick waits for the group's other members (seconds): half the
+#: group's last round trip (flush to flush), within these bounds. Their rows came back from the
+#: previous hop in one message, but the client handles each member's token in turn (a busy
+#: client takes milliseconds for a group), and a message sent before the last member submitted
+#: splits the group on every hop from then on, in smaller ticks.
 GATHER_SECONDS = 0.002
+MAX_GATHER_SECONDS = 0.02
 
 
 @dataclass(eq=False)
@@ -53,6 +57,8 @@ class Gatherer:
         self._rows: list[_Row] = []
         self._changed = trio.Event()
         self.closed = False  # stopped: rows go per session
+        self._flushed: float | None = None  # when the last message left (trio clock)
+        self._cycle = 0.0  # the time between the last two
 
     def join(self) -> None:
         self.members += 1
@@ -117,10 +123,15 @@ class Gatherer:
         while True:
             while not self._rows:
                 await self._changed.wait()
-            with trio.move_on_after(GATHER_SECONDS):
+            wait = min(max(GATHER_SECONDS, self._cycle / 2), MAX_GATHER_SECONDS)
+            with trio.move_on_after(wait):
                 while len(self._rows) < self.members:
                     await self._changed.wait()
             rows, self._rows = self._rows, []
+            now = trio.current_time()
+            if self._flushed is not None:
+                self._cycle = now - self._flushed
+            self._flushed = now
             try:
                 outcomes = await stream.step([(r.session, r.decode) for r in rows])
             except ShardError as err:
