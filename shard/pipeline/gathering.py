@@ -5,11 +5,14 @@ steps").
 Why: a hop serving a group of N generations otherwise reads N Decode messages and writes N
 results per tick, a wake-up and a message each on both sides; gathered, it pays one. One
 ``Gatherer`` per (worker connection, batch group), its task owned by the pipeline's connection
-nursery, collects the rows submitted by the group's running members and sends them once every
-member has submitted, or half the group's last round trip after the first row (within
-``GATHER_SECONDS`` and ``MAX_GATHER_SECONDS``): a lone or slow member holds the others back at
-most that long, and a member never waits for more than the one message its row rides in. Each submitter gets its own session's outcome: a result, or the very ``ShardError`` its
-own stream would have raised, so failover, replay and blame run as on the per-session path.
+nursery, collects the rows submitted by the group's members and sends them once every member of
+its last two messages has submitted (or has a row queued at another hop: the two halves of a
+split group would otherwise wait for each other), or ``MAX_GATHER_SECONDS`` after the first
+row: a slow
+member holds the others back at most that long (and only while it keeps coming), a lone one not
+at all, and a member never waits for more than the one message its row rides in. Each
+submitter gets its own session's outcome: a result, or the very ``ShardError`` its own stream
+would have raised, so failover, replay and blame run as on the per-session path.
 A worker that does not report ``group_steps`` is driven per session, as is a generation alone in
 its group.
 """
@@ -26,68 +29,96 @@ from shard.client import ClientSession, GroupStream, ShardClient
 from shard.rpc.errors import ErrorCode, ShardError
 from shard.v1 import shard_pb2 as pb
 
-__all__ = ["GATHER_SECONDS", "MAX_GATHER_SECONDS", "Gatherer", "HopGroups"]
+__all__ = ["MAX_GATHER_SECONDS", "Gatherer", "HopGroups"]
 
 log = logging.getLogger(__name__)
 
-#: How long the first row of a tick waits for the group's other members (seconds): half the
-#: group's last round trip (flush to flush), within these bounds. Their rows came back from the
+#: The longest the first row of a tick waits for the group's awaited members (seconds): the
+#: members that rode in one of the gatherer's last two messages. Their rows came back from the
 #: previous hop in one message, but the client handles each member's token in turn (a busy
 #: client takes milliseconds for a group), and a message sent before the last member submitted
-#: splits the group on every hop from then on, in smaller ticks.
-GATHER_SECONDS = 0.002
+#: splits the group on every hop from then on, in smaller ticks; waiting for the members of
+#: the last two messages merges such halves again (as a worker's scheduler waits for the
+#: sessions of a group's last two ticks), and a member that stopped decoding (it verifies
+#: drafts, it fails over) is no longer awaited after two messages without it.
 MAX_GATHER_SECONDS = 0.02
 
 
 @dataclass(eq=False)
 class _Row:
+    member: str  # the generation (one per pipeline: the same on every hop)
     session: ClientSession
     decode: pb.Decode
     done: trio.Event = field(default_factory=trio.Event)
     outcome: pb.StepResult | ShardError | None = None  # None once done: send it per session
 
 
+class _Group:
+    """What the gatherers of one batch group (one per hop) share: which members have a row
+    queued where, so that none waits for a member queued at another (which may be waiting for
+    one queued here: two halves of a group would each wait for the other)."""
+
+    def __init__(self) -> None:
+        self.gatherers: list[Gatherer] = []
+        self.queued: dict[str, Gatherer] = {}
+
+    def changed(self) -> None:
+        for gatherer in self.gatherers:
+            gatherer._wake()
+
+
 class Gatherer:
     """One worker connection's rows of one batch group (see the module docs)."""
 
-    def __init__(self, client: ShardClient, on_unsupported: Callable[[], None]) -> None:
+    def __init__(self, client: ShardClient, on_unsupported: Callable[[], None],
+                 group: _Group | None = None) -> None:
         self._client = client
         self._on_unsupported = on_unsupported
-        self.members = 0  # runners of the group decoding on this connection
+        self._group = group if group is not None else _Group()
+        self._group.gatherers.append(self)
         self._rows: list[_Row] = []
         self._changed = trio.Event()
         self.closed = False  # stopped: rows go per session
-        self._flushed: float | None = None  # when the last message left (trio clock)
-        self._cycle = 0.0  # the time between the last two
+        self._sent = 0  # messages sent
+        self._recent: dict[str, int] = {}  # member -> the last message it rode in
 
-    def join(self) -> None:
-        self.members += 1
-
-    def leave(self) -> None:
-        self.members -= 1
+    def leave(self, member: str) -> None:
+        """That member decodes no more here: no message waits for it."""
+        self._recent.pop(member, None)
         self._wake()
+
+    def _all_in(self) -> bool:
+        """Every member of the last two messages has submitted its row here, or has one
+        queued at another hop (waiting for it could wait for this very message)."""
+        present = {row.member for row in self._rows}
+        queued, since = self._group.queued, self._sent - 1
+        return all(m in present or queued.get(m, self) is not self
+                   for m, n in self._recent.items() if n >= since)
 
     def _wake(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def submit(self, session: ClientSession, decode: pb.Decode) -> pb.StepResult | None:
-        """``session``'s Decode in the group's next message; its result, or its error raised;
+    async def submit(self, member: str, session: ClientSession, decode: pb.Decode
+                     ) -> pb.StepResult | None:
+        """``session``'s Decode (of generation ``member``) in the group's next message; its
+        result, or its error raised;
         None when this gatherer has stopped (the worker takes no group steps, the connection
         is gone): the caller steps the session on its own stream. Cancelled before the
         message left, the row is dropped; after, the session's own reset (the caller's
         cleanup) fails it on the worker."""
         if self.closed:
             return None
-        row = _Row(session, decode)
+        row = _Row(member, session, decode)
         self._rows.append(row)
-        self._wake()
+        self._group.queued[member] = self
+        self._group.changed()
         try:
             await row.done.wait()
         except BaseException:
             if row in self._rows:
                 self._rows.remove(row)
-                self._wake()
+                self._unqueue([row])
             raise
         if isinstance(row.outcome, ShardError):
             raise row.outcome
@@ -123,15 +154,17 @@ class Gatherer:
         while True:
             while not self._rows:
                 await self._changed.wait()
-            wait = min(max(GATHER_SECONDS, self._cycle / 2), MAX_GATHER_SECONDS)
-            with trio.move_on_after(wait):
-                while len(self._rows) < self.members:
+            with trio.move_on_after(MAX_GATHER_SECONDS):
+                while not self._all_in():
                     await self._changed.wait()
             rows, self._rows = self._rows, []
-            now = trio.current_time()
-            if self._flushed is not None:
-                self._cycle = now - self._flushed
-            self._flushed = now
+            self._unqueue(rows)
+            self._sent += 1
+            recent = self._recent
+            for row in rows:
+                recent[row.member] = self._sent
+            for sid in [sid for sid, n in recent.items() if n < self._sent - 1]:
+                del recent[sid]  # (in neither of the last two messages)
             try:
                 outcomes = await stream.step([(r.session, r.decode) for r in rows])
             except ShardError as err:
@@ -143,9 +176,17 @@ class Gatherer:
                 row.outcome = outcome
                 row.done.set()
 
+    def _unqueue(self, rows: list[_Row]) -> None:
+        queued = self._group.queued
+        for row in rows:
+            if queued.get(row.member) is self:
+                del queued[row.member]
+        self._group.changed()
+
     def _fail_all(self, err: ShardError | None) -> None:
         """End every waiting row with ``err`` (None: it is sent per session instead)."""
         rows, self._rows = self._rows, []
+        self._unqueue(rows)
         for row in rows:
             row.outcome = err
             row.done.set()
@@ -161,6 +202,7 @@ class HopGroups:
         self._closing = closing
         self._running = running  # generations running in a group (``BatchGroups.running``)
         self._gatherers: dict[tuple[int, int], Gatherer] = {}
+        self._groups: dict[int, _Group] = {}
         self._unsupported: set[int] = set()  # connections whose worker takes no group steps
 
     def gatherer(self, client: ShardClient, group: int) -> Gatherer | None:
@@ -172,7 +214,9 @@ class HopGroups:
         key = (id(client), group)
         found = self._gatherers.get(key)
         if found is None:
-            found = self._gatherers[key] = Gatherer(client, lambda: self._unsupported.add(id(client)))
+            found = self._gatherers[key] = Gatherer(
+                client, lambda: self._unsupported.add(id(client)),
+                self._groups.setdefault(group, _Group()))
             self._spawn(self._run, key, found)
         return found
 
@@ -184,3 +228,8 @@ class HopGroups:
         finally:
             if self._gatherers.get(key) is gatherer:
                 del self._gatherers[key]
+            shared = self._groups.get(key[1])
+            if shared is not None:
+                shared.gatherers.remove(gatherer)
+                if not shared.gatherers:
+                    del self._groups[key[1]]

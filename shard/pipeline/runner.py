@@ -63,6 +63,7 @@ class HopRunner:
         # bound once, so a step reaches them in one call, as when they were the runner's
         self._attempt = self.failover.attempt
         self._gatherer: Gatherer | None = None  # the group-step gatherer this runner is in
+        self._member = ""  # as which generation
         self._routed = route is not None
         self._timed = self.failover.timed
 
@@ -208,7 +209,7 @@ class HopRunner:
             if gatherer is not None:  # the group's rows to this worker go as one message
                 row_msg = s.decode_message(token, hidden_state=row, sampling=gen.sampling,
                                            top_logprobs=gen.top_logprobs, token_id=token_id)
-                result = await gatherer.submit(s, row_msg)
+                result = await gatherer.submit(gen.sid, s, row_msg)
                 if result is not None:
                     return result
             return await s.decode(token, hidden_state=row, sampling=gen.sampling,
@@ -257,6 +258,10 @@ class HopRunner:
 
         await self._attempt(action)
 
+    def leave_group(self) -> None:
+        """No more decodes from this runner: its group's messages stop waiting for it."""
+        self._join(None)
+
     async def close(self) -> None:
         """Close the session (released; see ``HopFailover.close``)."""
         self._join(None)
@@ -281,16 +286,14 @@ class HopRunner:
         found = None
         if groups is not None and not self._routed:  # (a chain's steps go on its route)
             found = groups.gatherer(session.client, self.gen.batch_group)  # type: ignore[arg-type]
-        self._join(found)
+        self._join(found, self.gen.sid)
         return found
 
-    def _join(self, gatherer: Gatherer | None) -> None:
-        if gatherer is not self._gatherer:
+    def _join(self, gatherer: Gatherer | None, member: str = "") -> None:
+        if gatherer is not self._gatherer or member != self._member:
             if self._gatherer is not None:
-                self._gatherer.leave()
-            if gatherer is not None:
-                gatherer.join()
-            self._gatherer = gatherer
+                self._gatherer.leave(self._member)
+            self._gatherer, self._member = gatherer, member
 
     async def _step(
         self, session: ClientSession, call: Callable[[], Awaitable[pb.StepResult]]
