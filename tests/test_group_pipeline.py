@@ -18,7 +18,9 @@ from shard.engine import LayerRange, LoadSpec
 from shard.engine.llama import LlamaCppEngine
 from shard.models import ensure_model, ensure_slice
 from shard.pipeline import Pipeline
+from shard.pipeline.gathering import Gatherer, _Group, _Row
 from shard.rpc import versions
+from shard.v1 import shard_pb2 as pb
 from test_pipeline import TIMEOUT, assert_all_free, whole_model_steps
 from test_pipeline_concurrency import batched_shards, prompt
 
@@ -159,3 +161,20 @@ async def test_a_hop_failing_mid_group_fails_over_each_session() -> None:
         messages, rows = await group_counts(spare.target)
         assert messages > 0 and rows > messages  # the replica took group messages too
         await assert_all_free([first, spare])
+
+
+async def test_a_gatherer_awaits_recent_members_not_ones_queued_at_another_hop() -> None:
+    """The flush rule: a message waits for the members of the gatherer's last two messages,
+    except one whose row is queued at another hop's gatherer of the group (the two halves of a
+    split group would each wait for the other), and a member that left."""
+    shared = _Group()
+    here = Gatherer(None, lambda: None, shared)  # type: ignore[arg-type]
+    there = Gatherer(None, lambda: None, shared)  # type: ignore[arg-type]
+    here._sent, here._recent = 3, {"a": 3, "b": 2, "old": 1}
+    here._rows = [_Row("a", None, pb.Decode())]  # type: ignore[arg-type]
+    assert not here._all_in()  # b rode in one of the last two messages: awaited
+    shared.queued["b"] = there
+    assert here._all_in()  # b waits at the other hop
+    del shared.queued["b"]
+    here.leave("b")
+    assert here._all_in()  # b left; "old" is in neither of the last two messages
