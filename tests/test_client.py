@@ -47,7 +47,7 @@ async def test_capabilities_health_metrics_and_generate_text() -> None:
         assert all(ch.finish_reason == pb.FINISH_REASON_UNSPECIFIED for ch in chunks[:-1])
 
         shown = await c.capabilities_dict()
-        assert shown["supported_versions"] == ["1.0", "1.1", "1.2"] and shown["layer_range"] == [0, MODEL.n_layers_total]
+        assert shown["supported_versions"] == ["1.0", "1.1", "1.2", "1.3"] and shown["layer_range"] == [0, MODEL.n_layers_total]
         assert shown["engine"] == "fake" and shown["mtp_enabled"] is False  # defaults are shown too
 
         metrics = await c.metrics()

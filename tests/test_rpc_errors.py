@@ -131,7 +131,7 @@ def test_internal_errors_are_generic() -> None:
 
 @pytest.mark.parametrize(
     "version, ok",
-    [((1, 0), True), ((1, 1), True), ((1, 2), True), ((1, 3), False), ((2, 0), False), ((0, 9), False), ((0, 0), False)],
+    [((1, 0), True), ((1, 1), True), ((1, 2), True), ((1, 3), True), ((1, 4), False), ((2, 0), False), ((0, 9), False), ((0, 0), False)],
 )
 def test_version_policy(version: tuple[int, int], ok: bool) -> None:
     assert is_supported(*version) is ok

@@ -321,7 +321,7 @@ async def test_unknown_method_is_unimplemented() -> None:
 
 async def test_unsupported_version_is_refused_with_the_error_trailer() -> None:
     async with live() as w:
-        for version in (pb.ProtocolVersion(major=2), pb.ProtocolVersion(major=1, minor=3), None):
+        for version in (pb.ProtocolVersion(major=2), pb.ProtocolVersion(major=1, minor=4), None):
             request = pb.GetCapabilitiesRequest(version=version)
             exc = await in_thread(expect_rpc_error(lambda: w.stub.GetCapabilities(request, timeout=10)))
             assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION

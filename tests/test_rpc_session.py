@@ -213,9 +213,9 @@ async def test_matching_fingerprint_and_layer_range_are_accepted() -> None:
 
 @pytest.mark.parametrize(
     "version",
-    [None, pb.ProtocolVersion(major=2, minor=0), pb.ProtocolVersion(major=1, minor=3),
+    [None, pb.ProtocolVersion(major=2, minor=0), pb.ProtocolVersion(major=1, minor=4),
      pb.ProtocolVersion(major=0, minor=9)],
-    ids=["missing", "v2.0", "v1.3", "v0.9"],
+    ids=["missing", "v2.0", "v1.4", "v0.9"],
 )
 async def test_unsupported_versions_fail_before_engine_work(version: pb.ProtocolVersion | None) -> None:
     async with loaded(make_engine()) as engine, running_registry(engine) as reg, driver(reg) as d:
@@ -226,7 +226,7 @@ async def test_unsupported_versions_fail_before_engine_work(version: pb.Protocol
         await d.finished()
         err = d.call.error
         assert err is not None and err.code is ErrorCode.UNSUPPORTED_VERSION
-        assert err.supported_versions == ((1, 0), (1, 1), (1, 2)) and "1.0, 1.1, 1.2" in err.message
+        assert err.supported_versions == ((1, 0), (1, 1), (1, 2), (1, 3)) and "1.0, 1.1, 1.2, 1.3" in err.message
         assert engine.metrics().sessions_opened_total == 0
 
 

@@ -56,7 +56,9 @@ RPCS: dict[str, tuple[type[Message], type[Message]]] = {
     "Cancel": (pb.CancelRequest, pb.CancelResponse),
     "Release": (pb.ReleaseRequest, pb.ReleaseResponse),
     "GetMetrics": (pb.GetMetricsRequest, pb.GetMetricsResponse),
+    "GroupSteps": (pb.GroupStepRequest, pb.GroupStepResponse),
 }
+STREAMS = ("Session", "GroupSteps")
 
 
 # ---- recipes (what the recorder sends, per version) ------------------------------------------
@@ -84,6 +86,12 @@ def _recipes(major: int, minor: int) -> dict[str, list[tuple[str, list[Message]]
             s(import_state=pb.StateChunk(header=foreign, data=bytes(8), last=True)),
             s(prefill=pb.Prefill(tokens=pb.TokenIds(ids=prompt))),
             s(close=pb.CloseSession()),
+        ])]
+    if (major, minor) >= (1, 3):  # group steps: a row of no live session, and an empty tick
+        added["group_steps"] = [("GroupSteps", [
+            pb.GroupStepRequest(version=v, rows=[pb.GroupRow(session_id="nobody",
+                                                             decode=pb.Decode(token=5))]),
+            pb.GroupStepRequest(version=v),
         ])]
     return added | {
         "capabilities": [("GetCapabilities", [pb.GetCapabilitiesRequest(version=v)])],
@@ -138,9 +146,12 @@ def _recipes(major: int, minor: int) -> dict[str, list[tuple[str, list[Message]]
     }
 
 
-def _terminator(request: pb.SessionRequest) -> str | None:
-    """The response kind that ends the exchange for ``request`` (None: it gets no response)."""
-    kind = request.WhichOneof("kind")
+def _terminator(request: Message) -> str | None:
+    """The response kind that ends the exchange for ``request`` (None: it gets no response;
+    "": the first response, as a GroupStepRequest gets exactly one)."""
+    if isinstance(request, pb.GroupStepRequest):
+        return ""
+    kind = request.WhichOneof("kind")  # type: ignore[attr-defined]
     return {"open": "opened", "close": "closed", "credit": None}.get(kind or "", "usage")
 
 
@@ -171,7 +182,7 @@ def _record_call(channel: grpc.Channel, rpc: str, requests: list[Message]) -> di
     req_type, resp_type = RPCS[rpc]
     exchanges: list[dict[str, Any]] = []
     path = f"/shard.v1.Shard/{rpc}"
-    if rpc != "Session":
+    if rpc not in STREAMS:
         method = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
         data = requests[0].SerializeToString()
         responses: list[bytes] = []
@@ -204,7 +215,7 @@ def _record_call(channel: grpc.Channel, rpc: str, requests: list[Message]) -> di
                     ended = True
                     break
                 got.append(raw)
-                if resp_type.FromString(raw).WhichOneof("kind") == until:
+                if until == "" or resp_type.FromString(raw).WhichOneof("kind") == until:
                     break
             exchanges.append({"request": data, "responses": got})
             if ended:
@@ -335,7 +346,7 @@ def test_every_supported_version_has_fixtures() -> None:
 
 # ---- fail-closed: every RPC refuses every unsupported version before any engine work ------------
 
-UNSUPPORTED = [(2, 0), (1, 3), (0, 9), (0, 0), None]
+UNSUPPORTED = [(2, 0), (1, 4), (0, 9), (0, 0), None]
 
 
 def _with_version(rpc: str, version: tuple[int, int] | None) -> Message:
@@ -345,6 +356,8 @@ def _with_version(rpc: str, version: tuple[int, int] | None) -> Message:
         msg.open.session_id = "old-router"
     elif rpc in ("Cancel", "Release"):
         msg.session_id = "old-router"
+    elif rpc == "GroupSteps":
+        msg.rows.add(session_id="old-router")
     if version is not None:
         msg.version.CopyFrom(pb.ProtocolVersion(major=version[0], minor=version[1]))
     return msg

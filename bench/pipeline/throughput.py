@@ -11,7 +11,9 @@ window: time in the engine's compute over wall time). Two parts:
   model with 2 threads on cores 0-1; two hops (``0:6`` on core 0, ``6:12`` on core 1) with
   client relay and with chain relay, each without batch groups ("before": every session shares
   every tick, ``batch_groups=0``) and with them ("after": the default, one group per hop,
-  ``shard.pipeline.groups``), side by side in one run.
+  ``shard.pipeline.groups``), side by side in one run; with client relay "after" sends each hop
+  one ``GroupSteps`` message per group per tick (protocol 1.3), and "after-per-session" the same
+  groups with one message per session per step.
 * ``sim``: ``bench.common.fake_worker`` processes (the batched fake engine: a tick sleeps its scripted
   cost, per layer, so H hops cost what one whole-model worker costs): H = 2, 4, 8 hops at 2H
   and 4H sessions, before and after, against one whole-model fake worker: the scheduling alone,
@@ -123,13 +125,14 @@ def _at(samples: list[Sample], t: float, k: int, j: int) -> float:
 
 async def measure(
     targets: Sequence[str], workers: Sequence[ShardServer], *, sessions: int, tokens: int,
-    relay: str, groups: int | None,
+    relay: str, groups: int | None, group_steps: bool = True,
 ) -> Run:
     """``sessions`` concurrent generations of ``tokens`` tokens through ``targets``; the
     ``workers``' counters and CPU time are sampled meanwhile."""
     arrivals: list[list[float]] = [[] for _ in range(sessions)]
     samples: list[Sample] = []
-    async with Pipeline.connect(list(targets), timeout=600, relay=relay, batch_groups=groups) as pipe:
+    async with Pipeline.connect(list(targets), timeout=600, relay=relay, batch_groups=groups,
+                                group_steps=group_steps) as pipe:
         caps = pipe.hops[0].caps
         assert caps is not None
         vocab = caps.n_vocab
@@ -270,21 +273,27 @@ def real_part(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
                     print(json.dumps(rows[-1]), flush=True)
                     continue
                 for relay in args.relays:
-                    for label, groups in _variants(args.groups):
+                    for label, groups, steps in _variants(args.groups, relay):
                         run = trio.run(lambda: measure(targets, ws, sessions=n,
                                                        tokens=args.tokens, relay=relay,
-                                                       groups=groups))
+                                                       groups=groups, group_steps=steps))
                         rows.append(_row(name, run, relay=relay, groups=label))
                         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def _variants(groups: list[int] | None) -> list[tuple[str, int | None]]:
+def _variants(groups: list[int] | None, relay: str) -> list[tuple[str, int | None, bool]]:
     """("before", 0: no batch groups), then "after" with the pipeline's default groups, or one
-    "after-N" per count asked for."""
-    if groups is None:
-        return [("before", 0), ("after", None)]
-    return [("before", 0), *((f"after-{g}", g) for g in groups)]
+    "after-N" per count asked for; with client relay each "after" also without group steps
+    ("-per-session": one message per session per step, as before protocol 1.3), side by side
+    with them (label, groups, group steps)."""
+    after = [("after", None)] if groups is None else [(f"after-{g}", g) for g in groups]
+    out: list[tuple[str, int | None, bool]] = [("before", 0, False)]
+    for label, g in after:
+        if relay == "client":
+            out.append((f"{label}-per-session", g, False))
+        out.append((label, g, True))
+    return out
 
 
 # ---- simulation ----------------------------------------------------------------------------
@@ -320,10 +329,10 @@ def sim_part(args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
             trio.run(_ready, targets)
             for n in (2 * h, 4 * h):
                 for relay in args.relays:
-                    for label, groups in _variants(args.groups):
+                    for label, groups, steps in _variants(args.groups, relay):
                         run = trio.run(lambda: measure(targets, ws, sessions=n,
                                                        tokens=args.tokens, relay=relay,
-                                                       groups=groups))
+                                                       groups=groups, group_steps=steps))
                         rows.append(_row(f"sim_hops{h}", run, hops=h, relay=relay, groups=label))
                         print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -12,12 +12,19 @@ token generated, and ``client_cpu_us`` the client's. ``fake_row_us`` is the part
 session-step that stands for a model's compute: the fake model's own numerics per row,
 measured in this process without a server.
 
+``--group`` measures a pipeline hop's side instead (issue 55): the client steps every session
+(one Decode per session per step, as the client relay drives a hop), all N sessions in one batch
+group, once on their own streams (``per_session``) and once as one ``GroupSteps`` message per
+tick (``group``), the two alternating round by round on two workers of this checkout; ``ratios``
+divides ``group``'s medians by ``per_session``'s (the issue asks ``worker_cpu_us`` <= 0.3 at 8
+and 32 sessions).
+
 ``--worker-root DIR`` runs a second worker from another checkout (e.g. the commit before a
 change); the two alternate round by round (A, B, B, A, ...) so that drift hits both alike, and
 ``ratios`` divides this checkout's medians by the other's (below 1: this checkout spends less).
 
     python -m bench.worker.session_steps [--quick] [--sessions 1,8,32] [--tokens 300] [--rounds 3]
-                                  [--worker-root OTHER_CHECKOUT] [--out FILE] [--logs DIR]
+                                  [--group | --worker-root OTHER_CHECKOUT] [--out FILE] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import AsyncExitStack, ExitStack
 from typing import Any
 
 import trio
@@ -103,8 +110,47 @@ async def one_round(
     }
 
 
+async def stepped_round(
+    target: str, pid: int, sessions: int, tokens: int, group: bool
+) -> dict[str, float]:
+    """``sessions`` sessions of one batch group, each stepped ``tokens`` times by the client:
+    on their own streams, or as one GroupSteps message per tick (``group``)."""
+    async with ShardClient.connect(target, timeout=600) as client, AsyncExitStack() as stack:
+        opened = [await stack.enter_async_context(client.session(batch_group=1))
+                  for _ in range(sessions)]
+        last = [(await s.prefill([1, 2, 3, 4 + i % 200])).logits.token_id
+                for i, s in enumerate(opened)]
+        stream = await stack.enter_async_context(client.group_steps()) if group else None
+
+        async def alone(i: int) -> None:
+            for _ in range(tokens):
+                last[i] = (await opened[i].decode(last[i])).logits.token_id
+
+        cpu0, t0, c0 = cpu_seconds(pid), time.perf_counter(), time.process_time()
+        if stream is not None:
+            for _ in range(tokens):
+                outcomes = await stream.step([(s, s.decode_message(t)) for s, t in zip(opened, last)])
+                for o in outcomes:
+                    if isinstance(o, Exception):
+                        raise o
+                last = [o.logits.token_id for o in outcomes]  # type: ignore[union-attr]
+        else:
+            async with trio.open_nursery() as nursery:
+                for i in range(sessions):
+                    nursery.start_soon(alone, i)
+        cpu1, t1, c1 = cpu_seconds(pid), time.perf_counter(), time.process_time()
+    got = sessions * tokens
+    return {
+        "tokens_per_s": round(got / (t1 - t0), 1),
+        "worker_cpu_us": round(1e6 * (cpu1 - cpu0) / got, 1),
+        "client_cpu_us": round(1e6 * (c1 - c0) / got, 1),
+    }
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     roots = options.checkouts(args)
+    if args.group:  # one worker, two ways of stepping it
+        roots = {"per_session": roots["this"], "group": roots["this"]}
     rows: dict[str, dict[int, list[dict[str, float]]]] = {n: {s: [] for s in args.sessions} for n in roots}
     ctx = max(args.sessions) * (args.tokens + 64)
     with ExitStack() as stack:
@@ -121,8 +167,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 srv = servers[name]
                 for n in args.sessions:
                     repeat = max(1, max(args.sessions) // n)  # about as many tokens for every n
-                    row = await one_round(srv.target, srv.proc.pid, n,
-                                          16 if round_no == 0 else args.tokens, repeat)
+                    tokens = 16 if round_no == 0 else args.tokens
+                    if args.group:  # (every session steps ``tokens`` times: its KV budget)
+                        row = await stepped_round(srv.target, srv.proc.pid, n, tokens,
+                                                  name == "group")
+                    else:
+                        row = await one_round(srv.target, srv.proc.pid, n, tokens, repeat)
                     if round_no:
                         rows[name][n].append(row)
                         print(f"round {round_no} {name:5} sessions={n:3} "
@@ -130,6 +180,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     medians = {name: {n: {k: statistics.median(r[k] for r in per[n]) for k in per[n][0]}
                       for n in args.sessions} for name, per in rows.items()}
     result: dict[str, Any] = {"rounds": rows, "medians": medians, "fake_row_us": await fake_row_us()}
+    if args.group:
+        result["ratios"] = {n: {k: round(medians["group"][n][k] / medians["per_session"][n][k], 3)
+                                for k in ("worker_cpu_us", "tokens_per_s", "client_cpu_us")}
+                            for n in args.sessions}
     if "other" in medians:
         result["ratios"] = {n: {k: round(medians["this"][n][k] / medians["other"][n][k], 3)
                                 for k in ("worker_cpu_us", "tokens_per_s", "client_cpu_us")}
@@ -144,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     options.add_tokens(p, 300, "tokens per session per round (default 300)")
     options.add_rounds(p, 3, "measured rounds per worker (default 3)")
     options.add_worker_root(p, "also measure a worker from this checkout")
+    p.add_argument("--group", action="store_true",
+                   help="client-stepped sessions: per session vs one GroupSteps message per tick")
     options.add_quick(p, "a smoke run: 2 and 4 sessions, 40 tokens, 1 round")
     options.add_out(p, DEFAULT_OUT, f"result file (default {DEFAULT_OUT})")
     options.add_logs(p, help="the workers' logs")
@@ -156,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sessions, --tokens and --rounds must be positive")
     if args.quick:
         args.sessions, args.tokens, args.rounds = [2, 4], 40, 1
+    if args.group and args.worker_root is not None:
+        p.error("--group compares two ways of stepping one worker: no --worker-root")
     if args.worker_root is not None and not (args.worker_root / "shard").is_dir():
         p.error(f"--worker-root {args.worker_root}: no shard/ package there")
     if len(cores()) > 1:

@@ -53,6 +53,7 @@ chunks), ``requests`` (the step requests), ``options`` (``sampling``, ``cache_ex
 from shard.rpc.errors import ErrorCode, ShardError
 
 from .connection import ShardClient
+from .group import GroupStream
 from .handoff import move_session
 from .options import TOKEN_CREDIT, cache_expectation, check_sampling_support, sampling
 from .session import ClientSession, StateStream, StepStream
@@ -62,6 +63,7 @@ __all__ = [
     "TOKEN_CREDIT",
     "ClientSession",
     "ErrorCode",
+    "GroupStream",
     "OneShot",
     "ShardClient",
     "ShardError",

@@ -27,6 +27,7 @@ from shard.rpc.transport import ClientConnection
 from shard.rpc.versions import CURRENT_VERSION
 from shard.v1 import shard_pb2 as pb
 
+from .group import GroupStream
 from .options import DEFAULT as _DEFAULT
 from .options import TOKEN_CREDIT, check_sampling_support, sampling
 from .requests import generate_request
@@ -465,6 +466,26 @@ class ShardClient:
             session.abort()
             raise
         session._stream.close()
+
+    @asynccontextmanager
+    async def group_steps(self, *, timeout: float | None = _DEFAULT) -> AsyncIterator[GroupStream]:
+        """(1.3) A ``GroupSteps`` stream for the block: the decode steps of several sessions
+        opened on this worker, one message per tick (``GroupStream.step``). Only with a worker
+        that reports ``group_steps`` (and a client speaking 1.3): otherwise
+        ``UNSUPPORTED_FEATURE`` before any call, and the caller steps each session on its own
+        stream. ``timeout``: the deadline of the whole stream."""
+        caps = await self.capabilities(timeout=timeout)
+        if not caps.group_steps or (self.version.major, self.version.minor) < (1, 3):
+            raise ShardError(ErrorCode.UNSUPPORTED_FEATURE,
+                             "this worker does not take group steps (GroupSteps, protocol 1.3)")
+        group = GroupStream(self, self._conn.open_stream("GroupSteps", self._deadline(timeout),
+                                                         self.metadata))
+        try:
+            yield group
+        except BaseException:
+            group.abort()
+            raise
+        await group.aclose()
 
     def generate(
         self,

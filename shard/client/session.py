@@ -64,6 +64,11 @@ class ClientSession:
         self._chunks = ResultChunks()  # of a split result, not yet complete
 
     @property
+    def client(self) -> SessionClient:
+        """The connection the session was opened on."""
+        return self._client
+
+    @property
     def hidden_dtype(self) -> str:
         """Wire dtype of this session's hidden states (the worker's answer to the request)."""
         return self.opened.hidden_wire_dtype or convert.HIDDEN_DTYPE
@@ -326,6 +331,15 @@ class ClientSession:
         return await self._one_step(
             self._decode_msg(token, hidden_state, sampling, top_logprobs, relay_tag, token_id)
         )
+
+    def decode_message(
+        self, token: int | None = None, *, hidden_state: np.ndarray | None = None,
+        sampling: pb.SamplingParams | None = None, top_logprobs: int = 0,
+        token_id: int | None = None,
+    ) -> pb.Decode:
+        """The Decode ``decode`` would send (the session's hidden dtype): a group step's row
+        (``GroupStream.step``)."""
+        return self._decode_msg(token, hidden_state, sampling, top_logprobs, 0, token_id).decode
 
     def _decode_msg(
         self, token: int | None, hidden_state: np.ndarray | None,

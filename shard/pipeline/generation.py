@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import trio
@@ -17,6 +17,9 @@ from shard.v1 import shard_pb2 as pb
 from .errors import Blames
 from .replay import ReplayBudget
 from .replicas import Replica
+
+if TYPE_CHECKING:
+    from .gathering import HopGroups
 
 __all__ = [
     "OnToken",
@@ -91,6 +94,8 @@ class Generation:
     blames: Blames = field(default_factory=Blames)
     #: Every session of the generation is opened in this batch group (``shard.pipeline.groups``).
     batch_group: int = 0
+    #: The pipeline's group-step gatherers (``shard.pipeline.gathering``; None: per session).
+    groups: HopGroups | None = None
     #: A text prompt's special-token texts become special tokens (``Prefill.parse_special``).
     parse_special: bool = False
     #: A draining worker's sessions move to the replica as state (``shard.pipeline.handoff``).

@@ -55,6 +55,10 @@ class BatchGroups:
         """Running generations per group, in group order."""
         return list(self._members)
 
+    def running(self, group: int) -> int:
+        """Running generations in ``group`` (0 for no group)."""
+        return self._members[group - self._base] if group else 0
+
     def take(self) -> int:
         """The group for a new generation (the least occupied; 0 when there are none)."""
         if not self._members:

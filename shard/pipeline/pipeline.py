@@ -77,6 +77,7 @@ from .checks import (check_chain, check_chunk, check_grammar, check_prompt_logpr
 from .choices import OnChoiceToken, generate_choices
 from .drafting import Drafter, PromptLookup
 from .errors import Blames, Hop, PipelineError
+from .gathering import HopGroups
 from .groups import BatchGroups, default_groups
 from .replay import DEFAULT_REPLAY_BYTES, ReplayBudget
 from .replicas import HopReplicas, Replica
@@ -163,6 +164,8 @@ class Pipeline:
         # What a pass through this chain costs, learned across generations (speculation drafts
         # only as many tokens as pay for their rows; shard.pipeline.speculation).
         self.pass_cost = PassCost()
+        #: Group steps (``shard.pipeline.gathering``): set by ``connect``, which owns their tasks.
+        self.groups: HopGroups | None = None
 
     @classmethod
     def of_known(
@@ -223,6 +226,7 @@ class Pipeline:
         relay: str = "client",
         batch_groups: int | None = None,
         handoff: bool = True,
+        group_steps: bool = True,
     ) -> AsyncIterator[Pipeline]:
         """Connect to every worker (in order: first shard first) and check the chain.
 
@@ -246,7 +250,10 @@ class Pipeline:
         groups at once instead of waiting for each other (default None: one per hop, none for
         one hop; 0: none; see ``shard.pipeline.groups``). ``handoff``: when a worker drains, move
         each session's KV state to its replica instead of replaying the history there (where
-        both workers report ``session_handoff``; default True).
+        both workers report ``session_handoff``; default True). ``group_steps``: the client relay
+        sends a batch group's decodes to each hop as one message per tick where the worker
+        takes them (protocol 1.3; default True; False: one per session, as before; see
+        ``shard.pipeline.gathering``).
 
         One ``Pipeline`` serves any number of concurrent ``generate`` calls (start them in a
         nursery) over its shared connections; each has its own sessions, so one call's failure,
@@ -291,6 +298,9 @@ class Pipeline:
                         replay_bytes=replay_bytes, relay=relay, batch_groups=batch_groups,
                         handoff=handoff,
                     )
+                    if group_steps:
+                        pipe.groups = HopGroups(connections.start_soon, closing,
+                                                pipe.batch_groups.running)
                     for replicas in pipe._replicas:
                         await replicas.attach(deadline, wait_for_ready)
                     check_chain(pipe.hops)
@@ -482,6 +492,7 @@ class Pipeline:
                     failovers=result.failovers,
                     blames=blames,
                     batch_group=group,
+                    groups=self.groups,
                     parse_special=parse_special,
                     handoff=self.handoff,
                     fork_of=fork_of or "",

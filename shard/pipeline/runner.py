@@ -21,6 +21,7 @@ from shard.v1 import shard_pb2 as pb
 
 from .errors import Hop, PipelineError
 from .failover import HopFailover
+from .gathering import Gatherer
 from .generation import Generation, HopOutput, next_or_none
 from .history import HopHistory
 from .prefix import held_by
@@ -61,6 +62,9 @@ class HopRunner:
         self.failover = HopFailover(replicas, gen, self.history, route=route)
         # bound once, so a step reaches them in one call, as when they were the runner's
         self._attempt = self.failover.attempt
+        self._gatherer: Gatherer | None = None  # the group-step gatherer this runner is in
+        self._member = ""  # as which generation
+        self._routed = route is not None
         self._timed = self.failover.timed
 
     @property
@@ -203,10 +207,20 @@ class HopRunner:
     ) -> HopOutput:
         """One position: a token id (first hop) or one boundary row (later hops; ``token_id``
         the id it stands for)."""
-        out = await self._attempt(lambda s: self._step(s, lambda: s.decode(
-            token, hidden_state=row, sampling=self.gen.sampling,
-            top_logprobs=self.gen.top_logprobs, token_id=token_id,
-        )))
+        gen = self.gen
+
+        async def call(s: ClientSession) -> pb.StepResult:
+            gatherer = self._gatherer_for(s)
+            if gatherer is not None:  # the group's rows to this worker go as one message
+                row_msg = s.decode_message(token, hidden_state=row, sampling=gen.sampling,
+                                           top_logprobs=gen.top_logprobs, token_id=token_id)
+                result = await gatherer.submit(gen.sid, s, row_msg)
+                if result is not None:
+                    return result
+            return await s.decode(token, hidden_state=row, sampling=gen.sampling,
+                                  top_logprobs=gen.top_logprobs, token_id=token_id)
+
+        out = await self._attempt(lambda s: self._step(s, lambda: call(s)))
         if token is not None:
             self.tokens.append(token)
         elif row is not None:
@@ -249,12 +263,18 @@ class HopRunner:
 
         await self._attempt(action)
 
+    def leave_group(self) -> None:
+        """No more decodes from this runner: its group's messages stop waiting for it."""
+        self._join(None)
+
     async def close(self) -> None:
         """Close the session (released; see ``HopFailover.close``)."""
+        self._join(None)
         await self.failover.close()
 
     def abort(self) -> None:
         """Reset every stream this runner holds now (sync: the workers stop and release)."""
+        self._join(None)
         self.failover.sessions.abort()
 
     async def release(self) -> None:
@@ -263,6 +283,22 @@ class HopRunner:
         await self.failover.sessions.release()
 
     # ---- plumbing -------------------------------------------------------------------------
+
+    def _gatherer_for(self, session: ClientSession) -> Gatherer | None:
+        """Where this step's decode goes with the group's (None: on the session's stream);
+        the runner is a member of one gatherer at a time (a failover may move it)."""
+        groups = self.gen.groups
+        found = None
+        if groups is not None and not self._routed:  # (a chain's steps go on its route)
+            found = groups.gatherer(session.client, self.gen.batch_group)  # type: ignore[arg-type]
+        self._join(found, self.gen.sid)
+        return found
+
+    def _join(self, gatherer: Gatherer | None, member: str = "") -> None:
+        if gatherer is not self._gatherer or member != self._member:
+            if self._gatherer is not None:
+                self._gatherer.leave(self._member)
+            self._gatherer, self._member = gatherer, member
 
     async def _step(
         self, session: ClientSession, call: Callable[[], Awaitable[pb.StepResult]]

@@ -151,6 +151,8 @@ async def run(
         result.drafted_tokens += len(drafts)
         result.accepted_tokens += accepted
     for runner in runners:
+        runner.leave_group()  # (every hop's group stops waiting for it before the closes)
+    for runner in runners:
         with Blame(runner, blames):
             await runner.close()
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from contextvars import ContextVar
+from contextvars import ContextVar, copy_context
 from typing import TypeVar
 
 import trio
+from google.protobuf.message import DecodeError
 
 from shard.engine import EngineError, EngineState, IllegalTransition, InvalidInput, ShardEngine
 from shard.v1 import shard_pb2 as pb
@@ -28,6 +29,8 @@ from .errors import ERROR_TRAILER, ErrorCode, ShardError, internal_error
 from .metrics import WorkerMetrics
 from .registry import Registry
 from .session import SessionCall, SessionLimits, StreamEnd, return_refused
+from .session.forks import caller_of
+from .session.group import run_group
 from .session.inputs import text_floor
 from .transport import CallContext, EndReason, StatusError, TransportLimits, current_call
 from .versions import check_version
@@ -200,7 +203,7 @@ class ShardServicer(_ShardServicerBase):
             resume_ttl_ms=self.limits.resume_ttl_ms,
         )
         caps.relay_allowed = caps.relay_return = self.registry.relay is not None  # unset unless allowed
-        caps.session_rewind = caps.batch_groups = True
+        caps.session_rewind = caps.batch_groups = caps.group_steps = True
         caps.model_name = self.model_name
         layout = self.engine.capabilities().kv_layout
         caps.session_handoff, caps.kv_layout = bool(layout), layout
@@ -364,6 +367,38 @@ class ShardServicer(_ShardServicerBase):
                     self.registry.count_error(ended.code)
         if call.error is not None:
             raise self._refuse(call.error)
+
+    async def GroupSteps(
+        self, input_messages: AsyncIterable[pb.GroupStepRequest]
+    ) -> AsyncIterator[pb.GroupStepResponse]:
+        """(1.3) One answer per request: a batch group's rows run as one tick
+        (``session.group``). A request's own faults (its version, a message that does not
+        parse) end the stream; a row's are that row's outcome. No nursery is open across
+        ``yield``: each request's rows run (and end) before its answer is yielded."""
+        ctx = current_call()
+        self.registry.count("rpc_GroupSteps_total")
+        requests = _Requests(input_messages)
+        limit = self._transport_limits.max_message_bytes
+        try:
+            await self._authenticate(ctx)
+            caller = caller_of(copy_context())  # the Session streams' own check
+            while True:
+                try:
+                    req = await anext(requests)
+                except StopAsyncIteration:
+                    return
+                except DecodeError:
+                    raise convert.invalid("a GroupStepRequest could not be parsed") from None
+                check_version(req)
+                reply = await run_group(self.registry, req, caller, limit)
+                yield reply
+        except ShardError as err:
+            raise self._refuse(err) from None
+        except Exception:
+            log.exception("GroupSteps failed")
+            raise self._refuse(internal_error()) from None
+        finally:
+            _note_end(ctx)
 
     def _refuse(self, err: ShardError) -> StatusError:
         self.registry.count_error(err.code)

@@ -37,7 +37,9 @@ from .errors import ErrorCode, ShardError
 #: open an empty session, so clients and relays send it only to one reporting ``session_fork``.
 #: Nor ``StepResult.input_logprobs``: an older worker sends none, and clients that need them
 #: (a prompt's log-probs) ask only a chain whose workers report ``input_logprobs``.
-SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2))
+#: 1.3 adds group steps: the ``GroupSteps`` RPC (``GroupStepRequest``/``GroupStepResponse``)
+#: and ``group_steps`` in the capabilities; clients use it only with a worker that reports it.
+SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((1, 0), (1, 1), (1, 2), (1, 3))
 CURRENT_VERSION: tuple[int, int] = SUPPORTED_VERSIONS[-1]
 
 

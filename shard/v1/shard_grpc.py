@@ -30,6 +30,9 @@ class ShardServicer(purerpc.Servicer):
     async def Embed(self, input_message):
         raise NotImplementedError()
 
+    async def GroupSteps(self, input_messages):
+        raise NotImplementedError()
+
     @property
     def service(self) -> purerpc.Service:
         service_obj = purerpc.Service(
@@ -116,6 +119,15 @@ class ShardServicer(purerpc.Servicer):
                 shard_dot_v1_dot_shard__pb2.EmbedResponse,
             )
         )
+        service_obj.add_method(
+            "GroupSteps",
+            self.GroupSteps,
+            purerpc.RPCSignature(
+                purerpc.Cardinality.STREAM_STREAM,
+                shard_dot_v1_dot_shard__pb2.GroupStepRequest,
+                shard_dot_v1_dot_shard__pb2.GroupStepResponse,
+            )
+        )
         return service_obj
 
 
@@ -195,5 +207,13 @@ class ShardStub:
                 purerpc.Cardinality.UNARY_UNARY,
                 shard_dot_v1_dot_shard__pb2.EmbedRequest,
                 shard_dot_v1_dot_shard__pb2.EmbedResponse,
+            )
+        )
+        self.GroupSteps = self._client.get_method_stub(
+            "GroupSteps",
+            purerpc.RPCSignature(
+                purerpc.Cardinality.STREAM_STREAM,
+                shard_dot_v1_dot_shard__pb2.GroupStepRequest,
+                shard_dot_v1_dot_shard__pb2.GroupStepResponse,
             )
         )

@@ -102,7 +102,7 @@ class GetCapabilitiesRequest(_message.Message):
     def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ...) -> None: ...
 
 class GetCapabilitiesResponse(_message.Message):
-    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout", "prefix_cache_tokens", "prefix_cache_detail", "sampling_penalties", "grammar_kinds", "prefix_cache_limit", "session_fork", "pooling_type", "embeddings", "input_logprobs")
+    __slots__ = ("supported_versions", "engine", "model_fingerprint", "architecture", "n_layers_total", "layer_range", "is_first", "is_last", "n_embd", "n_vocab", "n_ctx", "n_ctx_per_session", "max_sessions", "bos_token_id", "eos_token_id", "hidden_dtype", "hidden_wire_dtypes", "mtp_enabled", "mtp_max_draft_tokens", "aux_state_kinds", "max_message_bytes", "max_credit", "resume_ttl_ms", "system_info", "layer_ranges_supported", "layer_ranges_detail", "max_logits_positions", "relay_allowed", "relay_return", "session_rewind", "batch_groups", "chat", "parse_special", "model_name", "session_handoff", "kv_layout", "prefix_cache_tokens", "prefix_cache_detail", "sampling_penalties", "grammar_kinds", "prefix_cache_limit", "session_fork", "pooling_type", "embeddings", "input_logprobs", "group_steps")
     SUPPORTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class GetCapabilitiesResponse(_message.Message):
     POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     INPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     supported_versions: _containers.RepeatedCompositeFieldContainer[ProtocolVersion]
     engine: str
     model_fingerprint: str
@@ -193,7 +194,8 @@ class GetCapabilitiesResponse(_message.Message):
     pooling_type: str
     embeddings: bool
     input_logprobs: bool
-    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_detail: _Optional[str] = ..., sampling_penalties: _Optional[bool] = ..., grammar_kinds: _Optional[_Iterable[str]] = ..., prefix_cache_limit: _Optional[bool] = ..., session_fork: _Optional[bool] = ..., pooling_type: _Optional[str] = ..., embeddings: _Optional[bool] = ..., input_logprobs: _Optional[bool] = ...) -> None: ...
+    group_steps: bool
+    def __init__(self, supported_versions: _Optional[_Iterable[_Union[ProtocolVersion, _Mapping]]] = ..., engine: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., n_layers_total: _Optional[int] = ..., layer_range: _Optional[_Union[LayerRange, _Mapping]] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., n_ctx_per_session: _Optional[int] = ..., max_sessions: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., hidden_wire_dtypes: _Optional[_Iterable[str]] = ..., mtp_enabled: _Optional[bool] = ..., mtp_max_draft_tokens: _Optional[int] = ..., aux_state_kinds: _Optional[_Iterable[str]] = ..., max_message_bytes: _Optional[int] = ..., max_credit: _Optional[int] = ..., resume_ttl_ms: _Optional[int] = ..., system_info: _Optional[str] = ..., layer_ranges_supported: _Optional[bool] = ..., layer_ranges_detail: _Optional[str] = ..., max_logits_positions: _Optional[int] = ..., relay_allowed: _Optional[bool] = ..., relay_return: _Optional[bool] = ..., session_rewind: _Optional[bool] = ..., batch_groups: _Optional[bool] = ..., chat: _Optional[_Union[ChatTemplate, _Mapping]] = ..., parse_special: _Optional[bool] = ..., model_name: _Optional[str] = ..., session_handoff: _Optional[bool] = ..., kv_layout: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_detail: _Optional[str] = ..., sampling_penalties: _Optional[bool] = ..., grammar_kinds: _Optional[_Iterable[str]] = ..., prefix_cache_limit: _Optional[bool] = ..., session_fork: _Optional[bool] = ..., pooling_type: _Optional[str] = ..., embeddings: _Optional[bool] = ..., input_logprobs: _Optional[bool] = ..., group_steps: _Optional[bool] = ...) -> None: ...
 
 class ChatTemplate(_message.Message):
     __slots__ = ("template", "bos_token", "eos_token", "eot_token", "add_bos", "special_texts")
@@ -811,3 +813,37 @@ class EmbedResponse(_message.Message):
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+
+class GroupStepRequest(_message.Message):
+    __slots__ = ("version", "rows")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    version: ProtocolVersion
+    rows: _containers.RepeatedCompositeFieldContainer[GroupRow]
+    def __init__(self, version: _Optional[_Union[ProtocolVersion, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[GroupRow, _Mapping]]] = ...) -> None: ...
+
+class GroupRow(_message.Message):
+    __slots__ = ("session_id", "decode")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    decode: Decode
+    def __init__(self, session_id: _Optional[str] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
+
+class GroupStepResponse(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[GroupRowResult]
+    def __init__(self, rows: _Optional[_Iterable[_Union[GroupRowResult, _Mapping]]] = ...) -> None: ...
+
+class GroupRowResult(_message.Message):
+    __slots__ = ("session_id", "result", "error", "n_past")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    N_PAST_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    result: StepResult
+    error: Error
+    n_past: int
+    def __init__(self, session_id: _Optional[str] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., n_past: _Optional[int] = ...) -> None: ...

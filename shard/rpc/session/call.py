@@ -168,6 +168,43 @@ class SessionCall(Lifecycle):
     def running(self) -> bool:
         return self._cancel.active.value
 
+    # ---- a group's rows (GroupSteps, ``session.group``) ---------------------------------
+
+    def row_refusal(self, caller: tuple[str, str]) -> ShardError | None:
+        """Why a GroupSteps row of ``caller`` may not run on this session now (None: it may).
+        Another caller's session is answered as an unknown id (as ``fork_of`` is)."""
+        sid = self.session_id
+        if caller != self.caller or self.phase.value is Phase.AWAITING_OPEN:
+            return ShardError(ErrorCode.SESSION_NOT_FOUND,
+                              "no live session of this caller with this id", session_id=sid)
+        if self.routed is not None or self.returner is not None:
+            return ShardError(ErrorCode.UNSUPPORTED_FEATURE, "a session of a chain relay route "
+                              "takes its steps on its own stream", session_id=sid)
+        if (self.phase.value is not Phase.IDLE or self.error is not None
+                or self._end_reason is not None):
+            return ShardError(ErrorCode.SESSION_BUSY, "the session is running a step or closing",
+                              session_id=sid)
+        return None
+
+    def begin_row(self) -> None:
+        """A group row of this (idle) session starts: RUNNING, as a step from its stream, so
+        its stream's own step requests are refused meanwhile and a Cancel stops the row."""
+        self.phase.value = Phase.RUNNING
+        self._cancel.begin()
+        self._cancel.started()
+
+    def end_row(self, generated: int, fatal: ShardError | None = None) -> None:
+        """The row ended (``generated``: 1 when its result was computed): IDLE again, and a
+        close waiting for the step goes on. Counted in ``SessionClosed.totals``. ``fatal``: an
+        error that ends a session's stream (``FATAL_IN_SESSION``) ends this one's."""
+        if fatal is not None:
+            self._fail(fatal)
+        self._cancel.finished()
+        self._totals.generated_tokens += generated
+        if self.phase.value is Phase.RUNNING:
+            self.phase.value = Phase.IDLE
+        self._cancel.ended()
+
     # ---- the task ------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

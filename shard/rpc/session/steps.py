@@ -49,21 +49,31 @@ async def prefill(ctx: StepContext, p: pb.Prefill, usage: pb.Usage) -> None:
 async def decode(ctx: StepContext, d: pb.Decode, usage: pb.Usage, returner: Returner | None) -> None:
     """One position appended (a token or a hidden row); a last hop of a direct-return route
     also hands its result to the route's return address (``returner``)."""
-    sampling, token, hidden, token_id = ctx.decode_input(d)
-    if token is not None:
-        ctx.follows = (ctx.positions.next_token is not None
-                       and token == ctx.positions.next_token)
-    hint = ctx.client_hint() if token is not None else None
-    with ctx.cancellable():
-        await ctx.take_credit()
-        start = ctx.positions.end
-        result = await ctx.decode_one(token, hidden, sampling, d.top_logprobs, hint, token_id)
+    result, start = await compute_decode(ctx, d)
     if returner is not None and d.relay_tag and result.logits is not None:
         # the chain's first hop may start its next step before this reaches it up the chain
         returner.push(d.relay_tag, convert.step_to_proto(
             result, ctx.outbox.step_no + 1, start, ctx.wire_dtype))
     await ctx.send_step(result, start, usage_follows=True)
     usage.generated_tokens += 1
+
+
+async def compute_decode(ctx: StepContext, d: pb.Decode, *, credit: bool = True
+                         ) -> tuple[StepResult, int]:
+    """A Decode's checked input computed (within the Cancel region): (result, its start).
+    ``credit``: take one first (a group row's result leaves on the group's stream, which is
+    paced by its one answer per request, not by the session's credit)."""
+    sampling, token, hidden, token_id = ctx.decode_input(d)
+    if token is not None:
+        ctx.follows = (ctx.positions.next_token is not None
+                       and token == ctx.positions.next_token)
+    hint = ctx.client_hint() if token is not None else None
+    with ctx.cancellable():
+        if credit:
+            await ctx.take_credit()
+        start = ctx.positions.end
+        result = await ctx.decode_one(token, hidden, sampling, d.top_logprobs, hint, token_id)
+    return result, start
 
 
 async def run_generate(ctx: StepContext, g: pb.Generate, usage: pb.Usage, registry: SessionHost) -> None:
