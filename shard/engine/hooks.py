@@ -99,6 +99,11 @@ class EngineHooks(abc.ABC):
         (engines that report ``Capabilities.prefix_cache_tokens``)."""
         raise UnsupportedFeature("this engine keeps no prefix cache")
 
+    async def _impl_move_cells(self, source: int, seq: int) -> None:
+        """Move every cell of sequence ``source`` (a prefix cache entry's) to the empty ``seq``,
+        leaving ``source`` empty (engines that report ``Capabilities.prefix_cache_tokens``)."""
+        raise UnsupportedFeature("this engine keeps no prefix cache")
+
     def _impl_lookahead_cells(self) -> int:
         """KV cells held by steps computed ahead and not claimed (engines that look ahead)."""
         return 0

@@ -118,6 +118,36 @@ class PrefixCache:
             assert (m.prefix_cache_hits_total, m.prefix_cache_hit_tokens_total) == (1, len(history))
             assert m.kv_cells_used == len(history) + len(tail) + 4
 
+    async def test_an_entry_stored_between_live_sessions_moves_above_them(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """A history released between live sessions is stored above them (its cells moved to
+        the highest free sequence id), so the next session takes the freed id beside them
+        (sessions take the lowest: on llama.cpp one run of ids is one pass per tick); a prompt
+        served from the moved entry computes what a cacheless engine computes."""
+        async with cached_engine(engine_factory) as engine, engine_factory.open() as plain:
+            prompt = prompt_tokens(engine, 20, salt=31)
+            await engine.open_session("x")
+            history, _ = await history_of(engine, "a", prompt, 2)
+            await engine.open_session("y")
+            freed = engine._slots["a"].seq_id
+            assert engine._slots["x"].seq_id < freed < engine._slots["y"].seq_id
+            await engine.release("a")
+            (entry,) = engine._prefix.cache.keys()
+            assert entry > engine._slots["y"].seq_id
+            tail = prompt_tokens(engine, 6, salt=32)[1:]
+            await engine.open_session("b")
+            assert engine._slots["b"].seq_id == freed
+            got = await prefill(engine, "b", history + tail)
+            assert got.cached_tokens == len(history)
+            ref_history, _ = await history_of(plain, "a", prompt, 2)
+            assert ref_history == history
+            want = await prefill(plain, "a", tail, position=len(history))
+            assert_same_logits(got, want)
+            assert await continue_greedy(engine, "b", got, 3) == await continue_greedy(plain, "a", want, 3)
+            m = engine.metrics()
+            assert m.kv_cells_used == len(history) + len(tail) + 3
+
     async def test_live_sessions_share_a_prefix_and_a_rewind_affects_only_its_own(
         self, engine_factory: EngineFactory
     ) -> None:
