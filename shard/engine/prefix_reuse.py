@@ -114,7 +114,7 @@ class PrefixReuse:
         counters["prefix_cache_stored_total"] += kept
         counters["prefix_cache_evictions_total"] += evicted
         await self.forget([key for key in freed if key != slot.seq_id])
-        if kept:
+        if slot.seq_id in cache:  # (not evicted meanwhile by another release)
             await self._move_up(slot.seq_id)
         return kept
 

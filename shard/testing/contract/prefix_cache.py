@@ -148,6 +148,36 @@ class PrefixCache:
             m = engine.metrics()
             assert m.kv_cells_used == len(history) + len(tail) + 3
 
+    async def test_sessions_released_together_leave_a_consistent_cache(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """Sessions released at once into a cache of one entry (each release keeps its
+        history, evicting the one before, which another release may be moving up): the cache
+        holds what it says, every id comes back, and a prompt it serves computes what a
+        cacheless engine computes."""
+        async with cached_engine(engine_factory, BUDGET // 2) as engine, \
+                engine_factory.open() as plain:
+            n = engine.capabilities().max_sessions
+            histories = [(await history_of(engine, f"r{i}", prompt_tokens(engine, 12 + i, salt=40 + i), 1))[0]
+                         for i in range(n)]
+            await engine.release("r0")  # the cache is full: every later release evicts
+            async with trio.open_nursery() as nursery:
+                for i in range(1, n):
+                    nursery.start_soon(engine.release, f"r{i}")
+            cache = engine._prefix.cache
+            kept = [i for i, h in enumerate(histories) if h in {cache.ids(k) for k in cache.keys()}]
+            m = engine.metrics()
+            assert kept and m.kv_cells_used == 0
+            assert m.prefix_cache_tokens == sum(len(histories[i]) for i in kept)
+            for i in range(n):  # every session id is free again
+                await engine.open_session(f"n{i}")
+            i = kept[0]
+            tail = prompt_tokens(engine, 5, salt=60)[1:]
+            got = await prefill(engine, "n0", histories[i] + tail)
+            ref, _ = await history_of(plain, "a", prompt_tokens(plain, 12 + i, salt=40 + i), 1)
+            assert ref == histories[i] and got.cached_tokens == len(ref)
+            assert_same_logits(got, await prefill(plain, "a", tail, position=len(ref)))
+
     async def test_live_sessions_share_a_prefix_and_a_rewind_affects_only_its_own(
         self, engine_factory: EngineFactory
     ) -> None:
