@@ -203,6 +203,23 @@ def test_batching_bench_runs_every_part(tmp_path: Path) -> None:
     assert "sharing: 96-token prompt alone" in out
 
 
+def test_seq_runs_bench_counts_one_ubatch_per_tick_with_a_cache_entry(tmp_path: Path) -> None:
+    """A smoke run of bench/engine/seq_runs.py on the tiny model, which also checks what it
+    exists to show: with a prefix cache entry stored between sessions, 16 sessions' decode
+    ticks still run as one ubatch (the entry moved above their ids)."""
+    out = tmp_path / "seq_runs.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.engine.seq_runs", "--model", "tiny", "--steps", "3",
+         "--rounds", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for variant in ("cache-off", "cache-on"):
+        assert results[variant]["ticks"] >= 2
+        assert results[variant]["ubatches_per_tick"] == 1.0, results
+
+
 def test_contention_bench_runs_every_scenario(tmp_path: Path) -> None:
     """A smoke run of bench/worker/contention.py on the tiny model with small sizes: every scenario
     runs against a real worker and the oversized requests are refused."""

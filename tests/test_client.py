@@ -612,3 +612,47 @@ async def test_a_session_whose_connection_its_owner_closed_fails_with_a_shard_er
         with pytest.raises(ShardError) as caught:
             await session.decode(token=4)
         assert caught.value.code in (ErrorCode.DRAINING, ErrorCode.NOT_READY), caught.value
+
+
+async def test_a_session_opened_ahead_sends_its_first_step_without_waiting_for_the_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``open_session(ahead=True)`` returns once ``OpenSession`` is sent: the prefill follows
+    it before any response was read, ``opened`` is filled in by the first read (credit with
+    it, none granted before), and a refused open fails that first step with the open's
+    error (and frees the worker's side)."""
+    events: list[str] = []
+    send, nxt = ClientSession._send, ClientSession._next
+
+    async def sending(self: ClientSession, req: pb.SessionRequest) -> None:
+        events.append(f"send {req.WhichOneof('kind')}")
+        await send(self, req)
+
+    async def reading(self: ClientSession) -> pb.SessionResponse:
+        msg = await nxt(self)
+        events.append(f"read {msg.WhichOneof('kind')}")
+        return msg
+
+    monkeypatch.setattr(ClientSession, "_send", sending)
+    monkeypatch.setattr(ClientSession, "_next", reading)
+    async with worker() as w, ShardClient.connect(w.target, timeout=10) as c:
+        s = await c.open_session("ahead", credit=TOKEN_CREDIT, ahead=True)
+        try:
+            assert s.opened == pb.SessionOpened()  # not read yet
+            step = await s.prefill(TOKENS)
+            assert step.n_past == 6 and s.opened.credit == TOKEN_CREDIT
+            assert s.opened.session_id == "ahead"
+            assert events[:3] == ["send open", "send prefill", "read opened"], events
+            assert "send credit" not in events
+            assert len([st async for st in s.generate(max_tokens=80, ignore_eos=True)]) == 80
+            await s.close()
+        finally:
+            s.abort()
+        events.clear()
+        refused = await c.open_session(expected_model_fingerprint="nope", ahead=True)
+        with pytest.raises(ShardError) as info:
+            await refused.prefill(TOKENS)
+        assert info.value.code is ErrorCode.INCOMPATIBLE_MODEL and not refused.alive
+        assert events[:2] == ["send open", "send prefill"], events
+        await w.idle()
+        assert w.engine.sessions() == ()

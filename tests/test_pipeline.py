@@ -617,3 +617,44 @@ async def test_a_chunked_text_prompt_past_the_context_is_refused_before_any_chun
         assert pinfo.value.hop_index == 0 and "301 positions exceed" in pinfo.value.message
         assert [w.engine.metrics().prefill_tokens_total for w in chain] == [0, 0, 0]
         await assert_all_free([whole, *chain])
+
+
+async def test_a_whole_model_hop_sends_its_prompt_right_behind_the_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pipeline of one whole-model worker opens its session ahead: the first ``Prefill``
+    follows ``OpenSession`` before ``SessionOpened`` is read (one round trip less to the first
+    token), with the same tokens as the worker's own Generate; a full worker's refusal
+    then fails the first step with the open's error, and nothing is left behind."""
+    from shard.client import ClientSession
+
+    events: list[str] = []
+    send, nxt = ClientSession._send, ClientSession._next
+
+    async def sending(self: ClientSession, req: pb.SessionRequest) -> None:
+        events.append(f"send {req.WhichOneof('kind')}")
+        await send(self, req)
+
+    async def reading(self: ClientSession) -> pb.SessionResponse:
+        msg = await nxt(self)
+        events.append(f"read {msg.WhichOneof('kind')}")
+        return msg
+
+    async with shards([LayerRange(0, 4)]) as (whole,):
+        want = await whole_model_steps(whole.target, PROMPT, max_tokens=N_TOKENS, ignore_eos=True)
+        monkeypatch.setattr(ClientSession, "_send", sending)
+        monkeypatch.setattr(ClientSession, "_next", reading)
+        async with Pipeline.connect([whole.target], timeout=TIMEOUT) as pipe:
+            got = await pipe.generate(PROMPT, max_tokens=N_TOKENS, ignore_eos=True)
+            assert got.tokens == [s.logits.token_id for s in want]
+            assert events[:3] == ["send open", "send prefill", "read opened"], events
+            async with ShardClient.connect(whole.target, timeout=TIMEOUT) as client, \
+                    AsyncExitStack() as held:
+                for i in range(MAX_SESSIONS):
+                    await held.enter_async_context(client.session(f"full-{i}"))
+                events.clear()
+                with pytest.raises(PipelineError) as info:
+                    await pipe.generate(PROMPT, max_tokens=4)
+                assert info.value.cause.code is ErrorCode.RESOURCE_EXHAUSTED
+                assert events[:2] == ["send open", "send prefill"], events
+        await assert_all_free([whole])

@@ -188,6 +188,22 @@ def test_eviction_is_least_recently_used_and_spares_pinned_entries() -> None:
     assert cache.insert(5, [5, 5]) == ([1], 1)
 
 
+def test_a_moved_entry_keeps_its_place_and_a_pinned_one_stays() -> None:
+    cache = PrefixCache(6, 3)
+    cache.insert(1, [1, 1])
+    cache.insert(2, [2, 2])
+    cache.insert(3, [3, 3])
+    assert cache.move(2, 9)
+    assert cache.keys() == [1, 9, 3] and cache.ids(9) == (2, 2) and 2 not in cache
+    cache.pin(3)
+    assert not cache.move(3, 8) and cache.keys() == [1, 9, 3]
+    with pytest.raises(ValueError):
+        cache.move(1, 9)
+    assert cache.lookup([2, 2]) == Hit(9, 2)  # found under its new key, and marked used
+    assert cache.keys() == [1, 3, 9]
+    assert cache.insert(4, [4, 4]) == ([1], 1)
+
+
 def test_an_off_cache_keeps_nothing() -> None:
     for cache in (PrefixCache(0, 3), PrefixCache(10, 0)):
         assert not cache.enabled

@@ -15,7 +15,8 @@ own duration, before that point). Stages, in order:
 * ``generate``: the response's generation task started ``Backend.generate`` (after the
   ASGI response began: the handler returned, hypercorn called it);
 * ``pipeline``: a route was leased and ``Pipeline.generate`` entered (the wait queue's turn);
-* ``open_sent`` / ``opened``: ``OpenSession`` written / ``SessionOpened`` read;
+* ``open_sent`` / ``opened``: ``OpenSession`` written / ``SessionOpened`` read (a session
+  opened ahead, ``ShardClient.open_session(ahead=True)``, reads it after ``prefill_sent``);
 * ``prefill_sent``: the prompt's first ``Prefill`` written;
 * ``first_step``: its result (the first token) read back;
 * ``prefilled``: the prompt's request ended (its ``Usage`` read);
@@ -154,6 +155,24 @@ def install() -> None:
         _mark("opened")
 
     ClientSession._open = traced_open  # type: ignore[method-assign]
+
+    ahead = ClientSession._open_ahead
+
+    @functools.wraps(ahead)
+    async def traced_ahead(self: ClientSession, open_msg: Any) -> None:
+        await ahead(self, open_msg)
+        _mark("open_sent")
+
+    ClientSession._open_ahead = traced_ahead  # type: ignore[method-assign]
+
+    read_opened = ClientSession._read_opened
+
+    @functools.wraps(read_opened)
+    async def traced_read_opened(self: ClientSession) -> None:
+        await read_opened(self)
+        _mark("opened")
+
+    ClientSession._read_opened = traced_read_opened  # type: ignore[method-assign]
 
     begin = ClientSession._begin
 

@@ -365,12 +365,17 @@ class ShardClient:
         prefix_probe: Sequence[int] = (),
         fork_of: str = "",
         timeout: float | None = _DEFAULT,
+        ahead: bool = False,
     ) -> ClientSession:
         """Open a session stream and return it (prefer ``session()``, which also closes it).
         ``prefix_probe`` (a worker reporting ``prefix_cache_limit``): token ids, of which
         ``session.opened.prefix_cached_tokens`` says how many leading ones its prefix cache (and
         its route's) holds. ``fork_of`` (a worker reporting ``session_fork``): the id of a live
         session this caller opened on the worker; the new one starts as a copy of its history.
+        ``ahead``: return once ``OpenSession`` is sent, so the first request follows it without
+        waiting a round trip; ``session.opened`` is filled in by the first read, and a refused
+        open fails it. Only for a worker whose protocol version this client already speaks (its
+        capabilities were read): a refused version is not retried in an older one then.
 
         The caller owns the result: finish it with ``close()`` or ``abort()``.
         """
@@ -395,6 +400,15 @@ class ShardClient:
                 pb.LayerRange(start=expected_layer_range[0], end=expected_layer_range[1])
             )
         deadline = self._deadline(timeout)
+        if ahead:
+            stream = self._conn.open_stream("Session", deadline, self.metadata)
+            session = ClientSession(self, stream, sid)
+            try:
+                await session._open_ahead(open_msg)
+            except BaseException:
+                session.abort()
+                raise
+            return session
         while True:
             stream = self._conn.open_stream("Session", deadline, self.metadata)
             session = ClientSession(self, stream, sid)

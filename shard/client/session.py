@@ -62,6 +62,7 @@ class ClientSession:
         self._pending = False  # the last request's Usage has not been read (a generate left early)
         self._guard = TaskGuard(session_id)  # one task at a time
         self._chunks = ResultChunks()  # of a split result, not yet complete
+        self._opening = False  # OpenSession sent, its SessionOpened not read yet (``_open_ahead``)
 
     @property
     def client(self) -> SessionClient:
@@ -103,6 +104,8 @@ class ClientSession:
 
     async def _next(self) -> pb.SessionResponse:
         """The next response; a stream that ended becomes this session's fatal error."""
+        if self._opening:
+            await self._read_opened()
         if self._dead is not None:
             raise self._dead
         try:
@@ -129,9 +132,32 @@ class ClientSession:
         self.opened = msg.opened
         self._window = self._outstanding = max(1, msg.opened.credit)
 
+    async def _open_ahead(self, open_msg: pb.OpenSession) -> None:
+        """Send ``OpenSession`` and return at once: the first request may follow it on the
+        stream without a round trip (docs/protocol.md, "The Session stream"), and the
+        ``SessionOpened`` is read before that request's first response. Until then ``opened``
+        is empty and no credit is granted (the worker's initial grant covers the first
+        results); a refused open fails the first read with the open's error."""
+        await self._send(self._request(open=open_msg))
+        self._opening = True
+
+    async def _read_opened(self) -> None:
+        """Read the ``SessionOpened`` of an ``_open_ahead``; anything else ends the session."""
+        self._opening = False
+        msg = await self._next()
+        if msg.WhichOneof("kind") != "opened":
+            err = ShardError(ErrorCode.INTERNAL, f"expected SessionOpened, got {msg.WhichOneof('kind')}",
+                             session_id=self.session_id)
+            self._dead = err
+            self._stream.abort()
+            raise err
+        self.opened = msg.opened
+        self._window = self._outstanding = max(1, msg.opened.credit)
+
     def _needs_top_up(self) -> bool:
         """Half the credit window is used (and credit can still be granted)."""
-        return self._outstanding <= self._window // 2 and self.closed is None and self._dead is None
+        return (self._outstanding <= self._window // 2 and self.closed is None and self._dead is None
+                and not self._opening)
 
     async def _top_up(self) -> None:
         """Grant credit back once half the window is used (the caller consumed results)."""

@@ -434,6 +434,13 @@ class FakeEngine(ShardEngine):
             self._kv.pop(seq, None)
         await trio.lowlevel.checkpoint()
 
+    async def _impl_move_cells(self, source: int, seq: int) -> None:
+        # (before the checkpoint: a step planned from the moved entry finds it at ``seq``)
+        cells = self._kv.pop(source, None)
+        if cells:
+            self._kv[seq] = cells
+        await trio.lowlevel.checkpoint()
+
     def _cell_shape(self) -> tuple[int, int]:
         assert self._weights is not None
         return len(self._weights.blocks), self.model.n_embd

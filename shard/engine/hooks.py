@@ -105,6 +105,11 @@ class EngineHooks(abc.ABC):
         and no sequence id once it returns, and must not touch any session's cells."""
         raise UnsupportedFeature("this engine computes no embeddings")
 
+    async def _impl_move_cells(self, source: int, seq: int) -> None:
+        """Move every cell of sequence ``source`` (a prefix cache entry's) to the empty ``seq``,
+        leaving ``source`` empty (engines that report ``Capabilities.prefix_cache_tokens``)."""
+        raise UnsupportedFeature("this engine keeps no prefix cache")
+
     def _impl_lookahead_cells(self) -> int:
         """KV cells held by steps computed ahead and not claimed (engines that look ahead)."""
         return 0

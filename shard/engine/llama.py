@@ -211,6 +211,9 @@ class LlamaCppEngine(ShardEngine):
     async def _impl_forget_cells(self, seq_ids: list[int]) -> None:
         await self._native.run(self._forget_sync, seq_ids)
 
+    async def _impl_move_cells(self, source: int, seq: int) -> None:
+        await self._native.run(self._kv.move_sync, source, seq)
+
     async def _impl_fork(self, source: Slot, slot: Slot) -> None:
         await self._native.run(self._kv.fork_sync, source.seq_id, slot.seq_id, source.n_past,
                                source.session_id, self._ahead.drop_sync)

@@ -98,6 +98,33 @@ class KvCells:
         finally:
             self.commit([seq])
 
+    def move_sync(self, source: int, seq: int) -> None:
+        """Move every cell of ``source`` (a prefix cache entry) to the empty ``seq``; ``source``
+        is left empty. As a state read and write, done at once: a copy between streams
+        (``llama_memory_seq_cp``) is performed only at the next ``llama_decode``, and a session
+        that took ``source`` meanwhile could have written its stream first (an import). While a
+        fork's copy is pending, state reads are refused until that decode, and then the copy
+        joins it instead: performed at the same decode, in order, before any row is written."""
+        ctx, mem = self.model.ctx, self.model.mem
+        n_held = int(held.llama_memory_seq_pos_max(mem, source)) + 1
+        try:
+            if self.copies_pending:
+                lc.llama_memory_seq_cp(mem, source, seq, -1, -1)
+            else:
+                data = self.state_bytes(source, f"the prefix cache entry {source}")
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                read = int(lc.llama_state_seq_set_data(ctx, buf, len(data), seq))
+                if read != len(data):
+                    raise EngineFailure(f"llama.cpp read {read} of {len(data)} bytes moving a "
+                                        f"prefix cache entry{native_reason()}")
+            moved = int(held.llama_memory_seq_pos_max(mem, seq)) + 1
+            if moved != n_held:
+                held.llama_memory_seq_rm(mem, seq, -1, -1)
+                raise EngineFailure(f"a moved prefix cache entry holds {moved} of {n_held} positions")
+        finally:
+            held.llama_memory_seq_rm(mem, source, -1, -1)
+            self.commit([source, seq])
+
     def decoded(self, rc: int) -> None:
         """A ``llama_decode`` returned ``rc``: a successful one performed every pending copy."""
         if rc == 0:

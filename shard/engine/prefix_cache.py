@@ -157,6 +157,16 @@ class PrefixCache:
         self._tokens += n
         return freed, evicted
 
+    def move(self, key: int, new_key: int) -> bool:
+        """The entry ``key`` is stored under ``new_key`` from now on (same place in the LRU
+        order); False, and nothing changes, while it is pinned (a step copies from it)."""
+        if new_key in self._entries:
+            raise ValueError(f"key {new_key} is already an entry")
+        if self._entries[key].pins:
+            return False
+        self._entries = OrderedDict((new_key if k == key else k, e) for k, e in self._entries.items())
+        return True
+
     def clear(self) -> list[int]:
         """Forget every entry (pinned ones too); returns their keys."""
         keys = list(self._entries)

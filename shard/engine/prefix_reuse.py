@@ -1,10 +1,11 @@
 """Prefix reuse across sessions: when a released session's history is kept in the prefix cache,
 and how a new prefill starts from a kept one. The same mechanism on every engine; an
-implementation only copies and frees cells (``ComputePlan.copy_from``,
-``_impl_forget_cells``).
+implementation only copies, frees and moves cells (``ComputePlan.copy_from``,
+``_impl_forget_cells``, ``_impl_move_cells``).
 
 Why released histories only (not a truncated tail): a released session's sequence id passes to
-its entry as it is, so keeping it copies nothing; a copy of a live session's cells would be a
+its entry as it is (or its cells move to a higher free id at once, ``_move_up``), so keeping it
+copies nothing that is written later; a copy of a live session's cells would be a
 second stream written later (llama.cpp performs a copy between streams at the next
 ``llama_decode``; no public call performs it sooner), which an import into that session could
 overwrite first (a fork, ``fork_session``, makes such a copy and refuses state reads and writes
@@ -42,6 +43,8 @@ class CellHooks(Protocol):
     async def _impl_truncate(self, slot: Slot, keep: int) -> None: ...
 
     async def _impl_forget_cells(self, seq_ids: list[int]) -> None: ...
+
+    async def _impl_move_cells(self, source: int, seq: int) -> None: ...
 
 
 class PrefixReuse:
@@ -97,8 +100,9 @@ class PrefixReuse:
             self.cache.unpin(plan.copy_from)
 
     async def keep(self, slot: Slot) -> bool:
-        """Keep the released ``slot``'s history as an entry (its sequence id with it); returns
-        whether it was kept. Entries it replaces or evicts are freed here."""
+        """Keep the released ``slot``'s history as an entry (its sequence id with it, or its
+        cells moved to a higher free id: ``_move_up``); returns whether it was kept. Entries it
+        replaces or evicts are freed here."""
         cache = self.cache
         if not cache.enabled or slot.tokens is None or slot.n_past == 0:
             return False
@@ -110,7 +114,31 @@ class PrefixReuse:
         counters["prefix_cache_stored_total"] += kept
         counters["prefix_cache_evictions_total"] += evicted
         await self.forget([key for key in freed if key != slot.seq_id])
+        if slot.seq_id in cache:  # (not evicted meanwhile by another release)
+            await self._move_up(slot.seq_id)
         return kept
+
+    async def _move_up(self, key: int) -> None:
+        """Store the new entry ``key`` (the released session's sequence id, which the caller
+        leaves held) at the highest free id instead, when one is above it, and free ``key``.
+
+        Why: sessions take the lowest free ids, and llama.cpp splits a tick into one ubatch per
+        run of consecutive ids (docs/engine.md, "Sequence ids and ubatches"): an entry left
+        where a session was splits every later tick of the sessions around it in two, each
+        pass reading all the weights (the door's chats release one session per conversation,
+        so under load one entry always sat inside the sessions' run). The entry is re-keyed
+        before its cells move: a step that finds it from then on copies from the new id, and
+        its tick runs in the native thread after the move. A pinned entry (a step is copying
+        from it) stays where it is."""
+        sessions, cache = self._sessions, self.cache
+        target = sessions.take_free_above(key)
+        if target is None:
+            return
+        if not cache.move(key, target):
+            sessions.free_id(target)
+            return
+        await self._runner.guard(self._hooks._impl_move_cells(key, target))
+        sessions.free_id(key)
 
     async def forget(self, seq_ids: list[int]) -> None:
         """Free the cells of entries the cache let go, and their sequence ids."""

@@ -2,8 +2,9 @@
 
 Why an object of its own: which sessions exist, which sequence id each holds and when an id is
 free again is one piece of bookkeeping, apart from what the engine runs on them. The prefix
-cache's entries hold sequence ids too (a released session's id passes to its entry, and comes
-back here when the entry goes): the engine has ``max_sessions`` ids for sessions plus one per
+cache's entries hold sequence ids too (a released session's id passes to its entry, or the
+entry moves to the highest free id, ``take_free_above``; an id comes back here when its entry
+goes): the engine has ``max_sessions`` ids for sessions plus one per
 entry the cache may keep, so a session can always open while fewer than ``max_sessions`` are.
 """
 
@@ -90,6 +91,17 @@ class SessionTable:
         self._held -= 1
         if not cached:
             heapq.heappush(self._free, slot.seq_id)
+
+    def take_free_above(self, seq_id: int) -> int | None:
+        """Take the highest free id if it is above ``seq_id`` (None: no such id). Sessions
+        take the lowest free ids, so what is stored at the highest stays out of their run."""
+        free = self._free
+        if not free or max(free) <= seq_id:
+            return None
+        top = max(free)
+        free.remove(top)
+        heapq.heapify(free)
+        return top
 
     def free_id(self, seq_id: int) -> None:
         """A prefix cache entry's sequence id is free again (its cells are gone)."""

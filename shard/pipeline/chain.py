@@ -92,7 +92,8 @@ async def run(
     """``Pipeline.generate`` over a chain relay: the same steps, stop rules and result.
     ``cost`` learns the workers' loop's time per token (what speculation must beat)."""
     with Blame(runner, blames):
-        await runner.open()
+        # Without a route the hop probes nothing: its prefill may follow the open at once.
+        await runner.open(ahead=True)
         last: list[pb.StepResult] = []
 
         async def keep(out: HopOutput) -> None:

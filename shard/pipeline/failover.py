@@ -89,6 +89,7 @@ class HopFailover:
                 self._tried_targets.add(replica.target)
         self.sessions = HeldSessions(gen, replicas)
         self._handover_failed = False
+        self._ahead = False  # the open being made may be sent ahead (``open``)
         # A routed session answers for every hop of its route: a step may take each of them
         # its step timeout (the workers on the route wait as long for the hops after them,
         # so the one nearest a hung hop reports it first), and its deadline leaves the
@@ -151,9 +152,20 @@ class HopFailover:
         return (not self._handover_failed and self._may_move()
                 and any(takes_state(self.replica.caps, c.caps) for c in self._candidates()))
 
-    async def open(self) -> None:
-        """Open the hop's session on the current replica (or the next that takes it)."""
-        await self._replace(None)
+    async def open(self, *, ahead: bool = False) -> None:
+        """Open the hop's session on the current replica (or the next that takes it).
+
+        ``ahead``: where nothing that follows depends on the worker's answer, send the open and
+        return without waiting for it, so the first step follows it on the stream at once
+        (``ShardClient.open_session(ahead=True)``). That holds for a whole-model hop without a
+        route, with one replica, not opened as a fork: its first prefill needs no
+        ``cache_limit`` (no probe is asked), and a refused open has no other replica to try,
+        so the refusal fails the first step as it would have failed the open."""
+        self._ahead = ahead
+        try:
+            await self._replace(None)
+        finally:
+            self._ahead = False
 
     async def close(self) -> None:
         """Close the session (released). A worker that fails now has nothing left to compute:
@@ -366,6 +378,8 @@ class HopFailover:
             raise ShardError(ErrorCode.DEADLINE_EXCEEDED, "the pipeline deadline expired")
         want = convert.offered_dtype(replica.caps, self.gen.hidden_dtype)
         tokens_only = replica.caps.is_first and replica.caps.is_last and self.route is None
+        ahead = (self._ahead and tokens_only and not fork_of and self._opened == 1
+                 and len(self.replicas.replicas) == 1)
         return await replica.client.open_session(
             name,
             # a whole-model hop's results are tokens: a wide window costs fewer grants
@@ -379,6 +393,7 @@ class HopFailover:
             prefix_probe=self.gen.prefix_probe if self.probes(replica) else (),
             fork_of=fork_of,
             timeout=timeout,
+            ahead=ahead,
         )
 
     def probes(self, replica: Replica) -> bool:

@@ -77,9 +77,10 @@ class HopRunner:
 
     # ---- steps ----------------------------------------------------------------------------
 
-    async def open(self) -> None:
-        """Open the hop's session on the current replica (or the next that takes it)."""
-        await self.failover.open()
+    async def open(self, *, ahead: bool = False) -> None:
+        """Open the hop's session on the current replica (or the next that takes it);
+        ``ahead``: without waiting for the answer where it can (``HopFailover.open``)."""
+        await self.failover.open(ahead=ahead)
 
     def honours_cache_limit(self) -> bool:
         """The hop's worker takes ``Prefill.cache_limit`` (reports ``prefix_cache_limit``)."""

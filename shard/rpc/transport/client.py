@@ -163,6 +163,9 @@ class ClientStream:
 
     @contextlib.contextmanager
     def _deadline_scope(self) -> Iterator[None]:
+        if self.deadline == math.inf:  # no deadline: no cancel scope to open and close
+            yield
+            return
         with trio.move_on_at(self.deadline) as scope:
             yield
         if scope.cancelled_caught:

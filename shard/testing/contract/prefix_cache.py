@@ -118,6 +118,66 @@ class PrefixCache:
             assert (m.prefix_cache_hits_total, m.prefix_cache_hit_tokens_total) == (1, len(history))
             assert m.kv_cells_used == len(history) + len(tail) + 4
 
+    async def test_an_entry_stored_between_live_sessions_moves_above_them(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """A history released between live sessions is stored above them (its cells moved to
+        the highest free sequence id), so the next session takes the freed id beside them
+        (sessions take the lowest: on llama.cpp one run of ids is one pass per tick); a prompt
+        served from the moved entry computes what a cacheless engine computes."""
+        async with cached_engine(engine_factory) as engine, engine_factory.open() as plain:
+            prompt = prompt_tokens(engine, 20, salt=31)
+            await engine.open_session("x")
+            history, _ = await history_of(engine, "a", prompt, 2)
+            await engine.open_session("y")
+            freed = engine._slots["a"].seq_id
+            assert engine._slots["x"].seq_id < freed < engine._slots["y"].seq_id
+            await engine.release("a")
+            (entry,) = engine._prefix.cache.keys()
+            assert entry > engine._slots["y"].seq_id
+            tail = prompt_tokens(engine, 6, salt=32)[1:]
+            await engine.open_session("b")
+            assert engine._slots["b"].seq_id == freed
+            got = await prefill(engine, "b", history + tail)
+            assert got.cached_tokens == len(history)
+            ref_history, _ = await history_of(plain, "a", prompt, 2)
+            assert ref_history == history
+            want = await prefill(plain, "a", tail, position=len(history))
+            assert_same_logits(got, want)
+            assert await continue_greedy(engine, "b", got, 3) == await continue_greedy(plain, "a", want, 3)
+            m = engine.metrics()
+            assert m.kv_cells_used == len(history) + len(tail) + 3
+
+    async def test_sessions_released_together_leave_a_consistent_cache(
+        self, engine_factory: EngineFactory
+    ) -> None:
+        """Sessions released at once into a cache of one entry (each release keeps its
+        history, evicting the one before, which another release may be moving up): the cache
+        holds what it says, every id comes back, and a prompt it serves computes what a
+        cacheless engine computes."""
+        async with cached_engine(engine_factory, BUDGET // 2) as engine, \
+                engine_factory.open() as plain:
+            n = engine.capabilities().max_sessions
+            histories = [(await history_of(engine, f"r{i}", prompt_tokens(engine, 12 + i, salt=40 + i), 1))[0]
+                         for i in range(n)]
+            await engine.release("r0")  # the cache is full: every later release evicts
+            async with trio.open_nursery() as nursery:
+                for i in range(1, n):
+                    nursery.start_soon(engine.release, f"r{i}")
+            cache = engine._prefix.cache
+            kept = [i for i, h in enumerate(histories) if h in {cache.ids(k) for k in cache.keys()}]
+            m = engine.metrics()
+            assert kept and m.kv_cells_used == 0
+            assert m.prefix_cache_tokens == sum(len(histories[i]) for i in kept)
+            for i in range(n):  # every session id is free again
+                await engine.open_session(f"n{i}")
+            i = kept[0]
+            tail = prompt_tokens(engine, 5, salt=60)[1:]
+            got = await prefill(engine, "n0", histories[i] + tail)
+            ref, _ = await history_of(plain, "a", prompt_tokens(plain, 12 + i, salt=40 + i), 1)
+            assert ref == histories[i] and got.cached_tokens == len(ref)
+            assert_same_logits(got, await prefill(plain, "a", tail, position=len(ref)))
+
     async def test_live_sessions_share_a_prefix_and_a_rewind_affects_only_its_own(
         self, engine_factory: EngineFactory
     ) -> None:
