@@ -110,6 +110,11 @@ class EngineHooks(abc.ABC):
         leaving ``source`` empty (engines that report ``Capabilities.prefix_cache_tokens``)."""
         raise UnsupportedFeature("this engine keeps no prefix cache")
 
+    def _impl_moves_cells(self) -> bool:
+        """Whether ``_impl_move_cells`` moves an entry whole here (False: entries stay at the
+        released session's id)."""
+        return True
+
     def _impl_lookahead_cells(self) -> int:
         """KV cells held by steps computed ahead and not claimed (engines that look ahead)."""
         return 0

@@ -214,6 +214,11 @@ class LlamaCppEngine(ShardEngine):
     async def _impl_move_cells(self, source: int, seq: int) -> None:
         await self._native.run(self._kv.move_sync, source, seq)
 
+    def _impl_moves_cells(self) -> bool:
+        # A sliding-window model's sequence state holds only the window in its SWA cache:
+        # moved through it, an entry would come back with fewer cells than it stands for.
+        return not self._llama.swa
+
     async def _impl_fork(self, source: Slot, slot: Slot) -> None:
         await self._native.run(self._kv.fork_sync, source.seq_id, slot.seq_id, source.n_past,
                                source.session_id, self._ahead.drop_sync)

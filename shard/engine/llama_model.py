@@ -105,6 +105,9 @@ class LlamaModel:
         #: cache does here (or why it is off).
         self.cache_entries = 0
         self.cache_detail = ""
+        #: Sliding-window attention layers (``llama_model_n_swa`` > 0): a sequence's state then
+        #: holds only the window's cells in its SWA cache, so an entry is not moved through it.
+        self.swa = False
         self.info: ModelInfo | None = None
         self.served: LayerRange | None = None
         self.arch = "unknown"
@@ -158,6 +161,7 @@ class LlamaModel:
                 raise InvalidInput(f"model {str(path)!r} has no vocabulary")
             n_vocab = int(lc.llama_vocab_n_tokens(vocab))
             n_embd = int(lc.llama_model_n_embd(model))
+            swa = int(lc.llama_model_n_swa(model)) > 0
             arch = _meta_str(model, b"general.architecture") or "unknown"
             boundary = None if last else BoundaryCapture(n_layer, n_embd)
             entries, cache_detail = _cache_layout(model, spec, n_ctx_per_session)
@@ -221,6 +225,7 @@ class LlamaModel:
             self.model, self.ctx, self.mem, self.vocab, self.batch = model, ctx, mem, vocab, batch
             self.n_batch, self.n_vocab, self.n_embd = n_batch, n_vocab, n_embd
             self.n_seq, self.cache_entries, self.cache_detail = spec.max_sessions + entries, entries, cache_detail
+            self.swa = swa
             self.n_threads, self.n_ctx_seq, self.n_layers_total = threads, n_ctx_seq, n_layers_total
             self.first, self.last = first, last
             self.boundary, self.threads = boundary, pool

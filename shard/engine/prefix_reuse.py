@@ -46,6 +46,8 @@ class CellHooks(Protocol):
 
     async def _impl_move_cells(self, source: int, seq: int) -> None: ...
 
+    def _impl_moves_cells(self) -> bool: ...
+
 
 class PrefixReuse:
     """The engine's prefix cache (``cache``) and the rules of using it."""
@@ -129,7 +131,10 @@ class PrefixReuse:
         so under load one entry always sat inside the sessions' run). The entry is re-keyed
         before its cells move: a step that finds it from then on copies from the new id, and
         its tick runs in the native thread after the move. A pinned entry (a step is copying
-        from it) stays where it is."""
+        from it) stays where it is, and so does every entry of an engine that cannot move one
+        whole (``_impl_moves_cells``)."""
+        if not self._hooks._impl_moves_cells():
+            return
         sessions, cache = self._sessions, self.cache
         target = sessions.take_free_above(key)
         if target is None:
