@@ -564,7 +564,7 @@ def test_chat_turns_bench_resends_the_conversation_and_reports_every_turn(tmp_pa
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
-    variants = ["door", "door_nocache", "pool_parts", "pool_replicas"]
+    variants = ["door", "door_nocache", "door_fa_off", "pool_parts", "pool_replicas"]
     assert record["config"]["variants"] == variants
     (rounds,) = record["rounds"]
     for variant, rows in rounds.items():
@@ -573,7 +573,7 @@ def test_chat_turns_bench_resends_the_conversation_and_reports_every_turn(tmp_pa
         assert all(b > a for a, b in zip(prompts, prompts[1:])), (variant, prompts)
         assert all(r["completion_tokens"] >= 1 and r["ttft_ms"] > 0 for r in rows)
     assert all(r["cached_tokens"] == 0 for r in rounds["door_nocache"])
-    for variant in ("door", "pool_parts", "pool_replicas"):
+    for variant in ("door", "door_fa_off", "pool_parts", "pool_replicas"):
         rows = rounds[variant]
         assert all(0 < rows[t]["cached_tokens"] < rows[t]["prompt_tokens"] for t in (1, 2))
         assert rows[1]["cached_tokens"] >= rows[0]["prompt_tokens"] - 1, variant
