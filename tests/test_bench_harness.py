@@ -16,6 +16,8 @@
 * The CPU-budget bench's burner really spends, in CPU time, what every token asks of it.
 * The multi-turn chat bench resends the whole conversation each turn and reads the door's
   cached tokens.
+* The turn-costs bench decodes every variant at both contexts, its cached session really
+  starts from the prefix cache and its fresh one does not.
 """
 
 from __future__ import annotations
@@ -579,7 +581,7 @@ def test_chat_turns_bench_resends_the_conversation_and_reports_every_turn(tmp_pa
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
-    variants = ["door", "door_nocache", "pool_parts", "pool_replicas"]
+    variants = ["door", "door_nocache", "door_fa_off", "pool_parts", "pool_replicas"]
     assert record["config"]["variants"] == variants
     (rounds,) = record["rounds"]
     for variant, rows in rounds.items():
@@ -588,7 +590,7 @@ def test_chat_turns_bench_resends_the_conversation_and_reports_every_turn(tmp_pa
         assert all(b > a for a, b in zip(prompts, prompts[1:])), (variant, prompts)
         assert all(r["completion_tokens"] >= 1 and r["ttft_ms"] > 0 for r in rows)
     assert all(r["cached_tokens"] == 0 for r in rounds["door_nocache"])
-    for variant in ("door", "pool_parts", "pool_replicas"):
+    for variant in ("door", "door_fa_off", "pool_parts", "pool_replicas"):
         rows = rounds[variant]
         assert all(0 < rows[t]["cached_tokens"] < rows[t]["prompt_tokens"] for t in (1, 2))
         assert rows[1]["cached_tokens"] >= rows[0]["prompt_tokens"] - 1, variant
@@ -655,3 +657,24 @@ def test_concurrent_chats_bench_measures_every_level_and_traces_the_doors_stages
                  "token", "delta", "written"]
         assert [s[k] for k in order] == sorted(s[k] for k in order), s
         assert s["render"] > 0
+
+
+def test_turn_costs_bench_decodes_every_variant_and_the_cached_one_from_the_cache(tmp_path: Path) -> None:
+    """A ``--quick`` run of bench/engine/turn_costs.py: raw, engine and engine_cached decoded
+    the requested steps at both contexts; only engine_cached's prompt came from the prefix
+    cache (all but its last 27 positions); the first step was taken with and without a copy."""
+    out = tmp_path / "turn_costs.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.engine.turn_costs", "--quick", "--threads", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["environment"]["threads"] == 1 and "--quick" in report["environment"]["command"]
+    decode = [m for m in report["measurements"] if m["part"] == "decode"]
+    assert {(m["variant"], m["context"]) for m in decode} == {
+        (v, n) for v in ("raw", "engine", "engine_cached") for n in (40, 120)}
+    for m in decode:
+        assert m["cached_tokens"] == (m["context"] - 27 if m["variant"] == "engine_cached" else 0), m
+        assert m["wall_ms"] > 0 and m["cpu_ms"] >= 0
+    assert {m["variant"] for m in report["measurements"] if m["part"] == "copy"} == {"own", "copied"}
+    assert set(report["summary"]["ratios"]) >= {"engine_over_raw_wall_at_120", "engine_cached_over_engine_cpu_at_40"}

@@ -133,6 +133,18 @@ def test_serve_without_extra_bufts_says_so_in_caps() -> None:
         assert len(json.loads(gen.stdout)["tokens"]) == 4
 
 
+def test_serve_with_flash_attention_off_says_so_in_caps() -> None:
+    """``--flash-attn off`` reaches llama.cpp's context: the state layout says so (sessions
+    move only between workers of the same choice), and the worker generates."""
+    with running_worker("--flash-attn", "off") as (target, _):
+        out = _run("caps", "--target", target, "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["kv_layout"].endswith("/fa=off")
+        gen = _run("generate", "--target", target, "--json", "--max-tokens", "4", "hello")
+        assert gen.returncode == 0, gen.stderr
+        assert len(json.loads(gen.stdout)["tokens"]) == 4
+
+
 def _run_json_against_fresh_worker() -> dict[str, object]:
     with running_worker() as (target, _):
         out = _run("generate", "--target", target, "--json", "--max-tokens", "1000", "hello")

@@ -11,6 +11,8 @@ nothing cached) and alternating in a rotating order:
   context per session as llama-server's slots) behind ``trio-shard api``, the prefix cache at
   its default;
 * ``door_nocache``: the same with ``--prefix-cache-tokens 0``;
+* ``door_fa_off``: the same as ``door`` with ``serve --flash-attn off`` (llama-server keeps
+  flash attention on, its auto choice on CPU);
 * ``pool_parts``: a 2-part pool: ``serve --part 1/2`` and ``--part 2/2`` (each ``--threads``,
   the same context, ``--prefix-cache-tokens`` one session's context on both, since a layer
   range has none by default) behind ``trio-shard api --workers A,B``: one complete route of
@@ -69,7 +71,7 @@ USER_MESSAGES = (
 )
 CTX = 8192  # llama-server's -c, and the worker's --ctx: 2048 a session/slot with 4 of them
 SLOTS = 4
-VARIANTS = ("door", "door_nocache", "pool_parts", "pool_replicas", "llama_server")
+VARIANTS = ("door", "door_nocache", "door_fa_off", "pool_parts", "pool_replicas", "llama_server")
 POOLS = ("pool_parts", "pool_replicas")
 _PICKS = re.compile(r'^trio_shard_api_pool_picks_total\{by="(\w+)",model="m"\} ([0-9.e+]+)$', re.M)
 
@@ -157,7 +159,8 @@ def started(variant: str, args: argparse.Namespace, logs: Path) -> Iterator[int]
             stack.enter_context(http_server(cmd, port=port, ready_path="/health",
                                             log=logs / f"chat_turns_{variant}_api.log"))
         else:
-            extra = ["--prefix-cache-tokens", "0"] if variant == "door_nocache" else []
+            extra = {"door_nocache": ["--prefix-cache-tokens", "0"],
+                     "door_fa_off": ["--flash-attn", "off"]}.get(variant, [])
             worker = stack.enter_context(shard_server(
                 args.model, threads=args.threads, ctx=CTX, max_sessions=SLOTS, extra=extra,
                 log=logs / f"chat_turns_{variant}_worker.log"))

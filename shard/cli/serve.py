@@ -98,6 +98,12 @@ def add_parser(sub: Any) -> Options:
              "the last result is sent: for Generate and for clients that decode the "
              "token the worker sampled (auto), for Generate only, or off "
              "(docs/engine.md, \"Look-ahead\"; default: auto)")
+    opts.add("--flash-attn", choices=("auto", "on", "off"), default="auto",
+             help="llama.cpp's flash attention: its own choice (auto: on for CPU), or forced "
+             "on or off. Off computes attention as matrix products: on CPU, faster for "
+             "decode steps and for a few new tokens after a long context (a chat's later "
+             "turns), slower for prompts that start cold (docs/benchmarks.md, \"Cold "
+             "prefill\"); sessions move only between workers of the same choice (default: auto)")
     opts.add("--no-extra-bufts", dest="extra_bufts", action="store_false",
              help="load weights without llama.cpp's extra buffer types (repacked and "
              "AMX layouts): a safe fallback when a native build's AMX kernels trap; "
@@ -246,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     log.info("model: %s", served.path)
 
     async def serve_until_stopped() -> None:
-        async with LlamaCppEngine() as engine:
+        flash_attn = {"auto": None, "on": True, "off": False}[args.flash_attn]
+        async with LlamaCppEngine(flash_attn=flash_attn) as engine:
             with unwrap_single_exception():  # report OSError / EngineError, not a group
                 async with trio.open_nursery() as nursery:
                     reloadable = [x for x in (authenticator, relay and relay.peers) if x is not None]
