@@ -34,7 +34,7 @@ async def run_all(targets: list[str], dtype: str, batch_groups: int | None,
     """Every generation's tokens (``cancel``: that one is cancelled after 3 tokens)."""
     got: dict[int, list[int]] = {}
     async with Pipeline.connect(targets, timeout=TIMEOUT, hidden_dtype=dtype,
-                                batch_groups=batch_groups) as pipe:
+                                batch_groups=batch_groups, group_steps=True) as pipe:
         async def one(i: int) -> None:
             with trio.CancelScope() as scope:
                 seen: list[int] = []
@@ -143,7 +143,7 @@ async def test_a_hop_failing_mid_group_fails_over_each_session() -> None:
         reference = await run_all([first.target, second.target], "float32", batch_groups=0)
         got: dict[int, list[int]] = {}
         async with Pipeline.connect([first.target, [second.target, spare.target]],
-                                    timeout=TIMEOUT, batch_groups=1) as pipe:
+                                    timeout=TIMEOUT, batch_groups=1, group_steps=True) as pipe:
             async def one(i: int) -> None:
                 def token(step: Any) -> None:
                     if i == 0 and step.n_past == len(prompt(0)) + 4:

@@ -226,7 +226,7 @@ class Pipeline:
         relay: str = "client",
         batch_groups: int | None = None,
         handoff: bool = True,
-        group_steps: bool = True,
+        group_steps: bool = False,
     ) -> AsyncIterator[Pipeline]:
         """Connect to every worker (in order: first shard first) and check the chain.
 
@@ -252,8 +252,9 @@ class Pipeline:
         each session's KV state to its replica instead of replaying the history there (where
         both workers report ``session_handoff``; default True). ``group_steps``: the client relay
         sends a batch group's decodes to each hop as one message per tick where the worker
-        takes them (protocol 1.3; default True; False: one per session, as before; see
-        ``shard.pipeline.gathering``).
+        takes them (protocol 1.3; see ``shard.pipeline.gathering``). Default False (one
+        message per session): at 16 sessions over 2 hops the gatherers' waits cost more
+        throughput than the messages they save (docs/benchmarks.md, "Group steps").
 
         One ``Pipeline`` serves any number of concurrent ``generate`` calls (start them in a
         nursery) over its shared connections; each has its own sessions, so one call's failure,
