@@ -20,12 +20,14 @@ import pytest
 import trio
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import worker
-from test_api import HALVES, MODEL, NAME, front_door, in_thread, post
+from test_api import HALVES, MODEL, NAME, _append, _sessions, front_door, in_thread, post
 from test_pipeline import TIMEOUT
 from test_pool import Listed, fleet, pool_of
 
-from shard.api import Backend, Catalog, build_app, serve_http
+from shard.api import Backend, Catalog, Limits, build_app, serve_http
 from shard.engine import LayerRange, LoadSpec, ShardEngine
+from shard.engine.fake import FakeScript, FakeStep
+from shard.rpc.auth import TokenAuthenticator
 
 POOLED = dataclasses.replace(MODEL, pooling_type="mean")
 
@@ -188,3 +190,39 @@ async def test_a_llama_worker_of_the_embed_model_through_the_door() -> None:
     assert all(np.array_equal(a, np.array(b.embedding, dtype=np.float32)) for a, b in zip(got, b64.data))
     assert not np.allclose(got[0], got[1], atol=1e-3)
     assert floats.usage.prompt_tokens == sum(len(i) for i in ids)
+
+
+async def test_a_keys_embeddings_count_against_its_requests_per_key(tmp_path: Any) -> None:
+    """``requests_per_key`` bounds a key's embeddings as its generations: while one of alice's
+    generations runs (held at its first step), her embedding is a 429 and bob's is answered."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("sk-a alice\nsk-b bob\n")
+    gate = trio.Event()
+
+    async def hold(step: FakeStep) -> None:
+        await gate.wait()
+
+    async with front_door(model=POOLED, keys=TokenAuthenticator(keys_file),
+                          script=FakeScript(on_step=hold),
+                          limits=Limits(requests_per_key=1)) as door:
+        def as_key(key: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+            return post(door.url + path, body, headers={"authorization": f"Bearer {key}"})
+
+        embed = {"model": NAME, "input": "hello", "encoding_format": "float"}
+        async with trio.open_nursery() as nursery:
+            first: list[Any] = []
+            nursery.start_soon(lambda: _append(first, in_thread(partial(
+                as_key, "sk-a", "/v1/completions", {"model": NAME, "prompt": "a", "max_tokens": 2}))))
+            try:  # (the held generation is let go whatever is asserted)
+                with trio.fail_after(10):
+                    while await _sessions(door.workers[0]) == 0:
+                        await trio.sleep(0.01)
+                status, _, got = await in_thread(partial(as_key, "sk-a", "/v1/embeddings", embed))
+                assert status == 429 and got["error"]["code"] == "too_many_requests_for_key", got
+                status, _, got = await in_thread(partial(as_key, "sk-b", "/v1/embeddings", embed))
+                assert status == 200 and len(got["data"]) == 1, got
+            finally:
+                gate.set()
+        assert first[0][0] == 200
+        status, _, got = await in_thread(partial(as_key, "sk-a", "/v1/embeddings", embed))
+        assert status == 200, got  # alice's slot came back

@@ -341,7 +341,8 @@ def build_app(
                                       values=embedding_values(catalog.max_context()))
         first = backend.first
         items = embedding_inputs(body, n_vocab=first.n_vocab, context=backend.context)
-        got = await backend.embed(items, dimensions=body.dimensions)
+        with slots.take(principal(request)):  # a key's embeddings count as its generations do
+            got = await backend.embed(items, dimensions=body.dimensions)
         return JSONResponse(embedding_reply(backend.model_id, got,
                                             as_base64=body.encoding_format == "base64"))
 
