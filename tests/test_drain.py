@@ -21,7 +21,7 @@ from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from rpc_harness import V, req, worker
 from shard.rpc.errors import ErrorCode, GrpcStatus
-from shard.rpc.transport import ClientConnection, ClientStream
+from shard.rpc.transport import ClientConnection, ClientStream, TransportLimits
 from shard.v1 import shard_pb2 as pb
 
 SHARD, HEALTH = "shard.v1.Shard", "grpc.health.v1.Health"
@@ -159,7 +159,10 @@ async def test_cancelling_serve_gives_open_streams_a_status() -> None:
         assert_drained_status(session)
 
 
-async def test_raw_client_sees_goaway_and_later_streams_are_refused() -> None:
+async def test_raw_client_sees_goaway_in_two_steps_and_later_streams_are_refused() -> None:
+    """GOAWAY(2^31-1) and a PING first: a stream the client opens before it acknowledged the PING
+    (it had not seen the GOAWAY yet) is served, not refused unseen (grpcio would retry it
+    transparently); the final GOAWAY names it, and streams after that are refused."""
     from raw_h2 import RawConnection
 
     async with worker() as w:
@@ -170,8 +173,14 @@ async def test_raw_client_sees_goaway_and_later_streams_are_refused() -> None:
             watch = await raw.start(f"/{HEALTH}/Watch", HealthCheckRequest(service=""), end=True)
             await raw.until(lambda f: f.type == 0x0 and f.stream_id == watch)  # first status
             w.server.drain()
-            goaway = await raw.until(lambda f: f.type == 0x7)
-            assert goaway.last_stream_id == watch and goaway.error_code == 0
+            first = await raw.until(lambda f: f.type == 0x7)
+            assert first.last_stream_id == 2**31 - 1 and first.error_code == 0
+            # Opened before the PING that follows the GOAWAY is read (and acknowledged).
+            raced = await raw.start(f"/{SHARD}/Health", pb.HealthRequest(version=V), end=True)
+            final = await raw.until(lambda f: f.type == 0x7)
+            assert final.last_stream_id == raced and final.error_code == 0
+            answer = await raw.headers_of(raced)
+            assert answer["grpc-status"] == "0"  # served: Health answers while draining
             late = await raw.start(f"/{SHARD}/Health", pb.HealthRequest(version=V), end=True)
             reset = await raw.until(lambda f: f.type == 0x3 and f.stream_id == late)
             assert reset.error_code == 0x7  # REFUSED_STREAM: no work was done, retry elsewhere
@@ -179,6 +188,26 @@ async def test_raw_client_sees_goaway_and_later_streams_are_refused() -> None:
             trailers = await raw.headers_of(watch)
             assert trailers["grpc-status"] == str(int(GrpcStatus.UNAVAILABLE))
             assert "shard-error-bin" in trailers
+        finally:
+            await raw.aclose()
+
+
+async def test_a_client_that_never_answers_the_drain_ping_gets_the_final_goaway() -> None:
+    from raw_h2 import RawConnection
+
+    async with worker(transport_limits=TransportLimits(keepalive_timeout=0.2)) as w:
+        host, port = w.target.rsplit(":", 1)
+        raw = await RawConnection.open(host, int(port))
+        try:
+            await raw.handshake()
+            opened = await raw.start(f"/{SHARD}/Health", pb.HealthRequest(version=V), end=True)
+            await raw.headers_of(opened)
+            raw.answer = False  # silent from now on: the PING is never acknowledged
+            w.server.drain()
+            first = await raw.until(lambda f: f.type == 0x7)
+            assert first.last_stream_id == 2**31 - 1
+            final = await raw.until(lambda f: f.type == 0x7)  # after keepalive_timeout
+            assert final.last_stream_id == opened
         finally:
             await raw.aclose()
 

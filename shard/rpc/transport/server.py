@@ -23,8 +23,10 @@ stream), so an unauthenticated peer can never make the worker buffer more than t
 was given at connect; a request message not finished within ``message_timeout`` fails its
 stream and gives its bytes back (one watchdog task per connection).
 
-Drain: ``Server.drain()`` sends GOAWAY (last stream id) on every connection at once and refuses
-later streams (REFUSED_STREAM, which clients retry elsewhere); ``end_calls()`` then ends every
+Drain: ``Server.drain()`` sends GOAWAY on every connection at once, in two steps (2^31-1 with a
+PING, then the last stream id once the PING is acknowledged: a stream the client opened before it
+saw the GOAWAY is served, not refused unseen), and refuses streams above that id (REFUSED_STREAM,
+which clients retry elsewhere); ``end_calls()`` then ends every
 call still open with UNAVAILABLE and a ``shard-error-bin`` DRAINING trailer, and
 ``wait_flushed()`` waits (on events) until those statuses are written.  Cancelling ``serve`` does
 all three, bounded by ``flush_timeout``, before the sockets close.
@@ -78,6 +80,8 @@ from .wire import (
     Outbox,
     Outcome,
     Signal,
+    DRAIN_PING,
+    MAX_STREAM_ID,
     TransportLimits,
     goaway_frame,
 )
@@ -105,7 +109,8 @@ class _Connection:
         self._nursery: trio.Nursery | None = None
         self._greeted = trio.Event()  # the peer's preface and SETTINGS arrived
         self._heard = True  # bytes arrived since the watchdog last looked
-        self.goaway_last: int | None = None  # GOAWAY sent: streams above this id are refused
+        self._going_away = False  # the first GOAWAY (no new streams) was sent
+        self.goaway_last: int | None = None  # final GOAWAY sent: streams above this id are refused
 
     async def run(self) -> None:
         try:
@@ -139,11 +144,41 @@ class _Connection:
             self._nursery.cancel_scope.cancel()
 
     def goaway(self) -> None:
-        """Graceful GOAWAY: no streams after the last one the peer opened (sent once)."""
+        """Graceful GOAWAY in two steps, as gRPC's own servers drain: GOAWAY(2^31-1) and a PING
+        now; once the peer acknowledges that PING (it has then seen the GOAWAY and opens no more
+        streams here), or after ``keepalive_timeout``, GOAWAY with the last stream it opened.
+
+        A stream the peer opened before it saw the first frame is therefore served (a draining
+        worker answers a new session with DRAINING, a status the client reads) instead of being
+        refused unseen: grpcio retries a stream refused unseen transparently, and that retry
+        (grpcio 1.85) could outlive the call's deadline. Streams above the final id are refused
+        with REFUSED_STREAM."""
+        if self._going_away:
+            return
+        self._going_away = True
+        self.send_pending()  # frames h2 already produced go first
+        self._outbox.push(goaway_frame(MAX_STREAM_ID))
+        try:
+            self.h2.h2_connection.ping(DRAIN_PING)
+        except h2.exceptions.ProtocolError:
+            self.final_goaway()
+            return
+        self.send_pending()
+        if self._nursery is None:
+            self.final_goaway()
+        else:
+            self._nursery.start_soon(self._final_goaway_after, self.server.limits.keepalive_timeout)
+
+    def final_goaway(self) -> None:
+        """The second GOAWAY: the last stream the peer opened; later ones are refused."""
         if self.goaway_last is None:
             self.goaway_last = self.h2.h2_connection.highest_inbound_stream_id
-            self.send_pending()  # frames h2 already produced go first
+            self.send_pending()
             self._outbox.push(goaway_frame(self.goaway_last))
+
+    async def _final_goaway_after(self, timeout: float) -> None:
+        await trio.sleep(timeout)  # a peer that never answers the PING
+        self.final_goaway()
 
     @property
     def unsent(self) -> int:
@@ -302,6 +337,8 @@ class _Connection:
             self._refuse_call(sid, ShardError(ErrorCode.INTERNAL, "malformed request headers"))
         elif kind == "goaway":
             self.close(EndReason.CONNECTION_LOST)
+        elif kind == "drain_ack":
+            self.final_goaway()
         else:
             if (call := self.calls.get(sid)) is None:
                 self.h2.forget(sid)
@@ -621,8 +658,9 @@ class Server:
         self._changed = trio.Event()
 
     def drain(self) -> None:
-        """Stop accepting connections and send GOAWAY on every open one now: running calls go
-        on, new streams are refused with REFUSED_STREAM (a client retries them elsewhere)."""
+        """Stop accepting connections and send GOAWAY on every open one now (two steps, see
+        ``_Connection.goaway``): running calls go on, streams opened after the client saw it are
+        refused with REFUSED_STREAM (a client retries them elsewhere)."""
         self.draining = True
         self._accepting.cancel()
         for conn in list(self._connections):

@@ -395,6 +395,12 @@ def _plain_sender(stream: trio.abc.SendStream) -> Callable[[bytes], Awaitable[No
     return send
 
 
+#: The last stream id of a draining server's first GOAWAY: "no new streams", none refused yet.
+MAX_STREAM_ID = 2**31 - 1
+#: The PING sent with that first GOAWAY; its ACK says the peer saw the GOAWAY (frames are ordered).
+DRAIN_PING = b"shard-dr"
+
+
 def goaway_frame(last_stream_id: int, error_code: int = 0) -> bytes:
     """A GOAWAY frame built outside h2: h2 3.2 refuses every later frame once it sent GOAWAY
     itself, but a graceful drain must keep serving the streams up to ``last_stream_id``."""
@@ -479,7 +485,7 @@ class _Flow:
 class Signal(NamedTuple):
     """Transport events purerpc drops or turns into connection errors."""
 
-    kind: str  # "reset", "oversized", "compressed", "malformed", "goaway"
+    kind: str  # "reset", "oversized", "compressed", "malformed", "goaway", "drain_ack"
     stream_id: int
     detail: int = 0  # the HTTP/2 error code (reset) or last stream id (goaway)
 
@@ -656,6 +662,9 @@ class BoundedH2(GRPCConnection):
 
     def _connection_terminated(self, event: Any) -> list[Any]:
         return [Signal("goaway", 0, event.last_stream_id or 0)]
+
+    def _ping_acknowledged(self, event: Any) -> list[Any]:
+        return [Signal("drain_ack", 0)] if event.ping_data == DRAIN_PING else []
 
     # ---- the ledger ----------------------------------------------------------------------
 
