@@ -9,12 +9,21 @@ property test's example budget; the RPC fuzzer (tests/test_rpc_fuzz.py) then run
 
 import signal
 
+import pytest
 from hypothesis import settings
 
 #: Example budget of the long profile; also how the fuzzer recognises it.
 LONG_EXAMPLES = 1_000_000
 
 settings.register_profile("long", max_examples=LONG_EXAMPLES, deadline=None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long profile runs for as long as it is told (``SHARD_FUZZ_SECONDS``): the per-test
+    timeout (pyproject.toml), there to stop a hung test, does not apply to it."""
+    if settings.default.max_examples >= LONG_EXAMPLES:
+        for item in items:
+            item.add_marker(pytest.mark.timeout(0))
 
 
 def sigint_default() -> None:
