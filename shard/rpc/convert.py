@@ -51,7 +51,10 @@ def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "",
                         grammar_start: int = 0) -> SamplingParams:
     """Proto sampling parameters; ``top_p`` and ``repeat_penalty`` 0 read as 1.0,
     ``penalty_last_n`` 0 as its default (proto3 defaults = off), a ``grammar_start`` 0 as the
-    given one (where the step's prompt ends)."""
+    given one (where the step's prompt ends). An empty message (every field its default, as
+    most steps send it) is read once: its parameters are shared (they are immutable)."""
+    if not msg.ByteSize():
+        return _DEFAULT_SAMPLING
     if msg.grammar_kind and not (msg.grammar_start or grammar_start):
         raise ShardError(ErrorCode.INVALID_ARGUMENT, "grammar_start is needed: the session has "
                          "no grammar to continue", session_id=session_id, reason="INVALID_GRAMMAR")
@@ -74,6 +77,9 @@ def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "",
     except InvalidInput as exc:
         raise ShardError(ErrorCode.INVALID_ARGUMENT, exc.message, session_id=session_id,
                          reason=exc.code if exc.code == "INVALID_GRAMMAR" else "") from None
+
+
+_DEFAULT_SAMPLING = SamplingParams(top_p=1.0, repeat_penalty=1.0, penalty_last_n=DEFAULT_PENALTY_LAST_N)
 
 
 def uses_sampling_extensions(msg: pb.SamplingParams) -> bool:
