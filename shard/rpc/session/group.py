@@ -195,7 +195,7 @@ async def _submit(host: GroupHost, rows: list[tuple[SessionCall, pb.Decode, pb.G
             ctx.positions.computed(start, outcome)
             outbox = ctx.outbox
             outbox.step_no += 1  # the session's next step (its stream's results number on from it)
-            res.result.CopyFrom(convert.step_to_proto(outcome, outbox.step_no, start, ctx.wire_dtype))
+            convert.step_into(res.result, outcome, outbox.step_no, start, ctx.wire_dtype)
             ctx.positions.sent(outcome.n_past)
             host.count("steps_sent_total")
         except Exception:
@@ -234,7 +234,7 @@ async def _row(host: GroupHost, call: SessionCall, d: pb.Decode, res: pb.GroupRo
         generated = 1
         outbox = ctx.outbox
         outbox.step_no += 1  # the session's next step (its stream's results number on from it)
-        res.result.CopyFrom(convert.step_to_proto(result, outbox.step_no, start, ctx.wire_dtype))
+        convert.step_into(res.result, result, outbox.step_no, start, ctx.wire_dtype)
         ctx.positions.sent(result.n_past)
         host.count("steps_sent_total")
     finally:
