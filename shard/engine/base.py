@@ -516,14 +516,17 @@ class ShardEngine(EngineHooks):
         session RUNNING while it runs (a session named twice: ``SessionBusy`` for the second),
         stopped alone by ``cancel`` or ``release`` of its session and by its own step timeout
         (``StepTimeout``), rolled back alone. A caller's cancellation stops every row (each
-        rolled back as a cancelled decode) and is raised once they all stopped. Rows a batch
-        cannot take at once (a grammar to compile, a step computed ahead to claim; an engine
-        without a batching scheduler: every row) run as ``decode`` runs them, concurrently."""
+        rolled back as a cancelled decode) and is raised once they all stopped. Every row is
+        RUNNING before this yields, except a row with a grammar (compiled first: it runs as
+        ``decode`` runs it). Rows a batch cannot take at once (a step computed ahead to claim;
+        an engine without a batching scheduler: every row) run as steps of their own,
+        concurrently."""
         await trio.lowlevel.checkpoint_if_cancelled()
         outcomes: list[StepResult | EngineError | None] = [None] * len(requests)
         scheduler = self._impl_group_scheduler()
         grouped: list[tuple[int, GroupRow]] = []
-        alone: list[int] = []
+        begun: list[tuple[int, Slot, Capabilities, ComputePlan]] = []  # each a step of its own
+        grammars: list[int] = []  # compiled first, so RUNNING later: plain decodes
         named: set[str] = set()
         for i, request in enumerate(requests):
             sid = request.session_id
@@ -531,35 +534,46 @@ class ShardEngine(EngineHooks):
                 outcomes[i] = SessionBusy(f"session {sid!r} is running an operation", session_id=sid)
                 continue
             named.add(sid)
-            if scheduler is None or getattr(request.sampling, "grammar", None) is not None:
-                alone.append(i)
+            if getattr(request.sampling, "grammar", None) is not None:
+                grammars.append(i)
                 continue
             try:
                 caps = self._require_ready()
-                slot = self._sessions.get(request.session_id)
+                slot = self._sessions.get(sid)
                 plan = decode_plan(request, slot, caps)
-                job = self._impl_group_job(slot, plan)
-                if job is not None:
-                    self._attach_grammar(slot, request.sampling)
+                self._attach_grammar(slot, request.sampling)
+                job = None if scheduler is None else self._impl_group_job(slot, plan)
             except EngineError as exc:
                 outcomes[i] = exc
                 continue
+            # RUNNING from here, every row before the first checkpoint: a cancel of its session
+            # from now on stops it.
+            begin_operation(slot)
             if job is None:
-                alone.append(i)
-                continue
-            begin_operation(slot)  # RUNNING from here (no checkpoint before the group runs)
-            grouped.append((i, GroupRow(slot, caps, plan, request.sampling, request.top_k_logprobs, job)))
+                begun.append((i, slot, caps, plan))
+            else:
+                grouped.append((i, GroupRow(slot, caps, plan, request.sampling, request.top_k_logprobs, job)))
 
-        async def one(i: int) -> None:
+        async def alone(i: int, slot: Slot, caps: Capabilities, plan: ComputePlan) -> None:
+            r = requests[i]
+            try:
+                outcomes[i] = await self._runner.step(slot, caps, plan, r.sampling, r.top_k_logprobs,
+                                                      0, "decode_tokens_total", begun=True)
+            except EngineError as exc:
+                outcomes[i] = exc
+
+        async def decode(i: int) -> None:
             try:
                 outcomes[i] = await self.decode(requests[i])
             except EngineError as exc:
                 outcomes[i] = exc
 
-        if alone:
+        if begun or grammars:
             async with trio.open_nursery() as nursery:
-                for i in alone:
-                    nursery.start_soon(one, i)
+                for i, slot, caps, plan in begun:  # (each task ends its row, even if cancelled)
+                    nursery.start_soon(alone, i, slot, caps, plan)
+                for i in grammars:
+                    nursery.start_soon(decode, i)
                 if grouped:
                     assert scheduler is not None
                     await self._runner.group([row for _, row in grouped], scheduler)

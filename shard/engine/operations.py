@@ -94,7 +94,8 @@ class OperationRunner:
             slot.idle.set()
 
     async def step(self, slot: Slot, caps: Capabilities, plan: ComputePlan,
-                   params: SamplingParams, top_k: int, reused: int, counter: str) -> StepResult:
+                   params: SamplingParams, top_k: int, reused: int, counter: str, *,
+                   begun: bool = False) -> StepResult:
         """Run one step (a prefill or decode) with the session marked RUNNING; roll back on
         any failure.
 
@@ -119,7 +120,7 @@ class OperationRunner:
                 raise slot.cancel.error(slot.session_id)
             return hooks._make_result(slot, caps, plan, raw, params, top_k, reused, counter, chosen)
 
-        return await self.running(slot, plan.keep, work)
+        return await self.running(slot, plan.keep, work, begun=begun)
 
     async def group(self, rows: Sequence[GroupRow], scheduler: BatchScheduler) -> None:
         """Run one-row steps of many sessions as one submission (``ShardEngine.decode_group``):
@@ -194,16 +195,20 @@ class OperationRunner:
             slot.state = SessionState.IDLE
             slot.idle.set()
 
-    async def running(self, slot: Slot, keep: int | None, work: Callable[[], Awaitable[T]]) -> T:
+    async def running(self, slot: Slot, keep: int | None, work: Callable[[], Awaitable[T]], *,
+                      begun: bool = False) -> T:
         """``work()`` with the session marked RUNNING, counted, and rolled back on failure to
         ``keep`` (None: to what the session holds committed, ``slot.n_past``; a stream commits
         step by step). Shared by single steps (``step``) and streams.
 
         A caller whose scope is already cancelled gets ``trio.Cancelled`` before anything is
-        touched (a step whose cancel arrived first never starts).
+        touched (a step whose cancel arrived first never starts). ``begun``: the caller marked
+        the session RUNNING already (``begin_operation``, a group's row), so a ``cancel`` since
+        then is kept and stops the step.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        begin_operation(slot)
+        if not begun:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            begin_operation(slot)
         committed = False
         status = self._status
         counters = status.counters

@@ -12,7 +12,7 @@ stream's close waits for it; its stream's deadline or reset releases it, which f
 its positions kept and resynced as its stream's steps' are, and a row's failure is that row's
 outcome only. Its sessions share a batch group, so the engine's scheduler runs the rows in one
 tick (``shard.engine.batching``, rule 5). A row whose session must first drop positions past
-its logical end (after a resume) runs as its own step (``_row``).
+its logical end (after a resume), or with a grammar to compile, runs as its own step (``_row``).
 
 A row's result does not take the session's credit: it leaves on the group's stream, whose one
 answer per request paces it.
@@ -95,10 +95,15 @@ async def run_group(host: GroupHost, req: pb.GroupStepRequest, caller: tuple[str
         claimed.append((call, row.decode, res))
     host.count("group_steps_total")
     host.count("group_rows_total", len(req.rows))
-    # A row whose session holds more positions in the engine than it counts (after a resume)
-    # is a one-position prefill (``StepContext.decode_one``): it runs as its own step.
-    alone = [c for c in claimed if c[0].ctx.positions.end != c[0].ctx.positions.engine]
-    together = [c for c in claimed if c[0].ctx.positions.end == c[0].ctx.positions.engine]
+    # Rows that run as their own steps, each in its session's Cancel region: a row whose
+    # session holds more positions in the engine than it counts (after a resume: a
+    # one-position prefill, ``StepContext.decode_one``), and a row with a grammar (compiled
+    # before its session is RUNNING in the engine, which a Cancel must stop too).
+    alone, together = [], []
+    for c in claimed:
+        positions = c[0].ctx.positions
+        own = positions.end != positions.engine or bool(c[1].sampling.grammar_kind)
+        (alone if own else together).append(c)
     if alone:
         async with trio.open_nursery() as nursery:
             for call, d, res in alone:

@@ -110,6 +110,8 @@ class Groups:
                 op = start_op(nursery, engine.decode_group,
                               [DecodeRequest(sid, token=nxt[sid]) for sid in SIDS])
                 await wait_running(engine, "b")
+                # Every row is RUNNING once the group started: a cancel of any is never lost.
+                assert all(engine.session_info(sid).state is SessionState.RUNNING for sid in SIDS)
                 if how == "cancel":
                     assert engine.cancel("b") is True
                 else:
