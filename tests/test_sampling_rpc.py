@@ -58,6 +58,9 @@ def test_the_wire_carries_every_field_and_reads_unset_as_off() -> None:
     assert params.logit_bias == ((40, 1.5), (41, -math.inf))
     unset = convert.sampling_from_proto(pb.SamplingParams())
     assert unset.plain_greedy and unset.repeat_penalty == 1.0 and unset.penalty_last_n == 64
+    # (an empty message is read once and shared: what the fields read as, set explicitly)
+    assert unset == convert.sampling_from_proto(pb.SamplingParams(top_p=1.0, repeat_penalty=1.0))
+    assert convert.sampling_from_proto(pb.SamplingParams(), grammar_start=7).grammar is None
     assert not convert.uses_sampling_extensions(sampling(0.7, top_k=5, top_p=0.9))
     # a window of 0 (no penalties) travels as penalties off
     assert not convert.sampling_from_proto(sampling(repeat_penalty=2.0, penalty_last_n=0)).penalized

@@ -45,12 +45,13 @@ from .errors import (
     IllegalTransition,
     InvalidInput,
     NotReady,
+    SessionBusy,
     UnsupportedFeature,
 )
 from . import grammar
 from .grammar import GrammarBook
 from .hooks import EngineHooks
-from .operations import OperationRunner
+from .operations import GroupRow, OperationRunner, begin_operation
 from .plans import ComputePlan, StreamRun
 from .prefix_reuse import PrefixReuse, commit_history
 from .results import step_history, step_outputs
@@ -505,6 +506,84 @@ class ShardEngine(EngineHooks):
         self._attach_grammar(slot, request.sampling)
         return await self._runner.step(slot, caps, plan, request.sampling,
                                        request.top_k_logprobs, 0, "decode_tokens_total")
+
+    async def decode_group(self, requests: Sequence[DecodeRequest]) -> list[StepResult | EngineError]:
+        """Each request's ``decode`` (one row of its own session), submitted together: a
+        batching engine queues the rows at once and the caller waits once for all of them
+        (one wake-up per tick, not one per row). Returns each row's outcome, in order: its
+        result, or the ``EngineError`` its ``decode`` would have raised; a row's failure is
+        that row's only. Each row keeps what a decode of its session is: checked alone, its
+        session RUNNING while it runs (a session named twice: ``SessionBusy`` for the second),
+        stopped alone by ``cancel`` or ``release`` of its session and by its own step timeout
+        (``StepTimeout``), rolled back alone. A caller's cancellation stops every row (each
+        rolled back as a cancelled decode) and is raised once they all stopped. Every row is
+        RUNNING before this yields, except a row with a grammar (compiled first: it runs as
+        ``decode`` runs it). Rows a batch cannot take at once (a step computed ahead to claim;
+        an engine without a batching scheduler: every row) run as steps of their own,
+        concurrently."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        outcomes: list[StepResult | EngineError | None] = [None] * len(requests)
+        scheduler = self._impl_group_scheduler()
+        grouped: list[tuple[int, GroupRow]] = []
+        begun: list[tuple[int, Slot, Capabilities, ComputePlan]] = []  # each a step of its own
+        grammars: list[int] = []  # compiled first, so RUNNING later: plain decodes
+        named: set[str] = set()
+        for i, request in enumerate(requests):
+            sid = request.session_id
+            if sid in named:  # (whichever row of it would start first: the earlier one runs)
+                outcomes[i] = SessionBusy(f"session {sid!r} is running an operation", session_id=sid)
+                continue
+            named.add(sid)
+            if getattr(request.sampling, "grammar", None) is not None:
+                grammars.append(i)
+                continue
+            try:
+                caps = self._require_ready()
+                slot = self._sessions.get(sid)
+                plan = decode_plan(request, slot, caps)
+                self._attach_grammar(slot, request.sampling)
+                job = None if scheduler is None else self._impl_group_job(slot, plan)
+            except EngineError as exc:
+                outcomes[i] = exc
+                continue
+            # RUNNING from here, every row before the first checkpoint: a cancel of its session
+            # from now on stops it.
+            begin_operation(slot)
+            if job is None:
+                begun.append((i, slot, caps, plan))
+            else:
+                grouped.append((i, GroupRow(slot, caps, plan, request.sampling, request.top_k_logprobs, job)))
+
+        async def alone(i: int, slot: Slot, caps: Capabilities, plan: ComputePlan) -> None:
+            r = requests[i]
+            try:
+                outcomes[i] = await self._runner.step(slot, caps, plan, r.sampling, r.top_k_logprobs,
+                                                      0, "decode_tokens_total", begun=True)
+            except EngineError as exc:
+                outcomes[i] = exc
+
+        async def decode(i: int) -> None:
+            try:
+                outcomes[i] = await self.decode(requests[i])
+            except EngineError as exc:
+                outcomes[i] = exc
+
+        if begun or grammars:
+            async with trio.open_nursery() as nursery:
+                for i, slot, caps, plan in begun:  # (each task ends its row, even if cancelled)
+                    nursery.start_soon(alone, i, slot, caps, plan)
+                for i in grammars:
+                    nursery.start_soon(decode, i)
+                if grouped:
+                    assert scheduler is not None
+                    await self._runner.group([row for _, row in grouped], scheduler)
+        elif grouped:
+            assert scheduler is not None
+            await self._runner.group([row for _, row in grouped], scheduler)
+        for i, row in grouped:
+            outcomes[i] = row.result if row.error is None else row.error
+        assert all(o is not None for o in outcomes)
+        return outcomes  # type: ignore[return-value]
 
     async def stream(self, request: StreamRequest, deliver: Callable[[StepResult], bool]) -> int:
         """Decode ``request.token``, then the token each step chose, until ``deliver`` returns

@@ -280,6 +280,15 @@ class FakeEngine(ShardEngine):
             outputs.append(self._compute_position(plan, i, cells))
         return self._output(outputs, plan)
 
+    def _impl_group_scheduler(self) -> BatchScheduler | None:
+        return self._scheduler
+
+    def _impl_group_job(self, slot: Slot, plan: ComputePlan) -> Job | None:
+        scheduler = self._scheduler
+        if scheduler is None:
+            return None
+        return _FakeJob(slot, plan, scheduler.new_step(slot, plan), trio.current_time())
+
     async def _impl_stream(self, slot: Slot, run: StreamRun) -> None:
         scheduler = self._scheduler
         if scheduler is None or run.plan is None:

@@ -9,6 +9,7 @@ This class is the interface only: it holds no state but the one flag an implemen
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from .errors import UnsupportedFeature
 from .plans import ComputePlan
 from .slots import Claimed, Slot
 from .types import Capabilities, LoadSpec
+
+if TYPE_CHECKING:
+    from .scheduler import BatchScheduler, Job
 
 
 class EngineHooks(abc.ABC):
@@ -50,6 +54,23 @@ class EngineHooks(abc.ABC):
         a claim cancelled while it waits leaves the step to its owner, ready for a later claim.
         It ends early, with ``slot.cancel``'s error, when that flag is set."""
         return None
+
+    def _impl_group_scheduler(self) -> BatchScheduler | None:
+        """The batching scheduler ``decode_group`` submits a group's rows to at once (None:
+        each row runs as ``decode`` runs it, concurrently)."""
+        return None
+
+    def _impl_group_job(self, slot: Slot, plan: ComputePlan) -> Job | None:
+        """The scheduler job of a one-row step of a group (``_impl_compute``'s, not yet
+        submitted), or None: this row runs as ``decode`` runs it (e.g. a step computed
+        ahead may be claimed for it). Called on the event loop; must not block."""
+        return None
+
+    def _impl_group_raw(self, job: Job) -> np.ndarray:
+        """What ``_impl_compute`` returns for a finished group job (raises its error)."""
+        if job.error is not None:
+            raise job.error
+        return job.result  # type: ignore[no-any-return]
 
     @abc.abstractmethod
     async def _impl_truncate(self, slot: Slot, keep: int) -> None:

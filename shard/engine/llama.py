@@ -166,6 +166,30 @@ class LlamaCppEngine(ShardEngine):
         assert work.result is not None
         return work.result
 
+    def _impl_group_scheduler(self) -> BatchScheduler | None:
+        return self._scheduler
+
+    def _impl_group_job(self, slot: Slot, plan: ComputePlan) -> Job | None:
+        """``_impl_compute``'s job, unless a step computed ahead may be claimed (``_impl_claim``:
+        the row then runs alone) or the input is the wrong kind (its ``EngineFailure``)."""
+        m = self._llama
+        if (plan.tokens is not None) != m.first or (
+                m.first and plan.tokens is not None and len(plan.tokens) == 1 and self._book.has(slot.seq_id)):
+            return None
+        hidden_out = None if m.last else np.empty((plan.n_new, m.n_embd), dtype=np.float32)
+        logits_out = (np.empty((plan.n_new, m.n_vocab), dtype=np.float32)
+                      if m.last and plan.all_logits else None)
+        return Work(slot, plan, self._scheduler.new_step(slot, plan), trio.current_time(),
+                    hidden_out, logits_out)
+
+    def _impl_group_raw(self, job: Job) -> np.ndarray:
+        if job.error is not None:
+            if isinstance(job.error, (AbortedInStep, TimedOutInStep)):
+                self._counters["aborted_in_step_total"] += 1
+            raise job.error
+        assert job.result is not None
+        return job.result  # type: ignore[no-any-return]
+
     async def _impl_claim(self, slot: Slot, plan: ComputePlan) -> Claimed | None:
         """A one-token step computed ahead (``AheadSteps.claim``), or None."""
         if not (self._llama.first and plan.tokens is not None and len(plan.tokens) == 1

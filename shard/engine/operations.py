@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import outcome
@@ -27,6 +27,9 @@ from .sessions import SessionTable
 from .slots import Claimed, Slot, known_choice
 from .status import EngineStatus
 from .types import Capabilities, EngineState, SamplingParams, SessionState, StepResult
+
+if TYPE_CHECKING:
+    from .scheduler import BatchScheduler, Job
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +46,8 @@ class StepHooks(Protocol):
     async def _impl_compute(self, slot: Slot, plan: ComputePlan) -> np.ndarray: ...
 
     async def _impl_truncate(self, slot: Slot, keep: int) -> None: ...
+
+    def _impl_group_raw(self, job: Job) -> np.ndarray: ...
 
     def _make_result(self, slot: Slot, caps: Capabilities, plan: ComputePlan, raw: np.ndarray,
                      params: SamplingParams, top_k: int, reused: int, counter: str,
@@ -89,7 +94,8 @@ class OperationRunner:
             slot.idle.set()
 
     async def step(self, slot: Slot, caps: Capabilities, plan: ComputePlan,
-                   params: SamplingParams, top_k: int, reused: int, counter: str) -> StepResult:
+                   params: SamplingParams, top_k: int, reused: int, counter: str, *,
+                   begun: bool = False) -> StepResult:
         """Run one step (a prefill or decode) with the session marked RUNNING; roll back on
         any failure.
 
@@ -114,21 +120,95 @@ class OperationRunner:
                 raise slot.cancel.error(slot.session_id)
             return hooks._make_result(slot, caps, plan, raw, params, top_k, reused, counter, chosen)
 
-        return await self.running(slot, plan.keep, work)
+        return await self.running(slot, plan.keep, work, begun=begun)
 
-    async def running(self, slot: Slot, keep: int | None, work: Callable[[], Awaitable[T]]) -> T:
+    async def group(self, rows: Sequence[GroupRow], scheduler: BatchScheduler) -> None:
+        """Run one-row steps of many sessions as one submission (``ShardEngine.decode_group``):
+        each row as ``step`` runs it (RUNNING while it runs, its flag, its deadline, counted,
+        rolled back alone when it fails), but every row's job is queued at once and this task
+        waits once for all of them (``BatchScheduler.compute_group``). Each row's outcome
+        (result or ``EngineError``) is set on it; a caller's cancellation stops every row not
+        computed (rolled back) and is raised once all of them stopped. The caller marked each
+        row's session RUNNING (``begin_operation``) with no checkpoint since."""
+        hooks = self._hooks
+        try:
+            await scheduler.compute_group([row.job for row in rows])
+        except BaseException as exc:
+            cancelled = _is_cancellation(exc)
+            for row in rows:
+                if cancelled:
+                    self._status.counters["cancelled_total"] += 1
+                await self._end(row.slot, row.plan.keep, False)
+            raise
+        for row in rows:
+            slot, plan, job = row.slot, row.plan, row.job
+            committed = False
+            try:
+                try:
+                    raw = hooks._impl_group_raw(job)
+                    if slot.cancel.is_set() and not slot.cancel.timed_out:
+                        raise slot.cancel.error(slot.session_id)
+                    row.result = hooks._make_result(slot, row.caps, plan, raw, row.params, row.top_k,
+                                                    0, "decode_tokens_total")
+                except (EngineError, trio.Cancelled, BaseExceptionGroup):
+                    raise
+                except Exception as exc:  # a hook (piece, is_eog) or the result check misbehaved
+                    log.exception("engine implementation fault while building a result")
+                    raise EngineFailure(f"engine fault: {type(exc).__name__}") from exc
+                committed = True
+            except EngineError as exc:
+                row.error = self._counted(exc)
+            finally:
+                await self._end(slot, plan.keep, committed)
+
+    def _counted(self, exc: EngineError) -> EngineError:
+        """A failed operation's error, counted (``running``'s rules): a cancellation that the
+        engine's failure caused is that failure."""
+        status = self._status
+        counters = status.counters
+        if isinstance(exc, EngineCancelled):
+            if status.state is EngineState.FAILED:
+                counters["errors_total"] += 1
+                return EngineFailure(f"engine failed: {status.detail}")
+            counters["cancelled_total"] += 1
+        elif isinstance(exc, EngineFailure):
+            self.fail(exc.message)
+            counters["errors_total"] += 1
+        else:
+            counters["errors_total"] += 1
+        return exc
+
+    async def _end(self, slot: Slot, keep: int | None, committed: bool) -> None:
+        """An operation on ``slot`` ended: rolled back to ``keep`` unless ``committed`` (see
+        ``running``), and IDLE again."""
+        try:
+            if not committed and slot.touched:
+                with trio.CancelScope(shield=True):
+                    slot.cut(slot.n_past if keep is None else min(slot.n_past, keep))
+                    if self._status.state is EngineState.READY:
+                        try:
+                            await self.guard(self._hooks._impl_truncate(slot, slot.n_past))
+                        except EngineError:
+                            log.warning("rollback of session %s failed", slot.session_id)
+        finally:  # never leave a session RUNNING, whatever the rollback raised
+            slot.touched = False
+            slot.state = SessionState.IDLE
+            slot.idle.set()
+
+    async def running(self, slot: Slot, keep: int | None, work: Callable[[], Awaitable[T]], *,
+                      begun: bool = False) -> T:
         """``work()`` with the session marked RUNNING, counted, and rolled back on failure to
         ``keep`` (None: to what the session holds committed, ``slot.n_past``; a stream commits
         step by step). Shared by single steps (``step``) and streams.
 
         A caller whose scope is already cancelled gets ``trio.Cancelled`` before anything is
-        touched (a step whose cancel arrived first never starts).
+        touched (a step whose cancel arrived first never starts). ``begun``: the caller marked
+        the session RUNNING already (``begin_operation``, a group's row), so a ``cancel`` since
+        then is kept and stops the step.
         """
-        await trio.lowlevel.checkpoint_if_cancelled()
-        slot.state = SessionState.RUNNING
-        slot.cancel.clear()
-        slot.touched = False
-        slot.idle = trio.Event()
+        if not begun:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            begin_operation(slot)
         committed = False
         status = self._status
         counters = status.counters
@@ -164,20 +244,8 @@ class OperationRunner:
                 counters["cancelled_total"] += 1
             raise
         finally:
-            try:
-                if not committed and slot.touched:
-                    # Leave the session exactly as it was up to ``keep``. (Untouched: as it was.)
-                    with trio.CancelScope(shield=True):
-                        slot.cut(slot.n_past if keep is None else min(slot.n_past, keep))
-                        if status.state is EngineState.READY:
-                            try:
-                                await self.guard(self._hooks._impl_truncate(slot, slot.n_past))
-                            except EngineError:
-                                log.warning("rollback of session %s failed", slot.session_id)
-            finally:  # never leave a session RUNNING, whatever the rollback raised
-                slot.touched = False
-                slot.state = SessionState.IDLE
-                slot.idle.set()
+            # Leave the session exactly as it was up to ``keep``. (Untouched: as it was.)
+            await self._end(slot, keep, committed)
 
     async def claim(self, slot: Slot, plan: ComputePlan) -> Claimed | None:
         """``_impl_claim`` within the step's deadline (past it: ``StepTimeout``)."""
@@ -242,6 +310,28 @@ class OperationRunner:
             if slot.cancel.is_set():
                 return
             plan = run.step(raw)
+
+
+class GroupRow:
+    """One row of ``OperationRunner.group``: a one-row step of its session, its scheduler job,
+    and (once the group ran) its outcome."""
+
+    __slots__ = ("slot", "caps", "plan", "params", "top_k", "job", "result", "error")
+
+    def __init__(self, slot: Slot, caps: Capabilities, plan: ComputePlan, params: SamplingParams,
+                 top_k: int, job: Job) -> None:
+        self.slot, self.caps, self.plan, self.params, self.top_k, self.job = (
+            slot, caps, plan, params, top_k, job)
+        self.result: StepResult | None = None
+        self.error: EngineError | None = None
+
+
+def begin_operation(slot: Slot) -> None:
+    """An operation starts on ``slot``: RUNNING, its flag cleared."""
+    slot.state = SessionState.RUNNING
+    slot.cancel.clear()
+    slot.touched = False
+    slot.idle = trio.Event()
 
 
 def _is_cancellation(exc: BaseException) -> bool:

@@ -28,7 +28,7 @@ measured so far (``LearnedTickCost``).
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +194,70 @@ class BatchScheduler:
                 await self._wait(job)
             raise
 
+    async def compute_group(self, jobs: Sequence[Job]) -> None:
+        """``compute`` for the rows of a group (``ShardEngine.decode_group``): every job is
+        queued at once and the caller waits once for all of them (one wake-up per tick that
+        finished some, not one per job). Each job keeps its own outcome: its flag (its
+        session's Cancel or release) or its deadline takes it out of the queue alone, as
+        ``compute`` would. The caller's cancellation sets the flag of every job not finished
+        and waits, shielded, as ``compute`` does."""
+        now = trio.current_time()
+        for job in jobs:
+            if job.plan.deadline < math.inf:
+                self._timed[id(job.slot)] = (job.slot, job.plan.deadline - now, now)
+        self._pending.extend(jobs)
+        self._submitted.set()
+        self._submitted = trio.Event()
+        try:
+            await self._wait_group(jobs)
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except trio.Cancelled:
+            for job in jobs:
+                if not job.finished and not job.slot.cancel.is_set():
+                    job.slot.cancel.set()
+            with trio.CancelScope(shield=True):
+                await self._wait_group(jobs)
+            raise
+
+    async def _wait_group(self, jobs: Sequence[Job]) -> None:
+        """``_wait`` for many jobs: one shared wake event, watched by every job's flag; the
+        earliest deadline of a job not finished bounds each wait (past it, its flag is set as
+        the per-step timer would: ``OperationRunner.run_guarded``)."""
+        try:
+            while left := [job for job in jobs if not job.finished]:
+                if not self._leading:
+                    await self._lead(left[0], jobs)
+                    continue
+                for job in left:
+                    if job.slot.cancel.is_set() and job not in self._running:
+                        self._drop(job)  # stopped while it waited: no need to wait for a tick
+                if not (left := [job for job in left if not job.finished]):
+                    break
+                wake = trio.Event()
+                watched = []
+                deadline = math.inf
+                for job in left:
+                    job.wake = wake
+                    flag = job.slot.cancel
+                    if not flag.is_set():
+                        flag.add_watcher(wake)
+                        watched.append(flag)
+                        deadline = min(deadline, job.plan.deadline)
+                try:
+                    with trio.move_on_at(deadline):
+                        await wake.wait()
+                finally:
+                    for flag in watched:
+                        flag.remove_watcher(wake)
+                now = trio.current_time()
+                if deadline <= now:
+                    for job in left:
+                        if not job.finished and job.plan.deadline <= now and not job.slot.cancel.is_set():
+                            job.slot.cancel.set_timeout()
+        finally:
+            if not self._leading and self._pending:
+                self._pending[0].wake.set()  # someone must lead the rest
+
     async def stream(self, job: Job, follow: Callable[[Job], Job | None]) -> Job:
         """``compute`` for a run of steps (``ShardEngine.stream``): each time a tick finishes a
         step of the run, whoever leads calls ``follow(job)`` right after that tick, on the event
@@ -237,16 +301,17 @@ class BatchScheduler:
             self._pending.remove(job)
         job.wake.set()
 
-    async def _lead(self, mine: Job) -> None:
-        """Run ticks until ``mine`` is finished, then hand the lead to the oldest waiter."""
+    async def _lead(self, mine: Job, also: Sequence[Job] = ()) -> None:
+        """Run ticks until ``mine`` (and every job of ``also``) is finished, then hand the
+        lead to the oldest waiter."""
         self._leading = True
         try:
-            while not _last(mine).finished:
+            while not _last(mine).finished or any(not job.finished for job in also):
                 await trio.lowlevel.checkpoint_if_cancelled()  # between ticks (see compute)
                 await self._let_submitters_in()
                 tick = self._form_tick()
-                if _last(mine).finished:  # dropped: another task leads the rest
-                    break
+                if _last(mine).finished and all(job.finished for job in also):
+                    break  # dropped: another task leads the rest
                 assert tick, "a pending job that is not finished always gets rows"
                 started = trio.current_time()
                 waited = any(self._is_open(slot) for slot in self._last_slots)

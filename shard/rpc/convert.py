@@ -51,7 +51,10 @@ def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "",
                         grammar_start: int = 0) -> SamplingParams:
     """Proto sampling parameters; ``top_p`` and ``repeat_penalty`` 0 read as 1.0,
     ``penalty_last_n`` 0 as its default (proto3 defaults = off), a ``grammar_start`` 0 as the
-    given one (where the step's prompt ends)."""
+    given one (where the step's prompt ends). An empty message (every field its default, as
+    most steps send it) is read once: its parameters are shared (they are immutable)."""
+    if not msg.ByteSize():
+        return _DEFAULT_SAMPLING
     if msg.grammar_kind and not (msg.grammar_start or grammar_start):
         raise ShardError(ErrorCode.INVALID_ARGUMENT, "grammar_start is needed: the session has "
                          "no grammar to continue", session_id=session_id, reason="INVALID_GRAMMAR")
@@ -74,6 +77,9 @@ def sampling_from_proto(msg: pb.SamplingParams, session_id: str = "",
     except InvalidInput as exc:
         raise ShardError(ErrorCode.INVALID_ARGUMENT, exc.message, session_id=session_id,
                          reason=exc.code if exc.code == "INVALID_GRAMMAR" else "") from None
+
+
+_DEFAULT_SAMPLING = SamplingParams(top_p=1.0, repeat_penalty=1.0, penalty_last_n=DEFAULT_PENALTY_LAST_N)
 
 
 def uses_sampling_extensions(msg: pb.SamplingParams) -> bool:
@@ -171,21 +177,34 @@ def cache_expectation(tokens: Iterable[int]) -> pb.CacheExpectation:
 def step_to_proto(
     result: StepResult, step: int, start_position: int, hidden_dtype: str = HIDDEN_DTYPE
 ) -> pb.StepResult:
-    msg = pb.StepResult(
-        step=step,
-        n_past=result.n_past,
-        tokens_processed=result.tokens_processed,
-        reused_tokens=result.reused_tokens,
-        start_position=start_position,
-        cached_tokens=result.cached_tokens,
-    )
-    if result.logits is not None:
-        msg.logits.CopyFrom(logits_to_proto(result.logits))
+    msg = pb.StepResult()
+    step_into(msg, result, step, start_position, hidden_dtype)
+    return msg
+
+
+def step_into(msg: pb.StepResult, result: StepResult, step: int, start_position: int,
+              hidden_dtype: str = HIDDEN_DTYPE) -> None:
+    """``step_to_proto`` written into an empty ``msg`` (a group row's result: built in its
+    answer rather than apart and copied in)."""
+    msg.step = step
+    msg.n_past = result.n_past
+    msg.tokens_processed = result.tokens_processed
+    msg.reused_tokens = result.reused_tokens
+    msg.start_position = start_position
+    msg.cached_tokens = result.cached_tokens
+    lg = result.logits
+    if lg is not None:
+        out = msg.logits
+        out.token_id = lg.token_id
+        out.logprob = lg.logprob
+        out.piece = lg.piece
+        out.is_eog = lg.is_eog
+        for t in lg.top:
+            out.top.add(token_id=t.token_id, logprob=t.logprob, piece=t.piece)
         msg.position_logits.extend(logits_to_proto(lg) for lg in result.position_logits)
         msg.input_logprobs.extend(result.input_logprobs)
     elif result.boundary is not None:
         msg.hidden_states.CopyFrom(array_to_tensor(result.boundary.hidden_states, hidden_dtype))
-    return msg
 
 
 def token_response(result: StepResult, step: int, start_position: int, finish: int) -> pb.SessionResponse:
@@ -312,6 +331,7 @@ __all__ = [
     "offered_dtype",
     "prefix_sha256",
     "sampling_from_proto",
+    "step_into",
     "step_to_proto",
     "tensor_to_array",
     "wire_dtype",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -258,6 +258,22 @@ class MeteredEngine:
 
     async def decode(self, request: DecodeRequest) -> StepResult:
         return await self._timed(self._engine.decode, request, decode=True)
+
+    async def decode_group(self, requests: Sequence[DecodeRequest]) -> list[StepResult | EngineError]:
+        """Each row that computed is timed as a decode is (the group's queue wait and compute)."""
+        called = trio.current_time()
+        try:
+            outcomes = await self._engine.decode_group(requests)
+        finally:
+            done = trio.current_time()
+            started = max(called, min(self._last_done, done))
+            self._last_done = done
+        metrics = self._metrics
+        for o in outcomes:
+            if isinstance(o, StepResult):
+                metrics.queue_wait.observe(started - called)
+                metrics.decode_step.observe(done - started)
+        return outcomes
 
     async def stream(self, request: StreamRequest, deliver: Callable[[StepResult], bool]) -> int:
         """A stream is one operation: its first step is split into queue wait and compute as

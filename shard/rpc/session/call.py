@@ -26,6 +26,7 @@ from ..errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
 from ..positions import Positions
 from ..versions import check_version
 from . import steps, transfer
+from .cancellation import Stoppable
 from .context import StepContext
 from .forks import caller_of
 from .lifecycle import Lifecycle
@@ -192,6 +193,16 @@ class SessionCall(Lifecycle):
         self.phase.value = Phase.RUNNING
         self._cancel.begin()
         self._cancel.started()
+
+    def stop_row(self, stop: Stoppable) -> bool:
+        """The running row is stopped by ``stop.cancel()`` when a Cancel comes (a grouped row
+        runs in no cancel region of this stream); True: a Cancel came already."""
+        return self._cancel.watch(stop)
+
+    @property
+    def row_cancel_requested(self) -> bool:
+        """A Cancel was asked for the running row."""
+        return self._cancel.requested
 
     def end_row(self, generated: int, fatal: ShardError | None = None) -> None:
         """The row ended (``generated``: 1 when its result was computed): IDLE again, and a

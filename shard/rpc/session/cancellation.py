@@ -8,12 +8,24 @@ say. Once the step's work is over (``finished``) a Cancel finds no step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from trio_util import AsyncBool
 
 from ..errors import ErrorCode, ShardError
+
+
+class Stoppable(Protocol):
+    """What a Cancel stops: a region's cancel scope, or a grouped row's engine step."""
+
+    def cancel(self) -> None: ...
+
+
+def cancelled(session_id: str) -> ShardError:
+    """The error of a step a Cancel stopped."""
+    return ShardError(ErrorCode.CANCELLED, "the step was cancelled (Cancel RPC)",
+                      session_id=session_id)
 
 
 class StepCancel:
@@ -25,7 +37,7 @@ class StepCancel:
         self.active = AsyncBool(False)  # from dispatch until the step's Usage is queued
         self._requested = False  # a Cancel for the current step (survives region gaps)
         self._finishing = False  # the step's work is over; only its Error/Usage remain
-        self._scope: trio.CancelScope | None = None  # the running region's
+        self._scope: Stoppable | None = None  # the running region's (or a grouped row's)
 
     @property
     def requested(self) -> bool:
@@ -48,6 +60,12 @@ class StepCancel:
         if self._scope is not None:
             self._scope.cancel()
         return True
+
+    def watch(self, stop: Stoppable) -> bool:
+        """A step that runs outside a region (a grouped row: ``session.group``) is stopped by
+        ``stop.cancel()``; True: a Cancel was requested already (the step must not start)."""
+        self._scope = stop
+        return self._requested
 
     def finished(self) -> None:
         """Nothing is left to stop: a Cancel now finds no step."""
@@ -84,6 +102,5 @@ class Region:
         finally:
             self._cancel._scope = None
         if scope.cancelled_caught:
-            raise ShardError(ErrorCode.CANCELLED, "the step was cancelled (Cancel RPC)",
-                             session_id=self._session_id)
+            raise cancelled(self._session_id)
         return bool(swallowed)

@@ -3,13 +3,16 @@ one tick and answered by one ``GroupStepResponse`` (protocol 1.3, ``GroupSteps``
 
 Why: a pipeline hop that serves a batch group of N sessions otherwise reads N Decode messages
 and writes N results per tick, one wake-up and one message each; here it reads one and writes
-one (docs/protocol.md, "Group steps"). Sessions keep their identity: each row is checked and
-computed by its session's own step code (``steps.compute_decode`` with the session's
-``StepContext``: input checks, step timeout, resync, positions), marked RUNNING on its session
-while it runs (its stream's Cancel stops it; its stream's close waits for it; its stream's
-deadline or reset releases it, which fails the row), and a row's failure is that row's outcome
-only. The rows are submitted together, so the engine's scheduler runs them in one tick (their
-sessions share a batch group: ``shard.engine.batching``, rule 5).
+one (docs/protocol.md, "Group steps"). And the engine takes the rows as one submission
+(``ShardEngine.decode_group``): this task waits once for the group's tick, not one task and
+one wake-up per row. Sessions keep their identity: each row is checked by its session's own
+step code (``StepContext.decode_input``: input checks; its step timeout goes with its request),
+marked RUNNING on its session while it runs (its stream's Cancel stops it: ``_RowStop``; its
+stream's close waits for it; its stream's deadline or reset releases it, which fails the row),
+its positions kept and resynced as its stream's steps' are, and a row's failure is that row's
+outcome only. Its sessions share a batch group, so the engine's scheduler runs the rows in one
+tick (``shard.engine.batching``, rule 5). A row whose session must first drop positions past
+its logical end (after a resume), or with a grammar to compile, runs as its own step (``_row``).
 
 A row's result does not take the session's credit: it leaves on the group's stream, whose one
 answer per request paces it.
@@ -22,12 +25,14 @@ from typing import Protocol
 
 import trio
 
+from shard.engine import DecodeRequest, EngineCancelled, EngineError, ShardEngine, StepTimeout
 from shard.v1 import shard_pb2 as pb
 
 from .. import convert
 from ..errors import FATAL_IN_SESSION, ErrorCode, ShardError, internal_error
 from ..hidden_codec import max_row_bytes
 from . import steps
+from .cancellation import cancelled
 from .call import SessionCall
 from .outbox import CHUNK_OVERHEAD
 
@@ -57,8 +62,9 @@ def rows_per_group(n_embd: int, is_last: bool, max_message_bytes: int) -> int | 
 
 async def run_group(host: GroupHost, req: pb.GroupStepRequest, caller: tuple[str, str],
                     max_message_bytes: int) -> pb.GroupStepResponse:
-    """Run ``req``'s rows as one tick and answer each (see the module docs). Rows are claimed
-    in order before any of them runs (a session named twice: the second is SESSION_BUSY)."""
+    """Run ``req``'s rows as one engine submission and answer each (see the module docs). Rows
+    are claimed in order before any of them runs (a session named twice: the second is
+    SESSION_BUSY)."""
     out = pb.GroupStepResponse()
     claimed: list[tuple[SessionCall, pb.Decode, pb.GroupRowResult]] = []
     limit: int | None = None
@@ -89,18 +95,133 @@ async def run_group(host: GroupHost, req: pb.GroupStepRequest, caller: tuple[str
         claimed.append((call, row.decode, res))
     host.count("group_steps_total")
     host.count("group_rows_total", len(req.rows))
-    if claimed:
+    # Rows that run as their own steps, each in its session's Cancel region: a row whose
+    # session holds more positions in the engine than it counts (after a resume: a
+    # one-position prefill, ``StepContext.decode_one``), and a row with a grammar (compiled
+    # before its session is RUNNING in the engine, which a Cancel must stop too).
+    alone, together = [], []
+    for c in claimed:
+        positions = c[0].ctx.positions
+        own = positions.end != positions.engine or bool(c[1].sampling.grammar_kind)
+        (alone if own else together).append(c)
+    if alone:
         async with trio.open_nursery() as nursery:
-            for call, d, res in claimed:
+            for call, d, res in alone:
                 nursery.start_soon(_row, host, call, d, res)
+            await _submit(host, together)
+    elif together:
+        await _submit(host, together)
     else:
         await trio.lowlevel.checkpoint()
     return out
 
 
+class _RowStop:
+    """A grouped row's Cancel: the engine stops its session's step (``StepCancel.watch``)."""
+
+    __slots__ = ("_engine", "_session_id")
+
+    def __init__(self, engine: ShardEngine, session_id: str) -> None:
+        self._engine, self._session_id = engine, session_id
+
+    def cancel(self) -> None:
+        self._engine.cancel(self._session_id)
+
+
+async def _submit(host: GroupHost, rows: list[tuple[SessionCall, pb.Decode, pb.GroupRowResult]]) -> None:
+    """The rows as one engine submission (``ShardEngine.decode_group``): each checked by its
+    session's step code (``StepContext.decode_input``), stopped alone by its stream's Cancel
+    (the engine's ``cancel`` of its session) and by its step timeout, its outcome its own.
+    Every row is ended (``end_row``) whatever happens; only the group's own cancellation
+    escapes (each row is then rolled back, as a cancelled step is)."""
+    if not rows:
+        return
+    engine = rows[0][0].ctx.engine
+    running: list[tuple[SessionCall, pb.GroupRowResult, int]] = []
+    requests: list[DecodeRequest] = []
+    left = list(rows)  # not yet ended or submitted
+    try:
+        while left:
+            call, d, res = left.pop(0)
+            ctx = call.ctx
+            try:
+                sampling, token, hidden, token_id = ctx.decode_input(d)
+                if call.stop_row(_RowStop(engine, ctx.session_id)):
+                    raise cancelled(ctx.session_id)  # a Cancel before the engine call
+            except ShardError as err:
+                _end(host, call, res, err)
+                continue
+            except Exception:
+                log.exception("session %r: a group row failed", call.session_id)
+                _end(host, call, res, internal_error(call.session_id))
+                continue
+            if token is not None:
+                ctx.follows = (ctx.positions.next_token is not None
+                               and token == ctx.positions.next_token)
+            hint = ctx.client_hint() if token is not None else None
+            requests.append(DecodeRequest(
+                session_id=ctx.session_id, token=token, hidden_state=hidden, sampling=sampling,
+                top_k_logprobs=d.top_logprobs, lookahead=hint, token_id=token_id,
+                step_timeout=ctx.step_timeout))
+            running.append((call, res, ctx.positions.end))
+        if not running:
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            outcomes = await engine.decode_group(requests)
+        except BaseException:  # the group's stream ended: every row was rolled back
+            for call, _, _ in running:
+                call.ctx.resync()
+            raise
+    except BaseException:
+        for call, res, _ in running:
+            call.end_row(0)
+            res.n_past = call.ctx.positions.end
+        for call, _, res in left:
+            call.end_row(0)
+            res.n_past = call.ctx.positions.end
+        raise
+    for (call, res, start), outcome in zip(running, outcomes, strict=True):
+        ctx = call.ctx
+        if isinstance(outcome, EngineError):
+            ctx.resync()
+            if isinstance(outcome, StepTimeout):
+                assert ctx.step_timeout is not None
+                err = ShardError(ErrorCode.DEADLINE_EXCEEDED, "the step exceeded step_timeout_ms="
+                                 f"{round(ctx.step_timeout * 1000)}", session_id=ctx.session_id,
+                                 reason=outcome.code)
+            elif isinstance(outcome, EngineCancelled) and call.row_cancel_requested:
+                err = cancelled(ctx.session_id)
+            else:
+                err = ShardError.from_engine(outcome)
+            _end(host, call, res, err)
+            continue
+        try:
+            ctx.positions.computed(start, outcome)
+            outbox = ctx.outbox
+            outbox.step_no += 1  # the session's next step (its stream's results number on from it)
+            convert.step_into(res.result, outcome, outbox.step_no, start, ctx.wire_dtype)
+            ctx.positions.sent(outcome.n_past)
+            host.count("steps_sent_total")
+        except Exception:
+            log.exception("session %r: a group row failed", call.session_id)
+            _end(host, call, res, internal_error(call.session_id))
+            continue
+        call.end_row(1)
+        res.n_past = ctx.positions.end
+
+
+def _end(host: GroupHost, call: SessionCall, res: pb.GroupRowResult, err: ShardError) -> None:
+    """A row that failed with ``err``: its outcome, and its session's stream ends when the
+    error is fatal in a session (as ``_row``'s)."""
+    _failed(host, res, err)
+    call.end_row(0, err if err.code in FATAL_IN_SESSION else None)
+    res.n_past = call.ctx.positions.end
+
+
 async def _row(host: GroupHost, call: SessionCall, d: pb.Decode, res: pb.GroupRowResult) -> None:
-    """One row: its session's decode step, its outcome written into ``res``. Only the group's
-    own cancellation escapes (the row is then rolled back like any step: ``engine_call``)."""
+    """One row as its session's own decode step (a row ``_submit`` cannot take), its outcome
+    written into ``res``. Only the group's own cancellation escapes (the row is then rolled back like any step: ``engine_call``)."""
     ctx = call.ctx
     generated, fatal = 0, None
     try:
@@ -118,7 +239,7 @@ async def _row(host: GroupHost, call: SessionCall, d: pb.Decode, res: pb.GroupRo
         generated = 1
         outbox = ctx.outbox
         outbox.step_no += 1  # the session's next step (its stream's results number on from it)
-        res.result.CopyFrom(convert.step_to_proto(result, outbox.step_no, start, ctx.wire_dtype))
+        convert.step_into(res.result, result, outbox.step_no, start, ctx.wire_dtype)
         ctx.positions.sent(result.n_past)
         host.count("steps_sent_total")
     finally:

@@ -33,6 +33,7 @@ from .cancellation import Cancellation
 from .concurrency import Concurrency
 from .embeddings import Embeddings
 from .forks import Forks
+from .groups import Groups
 from .handoff import HandOff
 from .harness import (
     Pending,
@@ -76,6 +77,7 @@ class EngineContractSuite(
     Tokens,
     LayerRanges,
     Concurrency,
+    Groups,
     PrefixCache,
     ReferenceTrace,
     Embeddings,
@@ -91,6 +93,7 @@ __all__ = [
     "Embeddings",
     "EngineContractSuite",
     "Forks",
+    "Groups",
     "HandOff",
     "LayerRanges",
     "Lifecycle",
