@@ -283,3 +283,18 @@ async def test_a_rows_step_timeout_is_that_rows_error() -> None:
             assert outcomes[0].reason == "STEP_TIMEOUT"  # type: ignore[union-attr]
             assert outcomes[1].n_past == len(PROMPTS[1]) + 1  # type: ignore[union-attr]
             assert w.engine.session_info("slow").n_past == len(PROMPTS[0])
+
+
+async def test_a_group_rows_grammar_start_is_the_sessions_from_then_on() -> None:
+    """A row's grammar start, as a step's sent on the session's own stream, becomes the
+    session's: its next step may name the grammar without repeating where it starts."""
+    async with worker() as w, ShardClient.connect(w.target, timeout=TIMEOUT) as client:
+        assert "json_object" in (await client.capabilities()).grammar_kinds
+        async with client.session("g") as s, client.group_steps() as group:
+            first = (await s.prefill([1, *b"say"])).logits.token_id
+            grammar = pb.SamplingParams(grammar_kind="json_object", grammar_start=4)
+            (row,) = await group.step([(s, s.decode_message(first, sampling=grammar))])
+            assert isinstance(row, pb.StepResult), row
+            later = await s.decode(row.logits.token_id,
+                                   sampling=pb.SamplingParams(grammar_kind="json_object"))
+            assert later.n_past == 6

@@ -239,7 +239,7 @@ class StepContext:
             self._step_grammar_start = sampling.grammar.start
         return sampling
 
-    def _step_accepted(self) -> None:
+    def step_accepted(self) -> None:
         """A step's result goes out: its grammar start is the session's from now on."""
         if self._step_grammar_start is not None:
             self.grammar_start, self._step_grammar_start = self._step_grammar_start, None
@@ -390,12 +390,12 @@ class StepContext:
         if input_tokens is not None:
             msg.input_tokens.ids.extend(input_tokens)
         msg.finish_reason = finish  # type: ignore[assignment]
-        self._step_accepted()
+        self.step_accepted()
         await outbox.send_numbered(msg, usage_follows, now)
         self.positions.sent(result.n_past)
 
     async def send_result(self, msg: pb.StepResult, *, usage_follows: bool = False) -> None:
         """Send a result built by the step (a routed session's: the last shard's answer, with
         this worker's own accounting), numbered as this session's next step (one credit)."""
-        self._step_accepted()
+        self.step_accepted()
         await self.outbox.send_numbered(msg, usage_follows)

@@ -201,6 +201,7 @@ async def _submit(host: GroupHost, rows: list[tuple[SessionCall, pb.Decode, pb.G
             outbox = ctx.outbox
             outbox.step_no += 1  # the session's next step (its stream's results number on from it)
             convert.step_into(res.result, outcome, outbox.step_no, start, ctx.wire_dtype)
+            ctx.step_accepted()  # its grammar start is the session's, as a sent step's
             ctx.positions.sent(outcome.n_past)
             host.count("steps_sent_total")
         except Exception:
@@ -240,6 +241,7 @@ async def _row(host: GroupHost, call: SessionCall, d: pb.Decode, res: pb.GroupRo
         outbox = ctx.outbox
         outbox.step_no += 1  # the session's next step (its stream's results number on from it)
         convert.step_into(res.result, result, outbox.step_no, start, ctx.wire_dtype)
+        ctx.step_accepted()  # its grammar start is the session's, as a sent step's
         ctx.positions.sent(result.n_past)
         host.count("steps_sent_total")
     finally:
