@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+import trio.testing
 
 from rpc_harness import MAX_SESSIONS, MODEL, N_CTX, Worker, tcp_proxy, worker
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
@@ -27,18 +28,20 @@ from shard.v1 import shard_pb2 as pb
 
 TIMEOUT = 30.0
 PER_SESSION = N_CTX // MAX_SESSIONS
-TTL = 0.3
+#: Far beyond any stall of a loaded machine: a retained session expires only when a test moves
+#: the clock past it (``expire``), never between a test's steps on its own.
+TTL = 30.0
 HISTORY = [1, *range(10, 41)]  # the retained conversation
 TAIL = [7, 8]  # what the next turn adds
 R = pb.CacheResult
 
 
 @asynccontextmanager
-async def cached_worker(budget: int = 2 * PER_SESSION, ttl: float = TTL) -> AsyncIterator[Worker]:
+async def cached_worker(budget: int = 2 * PER_SESSION) -> AsyncIterator[Worker]:
     """A FakeEngine worker with a prefix cache of ``budget`` tokens and a resume TTL."""
     spec = LoadSpec(n_ctx=N_CTX, max_sessions=MAX_SESSIONS, prefix_cache_tokens=budget)
     async with worker(engine=FakeEngine(model=MODEL), load=spec,
-                      limits=SessionLimits(resume_ttl=ttl)) as w:
+                      limits=SessionLimits(resume_ttl=TTL)) as w:
         yield w
 
 
@@ -59,10 +62,22 @@ async def retain(client: ShardClient, sid: str, history: list[int]) -> None:
     assert (await session.close(retain=True)).kv_retained
 
 
-async def gone(w: Worker, sid: str) -> None:
-    """Wait until ``sid`` is retained no more (its TTL expired)."""
-    with trio.fail_after(10 * TTL + 5):
-        while w.server.registry.retained(sid) is not None:
+@pytest.fixture
+def clock() -> trio.testing.MockClock:
+    """Real time (rate 1) that ``expire`` moves past the TTL at once (pytest-trio runs a test
+    that takes this fixture on it)."""
+    return trio.testing.MockClock(rate=1.0)
+
+
+async def expire(w: Worker, clock: trio.testing.MockClock, sid: str) -> None:
+    """Move the clock past ``sid``'s TTL and wait until the engine's release of it has finished
+    (with its history kept as a cache entry): the registry forgets the session first, so that
+    no stream resumes it, and the engine's release runs after that."""
+    released = w.engine.metrics().sessions_released_total
+    clock.jump(TTL)
+    with trio.fail_after(10):
+        while (w.server.registry.retained(sid) is not None
+               or w.engine.metrics().sessions_released_total == released):
             await trio.sleep(0.01)
 
 
@@ -79,7 +94,9 @@ async def next_turn(client: ShardClient, sid: str, prompt: list[int],
 
 
 @pytest.mark.parametrize("end", ["expired", "released", "dropped"])
-async def test_a_retained_session_that_ends_leaves_its_history_to_the_cache(end: str) -> None:
+async def test_a_retained_session_that_ends_leaves_its_history_to_the_cache(
+    end: str, clock: trio.testing.MockClock,
+) -> None:
     """A retained session that expires, is released, or whose stream dropped and then expired
     becomes a cache entry: the resume misses, and the replay of its conversation plus the next
     turn computes only the new part."""
@@ -101,7 +118,7 @@ async def test_a_retained_session_that_ends_leaves_its_history_to_the_cache(end:
             if end == "released":
                 assert await client.release("conv")
             else:
-                await gone(w, "conv")
+                await expire(w, clock, "conv")
                 assert w.server.registry.counters["sessions_expired_total"] == 1
             m = w.engine.metrics()
             assert (m.prefix_cache_entries, m.prefix_cache_tokens) == (1, len(HISTORY))
@@ -126,7 +143,7 @@ async def test_a_mismatched_resume_leaves_the_held_history_to_the_cache() -> Non
 async def test_a_retained_session_evicted_for_room_becomes_an_entry_and_live_ones_keep_theirs() -> None:
     """Sessions fill ``max_sessions``: the retained one is evicted for the last open, and its
     history becomes a cache entry; the live sessions hold every cell they had."""
-    async with cached_worker(ttl=600) as w:
+    async with cached_worker() as w:
         async with ShardClient.connect(w.server.target, timeout=TIMEOUT) as client:
             await retain(client, "conv", HISTORY)
             live = []
@@ -147,7 +164,7 @@ async def test_a_retained_session_evicted_for_room_becomes_an_entry_and_live_one
                 await session.close()
 
 
-async def test_cache_entries_go_before_a_retained_session() -> None:
+async def test_cache_entries_go_before_a_retained_session(clock: trio.testing.MockClock) -> None:
     """A cache of one entry holds a released conversation while a session is retained beside
     it (the retained one takes no room of the cache); when the retained session expires, its
     history replaces the older entry (an eviction), so the replay of it is served, and the
@@ -161,7 +178,7 @@ async def test_cache_entries_go_before_a_retained_session() -> None:
             await retain(client, "conv", HISTORY)
             m = w.engine.metrics()
             assert (m.prefix_cache_entries, m.prefix_cache_tokens) == (1, len(older))
-            await gone(w, "conv")
+            await expire(w, clock, "conv")
             m = w.engine.metrics()
             assert (m.prefix_cache_tokens, m.prefix_cache_evictions_total) == (len(HISTORY), 1)
             _, step = await next_turn(client, "conv", HISTORY + TAIL)
