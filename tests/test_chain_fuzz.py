@@ -308,8 +308,8 @@ class ChainFuzz(RuleBasedStateMachine):
             slot.session.abort()
         slot.session, slot.open, slot.tokens, slot.choice = None, False, [], None
         slot.deadline = math.inf
-        with trio.move_on_after(SETTLE):
-            while self._held_sessions(slot.sid):
+        with trio.move_on_after(SETTLE):  # (the id is free again once every release finished)
+            while self._held_sessions(slot.sid) or not all(map(_released, self.engines)):
                 await trio.sleep(0.002)
         assert not self._held_sessions(slot.sid), f"{slot.sid}: left on {self._held_sessions(slot.sid)}"
 
@@ -568,7 +568,7 @@ class ChainFuzz(RuleBasedStateMachine):
         for k, engine in enumerate(self.engines):
             expected = {s.sid + ">" * k: s for s in self.slots.values() if s.open}
             with trio.move_on_after(SETTLE):  # a stream that just ended is still being freed
-                while {i.session_id for i in engine.sessions()} != set(expected):
+                while not _settled(engine, set(expected)):
                     await trio.sleep(0.002)
             held = {i.session_id: i for i in engine.sessions()}
             assert set(held) == set(expected), f"hop {k} holds {sorted(held)}, not {sorted(expected)}"
@@ -585,6 +585,20 @@ class ChainFuzz(RuleBasedStateMachine):
             assert m.prefix_cache_tokens <= CACHE_TOKENS, f"hop {k}: {m.prefix_cache_tokens} cached tokens"
             if m.operations_running == 0:
                 assert m.kv_cells_used == total, f"hop {k}: {m.kv_cells_used} KV cells for {total} positions"
+
+
+def _released(engine: FakeEngine) -> bool:
+    """No release is under way on ``engine``: every session it opened is open or released. A
+    release forgets its session at once, frees its KV cells after, and the worker frees the
+    session's id once it has returned (a check in between saw a hop's cells held for no session;
+    a reopen of the id was refused with SESSION_EXISTS)."""
+    m = engine.metrics()
+    return m.sessions_opened_total == m.sessions_released_total + m.sessions_active
+
+
+def _settled(engine: FakeEngine, expected: set[str]) -> bool:
+    """``engine`` holds exactly the sessions ``expected``, and no release is under way."""
+    return {i.session_id for i in engine.sessions()} == expected and _released(engine)
 
 
 class TwoHops(ChainFuzz):
