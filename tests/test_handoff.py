@@ -481,23 +481,26 @@ async def test_a_generate_that_yields_on_drain_ends_between_two_tokens_with_its_
 
 
 
-async def _drained_whole(*, tag: str | None = "", slow_import: float = 0.0,
+async def _drained_whole(*, tag: str | None = "", held_import: bool = False,
                          step_timeout: float | None = None) -> tuple[Any, list[int], Any]:
     """A whole-model hop [a, b] decoding in the worker's loop (as a pool drives it), a drained
-    mid-generation; returns (the result, the whole model's tokens, b)."""
+    mid-generation; returns (the result, the whole model's tokens, b). ``held_import``: b's
+    import of a moved session does not finish before the generation has."""
     ranges = [LayerRange(0, 4)] * 3
     gates = [StepGate() for _ in ranges]
     async with shards(ranges, gates=gates, latency=0.01, kv_layout_tags={2: tag}) as (whole, a, b):
         want = [s.logits.token_id for s in await whole_model_steps(
             whole.target, LONG, max_tokens=N_TOKENS, ignore_eos=True)]
-        if slow_import:
+        generated = trio.Event()
+        if held_import:
             real = b.engine._impl_import
 
-            async def slow(*args: Any) -> None:
-                await trio.sleep(slow_import)
+            async def held(*args: Any) -> None:
+                with trio.move_on_after(60):  # (a move that never gives up fails, not hangs)
+                    await generated.wait()
                 await real(*args)
 
-            b.engine._impl_import = slow  # a replica that takes far longer than step_timeout
+            b.engine._impl_import = held  # a replica slower than any wait for it
 
         async def drain() -> None:
             await after_steps(gates[1], len(LONG) + 10, lambda: None)
@@ -511,7 +514,8 @@ async def _drained_whole(*, tag: str | None = "", slow_import: float = 0.0,
                 nursery.start_soon(drain)
                 got = await pipe.generate(LONG, max_tokens=N_TOKENS, ignore_eos=True,
                                           chunk_tokens=8)
-        await b.idle()  # (a slow import finishes, shielded, before its session is released)
+                generated.set()
+        await b.idle()  # (a held import finishes, shielded, before its session is released)
         await assert_all_free([whole, b])
         return got, want, b
 
@@ -525,9 +529,10 @@ async def test_a_generation_yields_only_toward_a_replica_that_takes_its_state() 
 
 
 async def test_a_move_that_times_out_leaves_the_generation_on_the_draining_worker() -> None:
-    """The replica takes longer than 8 step timeouts to import: the move is given up, the
-    export left half-read on the draining worker is read to its end (no Cancel can reach a
-    worker that sent GOAWAY) and the generation finishes there with the whole model's
-    tokens."""
-    got, want, b = await _drained_whole(slow_import=3.0, step_timeout=0.2)
+    """The replica's import does not finish while the move waits for it (8 step timeouts): the
+    move is given up, the export left half-read on the draining worker is read to its end (no
+    Cancel can reach a worker that sent GOAWAY) and the generation finishes there with the whole
+    model's tokens. (The import is held, not slow: with a short step timeout, 0.2 s, a loaded
+    machine's pause also timed out an ordinary step, and no replica was left.)"""
+    got, want, b = await _drained_whole(held_import=True, step_timeout=1.0)
     assert got.tokens == want and got.failovers == []
