@@ -275,7 +275,10 @@ async def test_a_rows_step_timeout_is_that_rows_error() -> None:
                                                           (fine, fine.decode_message(t1))]))
 
                     nursery.start_soon(run)
-                    await trio.sleep(0.5)  # hold the steps past the timed session's timeout
+                    with trio.fail_after(10):  # the steps are held (their timeouts run)
+                        while gate.waiting == 0:
+                            await trio.sleep(0.001)
+                    await trio.sleep(0.5)  # past the timed session's timeout (the same Trio clock)
                     gate.release()
             finally:
                 gate.release()
