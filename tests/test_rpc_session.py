@@ -20,7 +20,7 @@ from rpc_harness import (
     make_engine,
     running_registry,
 )
-from shard.engine import EngineFailure, LayerRange, PrefillRequest
+from shard.engine import EngineFailure, LayerRange, LoadSpec, PrefillRequest
 from shard.engine.fake import FakeEngine, FakeModel
 from shard.rpc.convert import array_to_tensor, cache_expectation, tensor_to_array
 from shard.rpc.errors import ErrorCode
@@ -626,6 +626,40 @@ async def test_full_engine_evicts_the_oldest_retained_session(autojump_clock: tr
             assert opened.cache.outcome == R.OUTCOME_NEW
         assert reg.retained("r0") is None and reg.retained("r1") is not None
         assert reg.counters["sessions_evicted_total"] == 1
+
+
+async def test_an_open_on_a_full_engine_waits_for_an_expired_session_being_freed(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The only session of a full engine was retained and expired: the registry lists it no
+    more while the engine still releases it (its history takes 1 s to become a cache entry, as
+    behind a long tick of llama.cpp's native thread). An open then waits for that release; it
+    was refused RESOURCE_EXHAUSTED ("all 1 sessions are in use")."""
+    from shard.engine import prefix_reuse
+
+    keep = prefix_reuse.PrefixReuse.keep
+
+    async def slow_keep(self, slot):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+        await trio.sleep(1.0)
+        return await keep(self, slot)
+
+    monkeypatch.setattr(prefix_reuse.PrefixReuse, "keep", slow_keep)
+    spec = LoadSpec(n_ctx=512, max_sessions=1, prefix_cache_tokens=64)
+    async with loaded(make_engine(), spec=spec) as engine, \
+            running_registry(engine, SessionLimits(resume_ttl=5.0)) as reg:
+        await _retain(reg)
+        await trio.sleep(5.5)  # expired half a second ago: its release is under way
+        assert reg.retained("s1") is None and reg.counters["sessions_expired_total"] == 1
+        assert engine.sessions() == () and engine.metrics().sessions_released_total == 0
+        async with driver(reg) as d:
+            try:
+                opened = await d.open("s2")
+            except trio.EndOfChannel:
+                await d.finished()
+                pytest.fail(f"the open was refused: {d.call.error}")
+            assert opened.cache.outcome == R.OUTCOME_NEW
+            assert engine.metrics().sessions_released_total == 1
+        assert reg.counters["sessions_evicted_total"] == 0
 
 
 async def test_no_retention_while_draining() -> None:

@@ -56,6 +56,8 @@ class Registry:
         self._live: dict[str, SessionCall] = {}
         self._retained: dict[str, Retained] = {}
         self._changed = AsyncValue(0)  # bumped on every change of the retained table
+        #: Retained sessions the registry forgot and the engine is still releasing (``_free``).
+        self._freeing = AsyncValue(0)
         self._nursery: trio.Nursery | None = None
 
     # ---- task ------------------------------------------------------------------------------
@@ -182,9 +184,16 @@ class Registry:
             self._live.pop(session_id, None)
 
     async def evict_one(self) -> bool:
-        """Free the retained session closest to expiry to make room; False if none."""
+        """Free the retained session closest to expiry to make room; False if none.
+
+        A retained session already being freed (its TTL expired, or another open evicted it)
+        makes room too: wait until it is. Without that, an open on a full worker was refused
+        while the engine still released a session the registry no longer listed."""
         if not self._retained:
-            return False
+            if not self._freeing.value:
+                return False
+            await self._freeing.wait_value(0)
+            return True
         sid = min(self._retained.values(), key=lambda r: r.expires_at).session_id
         del self._retained[sid]
         self._bump()
@@ -235,10 +244,13 @@ class Registry:
         shutdown). An engine error is logged, not raised: the engine frees the session's slot
         even when it fails (and then reports FAILED health), and one failure must neither stop
         the reaper (whose nursery holds every stream) nor skip the other sessions."""
+        self._freeing.value += 1
         try:
             await self.engine.release(session_id)
         except EngineError:
             log.exception("releasing retained session %r failed", session_id)
+        finally:
+            self._freeing.value -= 1
 
     # ---- observation -----------------------------------------------------------------------
 
