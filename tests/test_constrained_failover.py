@@ -14,15 +14,16 @@ door itself with ``response_format`` json_schema. The token after which the sign
 drawn as in tests/test_failover_chaos.py (``SHARD_CHAOS_SEED``).
 
 Every worker computes one position per llama.cpp forward pass (``ONE_ROW``: ``serve --batch 1
---max-sessions 1``; in-process ``LlamaCppEngine(n_ubatch=1)``), so a replay's prefill of the
-history gives the KV cells and logits the step-by-step decoding gave, bit for bit, and the
-comparison of the sampled tokens can be exact. With llama.cpp's default batches a replay
-computes the history as one batch whose rounding differs from the decode steps' (log-probabilities
-up to ~4e-4 apart with flash attention's F16 KV cache, ~1e-5 without; the rows of a 2-row batch
-already differ): the grammar, the penalty window and the bias crossed intact, yet a sampled draw
-that lay near a boundary of its cumulative distribution (temperature 0.8, a flat tiny model) took
-the neighbouring token in about 1 SHARD_CHAOS_SEED in 6. Batched replay within a tolerance is
-tests/test_failover*.py's and tests/test_pipeline_llama.py's; here only what is sampled is compared.
+--max-sessions 1 --prefix-cache-tokens 0``, and the in-process ones loaded alike), so a replay's
+prefill of the history gives the KV cells and logits the decode steps gave, bit for bit: the
+steps' log-probabilities are compared exactly, and so can the sampled tokens be. With llama.cpp's
+default batches a replay computes the history in one batch whose rounding differs from the
+decode steps' (log-probabilities up to ~4e-4 apart with flash attention's F16 KV cache, ~1e-5
+without, and already with ``--batch 2``): the grammar, the penalty window and the bias crossed
+intact, yet a sampled draw near a boundary of its cumulative distribution (temperature 0.8 over
+the flat tiny model) took the neighbouring token for about 1 ``SHARD_CHAOS_SEED`` in 6. A
+batched replay's rounding is the engine's tolerance tests' (docs/engine.md: 1e-3 on
+log-probabilities); here it would only hide what crosses processes.
 """
 
 from __future__ import annotations
@@ -203,10 +204,11 @@ async def test_a_whole_model_hop_decoding_in_its_workers_loop_keeps_the_constrai
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 async def test_a_json_schema_stream_through_the_door_survives_its_workers_end(how: str) -> None:
     """The front door as an operator runs it (``trio-shard api --workers A,B`` over two
-    ``serve`` processes of the chat model): a streamed chat completion with ``response_format``
-    json_schema, sampled with penalties and a bias, whose worker is SIGKILLed (replayed on the
-    other worker) or drained (SIGTERM: its state moves there) mid-stream streams the text the
-    uninterrupted request gives, JSON that keeps to the schema."""
+    ``serve`` processes of the chat model, with ``ONE_ROW``: module doc): a streamed chat
+    completion with ``response_format`` json_schema, sampled with penalties and a bias, whose
+    worker is SIGKILLed (replayed on the other worker) or drained (SIGTERM: its state moves
+    there) mid-stream streams the text the uninterrupted request gives, JSON that keeps to the
+    schema."""
     import json
     import urllib.request
 
