@@ -12,6 +12,18 @@ afterwards over the wire. A 2-part pipeline in client and chain relay, a whole-m
 decoding in its worker's loop (as the pool behind the front door drives it), and the front
 door itself with ``response_format`` json_schema. The token after which the signal comes is
 drawn as in tests/test_failover_chaos.py (``SHARD_CHAOS_SEED``).
+
+Every worker computes one position per llama.cpp forward pass (``ONE_ROW``: ``serve --batch 1
+--max-sessions 1 --prefix-cache-tokens 0``, and the in-process ones loaded alike), so a replay's
+prefill of the history gives the KV cells and logits the decode steps gave, bit for bit: the
+steps' log-probabilities are compared exactly, and so can the sampled tokens be. With llama.cpp's
+default batches a replay computes the history in one batch whose rounding differs from the
+decode steps' (log-probabilities up to ~7e-4 apart with flash attention's F16 KV cache, ~1e-5
+without, and already with ``--batch 2``): the grammar, the penalty window and the bias crossed
+intact, yet a sampled draw near a boundary of its cumulative distribution (temperature 0.8 over
+the flat tiny model) took the neighbouring token for about 1 ``SHARD_CHAOS_SEED`` in 6. A
+batched replay's rounding is the engine's tolerance tests' (docs/engine.md: 1e-3 on
+log-probabilities); here it would only hide what crosses processes.
 """
 
 from __future__ import annotations
@@ -20,23 +32,23 @@ import math
 import random
 import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
 
-from rpc_harness import Worker
+from rpc_harness import Worker, worker
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
 from shard.client import ShardClient
-from shard.engine import LayerRange
-from shard.models import ensure_model
+from shard.engine import LayerRange, LoadSpec
+from shard.engine.llama import LlamaCppEngine
+from shard.models import ensure_model, ensure_slice
 from shard.pipeline import Pipeline
 from shard.v1 import shard_pb2 as pb
 from test_failover_chaos import CHAIN_AHEAD, SEED, STEP_TIMEOUT, TIMEOUT, Served, serve_process, where
 from test_grammar import SCHEMA, Person
 from test_pipeline import assert_all_free
-from test_pipeline_llama import llama_workers
 
 PROMPT = "Answer in JSON:"
 MAX_TOKENS = 400  # far more than the schema's longest answer: every run ends at its grammar's end
@@ -46,6 +58,29 @@ PENALIZED: dict[str, Any] = dict(PLAIN, repeat_penalty=1.3, presence_penalty=0.5
                                  frequency_penalty=0.3, penalty_last_n=32,
                                  logit_bias={656: 2.0, 747: -math.inf})
 HOW = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
+TOP = 8  # alternatives compared at every step
+#: ``serve`` computing one position per forward pass. llama.cpp needs ``n_batch`` >= its
+#: sequences (a worker aborts otherwise), hence one session and no prefix cache (module doc).
+ONE_ROW = ("--batch", "1", "--max-sessions", "1", "--prefix-cache-tokens", "0")
+
+
+@asynccontextmanager
+async def one_row_workers(ranges: list[LayerRange], *, relay: bool) -> AsyncIterator[list[Worker]]:
+    """In-process LlamaCppEngine workers of the ``chat`` model's ``ranges``, loaded as
+    ``ONE_ROW`` loads a ``serve`` process (the same KV layout, so a session moves between
+    them); ``relay``: each one relays routes (``serve --allow-relay``)."""
+    from shard.relay import ChainRelay
+
+    source = ensure_model("chat")
+    async with AsyncExitStack() as stack:
+        workers = []
+        for lr in ranges:
+            path = await trio.to_thread.run_sync(ensure_slice, source, lr)
+            spec = LoadSpec(model_path=path, layer_range=lr, n_ctx=1024, max_sessions=1, n_batch=1,
+                            n_threads=1)
+            workers.append(await stack.enter_async_context(worker(
+                engine=LlamaCppEngine(), load=spec, relay=ChainRelay() if relay else None)))
+        yield workers
 
 
 @asynccontextmanager
@@ -54,10 +89,17 @@ async def two_parts(relay: str) -> AsyncIterator[tuple[list[list[str]], Served, 
     in-process replica. Yields the hop lists, the process and the in-process workers."""
     chained = relay == "chain"
     extra = ("--allow-relay",) if chained else ()
-    async with llama_workers([LayerRange(0, 2), LayerRange(0, 2), LayerRange(2, 4)], relay=chained,
-                             preset="chat") as (a, ar, b2), \
-            serve_process("2:4", "--grace", "60", *extra, model=str(ensure_model("chat"))) as b1:
+    async with one_row_workers([LayerRange(0, 2), LayerRange(0, 2), LayerRange(2, 4)],
+                               relay=chained) as (a, ar, b2), \
+            serve_process("2:4", "--grace", "60", *ONE_ROW, *extra,
+                          model=str(ensure_model("chat"))) as b1:
         yield [[a.target, ar.target], [b1.target, b2.target]], b1, [a, ar, b2]
+
+
+def distributions(result: Any) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each step's chosen log-probability and its ``TOP`` alternatives (the model's masked row)."""
+    return [(s.logits.logprob, [(t.token_id, t.logprob) for t in s.logits.top])
+            for s in result.steps]
 
 
 async def text_of(target: str, tokens: list[int]) -> str:
@@ -74,7 +116,7 @@ async def signalled_run(pipe: Pipeline, served: Served, how: str, case: str, *,
     workers decode without the client and may be up to a credit window past ``on_token``, so
     ``CHAIN_AHEAD`` steps before); ``going_away``: wait until the pipeline saw a SIGTERM's
     GOAWAY (client relay: it then hands over at the next step). Returns both results."""
-    want = await pipe.generate(PROMPT, max_tokens=MAX_TOKENS, **PENALIZED)
+    want = await pipe.generate(PROMPT, max_tokens=MAX_TOKENS, top_logprobs=TOP, **PENALIZED)
     assert want.failovers == [] and want.finish_reason == pb.FINISH_REASON_EOG, want
     last = len(want.tokens) - (CHAIN_AHEAD if ahead else 1)
     at = random.Random(f"{SEED}-{how}-{case}").randrange(1, last)
@@ -92,8 +134,13 @@ async def signalled_run(pipe: Pipeline, served: Served, how: str, case: str, *,
                     while not client.going_away:
                         await trio.sleep(0.001)
 
-    got = await pipe.generate(PROMPT, max_tokens=MAX_TOKENS, on_token=on_token, **PENALIZED)
+    got = await pipe.generate(PROMPT, max_tokens=MAX_TOKENS, on_token=on_token,
+                              top_logprobs=TOP, **PENALIZED)
     assert got.tokens == seen == want.tokens, where(how, at)
+    # One-row passes (module doc): the replica's distributions are the killed worker's, bit
+    # for bit, so a sampled token cannot tip over a boundary its rounding moved.
+    assert len(distributions(want)) == len(want.tokens)
+    assert distributions(got) == distributions(want), where(how, at)
     assert got.finish_reason == want.finish_reason, where(how, at)
     return want, got
 
@@ -140,8 +187,8 @@ async def test_a_whole_model_hop_decoding_in_its_workers_loop_keeps_the_constrai
     SIGKILL replays the history on the replica, SIGTERM yields the generation between two
     tokens and moves its state."""
     chat = str(ensure_model("chat"))
-    async with serve_process(None, "--grace", "60", model=chat) as w1, \
-            serve_process(None, "--grace", "60", model=chat) as w2:
+    async with serve_process(None, "--grace", "60", *ONE_ROW, model=chat) as w1, \
+            serve_process(None, "--grace", "60", *ONE_ROW, model=chat) as w2:
         async with Pipeline.connect([[w1.target, w2.target]], timeout=TIMEOUT,
                                     step_timeout=STEP_TIMEOUT) as pipe:
             pipe.step_replicas = False
@@ -157,17 +204,19 @@ async def test_a_whole_model_hop_decoding_in_its_workers_loop_keeps_the_constrai
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 async def test_a_json_schema_stream_through_the_door_survives_its_workers_end(how: str) -> None:
     """The front door as an operator runs it (``trio-shard api --workers A,B`` over two
-    ``serve`` processes of the chat model): a streamed chat completion with ``response_format``
-    json_schema, sampled with penalties and a bias, whose worker is SIGKILLed (replayed on the
-    other worker) or drained (SIGTERM: its state moves there) mid-stream streams the text the
-    uninterrupted request gives, JSON that keeps to the schema."""
+    ``serve`` processes of the chat model, with ``ONE_ROW``: module doc): a streamed chat
+    completion with ``response_format`` json_schema, sampled with penalties and a bias, whose
+    worker is SIGKILLed (replayed on the other worker) or drained (SIGTERM: its state moves
+    there) mid-stream streams the text the uninterrupted request gives, JSON that keeps to the
+    schema."""
     import json
     import urllib.request
 
     from rpc_harness import api_process
 
     chat = str(ensure_model("chat"))
-    async with serve_process(None, model=chat) as a, serve_process(None, model=chat) as b, \
+    async with serve_process(None, *ONE_ROW, model=chat) as a, \
+            serve_process(None, *ONE_ROW, model=chat) as b, \
             api_process(["--workers", f"{a.target},{b.target}", "--probe-interval", "0.2"]) as door:
 
         def request(path: str, body: Any = None) -> Any:
