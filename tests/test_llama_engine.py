@@ -692,6 +692,21 @@ async def test_too_many_sessions_for_context(tiny_path: Path) -> None:
             await eng.load(LoadSpec(model_path=tiny_path, n_ctx=1 << 16, max_sessions=300))
 
 
+async def test_a_batch_smaller_than_the_sequences_is_refused_not_aborted(tiny_path: Path) -> None:
+    """llama.cpp aborts the whole process when n_batch is below its sequence count (sessions
+    plus prefix cache entries): the load refuses it first, and a batch that holds them loads."""
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(InvalidInput, match="n_batch 1 is smaller than the 2 sequences"):
+            await eng.load(LoadSpec(model_path=tiny_path, n_ctx=256, n_batch=1, max_sessions=2))
+        assert eng.health().state is EngineState.FAILED
+    async with LlamaCppEngine() as eng:
+        with pytest.raises(InvalidInput, match=r"2 sessions \+ \d+ prefix cache entries"):
+            await eng.load(LoadSpec(model_path=tiny_path, n_ctx=256, n_batch=2, max_sessions=2,
+                                    prefix_cache_tokens=128))
+    async with LlamaCppEngine() as eng:
+        await eng.load(LoadSpec(model_path=tiny_path, n_ctx=256, n_batch=2, max_sessions=2))
+
+
 async def test_close_is_idempotent(tiny_path: Path) -> None:
     eng = LlamaCppEngine()
     await eng.load(LoadSpec(model_path=tiny_path, n_ctx=256))

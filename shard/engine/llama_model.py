@@ -166,12 +166,20 @@ class LlamaModel:
             boundary = None if last else BoundaryCapture(n_layer, n_embd)
             entries, cache_detail = _cache_layout(model, spec, n_ctx_per_session)
 
+            n_seq_max = spec.max_sessions + entries
+            if spec.n_batch < n_seq_max:
+                # llama.cpp reserves an output row per sequence within n_batch and aborts the
+                # whole process (GGML_ASSERT on n_outputs_max) when n_batch is smaller.
+                raise InvalidInput(
+                    f"n_batch {spec.n_batch} is smaller than the {n_seq_max} sequences the worker "
+                    f"keeps ({spec.max_sessions} sessions + {entries} prefix cache entries): raise "
+                    "--batch, or lower --max-sessions or --prefix-cache-tokens")
             cparams = lc.llama_context_default_params()
             # Every sequence, a session's or a cache entry's, gets a stream of the same size.
             cparams.n_ctx = spec.n_ctx + entries * n_ctx_per_session
             cparams.n_batch = spec.n_batch
             cparams.n_ubatch = min(spec.n_batch, self.n_ubatch_opt)
-            cparams.n_seq_max = spec.max_sessions + entries
+            cparams.n_seq_max = n_seq_max
             threads = spec.n_threads or default_threads()
             cparams.n_threads = threads
             cparams.n_threads_batch = threads
