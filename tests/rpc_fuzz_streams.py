@@ -112,7 +112,6 @@ class StreamRules(FuzzWorld):
 
     async def _cut(self, slot: SlotModel) -> None:
         assert slot.client is not None
-        racing = slot.near_deadline()
         slot.cut = True
         await trio.aclose_forcefully(slot.client._conn.stream)  # noqa: SLF001 - abrupt TCP close
         slot.disconnect.set()
@@ -120,7 +119,13 @@ class StreamRules(FuzzWorld):
         if slot.run is not None:
             await slot.run.done.wait()
             await self._absorb_run(slot, slot.run)  # what the client got stays valid
-        # The worker retains the session; it may hold results the client never got.
+        # The worker retains the session (it may hold results the client never got), unless its
+        # call deadline passed before it noticed the lost connection: then it released it. On a
+        # busy machine that notice may come any time after the cut, so which one won is read
+        # from the worker (ambiguous) when the stream was still live at the deadline, judged
+        # from when it ended, not from when we cut: the worker's deadline is never before ours.
+        await self._stream_gone(slot)
+        racing = slot.near_deadline()
         await self._end_stream(slot, "retained", ambiguous=racing)
         slot.exact = False
         await self._connect(slot)
