@@ -42,9 +42,12 @@ class StreamRules(FuzzWorld):
     async def _release(self, slot: SlotModel) -> None:
         control = self._control()
         assert control is not None
-        was, racing = slot.state, slot.near_deadline()
+        was = slot.state
         released = await control.release(slot.sid)
-        assert released or racing, f"Release of a {was} session found nothing"
+        # Found nothing only if the call deadline ended the stream first: judged once the
+        # answer is here (on a busy machine the Release may reach the worker well after it
+        # was sent), as the worker's deadline is never before ours.
+        assert released or slot.near_deadline(), f"Release of a {was} session found nothing"
         await self._end_stream(slot, "none")
         FuzzWorld.stats["release"] += 1
 

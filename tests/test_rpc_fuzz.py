@@ -57,6 +57,7 @@ from shard.engine.base import Slot as EngineSlot
 from shard.engine.fake import FakeEngine, FakeScript
 from shard.engine.grammar import SessionGrammar
 from shard.engine.prefix_cache import PrefixCache
+from shard.rpc.registry import Registry
 from shard.rpc.session import SessionCall, StreamEnd
 from shard.rpc.session.context import StepContext
 
@@ -413,5 +414,36 @@ def test_a_deadline_that_passes_while_the_check_settles_is_seen(monkeypatch: pyt
         monkeypatch.setattr(FuzzWorld, "_settle", slow)
         machine.worker_matches_the_model()
         assert machine.slots["a"].state == "none", "the deadline released the session"
+    finally:
+        machine.teardown()
+
+
+def test_a_release_that_reaches_the_worker_after_the_deadline_may_find_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Release sent well before the call deadline that reaches the worker only after the
+    deadline ended the stream (a busy machine) finds nothing, and the model must allow it:
+    judged when the answer came, not when it was sent. Planted by a worker that handles every
+    Release of a live stream only once that stream has ended."""
+    release = Registry.release
+
+    async def late(self: Registry, session_id: str) -> bool:
+        call = self.live(session_id)
+        if call is not None:
+            await call.done.wait()
+        return await release(self, session_id)
+
+    monkeypatch.setattr(Registry, "release", late)
+
+    async def time_left(machine: RpcFuzz) -> float:
+        return machine.slots["a"].deadline - trio.current_time()
+
+    machine = FakeFuzz()
+    try:
+        machine.open("a", timeout=1.0, step_timeout=None, resume="right", credit=1)
+        assert machine.loop.run(time_left, machine) > 0.1, "release it well before the deadline"
+        machine.release("a")
+        machine.worker_matches_the_model()
+        assert machine.slots["a"].state == "none"
     finally:
         machine.teardown()
