@@ -350,9 +350,7 @@ class FuzzWorld(RuleBasedStateMachine):
         if slot.session is not None:
             slot.session.abort()
         slot.session, slot.deadline = None, math.inf
-        with trio.move_on_after(SETTLE):
-            while self._call(slot.sid) is not None:
-                await trio.sleep(0.002)
+        await self._stream_gone(slot)
         if ambiguous:
             expect = "retained" if self.server.registry.retained(slot.sid) is not None else "none"
             slot.exact = False
@@ -361,18 +359,36 @@ class FuzzWorld(RuleBasedStateMachine):
             self._released(slot.tokens, exact and slot.exact)
             slot.tokens, slot.choice, slot.exact, slot.grammar_start = [], None, True, 0
 
-    async def _settle(self) -> None:
-        """Wait until the worker finished ending streams: one stream task per live slot."""
+    async def _stream_gone(self, slot: SlotModel) -> None:
+        """Wait (bounded) until the worker no longer holds the slot's stream: it released or
+        retained the session, whichever it does."""
+        with trio.move_on_after(SETTLE):
+            while self._call(slot.sid) is not None:
+                await trio.sleep(0.002)
+
+    def deadline_near(self) -> bool:
+        """A live slot's call deadline is near or past: the worker may be ending its stream."""
+        return any(s.near_deadline() for s in self._in("open", "stepping"))
+
+    async def _settle(self) -> bool:
+        """Wait until the worker finished ending streams: one stream task per live slot. False
+        as soon as a live slot's call deadline comes near (on a busy machine the wait may
+        outlast it): the worker may be ending that stream, which the caller models first."""
         registry = self.server.registry
         live = {s.sid for s in self._in("open", "stepping")}
         with trio.move_on_after(SETTLE):
             while registry.streams.value != len(live) or {
                 sid for sid in SLOTS if registry.live(sid) is not None
             } != live:
+                if self.deadline_near():
+                    return False
                 await trio.sleep(0.002)
+        if self.deadline_near():
+            return False
         assert registry.streams.value == len(live), (
             f"{registry.streams.value} stream tasks for live slots {sorted(live)}"
         )
+        return True
 
     async def _open(
         self, slot: SlotModel, timeout: float | None, step_timeout: float | None, resume: str, credit: int

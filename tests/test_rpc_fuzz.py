@@ -37,6 +37,7 @@ Planted-bug tests show each invariant catches its bug. Run longer with
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -49,14 +50,15 @@ from hypothesis.stateful import initialize, invariant, run_state_machine_as_test
 
 from conftest import LONG_EXAMPLES
 from rpc_fuzz_harness import FAILURES, FAKE, FAKE_BATCHED, FAKE_SPEC, LLAMA, MODEL, EngineKind
-from rpc_fuzz_model import SLOTS
+from rpc_fuzz_model import SLOTS, FuzzWorld, SlotModel
 from rpc_fuzz_grammar import SamplingRules
 from shard.engine import base as engine_base
 from shard.engine.base import Slot as EngineSlot
 from shard.engine.fake import FakeEngine, FakeScript
 from shard.engine.grammar import SessionGrammar
 from shard.engine.prefix_cache import PrefixCache
-from shard.rpc.session import SessionCall
+from shard.rpc.registry import Registry
+from shard.rpc.session import SessionCall, StreamEnd
 from shard.rpc.session.context import StepContext
 
 
@@ -75,17 +77,15 @@ class RpcFuzz(SamplingRules):
         self.loop.run(self._check)
 
     async def _check(self) -> None:
-        for slot in self._in("open", "stepping"):
-            if slot.near_deadline():  # the worker ends the stream at its deadline
-                await trio.sleep_until(slot.deadline + 0.005)
-                if slot.run is not None:
-                    await self._finish(slot)
-                else:
-                    await self._end_stream(slot, "none", ambiguous=True)
-                if slot.state in ("open", "stepping"):  # the step ended first: end it now
-                    await self._end_stream(slot, "none", ambiguous=True)
-                RpcFuzz.stats["deadline"] += 1
-        await self._settle()
+        # The checks below read the worker with no checkpoint, so it cannot end a stream
+        # meanwhile; but ending a stream at its deadline, or settling, may wait, and on a busy
+        # machine another slot's deadline may pass then: again until a pass finds none near.
+        while True:
+            for slot in self._in("open", "stepping"):
+                if slot.near_deadline():  # the worker ends the stream at its deadline
+                    await self._end_at_deadline(slot)
+            if await self._settle() and not self.deadline_near():
+                break
         engine = self.engine
         assert engine is not None
         expected = {s.sid for s in self._in("open", "stepping", "retained")}
@@ -117,6 +117,16 @@ class RpcFuzz(SamplingRules):
                 assert kv == total, f"{kv} KV cells for {total} held positions"
             elif total == 0:
                 assert kv == 0, f"{kv} KV cells with no session"
+
+    async def _end_at_deadline(self, slot: SlotModel) -> None:
+        await trio.sleep_until(slot.deadline + 0.005)
+        if slot.run is not None:
+            await self._finish(slot)
+        else:
+            await self._end_stream(slot, "none", ambiguous=True)
+        if slot.state in ("open", "stepping"):  # the step ended first: end it now
+            await self._end_stream(slot, "none", ambiguous=True)
+        RpcFuzz.stats["deadline"] += 1
 
 
 # ---- the tests ---------------------------------------------------------------------------------
@@ -349,3 +359,96 @@ def test_fuzzer_finds_penalties_that_see_only_the_step(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(engine_base, "step_history", own_input)
     _finds(FakeFuzz, "run alone", examples=400)
+
+
+# ---- the model's own timing ---------------------------------------------------------------------
+
+
+def test_a_cut_the_worker_notices_after_its_deadline_is_read_from_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection cut well before the stream's call deadline, that the worker notices only
+    after it (a busy machine: seen in CI as "engine sessions {'b'}, model {'a', 'b'}"): the
+    deadline ends the stream first and the session is released, not retained. The model must
+    judge the race from when the stream ended, not from when it cut the connection. Planted
+    here by a worker that never notices the lost connection, so its deadline always wins."""
+    end = SessionCall.end
+
+    def unnoticed(self: SessionCall, reason: StreamEnd) -> None:
+        if reason is not StreamEnd.CONNECTION_LOST:
+            end(self, reason)
+
+    monkeypatch.setattr(SessionCall, "end", unnoticed)
+
+    async def time_left(machine: RpcFuzz) -> float:
+        return machine.slots["a"].deadline - trio.current_time()
+
+    machine = FakeFuzz()
+    try:
+        machine.open("a", timeout=1.0, step_timeout=None, resume="right", credit=1)
+        assert machine.slots["a"].state == "open"
+        assert machine.loop.run(time_left, machine) > 0.1, "cut it well before the deadline"
+        machine.cut_connection("a")
+        machine.worker_matches_the_model()
+        assert machine.slots["a"].state == "none", "the deadline released the session"
+    finally:
+        machine.teardown()
+
+
+def test_a_deadline_that_passes_while_the_check_settles_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The invariant waits for the worker to settle; on a busy machine that wait may outlast an
+    open slot's call deadline, and the worker releases that session meanwhile: the check must
+    see the deadline before it compares the engine with the model. Planted by a settle that
+    always waits past the slot's deadline."""
+    settle = FuzzWorld._settle
+
+    async def slow(self: FuzzWorld) -> bool:
+        deadlines = [s.deadline for s in self._in("open", "stepping") if s.deadline != math.inf]
+        if deadlines:
+            await trio.sleep_until(max(deadlines) + 0.05)
+        return await settle(self)
+
+    async def time_left(machine: RpcFuzz) -> float:
+        return machine.slots["a"].deadline - trio.current_time()
+
+    machine = FakeFuzz()
+    try:
+        machine.open("a", timeout=1.0, step_timeout=None, resume="right", credit=1)
+        assert machine.slots["a"].state == "open"
+        assert machine.loop.run(time_left, machine) > 0.1, "check it well before the deadline"
+        monkeypatch.setattr(FuzzWorld, "_settle", slow)
+        machine.worker_matches_the_model()
+        assert machine.slots["a"].state == "none", "the deadline released the session"
+    finally:
+        machine.teardown()
+
+
+def test_a_release_that_reaches_the_worker_after_the_deadline_may_find_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Release sent well before the call deadline that reaches the worker only after the
+    deadline ended the stream (a busy machine) finds nothing, and the model must allow it:
+    judged when the answer came, not when it was sent. Planted by a worker that handles every
+    Release of a live stream only once that stream has ended."""
+    release = Registry.release
+
+    async def late(self: Registry, session_id: str) -> bool:
+        call = self.live(session_id)
+        if call is not None:
+            await call.done.wait()
+        return await release(self, session_id)
+
+    monkeypatch.setattr(Registry, "release", late)
+
+    async def time_left(machine: RpcFuzz) -> float:
+        return machine.slots["a"].deadline - trio.current_time()
+
+    machine = FakeFuzz()
+    try:
+        machine.open("a", timeout=1.0, step_timeout=None, resume="right", credit=1)
+        assert machine.loop.run(time_left, machine) > 0.1, "release it well before the deadline"
+        machine.release("a")
+        machine.worker_matches_the_model()
+        assert machine.slots["a"].state == "none"
+    finally:
+        machine.teardown()
