@@ -34,8 +34,9 @@ from typing import Any
 
 import trio
 
-from .base import ComputePlan, Slot
 from .batching import Piece, Step, TickPlanner
+from .plans import ComputePlan
+from .slots import Slot
 from .tick_stats import TickStats
 
 #: Scheduling rounds a leader yields before a tick so that woken sessions can resubmit ...
