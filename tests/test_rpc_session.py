@@ -662,6 +662,39 @@ async def test_an_open_on_a_full_engine_waits_for_an_expired_session_being_freed
         assert reg.counters["sessions_evicted_total"] == 0
 
 
+async def test_an_open_on_a_full_engine_waits_for_a_released_session_being_freed(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, for a retained session freed by a Release RPC: while the engine still
+    releases it, an open on the full engine waits for it instead of being refused."""
+    from shard.engine import prefix_reuse
+
+    keep = prefix_reuse.PrefixReuse.keep
+
+    async def slow_keep(self, slot):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+        await trio.sleep(1.0)
+        return await keep(self, slot)
+
+    monkeypatch.setattr(prefix_reuse.PrefixReuse, "keep", slow_keep)
+    spec = LoadSpec(n_ctx=512, max_sessions=1, prefix_cache_tokens=64)
+    async with loaded(make_engine(), spec=spec) as engine, \
+            running_registry(engine, SessionLimits(resume_ttl=60.0)) as reg:
+        await _retain(reg)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reg.release, "s1")
+            await trio.sleep(0.5)  # the Release is under way: the registry lists s1 no more
+            assert reg.retained("s1") is None and engine.metrics().sessions_released_total == 0
+            async with driver(reg) as d:
+                try:
+                    opened = await d.open("s2")
+                except trio.EndOfChannel:
+                    await d.finished()
+                    pytest.fail(f"the open was refused: {d.call.error}")
+                assert opened.cache.outcome == R.OUTCOME_NEW
+                assert engine.metrics().sessions_released_total == 1
+        assert reg.counters["sessions_evicted_total"] == 0
+
+
 async def test_no_retention_while_draining() -> None:
     async with loaded(make_engine()) as engine, running_registry(engine) as reg:
         async with driver(reg) as d:

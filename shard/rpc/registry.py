@@ -227,7 +227,11 @@ class Registry:
             # The stream was already ending for a lost connection and retained the session.
         if self._retained.pop(session_id, None) is not None:
             self._bump()
-            await self.engine.release(session_id)
+            self._freeing.value += 1  # an open meanwhile waits for it (``evict_one``)
+            try:
+                await self.engine.release(session_id)
+            finally:
+                self._freeing.value -= 1
             return True
         await trio.lowlevel.checkpoint()
         return False
