@@ -628,13 +628,9 @@ async def test_full_engine_evicts_the_oldest_retained_session(autojump_clock: tr
         assert reg.counters["sessions_evicted_total"] == 1
 
 
-async def test_an_open_on_a_full_engine_waits_for_an_expired_session_being_freed(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The only session of a full engine was retained and expired: the registry lists it no
-    more while the engine still releases it (its history takes 1 s to become a cache entry, as
-    behind a long tick of llama.cpp's native thread). An open then waits for that release; it
-    was refused RESOURCE_EXHAUSTED ("all 1 sessions are in use")."""
+def _slow_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release's history takes 1 s to become a cache entry, as behind a long tick of
+    llama.cpp's native thread."""
     from shard.engine import prefix_reuse
 
     keep = prefix_reuse.PrefixReuse.keep
@@ -644,6 +640,16 @@ async def test_an_open_on_a_full_engine_waits_for_an_expired_session_being_freed
         return await keep(self, slot)
 
     monkeypatch.setattr(prefix_reuse.PrefixReuse, "keep", slow_keep)
+
+
+async def test_an_open_on_a_full_engine_waits_for_an_expired_session_being_freed(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The only session of a full engine was retained and expired: the registry lists it no
+    more while the engine still releases it (its history takes 1 s to become a cache entry, as
+    behind a long tick of llama.cpp's native thread). An open then waits for that release; it
+    was refused RESOURCE_EXHAUSTED ("all 1 sessions are in use")."""
+    _slow_release(monkeypatch)
     spec = LoadSpec(n_ctx=512, max_sessions=1, prefix_cache_tokens=64)
     async with loaded(make_engine(), spec=spec) as engine, \
             running_registry(engine, SessionLimits(resume_ttl=5.0)) as reg:
@@ -667,15 +673,7 @@ async def test_an_open_on_a_full_engine_waits_for_a_released_session_being_freed
 ) -> None:
     """As above, for a retained session freed by a Release RPC: while the engine still
     releases it, an open on the full engine waits for it instead of being refused."""
-    from shard.engine import prefix_reuse
-
-    keep = prefix_reuse.PrefixReuse.keep
-
-    async def slow_keep(self, slot):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
-        await trio.sleep(1.0)
-        return await keep(self, slot)
-
-    monkeypatch.setattr(prefix_reuse.PrefixReuse, "keep", slow_keep)
+    _slow_release(monkeypatch)
     spec = LoadSpec(n_ctx=512, max_sessions=1, prefix_cache_tokens=64)
     async with loaded(make_engine(), spec=spec) as engine, \
             running_registry(engine, SessionLimits(resume_ttl=60.0)) as reg:

@@ -211,28 +211,10 @@ def token_response(result: StepResult, step: int, start_position: int, finish: i
     """A generated token's whole response, built in place: the same message as
     ``SessionResponse(step=step_to_proto(...))`` with ``finish_reason``, without building the
     step and its logits apart and copying them in (two copies per token)."""
+    assert result.logits is not None
     resp = pb.SessionResponse()
-    msg = resp.step
-    msg.step = step
-    msg.n_past = result.n_past
-    msg.tokens_processed = result.tokens_processed
-    if result.reused_tokens:
-        msg.reused_tokens = result.reused_tokens
-    if result.cached_tokens:
-        msg.cached_tokens = result.cached_tokens
-    msg.start_position = start_position
-    lg = result.logits
-    assert lg is not None
-    out = msg.logits
-    out.token_id = lg.token_id
-    out.logprob = lg.logprob
-    out.piece = lg.piece
-    out.is_eog = lg.is_eog
-    for t in lg.top:
-        out.top.add(token_id=t.token_id, logprob=t.logprob, piece=t.piece)
-    for position in result.position_logits:
-        msg.position_logits.append(logits_to_proto(position))
-    msg.finish_reason = finish  # type: ignore[assignment]
+    step_into(resp.step, result, step, start_position)
+    resp.step.finish_reason = finish  # type: ignore[assignment]
     return resp
 
 
