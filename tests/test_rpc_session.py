@@ -24,6 +24,7 @@ from shard.engine import EngineFailure, LayerRange, LoadSpec, PrefillRequest
 from shard.engine.fake import FakeEngine, FakeModel
 from shard.rpc.convert import array_to_tensor, cache_expectation, tensor_to_array
 from shard.rpc.errors import ErrorCode
+from shard.rpc.registry import Registry
 from shard.rpc.session import Phase, SessionLimits, StreamEnd
 from shard.v1 import shard_pb2 as pb
 
@@ -642,6 +643,18 @@ def _slow_release(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefix_reuse.PrefixReuse, "keep", slow_keep)
 
 
+async def _open_waits_for_the_release(reg: Registry, engine: FakeEngine) -> None:
+    """Open "s2" on the full engine: it must wait for the release under way, not be refused."""
+    async with driver(reg) as d:
+        try:
+            opened = await d.open("s2")
+        except trio.EndOfChannel:
+            await d.finished()
+            pytest.fail(f"the open was refused: {d.call.error}")
+        assert opened.cache.outcome == R.OUTCOME_NEW
+        assert engine.metrics().sessions_released_total == 1
+
+
 async def test_an_open_on_a_full_engine_waits_for_an_expired_session_being_freed(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -657,14 +670,7 @@ async def test_an_open_on_a_full_engine_waits_for_an_expired_session_being_freed
         await trio.sleep(5.5)  # expired half a second ago: its release is under way
         assert reg.retained("s1") is None and reg.counters["sessions_expired_total"] == 1
         assert engine.sessions() == () and engine.metrics().sessions_released_total == 0
-        async with driver(reg) as d:
-            try:
-                opened = await d.open("s2")
-            except trio.EndOfChannel:
-                await d.finished()
-                pytest.fail(f"the open was refused: {d.call.error}")
-            assert opened.cache.outcome == R.OUTCOME_NEW
-            assert engine.metrics().sessions_released_total == 1
+        await _open_waits_for_the_release(reg, engine)
         assert reg.counters["sessions_evicted_total"] == 0
 
 
@@ -682,14 +688,7 @@ async def test_an_open_on_a_full_engine_waits_for_a_released_session_being_freed
             nursery.start_soon(reg.release, "s1")
             await trio.sleep(0.5)  # the Release is under way: the registry lists s1 no more
             assert reg.retained("s1") is None and engine.metrics().sessions_released_total == 0
-            async with driver(reg) as d:
-                try:
-                    opened = await d.open("s2")
-                except trio.EndOfChannel:
-                    await d.finished()
-                    pytest.fail(f"the open was refused: {d.call.error}")
-                assert opened.cache.outcome == R.OUTCOME_NEW
-                assert engine.metrics().sessions_released_total == 1
+            await _open_waits_for_the_release(reg, engine)
         assert reg.counters["sessions_evicted_total"] == 0
 
 

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import trio
 
-from shard.engine import DecodeRequest, EngineCancelled, EngineError, ShardEngine, StepTimeout
+from shard.engine import DecodeRequest, EngineCancelled, EngineError, ShardEngine, StepResult, StepTimeout
 from shard.v1 import shard_pb2 as pb
 
 from .. import convert
@@ -34,6 +34,7 @@ from ..hidden_codec import max_row_bytes
 from . import steps
 from .cancellation import cancelled
 from .call import SessionCall
+from .context import StepContext
 from .outbox import CHUNK_OVERHEAD
 
 log = logging.getLogger(__name__)
@@ -198,12 +199,7 @@ async def _submit(host: GroupHost, rows: list[tuple[SessionCall, pb.Decode, pb.G
             continue
         try:
             ctx.positions.computed(start, outcome)
-            outbox = ctx.outbox
-            outbox.step_no += 1  # the session's next step (its stream's results number on from it)
-            convert.step_into(res.result, outcome, outbox.step_no, start, ctx.wire_dtype)
-            ctx.step_accepted()  # its grammar start is the session's, as a sent step's
-            ctx.positions.sent(outcome.n_past)
-            host.count("steps_sent_total")
+            _answer(host, ctx, res, outcome, start)
         except Exception:
             log.exception("session %r: a group row failed", call.session_id)
             _end(host, call, res, internal_error(call.session_id))
@@ -238,15 +234,22 @@ async def _row(host: GroupHost, call: SessionCall, d: pb.Decode, res: pb.GroupRo
             _failed(host, res, fatal)
             return
         generated = 1
-        outbox = ctx.outbox
-        outbox.step_no += 1  # the session's next step (its stream's results number on from it)
-        convert.step_into(res.result, result, outbox.step_no, start, ctx.wire_dtype)
-        ctx.step_accepted()  # its grammar start is the session's, as a sent step's
-        ctx.positions.sent(result.n_past)
-        host.count("steps_sent_total")
+        _answer(host, ctx, res, result, start)
     finally:
         call.end_row(generated, fatal)
         res.n_past = ctx.positions.end
+
+
+def _answer(host: GroupHost, ctx: StepContext, res: pb.GroupRowResult, result: StepResult,
+            start: int) -> None:
+    """A row's result, written into its answer as its session's next step (its stream's results
+    number on from it; its grammar start becomes the session's, as a sent step's)."""
+    outbox = ctx.outbox
+    outbox.step_no += 1
+    convert.step_into(res.result, result, outbox.step_no, start, ctx.wire_dtype)
+    ctx.step_accepted()
+    ctx.positions.sent(result.n_past)
+    host.count("steps_sent_total")
 
 
 def _failed(host: GroupHost, res: pb.GroupRowResult, err: ShardError) -> None:
