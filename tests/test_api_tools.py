@@ -9,6 +9,7 @@ SmolLM2 (slow; its template does not render tools).
 
 from __future__ import annotations
 
+import re
 from contextlib import AsyncExitStack
 from functools import partial
 from pathlib import Path
@@ -96,7 +97,8 @@ def check_call(message: Any, finish: str | None, named: str | None) -> None:
     assert finish == "tool_calls", (finish, message)
     assert message.content is None and len(message.tool_calls) == 1, message
     call = message.tool_calls[0]
-    assert call.id.startswith("call_") and call.type == "function"
+    # (Mistral's format: 9 letters and digits, test_forced_calls_in_each_format)
+    assert re.fullmatch(r"call_[0-9a-f]{24}|[A-Za-z0-9]{9}", call.id) and call.type == "function"
     assert call.function.name in ARGS and (named is None or call.function.name == named)
     ARGS[call.function.name].model_validate_json(call.function.arguments)  # parses, validates
 
@@ -267,26 +269,47 @@ async def test_smollm2_round_trips(where: str) -> None:
     await llama_round_trips(path, packaged_name(CHAT), where)
 
 
-#: Minimal templates that render tools and ask for each call format.
+def mistral_id(var: str) -> str:
+    """Mistral's templates' check of a call id in the history."""
+    return (f"{{% if not {var} is defined or {var} | length != 9 %}}{{{{ raise_exception("
+            "'Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}")
+
+
+#: Minimal templates that render tools and ask for each call format. The Mistral one takes
+#: calls and their results back as Mistral 7B Instruct v0.3's and Nemo's templates do, ids
+#: checked as they check them.
 FORMAT_TEMPLATES = {
     "llama3": ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
                "{{ m.content }}<|eot_id|>{% endfor %}{% if tools %}{{ tools | tojson }} Answer "
                '{"name": ..., "parameters": ...} or <|python_tag|>{% endif %}'
                "<|start_header_id|>assistant<|end_header_id|>"),
     "mistral": ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
-                "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}"
-                "{# calls: [TOOL_CALLS] #}"),
+                "{% for m in messages %}"
+                "{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+                "{% elif m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+                + mistral_id("c.id") + "{{ (c.function | tojson)[:-1] }}, \"id\": \"{{ c.id }}\"}"
+                "{% if not loop.last %}, {% endif %}{% endfor %}]</s>"
+                "{% elif m.role == 'tool' %}"
+                + mistral_id("m.tool_call_id")
+                + '[TOOL_RESULTS]{"content": {{ m.content | tojson }}, '
+                '"call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]'
+                "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"),
 }
 
 
 @pytest.mark.parametrize("fmt", list(FORMAT_TEMPLATES))
 async def test_forced_calls_in_each_format(fmt: str) -> None:
-    """The grammar writes the format's call; its parser reads it back, streamed and not."""
+    """The grammar writes the format's call; its parser reads it back, streamed and not; the
+    call and the tool's answer go back through the template and the model replies (Mistral's
+    template takes only ids of 9 letters and digits)."""
     model = FakeModel(n_layers_total=4, n_embd=8, seed=13, chat_template=FORMAT_TEMPLATES[fmt])
     async with front_door(HALVES, model=model, session_ctx=CONTEXT) as door:
         assert plan_tools(ChatCompletionRequest.model_validate(
             {"model": NAME, "messages": QUESTION, "tools": TOOLS}), door.backend.chat).parse == fmt
         for seed, (choice, stream) in enumerate([("required", False), ("named", True)]):
-            message, finish = await in_thread(partial(
-                ask, door.client, NAME, CHOICES[choice], stream, seed))
+            message, finish, reply = await in_thread(partial(
+                round_trip, door.client, NAME, CHOICES[choice], stream, seed))
             check_call(message, finish, None if choice == "required" else "get_time")
+            if fmt == "mistral":
+                assert re.fullmatch(r"[A-Za-z0-9]{9}", message.tool_calls[0].id)
+            assert reply.finish_reason in ("stop", "length") and not reply.message.tool_calls

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import secrets
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["FORMATS", "Call", "CallArgs", "CallStart", "Event", "Parsed", "Text", "ToolCallParser",
-           "new_call_id", "parse", "parser_for"]
+           "new_call_id", "new_mistral_call_id", "parse", "parser_for"]
 
 FORMATS = ("hermes", "llama3", "mistral")
 
@@ -82,6 +83,16 @@ class Parsed:
 
 def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_mistral_call_id() -> str:
+    """A call id as Mistral writes them: 9 letters and digits. Mistral's chat templates
+    (7B Instruct v0.3, Nemo, Small) refuse any other id in the history they are given back
+    (``raise_exception("Tool call IDs should be alphanumeric strings with length 9!")``)."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
 # ---- a small prefix matcher: "this text opens a call", "could it still?" ------------------------
@@ -319,7 +330,7 @@ class _Mistral(ToolCallParser):
 
     MARK = "[TOOL_CALLS]"
 
-    def __init__(self, ids: Callable[[], str] = new_call_id) -> None:
+    def __init__(self, ids: Callable[[], str] = new_mistral_call_id) -> None:
         super().__init__(ids)
         self._buf = ""
         self._marked = False  # the marker seen: the rest is calls
@@ -361,8 +372,11 @@ class _Mistral(ToolCallParser):
         return calls  # type: ignore[return-value]
 
 
-def parser_for(fmt: str, ids: Callable[[], str] = new_call_id) -> ToolCallParser:
-    """A fresh parser of the call format ``fmt`` (one of ``FORMATS``)."""
+def parser_for(fmt: str, ids: Callable[[], str] | None = None) -> ToolCallParser:
+    """A fresh parser of the call format ``fmt`` (one of ``FORMATS``); ``ids`` makes each
+    call's id (by default ``new_call_id``, Mistral's format ``new_mistral_call_id``)."""
+    if ids is None:
+        ids = new_mistral_call_id if fmt == "mistral" else new_call_id
     if fmt == "hermes":
         return _Blocks(("<tool_call>",), ("arguments",), "</tool_call>", anywhere=True, ids=ids)
     if fmt == "llama3":
@@ -373,7 +387,7 @@ def parser_for(fmt: str, ids: Callable[[], str] = new_call_id) -> ToolCallParser
     raise ValueError(f"unknown tool call format {fmt!r}")
 
 
-def parse(fmt: str, text: str, ids: Callable[[], str] = new_call_id) -> Parsed:
+def parse(fmt: str, text: str, ids: Callable[[], str] | None = None) -> Parsed:
     """The whole answer ``text``: its content and calls."""
     parser = parser_for(fmt, ids)
     return Parsed.of(parser.feed(text) + parser.finish())
