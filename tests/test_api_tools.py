@@ -123,27 +123,56 @@ AUTO_GRAMMAR = ('root ::= "Checking.\\n<tool_call>\\n{\\"name\\": \\"get_weather
                 '\\"days\\": 2}}\\n</tool_call>"')
 
 
+@pytest.mark.parametrize("shape", ["whole", "pipeline"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_auto_parses_the_models_answer(stream: bool) -> None:
-    """``auto``: the answer is parsed (a grammar makes the random model write a call);
-    ``none``: the same answer is text."""
-    async with front_door(HALVES, model=TOOLS_MODEL, session_ctx=CONTEXT) as door:
-        def go(choice: str) -> Any:
-            kw = dict(model=NAME, messages=QUESTION, tools=TOOLS, tool_choice=choice,
-                      max_tokens=200, extra_body={"grammar": AUTO_GRAMMAR})
-            if stream:
+async def test_auto_parses_the_models_answer(shape: str, stream: bool) -> None:
+    """``auto``: the answer is parsed (a grammar makes the random model write a call), the call
+    and the tool's answer go back and the model replies; ``none``: the same answer is text."""
+    ranges, relay = SHAPES[shape]
+    async with front_door(ranges, relay=relay, model=TOOLS_MODEL, session_ctx=CONTEXT) as door:
+        def go(choice: str, messages: list[Any] = QUESTION, grammar: bool = True) -> Any:
+            kw = dict(model=NAME, messages=messages, tools=TOOLS, tool_choice=choice,
+                      max_tokens=200 if grammar else 8, seed=5)
+            if grammar:
+                kw["extra_body"] = {"grammar": AUTO_GRAMMAR}
+            if stream and grammar:  # (the SDK's helper raises on a reply cut at max_tokens)
+                kw["stream_options"] = {"include_usage": True}
                 with door.client.chat.completions.stream(**kw) as events:  # type: ignore[arg-type]
-                    return events.get_final_completion().choices[0]
-            return door.client.chat.completions.create(**kw).choices[0]  # type: ignore[arg-type]
+                    return events.get_final_completion()
+            return door.client.chat.completions.create(**kw)  # type: ignore[arg-type]
 
-        auto, none = await in_thread(lambda: (go("auto"), go("none")))
-    assert auto.finish_reason == "tool_calls" and auto.message.content == "Checking.\n"
-    (call,) = auto.message.tool_calls
+        def round_trip() -> tuple[Any, Any, list[Any], Any]:
+            auto = go("auto")
+            message = auto.choices[0].message
+            history = [*QUESTION, message.model_dump(exclude_none=True), *(
+                {"role": "tool", "tool_call_id": c.id, "content": '{"sky": "sunny"}'}
+                for c in message.tool_calls or ())]
+            return auto, go("none"), history, go("auto", history, grammar=False)
+
+        auto, none, history, reply = await in_thread(round_trip)
+    message = auto.choices[0].message
+    assert auto.choices[0].finish_reason == "tool_calls" and message.content == "Checking.\n"
+    (call,) = message.tool_calls
     assert call.function.name == "get_weather"
     assert WeatherArgs.model_validate_json(call.function.arguments) == WeatherArgs(
         city="Oslo", unit="celsius", days=2)
-    assert none.finish_reason == "stop" and not none.message.tool_calls
-    assert "<tool_call>" in (none.message.content or "")
+    assert none.choices[0].finish_reason == "stop" and not none.choices[0].message.tool_calls
+    assert "<tool_call>" in (none.choices[0].message.content or "")
+    # the reply's prompt is the conversation with the call and the tool's answer, rendered
+    # (a fake token is a byte)
+    grown = reply.usage.prompt_tokens - auto.usage.prompt_tokens
+    assert grown == len(rendered(history).encode()) - len(rendered(QUESTION).encode()), grown
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(reply.choices[0].message.content, str)
+
+
+def rendered(messages: list[Any]) -> str:
+    """The prompt the door renders for ``messages`` with ``TOOLS`` (the tools preset's template)."""
+    body = ChatCompletionRequest.model_validate({"model": NAME, "messages": messages,
+                                                 "tools": TOOLS})
+    template = ChatTemplate(HERMES_TOOLS_TEMPLATE)
+    plan = plan_tools(body, template)
+    return template.render(plan.messages, tools=plan.tools)
 
 
 async def test_stream_chunks_carry_call_pieces_as_the_sdk_expects() -> None:
