@@ -61,3 +61,35 @@ async def test_bad_sampling_values_are_400s_naming_the_parameter() -> None:
                 assert answer["error"]["param"] == param, (extra, answer)
         status, _, _ = await in_thread(lambda: post(door.url + "/v1/completions", base))
         assert status == 200  # the door and the workers stay healthy
+
+
+#: Each parameter alone, at a value that changes the fake model's text (the test checks it),
+#: with the temperature (and seed) it is tried at.
+ALONE: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "presence_penalty": ({"presence_penalty": 2.0}, {"temperature": 0.0}),
+    "frequency_penalty": ({"frequency_penalty": 2.0}, {"temperature": 0.0}),
+    "repeat_penalty": ({"repeat_penalty": 4.0}, {"temperature": 0.0}),
+    "top_k": ({"top_k": 1}, {"temperature": 2.0, "seed": 3}),
+    "min_p": ({"min_p": 0.5}, {"temperature": 2.0, "seed": 3}),
+    "logit_bias": ({"logit_bias": {40: 100.0}}, {"temperature": 0.0}),
+}
+REPEATED = "hello world hello world hello"
+
+
+@pytest.mark.parametrize("ranges", [[None], [LayerRange(0, 2), LayerRange(2, 4)]],
+                         ids=["whole", "2-workers"])
+@pytest.mark.parametrize("param", list(ALONE))
+async def test_each_parameter_alone_reaches_the_workers(param: str, ranges: list[Any]) -> None:
+    """The parameter alone changes the workers' text, and the door answers the text with it:
+    a door that dropped it would answer the text without it."""
+    extra, base = ALONE[param]
+    async with front_door(ranges) as door:
+        want, _ = await direct_text(door, REPEATED, max_tokens=16, **base, **extra)
+        without, _ = await direct_text(door, REPEATED, max_tokens=16, **base)
+        assert want != without
+        wire = {k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v)
+                for k, v in extra.items()}
+        status, _, body = await in_thread(lambda: post(door.url + "/v1/completions", {
+            "model": NAME, "prompt": REPEATED, "max_tokens": 16, **base, **wire}))
+        assert status == 200, body
+        assert body["choices"][0]["text"] == want
