@@ -30,7 +30,7 @@ from shard.engine.fake import FakeModel
 from shard.models import ensure_model, read_model_info
 from shard.models.plan import plan_parts
 from shard.models.real import ensure_real_model, packaged_name
-from shard.models.write import CHATML_TEMPLATE, HERMES_TOOLS_TEMPLATE
+from shard.models.write import CHATML_TEMPLATE, HERMES_TOOLS_TEMPLATE, write_model
 from shard.pool import Pool
 from test_api import HALVES, NAME, SHAPES, front_door, post
 from test_pipeline import TIMEOUT
@@ -251,9 +251,11 @@ def test_a_template_without_tools_gets_them_hermes_style() -> None:
     assert "# Tools" not in ChatTemplate(CHATML_TEMPLATE).render(none.messages)
 
 
-async def llama_round_trips(path: Path, name: str, where: str) -> list[tuple[Any, Any, Any]]:
+async def llama_round_trips(path: Path, name: str, where: str, controls: tuple[str, ...] = (),
+                            ) -> list[tuple[Any, Any, Any]]:
     """A required and a named round trip (the second streamed) on llama.cpp workers serving
-    ``path`` whole, as a 2-hop pipeline, or as a 2-part pool."""
+    ``path`` whole, as a 2-hop pipeline, or as a 2-part pool; ``controls``: texts the first
+    worker reports as control tokens."""
     ranges = [None] if where == "whole" else [p.layers for p in plan_parts(path, 2)]
     async with AsyncExitStack() as stack:
         workers = await stack.enter_async_context(llama_fleet(
@@ -267,6 +269,7 @@ async def llama_round_trips(path: Path, name: str, where: str) -> list[tuple[Any
         else:
             served = await stack.enter_async_context(
                 Backend.connect([[w.target] for w in workers], model_id=name, timeout=TIMEOUT))
+            assert served.chat is not None and set(controls) <= set(served.chat.special_texts)
         nursery = await stack.enter_async_context(trio.open_nursery())
         shutdown = trio.Event()
         url = (await nursery.start(partial(serve_http, build_app(served), host="127.0.0.1",
@@ -342,3 +345,27 @@ async def test_forced_calls_in_each_format(fmt: str) -> None:
             if fmt == "mistral":
                 assert re.fullmatch(r"[A-Za-z0-9]{9}", message.tool_calls[0].id)
             assert reply.finish_reason in ("stop", "length") and not reply.message.tool_calls
+
+
+#: The markers each format's template writes, control tokens in those models' GGUFs (Mistral's
+#: v3 tokenizer: ``[TOOL_CALLS]`` ...; Llama 3.x: ``<|python_tag|>`` ...).
+FORMAT_CONTROLS = {
+    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"),
+    "mistral": ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_TEMPLATES))
+async def test_forced_calls_where_the_markers_are_control_tokens(fmt: str, tmp_path: Path) -> None:
+    """On llama.cpp workers of a model whose vocabulary makes the format's markers control
+    tokens: a control token has no text at the door, so a forced call spells its marker in
+    text tokens (the grammar's literal) and parses; the call and the tool's answer go back
+    through the template (its markers the control tokens again) and the model replies."""
+    path = await trio.to_thread.run_sync(partial(
+        write_model, "tools", tmp_path / f"{fmt}.gguf", chat_template=FORMAT_TEMPLATES[fmt],
+        controls=FORMAT_CONTROLS[fmt]))
+    for message, _, _ in await llama_round_trips(path, f"{fmt}-test", "whole",
+                                                 FORMAT_CONTROLS[fmt]):
+        if fmt == "mistral":
+            assert re.fullmatch(r"[A-Za-z0-9]{9}", message.tool_calls[0].id)

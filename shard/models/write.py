@@ -306,8 +306,9 @@ def add_vocab(
         writer.add_chat_template(chat_template)
 
 
-def _write(p: ModelPreset, path: Path, progress: bool, chat_template: str | None) -> None:
-    tokens, scores, types = build_vocab(p.n_vocab, _CHATML_TOKENS if p.chat else ())
+def _write(p: ModelPreset, path: Path, progress: bool, chat_template: str | None,
+           controls: tuple[str, ...] = ()) -> None:
+    tokens, scores, types = build_vocab(p.n_vocab, (_CHATML_TOKENS if p.chat else ()) + controls)
     if chat_template is None:
         chat_template = _TEMPLATES.get(p.name, CHATML_TEMPLATE) if p.chat else ""
     n_vocab = len(tokens)
@@ -353,18 +354,21 @@ def _write(p: ModelPreset, path: Path, progress: bool, chat_template: str | None
 
 
 def write_model(
-    preset: str, out: Path, *, progress: bool = False, chat_template: str | None = None
+    preset: str, out: Path, *, progress: bool = False, chat_template: str | None = None,
+    controls: tuple[str, ...] = (),
 ) -> Path:
     """Write the preset's GGUF to ``out`` atomically (temp file + ``os.replace``); return ``out``.
 
     ``progress`` shows tqdm bars (useful for the ~200 MB ``bench`` preset). ``chat_template``:
     the ``tokenizer.chat_template`` to write instead of the preset's (ChatML for ``chat``,
     ``HERMES_TOOLS_TEMPLATE`` for ``tools``, none for the others); "" writes none.
+    ``controls``: more control tokens after the preset's (another template's markers, such as
+    Mistral's ``[TOOL_CALLS]``).
     """
     p = get_preset(preset)
     out = Path(out)
     with atomic_output(out) as tmp:
-        _write(p, tmp, progress, chat_template)
+        _write(p, tmp, progress, chat_template, controls)
     return out
 
 
