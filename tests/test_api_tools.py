@@ -4,13 +4,16 @@ named force a call by a grammar (its arguments parse and keep to the function's 
 and as a 2-hop pipeline; the tool's answer goes back and the model's reply comes. Fake workers
 with the Hermes/Qwen template of the ``tools`` preset (and minimal Llama 3.x and Mistral
 ones); then that preset on llama.cpp workers (whole, 2-hop pipeline, 2-part pool), and
-SmolLM2 (slow; its template does not render tools).
+SmolLM2 (slow; its template does not render tools); and llama.cpp workers of a model whose
+vocabulary makes the Llama 3.x and Mistral markers control tokens, as those models' GGUFs do.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -251,11 +254,12 @@ def test_a_template_without_tools_gets_them_hermes_style() -> None:
     assert "# Tools" not in ChatTemplate(CHATML_TEMPLATE).render(none.messages)
 
 
-async def llama_round_trips(path: Path, name: str, where: str, controls: tuple[str, ...] = (),
-                            ) -> list[tuple[Any, Any, Any]]:
-    """A required and a named round trip (the second streamed) on llama.cpp workers serving
-    ``path`` whole, as a 2-hop pipeline, or as a 2-part pool; ``controls``: texts the first
-    worker reports as control tokens."""
+@asynccontextmanager
+async def llama_door(path: Path, name: str, where: str, controls: tuple[str, ...] = (),
+                     ) -> AsyncIterator[openai.OpenAI]:
+    """The openai client of a front door over llama.cpp workers serving ``path`` whole, as a
+    2-hop pipeline, or as a 2-part pool; ``controls``: texts the first worker must report as
+    control tokens."""
     ranges = [None] if where == "whole" else [p.layers for p in plan_parts(path, 2)]
     async with AsyncExitStack() as stack:
         workers = await stack.enter_async_context(llama_fleet(
@@ -274,11 +278,17 @@ async def llama_round_trips(path: Path, name: str, where: str, controls: tuple[s
         shutdown = trio.Event()
         url = (await nursery.start(partial(serve_http, build_app(served), host="127.0.0.1",
                                            port=0, shutdown=shutdown, grace=1.0)))[0]
-        client = stack.enter_context(openai.OpenAI(base_url=url + "/v1", api_key="unused",
-                                                   max_retries=0, timeout=4 * TIMEOUT))
+        yield stack.enter_context(openai.OpenAI(base_url=url + "/v1", api_key="unused",
+                                                max_retries=0, timeout=4 * TIMEOUT))
+        shutdown.set()
+
+
+async def llama_round_trips(path: Path, name: str, where: str, controls: tuple[str, ...] = (),
+                            ) -> list[tuple[Any, Any, Any]]:
+    """A required and a named round trip (the second streamed) through ``llama_door``."""
+    async with llama_door(path, name, where, controls) as client:
         got = [await in_thread(partial(round_trip, client, name, CHOICES[c], s, i))
                for i, (c, s) in enumerate([("required", False), ("named", True)])]
-        shutdown.set()
     for (message, finish, reply), c in zip(got, ["required", "named"], strict=True):
         check_call(message, finish, None if c == "required" else "get_time")
         assert reply.finish_reason in ("stop", "length") and not reply.message.tool_calls
@@ -369,3 +379,40 @@ async def test_forced_calls_where_the_markers_are_control_tokens(fmt: str, tmp_p
                                                  FORMAT_CONTROLS[fmt]):
         if fmt == "mistral":
             assert re.fullmatch(r"[A-Za-z0-9]{9}", message.tool_calls[0].id)
+
+
+async def test_an_auto_answer_keeps_its_control_token_markers_text(tmp_path: Path) -> None:
+    """A Mistral model writes ``[TOOL_CALLS]`` as its control token (here a grammar makes the
+    random model do so): with tools (``auto``) the door keeps that token's text for the parser,
+    so the call is parsed, streamed and not; with ``tool_choice`` none the token has no text,
+    as every control token in an answer."""
+    path = await trio.to_thread.run_sync(partial(
+        write_model, "tools", tmp_path / "mistral.gguf", chat_template=FORMAT_TEMPLATES["mistral"],
+        controls=FORMAT_CONTROLS["mistral"]))
+    async with llama_door(path, "mistral-test", "whole", FORMAT_CONTROLS["mistral"]) as client:
+        root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+        status, _, got = await in_thread(lambda: post(root + "/tokenize", {
+            "content": "[TOOL_CALLS]", "with_pieces": True}))
+        assert status == 200 and [t["piece"] for t in got["tokens"]] == [""], got
+        marker = got["tokens"][0]["id"]
+        call = ('[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius", '
+                '"days": 2}}]')
+        grammar = f"start: <[{marker}]> {json.dumps(call)}"
+
+        def go(choice: str, stream: bool) -> Any:
+            kw = dict(model="mistral-test", messages=QUESTION, tools=TOOLS, tool_choice=choice,
+                      max_tokens=100, extra_body={"grammar": grammar})
+            if stream:
+                with client.chat.completions.stream(**kw) as events:  # type: ignore[arg-type]
+                    return events.get_final_completion().choices[0]
+            return client.chat.completions.create(**kw).choices[0]  # type: ignore[arg-type]
+
+        answers = await in_thread(lambda: [go("auto", False), go("auto", True), go("none", False)])
+    for auto in answers[:2]:
+        assert auto.finish_reason == "tool_calls" and auto.message.content is None, auto
+        (parsed,) = auto.message.tool_calls
+        assert parsed.function.name == "get_weather"
+        assert WeatherArgs.model_validate_json(parsed.function.arguments) == WeatherArgs(
+            city="Oslo", unit="celsius", days=2)
+    none = answers[2]
+    assert none.finish_reason == "stop" and none.message.content == call

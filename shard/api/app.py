@@ -257,7 +257,7 @@ def build_app(
         job = Request(prompt=text, max_tokens=body.token_limit,
                       top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
                       prompt_param="messages", constraint=tools.constraint or body.constraint(),
-                      **sampling(body, backend))
+                      preserved=tools.preserved, **sampling(body, backend))
         return body, backend, [job], ChatReply(
             backend.model_id, logprobs=bool(body.logprobs), include_usage=include_usage(body),
             fingerprint=system_fingerprint(backend.first.model_fingerprint),
@@ -272,7 +272,7 @@ def build_app(
         job = Request(prompt=text, max_tokens=body.max_output_tokens, prompt_param="input",
                       temperature=1.0 if body.temperature is None else body.temperature,
                       top_p=1.0 if body.top_p is None else body.top_p,
-                      constraint=tools.constraint)
+                      constraint=tools.constraint, preserved=tools.preserved)
         return body, backend, [job], ResponsesReply(backend.model_id, body, tools.parse)
 
     async def generation(

@@ -79,6 +79,9 @@ class Request:
     #: ``echo`` with ``logprobs``: each choice's text starts with the prompt's tokens and
     #: their log-probs (``shard.api.echo``); ``max_tokens`` may be 0.
     echo_logprobs: bool = False
+    #: Texts kept in the answer where the model writes them as a control token (which has
+    #: no text otherwise): a tool call format's markers, for its parser (``ToolPlan``).
+    preserved: tuple[str, ...] = ()
 
 
 @dataclass
@@ -214,6 +217,8 @@ class Backend:
         self._template = chat_template
         self._chat_of: str | None = None  # the fingerprint ``chat`` was made for
         self._chat: ChatTemplate | None = None
+        #: (model fingerprint, texts) -> the control tokens among ``texts``: id -> text
+        self._preserved: dict[tuple[str, tuple[str, ...]], dict[int, bytes]] = {}
         first = self.routes.first
         #: The id clients ask for; default ``<architecture>-<12 hex digits of the fingerprint>``
         #: or the name the workers report (``serve --model-name``).
@@ -323,6 +328,29 @@ class Backend:
                 error.param = param
             raise error from None
 
+    async def control_tokens(self, texts: Sequence[str]) -> dict[int, bytes]:
+        """The ids of those ``texts`` that are each one control token of the model, with their
+        text (``Request.preserved``): the texts the first worker reports as control tokens
+        (``ChatTemplate.special_texts``), tokenized by it once per model."""
+        chat = self.chat
+        wanted = tuple(t for t in texts if chat is not None and t in chat.special_texts)
+        if not wanted:
+            return {}
+        key = (self.first.model_fingerprint, wanted)
+        if key not in self._preserved:
+            ids: dict[int, bytes] = {}
+            for text in wanted:
+                try:
+                    got = await self.tokenize(text, with_pieces=True, param="messages")
+                except ApiError as err:
+                    if err.code != "unsupported_feature":
+                        raise
+                    return {}  # a worker older than Tokenize: the marker keeps no text
+                if len(got.tokens) == 1 and not got.pieces[0]:
+                    ids[got.tokens[0]] = text.encode()
+            self._preserved[key] = ids
+        return self._preserved[key]
+
     async def embed(self, inputs: Sequence[str | Sequence[int]], *, dimensions: int | None = None,
                     normalize: bool = True) -> list[pb.Embedding]:
         """One pooled embedding per input, in order, from a worker serving the whole model
@@ -410,7 +438,9 @@ class Backend:
         the generation itself for one choice, before it for several or for ``max_tokens`` 0)
         and each choice's first delta is the echoed prompt."""
         total = max(request.n, request.best_of)
-        choices = [ChoiceText(i, request.stops, held=total > request.n) for i in range(total)]
+        preserved = await self.control_tokens(request.preserved) if request.preserved else {}
+        choices = [ChoiceText(i, request.stops, held=total > request.n, preserved=preserved)
+                   for i in range(total)]
         counts = {"prompt": 0}
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         got = PipelineResult()

@@ -10,7 +10,7 @@ kind that streams) each delta goes out at once, tagged with its choice's ``index
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from shard.v1 import shard_pb2 as pb
 
@@ -25,8 +25,11 @@ class ChoiceText:
     """One choice: its text so far (stop sequences), its tokens, its summed log-probability
     and its finish. ``held``: its deltas wait for the ranking (``best_of`` above ``n``)."""
 
-    def __init__(self, index: int, stops: Sequence[str], *, held: bool = False) -> None:
+    def __init__(self, index: int, stops: Sequence[str], *, held: bool = False,
+                 preserved: Mapping[int, bytes] | None = None) -> None:
         self.index = index
+        #: Control tokens whose text the choice keeps (``Request.preserved``): id -> text.
+        self.preserved = preserved or {}
         self.text = TextAssembler(stops)
         self.tokens = 0
         self.logprob = 0.0
@@ -46,7 +49,8 @@ class ChoiceText:
         lg = step.logits
         self.logprob += lg.logprob
         self.finish = step.finish_reason
-        delta = self.text.push(TokenOut(lg.piece, lg.logprob, tuple(
+        piece = lg.piece or self.preserved.get(lg.token_id, b"")  # (a control token: b"")
+        delta = self.text.push(TokenOut(piece, lg.logprob, tuple(
             Alternative(t.piece, t.logprob) for t in lg.top)))
         return self._out(delta)
 

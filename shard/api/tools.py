@@ -44,6 +44,13 @@ GENERIC_PROMPT = (
 )
 
 
+#: Each call format's markers: control tokens in some models' vocabularies (Mistral's
+#: ``[TOOL_CALLS]`` and ``[ARGS]``, Llama 3.x's ``<|python_tag|>``), whose text the door keeps
+#: in the answer for the parser, as llama-server keeps its "preserved tokens".
+MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",),
+           "mistral": ("[TOOL_CALLS]", "[ARGS]")}
+
+
 def call_format(template: str) -> str:
     """The call format (``shard.api.tool_parsers.FORMATS``) a template asks its model for:
     Llama 3.x's JSON, Mistral's ``[TOOL_CALLS]``, else Hermes/Qwen's ``<tool_call>`` (also
@@ -69,6 +76,9 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None
     constraint: tuple[str, str, str] | None
     parse: str | None
+    #: The format's markers: kept in the answer where the model writes one as a control token
+    #: (``Request.preserved``), so that its parser sees it.
+    preserved: tuple[str, ...] = ()
 
 
 def _arguments(text: str) -> Any:
@@ -169,4 +179,5 @@ def plan_tools(body: ChatCompletionRequest, chat: ChatTemplate | None) -> ToolPl
     if active and choice not in (None, "auto"):
         only = None if choice == "required" else choice.function.name  # type: ignore[union-attr]
         constraint = ("lark", forcing_grammar(fmt, body, only), "tool_choice")
-    return ToolPlan(messages, tools if native else None, constraint, fmt if active else None)
+    return ToolPlan(messages, tools if native else None, constraint, fmt if active else None,
+                    MARKERS[fmt] if active else ())
