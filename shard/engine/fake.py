@@ -546,7 +546,7 @@ class FakeEngine(ShardEngine):
         weights = self._weights
         assert weights is not None and weights.head is not None and weights.bias is not None
         h = hidden.astype(np.float64)
-        h = h / (np.linalg.norm(h) + 1e-6) * math.sqrt(h.shape[0])
+        h = h / (math.sqrt(h.dot(h)) + 1e-6) * math.sqrt(h.shape[0])  # (np.linalg.norm's value)
         return (weights.head @ h * _HEAD_SCALE + weights.bias).astype(np.float32)
 
 

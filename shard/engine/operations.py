@@ -21,6 +21,7 @@ import numpy as np
 import outcome
 import trio
 
+from . import sampling
 from .errors import EngineCancelled, EngineError, EngineFailure
 from .plans import ComputePlan, StreamRun
 from .sessions import SessionTable
@@ -140,7 +141,8 @@ class OperationRunner:
                     self._status.counters["cancelled_total"] += 1
                 await self._end(row.slot, row.plan.keep, False)
             raise
-        for row in rows:
+        choices = _greedy_choices(rows)
+        for i, row in enumerate(rows):
             slot, plan, job = row.slot, row.plan, row.job
             committed = False
             try:
@@ -148,8 +150,9 @@ class OperationRunner:
                     raw = hooks._impl_group_raw(job)
                     if slot.cancel.is_set() and not slot.cancel.timed_out:
                         raise slot.cancel.error(slot.session_id)
+                    chosen = choices[i] if raw is job.result else None
                     row.result = hooks._make_result(slot, row.caps, plan, raw, row.params, row.top_k,
-                                                    0, "decode_tokens_total")
+                                                    0, "decode_tokens_total", chosen)
                 except (EngineError, trio.Cancelled, BaseExceptionGroup):
                     raise
                 except Exception as exc:  # a hook (piece, is_eog) or the result check misbehaved
@@ -324,6 +327,32 @@ class GroupRow:
             slot, caps, plan, params, top_k, job)
         self.result: StepResult | None = None
         self.error: EngineError | None = None
+
+
+def _greedy_choices(rows: Sequence[GroupRow]) -> list[tuple[int, float] | None]:
+    """The token and log-sum-exp of every finished plain greedy row of a group's logits, for
+    all of them at once (``sampling.greedy_rows``: bit for bit what each row's own
+    ``choose_token`` and ``logsumexp`` give), so that each result is built without its own
+    passes over the vocabulary (``ShardEngine._make_result``'s ``chosen``). None for a row
+    that gets no such choice (hidden states, another sampler, a grammar, not finite): its
+    result is built as a decode's is."""
+    choices: list[tuple[int, float] | None] = [None] * len(rows)
+    picked, block = [], []
+    for i, row in enumerate(rows):
+        job, params, caps = row.job, row.params, row.caps
+        raw = job.result
+        if (job.error is None and caps.is_last and params.plain_greedy and params.grammar is None
+                and not row.plan.all_logits and isinstance(raw, np.ndarray)
+                and raw.dtype == np.float32 and raw.size == caps.n_vocab):
+            picked.append(i)
+            block.append(raw.reshape(-1))
+    if len(picked) < 2:  # (one row: nothing shared)
+        return choices
+    tokens, lses, finite = sampling.greedy_rows(np.stack(block))
+    for i, token, lse, ok in zip(picked, tokens, lses, finite):
+        if ok:
+            choices[i] = (token, lse)
+    return choices
 
 
 def begin_operation(slot: Slot) -> None:
