@@ -309,14 +309,16 @@ class Outbox:
                     return
         self._wake.set()
 
-    async def flush(self, h2: Any, idle: float = math.inf, *, schedule: bool = True) -> bool:
+    async def flush(self, h2: Any, idle: float = math.inf, *, schedule: bool = True,
+                    write_through: bool = False) -> bool:
         """Queue what ``h2`` produced, then wait while more than ``OUTBOX_HIGH_WATER`` bytes
         are unsent (the peer reads slowly): the back-pressure of both connection kinds.
         False if nothing was written for ``idle`` seconds (see ``wait_below``).
 
         ``schedule=False``: no scheduler pass unless it must wait, for a caller whose next
-        await is one anyway; what it queues next then goes out in the same socket write."""
-        self.push(h2.data_to_send())
+        await is one anyway; what it queues next then goes out in the same socket write.
+        ``write_through``: as ``push``'s."""
+        self.push(h2.data_to_send(), write_through=write_through)
         if schedule:
             await trio.lowlevel.checkpoint()
         return await self.wait_below(OUTBOX_HIGH_WATER, idle)
