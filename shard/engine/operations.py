@@ -338,12 +338,15 @@ def _greedy_choices(rows: Sequence[GroupRow]) -> list[tuple[int, float] | None]:
     result is built as a decode's is."""
     choices: list[tuple[int, float] | None] = [None] * len(rows)
     picked, block = [], []
+    plain: dict[int, bool] = {}  # by the id of a row's sampling (rows mostly share one)
+    f32 = np.dtype(np.float32)
     for i, row in enumerate(rows):
         job, params, caps = row.job, row.params, row.caps
         raw = job.result
-        if (job.error is None and caps.is_last and params.plain_greedy and params.grammar is None
-                and not row.plan.all_logits and isinstance(raw, np.ndarray)
-                and raw.dtype == np.float32 and raw.size == caps.n_vocab):
+        if (ok := plain.get(id(params))) is None:
+            ok = plain[id(params)] = params.plain_greedy and params.grammar is None
+        if (ok and job.error is None and not row.plan.all_logits and isinstance(raw, np.ndarray)
+                and raw.dtype == f32 and raw.size == caps.n_vocab and caps.is_last):
             picked.append(i)
             block.append(raw.reshape(-1))
     if len(picked) < 2:  # (one row: nothing shared)

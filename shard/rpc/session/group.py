@@ -140,10 +140,10 @@ async def _submit(host: GroupHost, rows: list[tuple[SessionCall, pb.Decode, pb.G
     engine = rows[0][0].ctx.engine
     running: list[tuple[SessionCall, pb.GroupRowResult, int]] = []
     requests: list[DecodeRequest] = []
-    left = list(rows)  # not yet ended or submitted
+    left = rows[::-1]  # not yet ended or submitted, the next one last
     try:
         while left:
-            call, d, res = left.pop(0)
+            call, d, res = left.pop()
             ctx = call.ctx
             try:
                 sampling, token, hidden, token_id = ctx.decode_input(d)
@@ -178,7 +178,7 @@ async def _submit(host: GroupHost, rows: list[tuple[SessionCall, pb.Decode, pb.G
         for call, res, _ in running:
             call.end_row(0)
             res.n_past = call.ctx.positions.end
-        for call, _, res in left:
+        for call, _, res in reversed(left):
             call.end_row(0)
             res.n_past = call.ctx.positions.end
         raise
