@@ -299,7 +299,8 @@ class Call:
             raise StatusError.of(ShardError(
                 ErrorCode.RESOURCE_EXHAUSTED, "response message larger than the limit",
                 retryable=False, reason="MESSAGE_TOO_LARGE"))
-        h2c, view = self.conn.h2, memoryview(struct.pack(">?I", False, len(data)) + data)
+        h2c, framed = self.conn.h2, struct.pack(">?I", False, len(data)) + data
+        view = memoryview(framed)
         blocked_since: float | None = None  # the peer has given no window since then
         while view:
             await trio.lowlevel.checkpoint_if_cancelled()  # the stream may be gone
@@ -307,6 +308,8 @@ class Call:
                 if not self.headers_sent:
                     h2c.start_response(self.sid)
                     self.headers_sent = True
+                if len(view) == len(framed) and h2c.send_message(self.sid, framed):
+                    break  # the whole message as one DATA frame (``send_now``'s framing)
                 window = h2c.flow_control_window(self.sid)
                 if window > 0:
                     h2c.send_data(self.sid, bytes(view[:window]))
