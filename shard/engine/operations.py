@@ -162,7 +162,10 @@ class OperationRunner:
             except EngineError as exc:
                 row.error = self._counted(exc)
             finally:
-                await self._end(slot, plan.keep, committed)
+                if committed or not slot.touched:  # nothing to roll back: no coroutine per row
+                    _idle(slot)
+                else:
+                    await self._end(slot, plan.keep, committed)
 
     def _counted(self, exc: EngineError) -> EngineError:
         """A failed operation's error, counted (``running``'s rules): a cancellation that the
@@ -193,7 +196,7 @@ class OperationRunner:
                             await self.guard(self._hooks._impl_truncate(slot, slot.n_past))
                         except EngineError:
                             log.warning("rollback of session %s failed", slot.session_id)
-        finally:  # never leave a session RUNNING, whatever the rollback raised
+        finally:  # never leave a session RUNNING, whatever the rollback raised (``_idle``)
             slot.touched = False
             slot.state = SessionState.IDLE
             slot.idle.set()
@@ -356,6 +359,14 @@ def _greedy_choices(rows: Sequence[GroupRow]) -> list[tuple[int, float] | None]:
         if ok:
             choices[i] = (token, lse)
     return choices
+
+
+def _idle(slot: Slot) -> None:
+    """An operation on ``slot`` ended (committed, or rolled back): IDLE again (``_end``'s
+    last part, for a group's committed rows)."""
+    slot.touched = False
+    slot.state = SessionState.IDLE
+    slot.idle.set()
 
 
 def begin_operation(slot: Slot) -> None:
