@@ -150,7 +150,7 @@ class CallContext:
     _handler: StreamHandler | None = field(default=None, init=False, repr=False)
     #: Each response is a batch of its own (a group's answer: ``GroupSteps``), so it is written
     #: from the handler's task when the connection's writer is idle, as a lone stream's
-    #: response is (``Connection.send_soon``), instead of waking the writer for it: nothing
+    #: response is (``_Connection.send_soon``), instead of waking the writer for it: nothing
     #: would coalesce with it there that is not already in it.
     write_through: bool = field(default=False, init=False, repr=False)
 

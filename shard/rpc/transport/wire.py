@@ -283,6 +283,7 @@ class Outbox:
         self._broken = False  # the writer stopped: nothing more will drain
         self._on_drained = on_drained
         self._fd = -1  # the plain socket's descriptor while the writer is idle; -1 otherwise
+        self._room_waiters = 0  # tasks in ``wait_below``
 
     def __len__(self) -> int:
         return len(self._data)
@@ -306,6 +307,9 @@ class Outbox:
             if sent:
                 del self._data[:sent]
                 if not self._data:
+                    if self._room_waiters:  # they learn it here: the writer, if it was woken
+                        self._drained.set()  # for these bytes, finds nothing left to write
+                        self._drained = trio.Event()
                     return
         self._wake.set()
 
@@ -327,9 +331,13 @@ class Outbox:
         """Return True once at most ``limit`` bytes are unsent, or the writer has stopped;
         False as soon as ``idle`` seconds pass without the writer getting anything out."""
         while len(self._data) > limit and not self._broken:
-            with trio.move_on_after(idle):
-                await self._drained.wait()
-                continue
+            self._room_waiters += 1
+            try:
+                with trio.move_on_after(idle):
+                    await self._drained.wait()
+                    continue
+            finally:
+                self._room_waiters -= 1
             return False
         return True
 
