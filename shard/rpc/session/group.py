@@ -69,6 +69,7 @@ async def run_group(host: GroupHost, req: pb.GroupStepRequest, caller: tuple[str
     out = pb.GroupStepResponse()
     claimed: list[tuple[SessionCall, pb.Decode, pb.GroupRowResult]] = []
     limit: int | None = None
+    limit_caps = None  # the capabilities ``limit`` is for (every row's are the engine's)
     for row in req.rows:
         res = out.rows.add(session_id=row.session_id)
         call = host.live(row.session_id)
@@ -81,7 +82,9 @@ async def run_group(host: GroupHost, req: pb.GroupStepRequest, caller: tuple[str
                 refusal = convert.invalid("a group row needs a Decode", row.session_id)
             else:
                 caps = call.ctx.caps
-                limit = rows_per_group(caps.n_embd, caps.is_last, max_message_bytes)
+                if caps is not limit_caps:
+                    limit_caps = caps
+                    limit = rows_per_group(caps.n_embd, caps.is_last, max_message_bytes)
                 if limit is not None and len(claimed) >= limit:
                     refusal = ShardError(
                         ErrorCode.RESOURCE_EXHAUSTED, f"more rows than one answer holds ({limit} "
