@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from rpc_harness import no_engine_leaks  # noqa: F401 - autouse: no sessions/KV cells leak
@@ -20,7 +21,7 @@ from shard.engine.fake import FakeEngine, FakeScript
 from shard.client import ShardClient, ShardError, cache_expectation
 from shard.rpc.errors import ErrorCode
 from shard.rpc.lifecycle import StreamWatch
-from shard.rpc.metrics import families, snapshot_values, tick_families
+from shard.rpc.metrics import families, observe_many, snapshot_values, tick_families
 from shard.rpc.transport import CallContext, EndReason
 from shard.v1 import shard_pb2 as pb
 
@@ -165,6 +166,25 @@ def test_tick_families_are_cumulative_histograms() -> None:
         ("trio_shard_engine_batch_tick_rows_count", None): 6,
         ("trio_shard_engine_batch_tick_rows_sum", None): 21.0,
     }
+
+
+@pytest.mark.parametrize("amount", [0.0, 0.0004, 0.001, 0.003, 0.25, 7.0, 99.0])
+def test_observe_many_counts_as_that_many_observations(amount: float) -> None:
+    """A group's rows are observed at once (``observe_many``): the same count, buckets and sum
+    as one ``observe`` per row, also on a bucket's bound and past the last one."""
+    registry = CollectorRegistry()
+    buckets = (0.001, 0.0025, 0.005, 0.01, 0.25, 1.0, 10.0)
+    one = Histogram("one_by_one", "", buckets=buckets, registry=registry)
+    many = Histogram("all_at_once", "", buckets=buckets, registry=registry)
+    for _ in range(5):
+        one.observe(amount)
+    observe_many(many, amount, 5)
+    samples = {f.name: [(s.name.split("_")[-1], s.labels.get("le"), s.value) for s in f.samples
+                        if not s.name.endswith("_created")]
+               for f in registry.collect()}
+    assert [s[:2] for s in samples["all_at_once"]] == [s[:2] for s in samples["one_by_one"]]
+    for (_, _, got), (_, _, want) in zip(samples["all_at_once"], samples["one_by_one"]):
+        assert got == pytest.approx(want)
 
 
 async def test_metrics_server_stops_with_the_worker() -> None:

@@ -143,3 +143,35 @@ async def test_a_decode_result_and_its_usage_leave_in_one_write(monkeypatch: pyt
                 decode_writes = len(server_writes) - before
             await w.idle()
     assert 20 <= decode_writes <= 22, decode_writes  # one per step, slack for a PING or SETTINGS ack
+
+
+async def test_a_write_through_that_empties_the_outbox_wakes_the_waiters_for_room() -> None:
+    """A task waits for room (``wait_below``) while the writer, woken for the bytes, has not
+    run yet; another task's write-through then writes them all (a GroupSteps answer writes
+    through beside other streams' responses). The writer then finds nothing to write, so the
+    write-through itself must wake the waiter: otherwise it waits until the writer next writes
+    something, and a send with an idle timeout takes that for a peer that stopped reading."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    outbox = wire.Outbox()
+    outbox._fd = a.fileno()  # noqa: SLF001 - the writer idles on this socket (it is not run here)
+    outbox.push(b"x" * 3000)  # queued, the writer woken
+    got: list[bool] = []
+
+    async def wait_room() -> None:
+        got.append(await outbox.wait_below(1000))
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_room)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not got
+            outbox.push(b"", write_through=True)  # writes what is queued: all of it
+            assert len(outbox) == 0
+            with trio.fail_after(5):
+                while not got:
+                    await trio.sleep(0)
+        assert got == [True]
+        assert b.recv(10_000) == b"x" * 3000
+    finally:
+        a.close()
+        b.close()

@@ -358,7 +358,9 @@ class FakeEngine(ShardEngine):
         """Batched mode: one scripted tick. Like a native step it computes every piece it was
         given (a cancelled job left the queue before the tick); a failing job fails alone."""
         rows = sum(piece.count for _, piece in tick)
-        seconds = self.script.tick_latency + self.script.row_latency * rows
+        script = self.script
+        hooked = script.on_step is not None or script.fail_at_step is not None
+        seconds = script.tick_latency + script.row_latency * rows
         await trio.sleep(seconds)
         self._counters["native_step_us_total"] += int(seconds * 1e6)  # the scripted "native" step
         for job, piece in tick:
@@ -371,7 +373,10 @@ class FakeEngine(ShardEngine):
                     self._start_cells(slot, plan)
                 cells = self._kv[slot.seq_id]
                 for i in range(piece.start, piece.start + piece.count):
-                    await self._on_step(slot, plan.keep + i)
+                    if hooked:
+                        await self._on_step(slot, plan.keep + i)
+                    else:  # (what ``_on_step`` does without a script hook: no coroutine per row)
+                        self._steps += 1
                     job.outputs.append(self._compute_position(plan, i, cells))
                 job.step.done_rows += piece.count
                 if piece.completes:
@@ -531,7 +536,9 @@ class FakeEngine(ShardEngine):
             raise EngineFailure(f"scripted failure at compute step {index}")
 
     def _forward(self, x: np.ndarray, prev: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """One position through this shard's blocks; returns (float32 output, block states)."""
+        """One position through this shard's blocks; returns (float32 output, block states).
+        (``ndarray.dot``, not ``@``: the same BLAS product for these 2-D by 1-D float64
+        operands, without the matmul ufunc's dispatch, a microsecond a row.)"""
         weights = self._weights
         assert weights is not None
         h = np.asarray(x, dtype=np.float32).astype(np.float64)
@@ -539,15 +546,15 @@ class FakeEngine(ShardEngine):
         for i, (a, b) in enumerate(weights.blocks):
             s = h if prev is None else 0.5 * prev[i] + h
             states[i] = s
-            h = (h + np.tanh(a @ h + b @ s)).astype(np.float32).astype(np.float64)
+            h = (h + np.tanh(a.dot(h) + b.dot(s))).astype(np.float32).astype(np.float64)
         return h.astype(np.float32), states
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         weights = self._weights
         assert weights is not None and weights.head is not None and weights.bias is not None
         h = hidden.astype(np.float64)
-        h = h / (np.linalg.norm(h) + 1e-6) * math.sqrt(h.shape[0])
-        return (weights.head @ h * _HEAD_SCALE + weights.bias).astype(np.float32)
+        h = h / (math.sqrt(h.dot(h)) + 1e-6) * math.sqrt(h.shape[0])  # (np.linalg.norm's value)
+        return (weights.head.dot(h) * _HEAD_SCALE + weights.bias).astype(np.float32)
 
 
 class _FakeJob(Job):

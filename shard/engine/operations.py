@@ -21,6 +21,7 @@ import numpy as np
 import outcome
 import trio
 
+from . import sampling
 from .errors import EngineCancelled, EngineError, EngineFailure
 from .plans import ComputePlan, StreamRun
 from .sessions import SessionTable
@@ -140,7 +141,8 @@ class OperationRunner:
                     self._status.counters["cancelled_total"] += 1
                 await self._end(row.slot, row.plan.keep, False)
             raise
-        for row in rows:
+        choices = _greedy_choices(rows)
+        for i, row in enumerate(rows):
             slot, plan, job = row.slot, row.plan, row.job
             committed = False
             try:
@@ -148,8 +150,9 @@ class OperationRunner:
                     raw = hooks._impl_group_raw(job)
                     if slot.cancel.is_set() and not slot.cancel.timed_out:
                         raise slot.cancel.error(slot.session_id)
+                    chosen = choices[i] if raw is job.result else None
                     row.result = hooks._make_result(slot, row.caps, plan, raw, row.params, row.top_k,
-                                                    0, "decode_tokens_total")
+                                                    0, "decode_tokens_total", chosen)
                 except (EngineError, trio.Cancelled, BaseExceptionGroup):
                     raise
                 except Exception as exc:  # a hook (piece, is_eog) or the result check misbehaved
@@ -159,7 +162,10 @@ class OperationRunner:
             except EngineError as exc:
                 row.error = self._counted(exc)
             finally:
-                await self._end(slot, plan.keep, committed)
+                if committed or not slot.touched:  # nothing to roll back: no coroutine per row
+                    _idle(slot)
+                else:
+                    await self._end(slot, plan.keep, committed)
 
     def _counted(self, exc: EngineError) -> EngineError:
         """A failed operation's error, counted (``running``'s rules): a cancellation that the
@@ -190,7 +196,7 @@ class OperationRunner:
                             await self.guard(self._hooks._impl_truncate(slot, slot.n_past))
                         except EngineError:
                             log.warning("rollback of session %s failed", slot.session_id)
-        finally:  # never leave a session RUNNING, whatever the rollback raised
+        finally:  # never leave a session RUNNING, whatever the rollback raised (``_idle``)
             slot.touched = False
             slot.state = SessionState.IDLE
             slot.idle.set()
@@ -324,6 +330,43 @@ class GroupRow:
             slot, caps, plan, params, top_k, job)
         self.result: StepResult | None = None
         self.error: EngineError | None = None
+
+
+def _greedy_choices(rows: Sequence[GroupRow]) -> list[tuple[int, float] | None]:
+    """The token and log-sum-exp of every finished plain greedy row of a group's logits, for
+    all of them at once (``sampling.greedy_rows``: bit for bit what each row's own
+    ``choose_token`` and ``logsumexp`` give), so that each result is built without its own
+    passes over the vocabulary (``ShardEngine._make_result``'s ``chosen``). None for a row
+    that gets no such choice (hidden states, another sampler, a grammar, not finite): its
+    result is built as a decode's is."""
+    choices: list[tuple[int, float] | None] = [None] * len(rows)
+    picked, block = [], []
+    plain: dict[int, bool] = {}  # by the id of a row's sampling (rows mostly share one)
+    f32 = np.dtype(np.float32)
+    for i, row in enumerate(rows):
+        job, params, caps = row.job, row.params, row.caps
+        raw = job.result
+        if (ok := plain.get(id(params))) is None:
+            ok = plain[id(params)] = params.plain_greedy and params.grammar is None
+        if (ok and job.error is None and not row.plan.all_logits and isinstance(raw, np.ndarray)
+                and raw.dtype == f32 and raw.size == caps.n_vocab and caps.is_last):
+            picked.append(i)
+            block.append(raw.reshape(-1))
+    if len(picked) < 2:  # (one row: nothing shared)
+        return choices
+    tokens, lses, finite = sampling.greedy_rows(np.stack(block))
+    for i, token, lse, ok in zip(picked, tokens, lses, finite):
+        if ok:
+            choices[i] = (token, lse)
+    return choices
+
+
+def _idle(slot: Slot) -> None:
+    """An operation on ``slot`` ended (committed, or rolled back): IDLE again (``_end``'s
+    last part, for a group's committed rows)."""
+    slot.touched = False
+    slot.state = SessionState.IDLE
+    slot.idle.set()
 
 
 def begin_operation(slot: Slot) -> None:

@@ -201,8 +201,10 @@ def step_into(msg: pb.StepResult, result: StepResult, step: int, start_position:
         out.is_eog = lg.is_eog
         for t in lg.top:
             out.top.add(token_id=t.token_id, logprob=t.logprob, piece=t.piece)
-        msg.position_logits.extend(logits_to_proto(lg) for lg in result.position_logits)
-        msg.input_logprobs.extend(result.input_logprobs)
+        if result.position_logits:  # (a decode has none: no generator per token)
+            msg.position_logits.extend(logits_to_proto(lg) for lg in result.position_logits)
+        if result.input_logprobs:
+            msg.input_logprobs.extend(result.input_logprobs)
     elif result.boundary is not None:
         msg.hidden_states.CopyFrom(array_to_tensor(result.boundary.hidden_states, hidden_dtype))
 

@@ -29,6 +29,7 @@ of steps is one operation: its first step is split so, each later one timed from
 
 from __future__ import annotations
 
+import bisect
 import logging
 import re
 import threading
@@ -242,6 +243,21 @@ def _in_trio_thread() -> bool:
     return True
 
 
+def observe_many(hist: Histogram, amount: float, n: int) -> None:
+    """``n`` observations of ``amount``, as ``n`` calls of ``hist.observe(amount)`` count them
+    (its count, its bucket and its sum by ``n * amount``), with one bucket lookup: a group's
+    rows share one wait and one compute time. (prometheus_client has no such call; where its
+    histogram's fields are not the ones this reads, each observation is made alone.)"""
+    try:
+        bounds, buckets, total = hist._upper_bounds, hist._buckets, hist._sum  # noqa: SLF001
+    except AttributeError:
+        for _ in range(n):
+            hist.observe(amount)
+        return
+    total.inc(amount * n)
+    buckets[bisect.bisect_left(bounds, amount)].inc(n)
+
+
 class MeteredEngine:
     """A ``ShardEngine`` proxy that times prefill and decode (everything else passes through)."""
 
@@ -268,11 +284,11 @@ class MeteredEngine:
             done = trio.current_time()
             started = max(called, min(self._last_done, done))
             self._last_done = done
-        metrics = self._metrics
-        for o in outcomes:
-            if isinstance(o, StepResult):
-                metrics.queue_wait.observe(started - called)
-                metrics.decode_step.observe(done - started)
+        computed = sum(isinstance(o, StepResult) for o in outcomes)
+        if computed:  # (every row waited and computed alike: one bucket lookup per histogram)
+            metrics = self._metrics
+            observe_many(metrics.queue_wait, started - called, computed)
+            observe_many(metrics.decode_step, done - started, computed)
         return outcomes
 
     async def stream(self, request: StreamRequest, deliver: Callable[[StepResult], bool]) -> int:

@@ -376,6 +376,7 @@ class ShardServicer(_ShardServicerBase):
         parse) end the stream; a row's are that row's outcome. No nursery is open across
         ``yield``: each request's rows run (and end) before its answer is yielded."""
         ctx = current_call()
+        ctx.write_through = True  # (each answer is a whole group's: nothing to coalesce with)
         self.registry.count("rpc_GroupSteps_total")
         requests = _Requests(input_messages)
         limit = self._transport_limits.max_message_bytes

@@ -71,6 +71,7 @@ class SessionCall(Lifecycle):
         # The caller's context (its call, peer, principal): the steps ``take_request_now``
         # starts from the connection's task run in it, as the reader task's do.
         self._context = contextvars.copy_context()
+        self._caller: tuple[str, str] | None = None  # (``caller``)
         self._deadline = deadline
         #: The session as its steps see it (``StepHost``: what a routed session is given too).
         self.ctx = ctx = StepContext(engine=engine, registry=registry, limits=limits,
@@ -107,8 +108,11 @@ class SessionCall(Lifecycle):
 
     @property
     def caller(self) -> tuple[str, str]:
-        """(principal, host) of the stream's caller: who may fork it (``forks``)."""
-        return caller_of(self._context)
+        """(principal, host) of the stream's caller: who may fork it (``forks``). (Read once:
+        the stream's context is its own copy, which nothing sets either in later.)"""
+        if self._caller is None:
+            self._caller = caller_of(self._context)
+        return self._caller
 
     @property
     def forkable(self) -> bool:

@@ -45,6 +45,10 @@ from .protocols import R, SessionHost
 _CONTROL_SLOTS = 4  # opened + error + usage + closed never need credit
 
 
+#: The hint ``client_hint`` gives (immutable: one for every step).
+_HINT = Lookahead()
+
+
 class StepContext:
     """A session stream's step API (``StepHost``); its ``SessionCall`` opens it (``opened``)
     and runs the steps with it."""
@@ -268,7 +272,7 @@ class StepContext:
     def client_hint(self) -> Lookahead | None:
         """A client-driven step's look-ahead hint: only for a client that decoded the token the
         worker sampled last time (a router that samples for itself would waste the work)."""
-        return Lookahead() if self.limits.lookahead == "auto" and self.follows else None
+        return _HINT if self.limits.lookahead == "auto" and self.follows else None
 
     async def decode_one(
         self,

@@ -69,6 +69,7 @@ async def run_group(host: GroupHost, req: pb.GroupStepRequest, caller: tuple[str
     out = pb.GroupStepResponse()
     claimed: list[tuple[SessionCall, pb.Decode, pb.GroupRowResult]] = []
     limit: int | None = None
+    limit_caps = None  # the capabilities ``limit`` is for (every row's are the engine's)
     for row in req.rows:
         res = out.rows.add(session_id=row.session_id)
         call = host.live(row.session_id)
@@ -81,7 +82,9 @@ async def run_group(host: GroupHost, req: pb.GroupStepRequest, caller: tuple[str
                 refusal = convert.invalid("a group row needs a Decode", row.session_id)
             else:
                 caps = call.ctx.caps
-                limit = rows_per_group(caps.n_embd, caps.is_last, max_message_bytes)
+                if caps is not limit_caps:
+                    limit_caps = caps
+                    limit = rows_per_group(caps.n_embd, caps.is_last, max_message_bytes)
                 if limit is not None and len(claimed) >= limit:
                     refusal = ShardError(
                         ErrorCode.RESOURCE_EXHAUSTED, f"more rows than one answer holds ({limit} "
@@ -140,10 +143,10 @@ async def _submit(host: GroupHost, rows: list[tuple[SessionCall, pb.Decode, pb.G
     engine = rows[0][0].ctx.engine
     running: list[tuple[SessionCall, pb.GroupRowResult, int]] = []
     requests: list[DecodeRequest] = []
-    left = list(rows)  # not yet ended or submitted
+    left = rows[::-1]  # not yet ended or submitted, the next one last
     try:
         while left:
-            call, d, res = left.pop(0)
+            call, d, res = left.pop()
             ctx = call.ctx
             try:
                 sampling, token, hidden, token_id = ctx.decode_input(d)
@@ -178,7 +181,7 @@ async def _submit(host: GroupHost, rows: list[tuple[SessionCall, pb.Decode, pb.G
         for call, res, _ in running:
             call.end_row(0)
             res.n_past = call.ctx.positions.end
-        for call, _, res in left:
+        for call, _, res in reversed(left):
             call.end_row(0)
             res.n_past = call.ctx.positions.end
         raise

@@ -42,7 +42,7 @@ class CallOwner(Protocol):
 
     def send_soon(self, write: bool) -> None: ...
 
-    async def flush(self, idle: float = math.inf) -> bool: ...
+    async def flush(self, idle: float = math.inf, write: bool = False) -> bool: ...
 
     def close(self, reason: EndReason) -> None: ...
 
@@ -148,6 +148,11 @@ class CallContext:
     trailers: list[tuple[str, str | bytes]] = field(default_factory=list)  # sent with the status
     _sink: ResponseSink = field(default_factory=_NoSink, repr=False)
     _handler: StreamHandler | None = field(default=None, init=False, repr=False)
+    #: Each response is a batch of its own (a group's answer: ``GroupSteps``), so it is written
+    #: from the handler's task when the connection's writer is idle, as a lone stream's
+    #: response is (``_Connection.send_soon``), instead of waking the writer for it: nothing
+    #: would coalesce with it there that is not already in it.
+    write_through: bool = field(default=False, init=False, repr=False)
 
     def register(self, handler: StreamHandler) -> ResponseSink:
         """A stream-input handler's fast paths: ``handler.take_now`` is offered requests (see
@@ -294,7 +299,8 @@ class Call:
             raise StatusError.of(ShardError(
                 ErrorCode.RESOURCE_EXHAUSTED, "response message larger than the limit",
                 retryable=False, reason="MESSAGE_TOO_LARGE"))
-        h2c, view = self.conn.h2, memoryview(struct.pack(">?I", False, len(data)) + data)
+        h2c, framed = self.conn.h2, struct.pack(">?I", False, len(data)) + data
+        view = memoryview(framed)
         blocked_since: float | None = None  # the peer has given no window since then
         while view:
             await trio.lowlevel.checkpoint_if_cancelled()  # the stream may be gone
@@ -302,6 +308,8 @@ class Call:
                 if not self.headers_sent:
                     h2c.start_response(self.sid)
                     self.headers_sent = True
+                if len(view) == len(framed) and h2c.send_message(self.sid, framed):
+                    break  # the whole message as one DATA frame (``send_now``'s framing)
                 window = h2c.flow_control_window(self.sid)
                 if window > 0:
                     h2c.send_data(self.sid, bytes(view[:window]))
@@ -325,7 +333,7 @@ class Call:
                 self.window = trio.Event()
                 if idle.cancelled_caught:
                     await self._stalled("no flow-control window")
-        if not await self.conn.flush(limits.send_idle_timeout):
+        if not await self.conn.flush(limits.send_idle_timeout, self.ctx.write_through):
             await self._stalled("nothing written to the socket")
 
     def send_now(self, message: Any, flush: bool = True) -> bool:

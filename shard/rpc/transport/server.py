@@ -197,14 +197,15 @@ class _Connection:
         self._outbox.push(self.h2.data_to_send(),
                           write_through=write and self.streaming_calls == 1, wake=write)
 
-    async def flush(self, idle: float = math.inf) -> bool:
+    async def flush(self, idle: float = math.inf, write: bool = False) -> bool:
         """Queue h2's output; a handler waits here while the peer reads slowly. False if
-        nothing was written for ``idle`` seconds.
+        nothing was written for ``idle`` seconds. ``write``: written at once by the caller
+        if the writer is idle (``CallContext.write_through``).
 
         No scheduler pass of its own, so responses already queued join the same socket write:
         a handler frames at most what its source holds (a session's bounded channel) before it
         waits, and never more than ``OUTBOX_HIGH_WATER`` unsent bytes or the peer's window."""
-        return await self._outbox.flush(self.h2, idle, schedule=False)
+        return await self._outbox.flush(self.h2, idle, schedule=False, write_through=write)
 
     async def _write_loop(self) -> None:
         try:

@@ -283,6 +283,7 @@ class Outbox:
         self._broken = False  # the writer stopped: nothing more will drain
         self._on_drained = on_drained
         self._fd = -1  # the plain socket's descriptor while the writer is idle; -1 otherwise
+        self._room_waiters = 0  # tasks in ``wait_below``
 
     def __len__(self) -> int:
         return len(self._data)
@@ -306,17 +307,22 @@ class Outbox:
             if sent:
                 del self._data[:sent]
                 if not self._data:
+                    if self._room_waiters:  # they learn it here: the writer, if it was woken
+                        self._drained.set()  # for these bytes, finds nothing left to write
+                        self._drained = trio.Event()
                     return
         self._wake.set()
 
-    async def flush(self, h2: Any, idle: float = math.inf, *, schedule: bool = True) -> bool:
+    async def flush(self, h2: Any, idle: float = math.inf, *, schedule: bool = True,
+                    write_through: bool = False) -> bool:
         """Queue what ``h2`` produced, then wait while more than ``OUTBOX_HIGH_WATER`` bytes
         are unsent (the peer reads slowly): the back-pressure of both connection kinds.
         False if nothing was written for ``idle`` seconds (see ``wait_below``).
 
         ``schedule=False``: no scheduler pass unless it must wait, for a caller whose next
-        await is one anyway; what it queues next then goes out in the same socket write."""
-        self.push(h2.data_to_send())
+        await is one anyway; what it queues next then goes out in the same socket write.
+        ``write_through``: as ``push``'s."""
+        self.push(h2.data_to_send(), write_through=write_through)
         if schedule:
             await trio.lowlevel.checkpoint()
         return await self.wait_below(OUTBOX_HIGH_WATER, idle)
@@ -325,9 +331,13 @@ class Outbox:
         """Return True once at most ``limit`` bytes are unsent, or the writer has stopped;
         False as soon as ``idle`` seconds pass without the writer getting anything out."""
         while len(self._data) > limit and not self._broken:
-            with trio.move_on_after(idle):
-                await self._drained.wait()
-                continue
+            self._room_waiters += 1
+            try:
+                with trio.move_on_after(idle):
+                    await self._drained.wait()
+                    continue
+            finally:
+                self._room_waiters -= 1
             return False
         return True
 
