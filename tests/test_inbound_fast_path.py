@@ -30,7 +30,7 @@ HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", "/shard.v1.Shard/
 # Small enough that a few hundred frames reach every bound: windows, deferral, the pool,
 # oversized messages, frame budgets.
 LIMITS = wire.TransportLimits(
-    max_message_bytes=3000, stream_window_bytes=65535, connection_window_bytes=65535,
+    max_message_bytes=3000, stream_window_bytes=100000, connection_window_bytes=65535,
     connection_buffer_bytes=6000, total_buffer_bytes=6000,
     small_data_frames=FrameRate(5, 1.0), empty_frames=FrameRate(3, 1.0))
 
@@ -341,7 +341,8 @@ def test_a_flood_drops_the_whole_reads_events() -> None:
 
 
 def test_data_beyond_the_stream_window_is_a_flow_control_error() -> None:
-    conn, sid, seen = _open(gate=True)  # gated: nothing is acknowledged
+    limits = wire.TransportLimits(stream_window_bytes=65535, connection_window_bytes=1 << 20)
+    conn, sid, seen = _open(gate=True, limits=limits)  # gated: nothing is acknowledged
     chunk = _data_frame(sid, bytes(16384))
     for _ in range(3):
         conn.receive_data(chunk)
@@ -351,6 +352,16 @@ def test_data_beyond_the_stream_window_is_a_flow_control_error() -> None:
     (goaway,) = _frames(conn.data_to_send())
     assert goaway.error_code == h2.errors.ErrorCodes.FLOW_CONTROL_ERROR
     assert seen[0] == 1  # the frame over the window went to h2, which refused it
+
+
+def test_data_beyond_the_connection_window_is_a_flow_control_error() -> None:
+    conn, sid, seen = _open(gate=True)  # stream window 100,000, connection window 65,535
+    conn.receive_data(_data_frame(sid, bytes(40000)))
+    with pytest.raises(h2.exceptions.FlowControlError):
+        conn.receive_data(_data_frame(sid, bytes(30000)))
+    (goaway,) = _frames(conn.data_to_send())
+    assert goaway.error_code == h2.errors.ErrorCodes.FLOW_CONTROL_ERROR
+    assert seen[0] == 1
 
 
 def test_a_frame_above_the_frame_size_is_refused_on_its_header() -> None:
