@@ -681,3 +681,22 @@ def test_turn_costs_bench_decodes_every_variant_and_the_cached_one_from_the_cach
         assert m["wall_ms"] > 0 and m["cpu_ms"] >= 0
     assert {m["variant"] for m in report["measurements"] if m["part"] == "copy"} == {"own", "copied"}
     assert set(report["summary"]["ratios"]) >= {"engine_over_raw_wall_at_120", "engine_cached_over_engine_cpu_at_40"}
+
+
+def test_door_cpu_bench_streams_every_chat_through_both_checkouts(tmp_path: Path) -> None:
+    """bench/api/door_cpu.py on the chat preset, this checkout as the other one too: every chat
+    streamed all its tokens (the EOS forbidden), and both doors and workers have CPU per token."""
+    out = tmp_path / "door_cpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.api.door_cpu", "--model", "chat", "--tokens", "8",
+         "--chats", "1", "--threads", "1", "--worker-root", str(ROOT), "--out", str(out),
+         "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for name in ("this", "other"):
+        (run,) = results["runs"][name]
+        assert run["tokens"] == 8
+        assert run["door_cpu_ms_per_token"] >= 0 and run["worker_cpu_ms_per_token"] > 0
+    assert set(results["ratios"]) == {"door_cpu_ms_per_token", "worker_cpu_ms_per_token"}

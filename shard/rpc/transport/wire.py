@@ -29,6 +29,12 @@ budget as it is parsed (``TransportLimits.new_streams``, ``resets``, ``pings``, 
 header list size is enforced from the first frame, not only after the peer acknowledged our
 SETTINGS.
 
+Short paths: the frames a served token costs skip h2's frame objects, state machines and
+events where h2 would only count bytes: ``BoundedH2.send_message`` frames an outbound message
+as one DATA frame, and ``BoundedH2.receive_data`` takes the common inbound DATA frame (no
+END_STREAM, no padding, an open stream, within the windows) itself, updating h2's inbound
+windows as h2 does; anything else goes through h2 (docs/protocol.md, "Transport limits").
+
 Internals: this package uses private names of h2, hyperframe and purerpc (pinned to exact
 versions in pyproject.toml); ``check_private_names`` runs at import and refuses, with a clear
 message, an installation that lacks one, rather than failing on the first unusual frame.
