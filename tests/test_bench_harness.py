@@ -700,3 +700,18 @@ def test_door_cpu_bench_streams_every_chat_through_both_checkouts(tmp_path: Path
         assert run["tokens"] == 8
         assert run["door_cpu_ms_per_token"] >= 0 and run["worker_cpu_ms_per_token"] > 0
     assert set(results["ratios"]) == {"door_cpu_ms_per_token", "worker_cpu_ms_per_token"}
+
+
+def test_inbound_frames_bench_times_both_paths(tmp_path: Path) -> None:
+    """bench/worker/inbound_frames.py: every case has both paths' time a message and a ratio."""
+    out = tmp_path / "inbound_frames.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.worker.inbound_frames", "--sizes", "8,40", "--per-read", "4",
+         "--messages", "400", "--rounds", "2", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"8B_x1", "40B_x1", "8B_x4"}
+    for row in results.values():
+        assert row["h2_us"] > 0 and row["short_us"] > 0 and len(row["runs"]["short"]) == 2
