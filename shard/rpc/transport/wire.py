@@ -57,8 +57,8 @@ import h2.stream
 import h2.utilities
 import trio
 from h2.errors import ErrorCodes
-from hyperframe.exceptions import InvalidPaddingError
 from h2.settings import SettingCodes, Settings
+from hyperframe.exceptions import InvalidPaddingError
 from hyperframe.frame import GoAwayFrame
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
@@ -559,6 +559,8 @@ _RECEIVE_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED
 _END_OR_PADDED = 0x1 | 0x8  # DATA flags: END_STREAM, PADDED
 _UNKNOWN = object()
 _HANDLERS_BY_TYPE: dict[type, str | None] = dict(_H2_EVENT_HANDLERS)  # + subclasses met
+_OPEN_CONNECTION = (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN)
+_DATA_HEADER = struct.Struct(">BHBBI")  # length (24 bits), type DATA (0), no flags, stream id
 
 
 class _Data(NamedTuple):
@@ -566,8 +568,6 @@ class _Data(NamedTuple):
 
     stream_id: int
     data: bytes
-_OPEN_CONNECTION = (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN)
-_DATA_HEADER = struct.Struct(">BHBBI")  # length (24 bits), type DATA (0), no flags, stream id
 
 
 class BoundedH2(GRPCConnection):
