@@ -715,3 +715,21 @@ def test_inbound_frames_bench_times_both_paths(tmp_path: Path) -> None:
     assert set(results) == {"8B_x1", "40B_x1", "8B_x4"}
     for row in results.values():
         assert row["h2_us"] > 0 and row["short_us"] > 0 and len(row["runs"]["short"]) == 2
+
+
+def test_steps_checkouts_bench_steps_both_workers_both_ways(tmp_path: Path) -> None:
+    """bench/worker/steps_checkouts.py against this checkout as the other one too: both workers
+    have a CPU figure per way and session count, and the ratios compare them."""
+    out = tmp_path / "steps.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.worker.steps_checkouts", "--worker-root", str(ROOT),
+         "--sessions", "2", "--tokens", "8", "--rounds", "1", "--out", str(out),
+         "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for name in ("this", "other"):
+        for way in ("per_session", "group"):
+            assert len(results["worker_cpu_us"][name][way]["2"]) == 1
+    assert set(results["ratios"]) == {"per_session", "group"}
