@@ -684,3 +684,55 @@ def test_turn_costs_bench_decodes_every_variant_and_the_cached_one_from_the_cach
         assert m["wall_ms"] > 0 and m["cpu_ms"] >= 0
     assert {m["variant"] for m in report["measurements"] if m["part"] == "copy"} == {"own", "copied"}
     assert set(report["summary"]["ratios"]) >= {"engine_over_raw_wall_at_120", "engine_cached_over_engine_cpu_at_40"}
+
+
+def test_door_cpu_bench_streams_every_chat_through_both_checkouts(tmp_path: Path) -> None:
+    """bench/api/door_cpu.py on the chat preset, this checkout as the other one too: every chat
+    streamed all its tokens (the EOS forbidden), and both doors and workers have CPU per token."""
+    out = tmp_path / "door_cpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.api.door_cpu", "--model", "chat", "--tokens", "8",
+         "--chats", "1", "--threads", "1", "--worker-root", str(ROOT), "--out", str(out),
+         "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for name in ("this", "other"):
+        (run,) = results["runs"][name]
+        assert run["tokens"] == 8
+        assert run["door_cpu_ms_per_token"] >= 0 and run["worker_cpu_ms_per_token"] > 0
+    assert set(results["ratios"]) == {"door_cpu_ms_per_token", "worker_cpu_ms_per_token"}
+
+
+def test_inbound_frames_bench_times_both_paths(tmp_path: Path) -> None:
+    """bench/worker/inbound_frames.py: every case has both paths' time a message and a ratio."""
+    out = tmp_path / "inbound_frames.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.worker.inbound_frames", "--sizes", "8,40", "--per-read", "4",
+         "--messages", "400", "--rounds", "2", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"8B_x1", "40B_x1", "8B_x4"}
+    for row in results.values():
+        assert row["h2_us"] > 0 and row["short_us"] > 0 and len(row["runs"]["short"]) == 2
+
+
+def test_steps_checkouts_bench_steps_both_workers_both_ways(tmp_path: Path) -> None:
+    """bench/worker/steps_checkouts.py against this checkout as the other one too: both workers
+    have a CPU figure per way and session count, and the ratios compare them."""
+    out = tmp_path / "steps.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.worker.steps_checkouts", "--worker-root", str(ROOT),
+         "--sessions", "2", "--tokens", "8", "--rounds", "1", "--out", str(out),
+         "--logs", str(tmp_path / "logs")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy(),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for name in ("this", "other"):
+        for way in ("per_session", "group"):
+            assert len(results["worker_cpu_us"][name][way]["2"]) == 1
+    assert set(results["ratios"]) == {"per_session", "group"}
