@@ -29,12 +29,6 @@ budget as it is parsed (``TransportLimits.new_streams``, ``resets``, ``pings``, 
 header list size is enforced from the first frame, not only after the peer acknowledged our
 SETTINGS.
 
-Short paths: the frames a served token costs skip h2's frame objects, state machines and
-events where h2 would only count bytes: ``BoundedH2.send_message`` frames an outbound message
-as one DATA frame, and ``BoundedH2.receive_data`` takes the common inbound DATA frame (no
-END_STREAM, no padding, an open stream, within the windows) itself, updating h2's inbound
-windows as h2 does; anything else goes through h2 (docs/protocol.md, "Transport limits").
-
 Internals: this package uses private names of h2, hyperframe and purerpc (pinned to exact
 versions in pyproject.toml); ``check_private_names`` runs at import and refuses, with a clear
 message, an installation that lacks one, rather than failing on the first unusual frame.
@@ -51,14 +45,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import h2.connection
-import h2.events
 import h2.exceptions
 import h2.stream
 import h2.utilities
 import trio
-from h2.errors import ErrorCodes
 from h2.settings import SettingCodes, Settings
-from hyperframe.exceptions import InvalidPaddingError
 from hyperframe.frame import GoAwayFrame
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
@@ -69,42 +60,11 @@ from purerpc.grpclib.exceptions import (
     UnsupportedMessageEncodingError,
 )
 
-from .frames import SMALL_DATA_BYTES, FrameBudget, FrameRate, FrameReader
+from .frames import FrameBudget, FrameRate, FrameReader
 
 #: The versions whose private names this package uses (pinned in pyproject.toml); see
 #: ``check_private_names``, which runs at import.
 PINNED = {"h2": "3.2.0", "hyperframe": "5.2.0", "purerpc": "0.8.0"}
-
-
-#: purerpc's handler of each h2 event (``GRPCConnection.receive_data`` tests them in this order
-#: with ``isinstance``); ``BoundedH2.receive_data`` dispatches the events of its own frame loop
-#: through it.
-_H2_EVENT_HANDLERS: dict[type, str] = {
-    h2.events.RequestReceived: "_request_received",
-    h2.events.ResponseReceived: "_response_received",
-    h2.events.TrailersReceived: "_trailers_received",
-    h2.events.InformationalResponseReceived: "_informational_response_received",
-    h2.events.DataReceived: "_data_received",
-    h2.events.WindowUpdated: "_window_updated",
-    h2.events.RemoteSettingsChanged: "_remote_settings_changed",
-    h2.events.PingAcknowledged: "_ping_acknowledged",
-    h2.events.StreamEnded: "_stream_ended",
-    h2.events.StreamReset: "_stream_reset",
-    h2.events.PushedStreamReceived: "_push_stream_received",
-    h2.events.SettingsAcknowledged: "_settings_acknowledged",
-    h2.events.PriorityUpdated: "_priority_updated",
-    h2.events.ConnectionTerminated: "_connection_terminated",
-    h2.events.AlternativeServiceAvailable: "_alternative_service_available",
-    h2.events.UnknownFrameReceived: "_unknown_frame_received",
-}
-
-
-def _handler_of(event_type: type) -> str | None:
-    """purerpc's handler of an h2 event type: its first ``isinstance`` match, or None."""
-    for base, name in _H2_EVENT_HANDLERS.items():
-        if issubclass(event_type, base):
-            return name
-    return None
 
 
 def missing_private_names() -> list[str]:
@@ -129,14 +89,6 @@ def missing_private_names() -> list[str]:
         ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer(server=True), "_headers_buffer"),
         ("h2.frame_buffer.FrameBuffer", h2.frame_buffer.FrameBuffer(server=True), "data"),
         ("h2.connection.H2Connection", h2c, "_closed_streams"),
-        ("h2.connection.H2Connection", h2c, "_receive_frame"),
-        ("h2.connection.H2Connection", h2c, "_terminate_connection"),
-        ("h2.connection.H2Connection", h2c, "_inbound_flow_control_window_manager"),
-        ("h2.stream.H2Stream", stream, "_inbound_window_manager"),
-        ("h2.stream.H2Stream", stream, "_expected_content_length"),
-        ("h2.stream.H2Stream", stream, "_actual_content_length"),
-        ("h2.windows.WindowManager", getattr(stream, "_inbound_window_manager", None),
-         "current_window_size"),
         ("h2.connection.H2Connection", h2c, "_receive_goaway_frame"),
         ("h2.connection.H2Connection", h2c, "_frame_dispatch_table"),
         ("h2.connection.H2Connection", h2c, "_data_to_send"),
@@ -150,7 +102,6 @@ def missing_private_names() -> list[str]:
         ("hyperframe.frame", hyperframe.frame, "GoAwayFrame"),
         ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer(), "_buffer"),
         ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer(), "_message_length"),
-        ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer(), "_max_message_length"),
         ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer, "decompress"),
         ("purerpc.grpclib.buffers.MessageReadBuffer", MessageReadBuffer,
          "read_all_complete_messages_flowcontrol"),
@@ -162,7 +113,6 @@ def missing_private_names() -> list[str]:
         "_set_h2_connection_local_settings", "_request_received", "_response_received",
         "send_data", "start_response",
         "_data_received", "_remote_settings_changed", "_stream_reset", "_connection_terminated",
-        *_H2_EVENT_HANDLERS.values(),
     )]
     grpc_conn = GRPCConnection(GRPCConfiguration(client_side=False))
     checks += [("purerpc.grpclib.connection.GRPCConnection", grpc_conn, name)
@@ -555,19 +505,8 @@ def _refuse_compressed(data: bytes) -> bytes:
 
 
 _DATA_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE)
-_RECEIVE_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL)
-_END_OR_PADDED = 0x1 | 0x8  # DATA flags: END_STREAM, PADDED
-_UNKNOWN = object()
-_HANDLERS_BY_TYPE: dict[type, str | None] = dict(_H2_EVENT_HANDLERS)  # + subclasses met
 _OPEN_CONNECTION = (h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN)
 _DATA_HEADER = struct.Struct(">BHBBI")  # length (24 bits), type DATA (0), no flags, stream id
-
-
-class _Data(NamedTuple):
-    """A DATA frame the short path of ``BoundedH2.receive_data`` took (h2's DataReceived)."""
-
-    stream_id: int
-    data: bytes
 
 
 class BoundedH2(GRPCConnection):
@@ -683,11 +622,7 @@ class BoundedH2(GRPCConnection):
         return events
 
     def _data_received(self, event: Any) -> list[Any]:
-        return self._data(event.stream_id, event.data, event.flow_controlled_length)
-
-    def _data(self, sid: int, data: bytes, size: int) -> list[Any]:
-        """DATA of stream ``sid`` (``size``: its flow-controlled length): into the stream's
-        message buffer, the ledger and, maybe, an acknowledgement."""
+        sid, size = event.stream_id, event.flow_controlled_length
         buffer = self.message_read_buffers.get(sid)
         if buffer is None:  # a stream we no longer read: give its bytes back at once
             if size:
@@ -697,25 +632,16 @@ class BoundedH2(GRPCConnection):
         flow.deferred += size
         events: list[Any] = []
         failure = None
-        n = len(data)
-        if (n >= PREFIX and not data[0] and buffer._message_length is None  # noqa: SLF001
-                and not buffer._buffer and int.from_bytes(data[1:5]) == n - PREFIX  # noqa: SLF001
-                and n - PREFIX <= buffer._max_message_length):  # noqa: SLF001
-            # One whole uncompressed message in one frame, nothing before it: purerpc's buffer
-            # would hand back exactly ``data[5:]``.
-            added = n
-            events.append(MessageReceived(sid, data[PREFIX:], n - PREFIX))
-        else:
-            try:
-                buffer.data_received(data, size)
-            except MessageTooLargeError:  # fail this stream only; purerpc failed the connection
-                failure = "oversized"
-            except UnsupportedMessageEncodingError:
-                failure = "compressed"
-            added = 0
-            for message, _ in buffer.read_all_complete_messages_flowcontrol():
-                added += len(message) + PREFIX
-                events.append(MessageReceived(sid, message, len(message)))
+        try:
+            buffer.data_received(event.data, size)
+        except MessageTooLargeError:  # fail this stream only; purerpc failed the connection
+            failure = "oversized"
+        except UnsupportedMessageEncodingError:
+            failure = "compressed"
+        added = 0
+        for data, _ in buffer.read_all_complete_messages_flowcontrol():
+            added += len(data) + PREFIX
+            events.append(MessageReceived(sid, data, len(data)))
         flow.queued += added
         if failure is not None:
             del self.message_read_buffers[sid]
@@ -736,84 +662,6 @@ class BoundedH2(GRPCConnection):
         self._account(flow)
         self._maybe_ack(sid, flow)
         return events + ([Signal(failure, sid)] if failure else [])
-
-    # ---- inbound frames --------------------------------------------------------------------
-
-    #: Take the common DATA frame without h2's frame objects and state machines (see
-    #: ``receive_data``); False hands every frame to h2, as purerpc does (the tests compare).
-    fast_inbound = True
-
-    def receive_data(self, data: bytes) -> list[Any]:
-        """purerpc's ``receive_data`` (h2 cuts and handles every frame of the read, then each
-        event is turned into gRPC events), with a short path for the frame a served token
-        costs: DATA without END_STREAM or padding, on a stream h2 has open for receiving, in
-        the windows, on an open connection, outside a header block. For such a frame h2 3.2
-        does nothing but shrink the connection's and the stream's inbound windows (and count
-        the stream's body length) and emit ``DataReceived``; this does the same without the
-        frame object, the two state machines and the event. Every other frame, and every
-        frame that would fail (too large, beyond a window, on a closed or unknown stream),
-        goes through h2 as before, in order; the budget counts each frame as ``FrameReader``
-        does. As in h2, the events of a read are handled after all its frames, and a protocol
-        error drops them all (h2 queues its GOAWAY)."""
-        if not self.fast_inbound:
-            return super().receive_data(data)
-        h2c = self.h2_connection
-        reader = h2c.incoming_buffer
-        reader.add_data(data)
-        reader.max_frame_size = h2c.max_inbound_frame_size
-        items: list[Any] = []
-        try:
-            self._receive_frames(h2c, reader, items)
-        except InvalidPaddingError:  # (as h2's receive_data)
-            h2c._terminate_connection(ErrorCodes.PROTOCOL_ERROR)  # noqa: SLF001
-            raise h2.exceptions.ProtocolError("Received frame with invalid padding.") from None
-        except h2.exceptions.ProtocolError as exc:
-            h2c._terminate_connection(exc.error_code)  # noqa: SLF001
-            raise
-        events: list[Any] = []
-        handlers = _HANDLERS_BY_TYPE
-        for item in items:
-            if type(item) is _Data:
-                events.extend(self._data(item[0], item[1], len(item[1])))
-                continue
-            name = handlers.get(type(item), _UNKNOWN)
-            if name is _UNKNOWN:
-                name = handlers[type(item)] = _handler_of(type(item))
-            if name is not None:
-                events.extend(getattr(self, name)(item))
-        return events
-
-    def _receive_frames(self, h2c: Any, reader: FrameReader, items: list[Any]) -> None:
-        """Cut and handle the frames ``reader`` holds; their events (or ``_Data``) to ``items``."""
-        streams = h2c.streams
-        window = h2c._inbound_flow_control_window_manager  # noqa: SLF001
-        budget = reader.budget
-        while True:
-            data, pos = reader.data, reader._pos  # noqa: SLF001
-            if (len(data) - pos >= 9 and data[pos + 3] == 0  # DATA
-                    and not data[pos + 4] & _END_OR_PADDED and not reader._headers_buffer):  # noqa: SLF001
-                length = int.from_bytes(data[pos:pos + 3])
-                end = pos + 9 + length
-                stream = streams.get(int.from_bytes(data[pos + 5:pos + 9]) & 0x7FFFFFFF)
-                if (stream is not None and end <= len(data) and length <= reader.max_frame_size
-                        and stream.state_machine.state in _RECEIVE_STATES
-                        and h2c.state_machine.state in _OPEN_CONNECTION
-                        and stream._expected_content_length is None  # noqa: SLF001
-                        and length <= window.current_window_size
-                        and length <= stream._inbound_window_manager.current_window_size):  # noqa: SLF001
-                    if budget is not None and length < SMALL_DATA_BYTES:
-                        budget.spend("small_data" if length else "empty")  # (frames.kind_of)
-                    reader._pos = end  # noqa: SLF001
-                    window.current_window_size -= length
-                    stream._inbound_window_manager.current_window_size -= length  # noqa: SLF001
-                    stream._actual_content_length += length  # noqa: SLF001
-                    items.append(_Data(stream.stream_id, data[pos + 9:end]))
-                    continue
-            try:
-                frame = reader.next()
-            except StopIteration:
-                return
-            items.extend(h2c._receive_frame(frame))  # noqa: SLF001
 
     def _remote_settings_changed(self, event: Any) -> list[Any]:
         super()._remote_settings_changed(event)
